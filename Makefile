@@ -1,0 +1,37 @@
+# Dev/CI environment. TORCH_SPEC is pinned to the CPU build that lies on this
+# machine's disk (an unpinned torch pulls a multi-GB CUDA build); override it
+# on a machine with CUDA: make install TORCH_SPEC="torch==2.5.1"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test demo bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+test: install
+	$(BIN)/python -m pytest -q
+
+demo: install
+	$(BIN)/taichi-plan record --model mlp --batch 64 -o traces/demo-mlp --force
+	$(BIN)/taichi-plan inspect traces/demo-mlp
+	$(BIN)/taichi-plan solve traces/demo-mlp --budget 60% -o plans/demo-mlp.plan.json --force
+	$(BIN)/taichi-plan inspect plans/demo-mlp.plan.json --png plans/demo-mlp.png
+
+bench: install
+	$(BIN)/python -m benchmarks.run
+
+lint: install
+	$(BIN)/ruff check taichi_plan tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache

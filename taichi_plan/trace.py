@@ -1,0 +1,339 @@
+"""Trace format v1: a directory of three Parquet tables and ``meta.json``.
+
+See ``docs/trace-format.md`` for every column and its unit. This module reads, writes
+and validates traces and computes the baseline memory timeline; it never imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .atomic import check_output, replace_dir_atomic, write_json_atomic
+from .errors import TraceError
+
+FORMAT_VERSION = 1
+PHASES = ("forward", "backward", "optimizer", "other")
+KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary")
+ROLES = ("read", "write")
+COST_SOURCES = ("measured", "estimated", "imported")
+
+OPS_SCHEMA = pa.schema(
+    [
+        ("op_id", pa.int32()),
+        ("step", pa.int32()),
+        ("phase", pa.string()),
+        ("op", pa.string()),
+        ("module", pa.string()),
+        ("duration_s", pa.float64()),
+        ("flops", pa.int64()),
+        ("cost_source", pa.string()),
+        ("recomputable", pa.bool_()),
+        ("mutates", pa.bool_()),
+    ]
+)
+TENSORS_SCHEMA = pa.schema(
+    [
+        ("tensor_id", pa.int64()),
+        ("nbytes", pa.int64()),
+        ("dtype", pa.string()),
+        ("shape", pa.list_(pa.int64())),
+        ("kind", pa.string()),
+        ("producer_op", pa.int32()),
+        ("alloc_op", pa.int32()),
+        ("free_op", pa.int32()),
+    ]
+)
+ACCESSES_SCHEMA = pa.schema(
+    [
+        ("op_id", pa.int32()),
+        ("tensor_id", pa.int64()),
+        ("role", pa.string()),
+        ("arg_index", pa.int32()),
+    ]
+)
+TABLES = {"ops": OPS_SCHEMA, "tensors": TENSORS_SCHEMA, "accesses": ACCESSES_SCHEMA}
+_CATEGORIES = {
+    ("ops", "phase"): PHASES,
+    ("ops", "cost_source"): COST_SOURCES,
+    ("tensors", "kind"): KINDS,
+    ("accesses", "role"): ROLES,
+}
+
+
+@dataclass
+class Trace:
+    """One recorded (or imported) training step.
+
+    ``ops``, ``tensors`` and ``accesses`` are DataFrames with the columns of the schemas
+    above; ``meta`` is the parsed ``meta.json``; ``path`` is where it was read from.
+    """
+
+    ops: pd.DataFrame
+    tensors: pd.DataFrame
+    accesses: pd.DataFrame
+    meta: dict = field(default_factory=dict)
+    path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return self.meta.get("name") or (self.path.name if self.path else "trace")
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops)
+
+    @property
+    def cost_unit(self) -> str:
+        """``s`` for recorded traces; ``units`` for imported graphs (abstract compute cost)."""
+        return self.meta.get("cost_unit", "s")
+
+    def content_hash(self) -> str:
+        """sha256 over the three tables' contents (not file bytes, so re-writing keeps it)."""
+        h = hashlib.sha256()
+        for name, schema in TABLES.items():
+            table = pa.Table.from_pandas(getattr(self, name), schema=schema, preserve_index=False)
+            sink = pa.BufferOutputStream()
+            with pa.ipc.new_stream(sink, table.schema) as w:
+                w.write_table(table)
+            h.update(name.encode())
+            h.update(sink.getvalue().to_pybytes())
+        return h.hexdigest()
+
+    def signature(self) -> str:
+        """The steady-state step's op-sequence signature (from meta, else computed from names)."""
+        sig = self.meta.get("signature")
+        if sig:
+            return sig
+        return op_signature(self.ops["op"].tolist())
+
+
+def op_signature(op_names: list[str], shapes: list | None = None) -> str:
+    """Hash of the op sequence (names and, when given, shapes): equal steps, equal signatures."""
+    h = hashlib.sha256()
+    for i, name in enumerate(op_names):
+        h.update(name.encode())
+        if shapes is not None:
+            h.update(repr(shapes[i]).encode())
+        h.update(b"\n")
+    return h.hexdigest()[:16]
+
+
+# ---------------------------------------------------------------------------------------------
+# Building
+# ---------------------------------------------------------------------------------------------
+
+
+def frame(table: str, rows: dict[str, list] | pd.DataFrame) -> pd.DataFrame:
+    """A DataFrame with exactly ``table``'s columns, in order, cast to the schema's types."""
+    schema = TABLES[table]
+    df = pd.DataFrame(rows)
+    missing = [f.name for f in schema if f.name not in df.columns]
+    if missing:
+        raise TraceError(f"Cannot build the {table} table: columns {missing} are missing.")
+    t = pa.Table.from_pandas(df[[f.name for f in schema]], schema=schema, preserve_index=False)
+    return _to_pandas(t)
+
+
+def _to_pandas(table: pa.Table) -> pd.DataFrame:
+    df = table.to_pandas()
+    for f in table.schema:
+        if pa.types.is_string(f.type) or pa.types.is_large_string(f.type):
+            df[f.name] = df[f.name].astype(object)
+    return df
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing and reading
+# ---------------------------------------------------------------------------------------------
+
+
+def write_trace(trace: Trace, path: str | Path, force: bool = False) -> Path:
+    """Validate and write ``trace`` to the directory ``path`` atomically."""
+    target = check_output(path, force, what="trace directory")
+    validate(trace)
+    meta = dict(trace.meta)
+    meta["format_version"] = FORMAT_VERSION
+    meta.setdefault("name", target.name)
+    meta["num_ops"] = int(len(trace.ops))
+    meta["num_tensors"] = int(len(trace.tensors))
+    meta["content_hash"] = trace.content_hash()
+
+    def build(tmp: Path) -> None:
+        for name, schema in TABLES.items():
+            table = pa.Table.from_pandas(getattr(trace, name), schema=schema, preserve_index=False)
+            pq.write_table(table, tmp / f"{name}.parquet")
+        write_json_atomic(tmp / "meta.json", meta)
+
+    replace_dir_atomic(build, target)
+    trace.meta = meta
+    trace.path = target
+    return target
+
+
+def read_trace(path: str | Path) -> Trace:
+    """Read and validate a trace directory; every problem is a :class:`TraceError`."""
+    p = Path(path)
+    hint = "Record it again with `taichi-plan record` or import it with `taichi-plan import-graph`."
+    if not p.exists():
+        raise TraceError(f"Trace {str(p)!r} does not exist. {hint}")
+    if not p.is_dir():
+        raise TraceError(f"Trace {str(p)!r} is not a directory; a trace is a directory of Parquet files. {hint}")
+    meta_path = p / "meta.json"
+    if not meta_path.exists():
+        raise TraceError(f"Trace {str(p)!r} has no meta.json, so it is not a complete trace. {hint}")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TraceError(f"Trace {str(p)!r}: meta.json is not valid JSON ({e}). {hint}") from e
+    if not isinstance(meta, dict):
+        raise TraceError(f"Trace {str(p)!r}: meta.json is not a JSON object. {hint}")
+    version = meta.get("format_version")
+    if version != FORMAT_VERSION:
+        raise TraceError(
+            f"Trace {str(p)!r} has format version {version!r}; this taichi-plan reads version "
+            f"{FORMAT_VERSION}. Re-record the trace with this version, or use the taichi-plan "
+            "version that wrote it."
+        )
+    tables = {}
+    for name, schema in TABLES.items():
+        f = p / f"{name}.parquet"
+        if not f.exists():
+            raise TraceError(f"Trace {str(p)!r} is missing {name}.parquet. {hint}")
+        try:
+            table = pq.read_table(f)
+        except (pa.ArrowException, OSError) as e:
+            raise TraceError(
+                f"Trace {str(p)!r}: {name}.parquet cannot be read, it is truncated or not Parquet "
+                f"({e}). {hint}"
+            ) from e
+        for fld in schema:
+            if fld.name not in table.schema.names:
+                raise TraceError(f"Trace {str(p)!r}: {name}.parquet has no column {fld.name!r}. {hint}")
+            got = table.schema.field(fld.name).type
+            if not _type_ok(got, fld.type):
+                raise TraceError(
+                    f"Trace {str(p)!r}: column {name}.{fld.name} has type {got}, expected {fld.type}. "
+                    f"The file was not written by taichi-plan's trace format v{FORMAT_VERSION}. {hint}"
+                )
+        try:
+            table = table.select(schema.names).cast(schema)
+        except (pa.ArrowException, ValueError) as e:
+            raise TraceError(f"Trace {str(p)!r}: {name}.parquet has values out of range ({e}). {hint}") from e
+        tables[name] = _to_pandas(table)
+    trace = Trace(tables["ops"], tables["tensors"], tables["accesses"], meta, p)
+    validate(trace)
+    return trace
+
+
+def _type_ok(got: pa.DataType, want: pa.DataType) -> bool:
+    if got.equals(want):
+        return True
+    if pa.types.is_integer(want):
+        return pa.types.is_integer(got)
+    if pa.types.is_floating(want):
+        return pa.types.is_floating(got) or pa.types.is_integer(got)
+    if pa.types.is_string(want):
+        return pa.types.is_string(got) or pa.types.is_large_string(got) or pa.types.is_dictionary(got)
+    if pa.types.is_list(want):
+        return (pa.types.is_list(got) or pa.types.is_large_list(got)) and pa.types.is_integer(got.value_type)
+    return False
+
+
+def validate(trace: Trace) -> None:
+    """Check referential integrity and categorical values; raise :class:`TraceError`."""
+    where = f"Trace {str(trace.path)!r}" if trace.path else "Trace"
+    ops, tensors, acc = trace.ops, trace.tensors, trace.accesses
+    n = len(ops)
+    for (table, col), allowed in _CATEGORIES.items():
+        values = set(getattr(trace, table)[col].unique())
+        bad = values - set(allowed)
+        if bad:
+            raise TraceError(f"{where}: {table}.{col} has unknown values {sorted(map(str, bad))}; allowed: {list(allowed)}.")
+    if n and not np.array_equal(ops["op_id"].to_numpy(), np.arange(n)):
+        raise TraceError(f"{where}: ops.op_id must be 0..{n - 1} in execution order.")
+    if tensors["tensor_id"].duplicated().any():
+        dup = int(tensors.loc[tensors["tensor_id"].duplicated(), "tensor_id"].iloc[0])
+        raise TraceError(f"{where}: tensor_id {dup} appears twice in tensors.parquet.")
+    if (tensors["nbytes"] < 0).any():
+        raise TraceError(f"{where}: tensors.nbytes has negative values.")
+    for col in ("producer_op", "alloc_op", "free_op"):
+        v = tensors[col].to_numpy()
+        bad = (v < -1) | (v >= n)
+        if bad.any():
+            tid = int(tensors["tensor_id"].to_numpy()[bad][0])
+            raise TraceError(
+                f"{where}: tensor {tid} has {col}={int(v[bad][0])}, but the trace has ops 0..{n - 1} "
+                "(-1 means outside the step). The trace is inconsistent; record it again."
+            )
+    a, f = tensors["alloc_op"].to_numpy(), tensors["free_op"].to_numpy()
+    bad = (a >= 0) & (f >= 0) & (f < a)
+    if bad.any():
+        tid = int(tensors["tensor_id"].to_numpy()[bad][0])
+        raise TraceError(f"{where}: tensor {tid} is freed before it is allocated.")
+    ao = acc["op_id"].to_numpy()
+    bad = (ao < 0) | (ao >= n)
+    if bad.any():
+        raise TraceError(
+            f"{where}: accesses refer to op {int(ao[bad][0])}, which does not exist (ops 0..{n - 1}). "
+            "The trace is inconsistent; record it again."
+        )
+    known = set(tensors["tensor_id"].tolist())
+    missing = set(acc["tensor_id"].unique().tolist()) - known
+    if missing:
+        raise TraceError(
+            f"{where}: accesses refer to tensor {min(missing)}, which is not in tensors.parquet. "
+            "The trace is inconsistent; record it again."
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Baseline memory
+# ---------------------------------------------------------------------------------------------
+
+
+def live_intervals(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor, the first and last op (inclusive) during which it holds memory."""
+    n = len(trace.ops)
+    start = trace.tensors["alloc_op"].to_numpy().astype(np.int64)
+    end = trace.tensors["free_op"].to_numpy().astype(np.int64)
+    start = np.where(start < 0, 0, start)
+    end = np.where(end < 0, max(n - 1, 0), end)
+    return start, end
+
+
+def baseline_live_bytes(trace: Trace, by_kind: bool = False):
+    """Live bytes during each op of the unplanned step (a tensor counts from ``alloc_op``
+    through ``free_op`` inclusive; -1 means before/after the step). With ``by_kind`` returns
+    ``{kind: array}``.
+    """
+    n = len(trace.ops)
+    start, end = live_intervals(trace)
+    nbytes = trace.tensors["nbytes"].to_numpy().astype(np.int64)
+
+    def sweep(mask: np.ndarray) -> np.ndarray:
+        delta = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(delta, start[mask], nbytes[mask])
+        np.add.at(delta, end[mask] + 1, -nbytes[mask])
+        return np.cumsum(delta)[:n]
+
+    if not by_kind:
+        return sweep(np.ones(len(nbytes), dtype=bool))
+    kinds = trace.tensors["kind"].to_numpy()
+    return {k: sweep(kinds == k) for k in KINDS}
+
+
+def baseline_peak(trace: Trace) -> tuple[int, int]:
+    """(peak bytes, op_id where it first happens) of the unplanned step."""
+    live = baseline_live_bytes(trace)
+    if len(live) == 0:
+        return 0, -1
+    i = int(np.argmax(live))
+    return int(live[i]), i
