@@ -134,11 +134,14 @@ def op_signature(op_names: list[str], shapes: list | None = None) -> str:
 def frame(table: str, rows: dict[str, list] | pd.DataFrame) -> pd.DataFrame:
     """A DataFrame with exactly ``table``'s columns, in order, cast to the schema's types."""
     schema = TABLES[table]
-    df = pd.DataFrame(rows)
-    missing = [f.name for f in schema if f.name not in df.columns]
+    columns = rows.columns if isinstance(rows, pd.DataFrame) else rows.keys()
+    missing = [f.name for f in schema if f.name not in columns]
     if missing:
         raise TraceError(f"Cannot build the {table} table: columns {missing} are missing.")
-    t = pa.Table.from_pandas(df[[f.name for f in schema]], schema=schema, preserve_index=False)
+    if isinstance(rows, pd.DataFrame):
+        t = pa.Table.from_pandas(rows[[f.name for f in schema]], schema=schema, preserve_index=False)
+    else:
+        t = pa.Table.from_pydict({f.name: list(rows[f.name]) for f in schema}, schema=schema)
     return _to_pandas(t)
 
 
@@ -190,7 +193,7 @@ def read_trace(path: str | Path) -> Trace:
     if not meta_path.exists():
         raise TraceError(f"Trace {str(p)!r} has no meta.json, so it is not a complete trace. {hint}")
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise TraceError(f"Trace {str(p)!r}: meta.json is not valid JSON ({e}). {hint}") from e
     if not isinstance(meta, dict):
@@ -315,6 +318,9 @@ def baseline_live_bytes(trace: Trace, by_kind: bool = False):
     ``{kind: array}``.
     """
     n = len(trace.ops)
+    if n == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return {k: z.copy() for k in KINDS} if by_kind else z
     start, end = live_intervals(trace)
     nbytes = trace.tensors["nbytes"].to_numpy().astype(np.int64)
 

@@ -1,0 +1,55 @@
+"""``taichi-plan inspect PATH``: what a trace directory (or, later, a plan file) holds."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from ..cli import handle_errors
+from ..errors import UsageError
+from ..report.trace_text import render_trace_summary, trace_summary
+from ..trace import read_trace
+
+UNITS = ["GB", "GiB", "MB", "MiB"]
+
+
+def inspect_plan_file(path: Path, as_json: bool, units: str | None) -> str:
+    """Dispatch to the plan report (``taichi_plan.report.plan_text.inspect_plan``), which
+    takes ``(path, as_json=..., units=...)`` and returns the text to print."""
+    module = f"{__package__.rsplit('.', 1)[0]}.report.plan_text"
+    try:
+        from ..report.plan_text import inspect_plan
+    except ImportError as e:
+        if isinstance(e, ModuleNotFoundError) and e.name != module:
+            raise
+        missing = "is missing" if isinstance(e, ModuleNotFoundError) else "has no inspect_plan"
+        raise UsageError(
+            f"{str(path)!r} looks like a plan file, but this taichi-plan has no plan report yet "
+            f"(module {module} {missing}). Inspect the trace directory the plan was solved for "
+            "instead."
+        ) from e
+    return inspect_plan(path, as_json=as_json, units=units)
+
+
+def inspect_trace_dir(path: Path, as_json: bool, units: str | None) -> str:
+    summary = trace_summary(read_trace(path))
+    if as_json:
+        return json.dumps(summary, indent=1, ensure_ascii=False) + "\n"
+    return render_trace_summary(summary, units)
+
+
+@click.command("inspect")
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the facts as one JSON object.")
+@click.option("--units", type=click.Choice(UNITS, case_sensitive=False), default=None,
+              help="Unit for byte sizes [default: automatic, decimal].")
+@handle_errors
+def command(path: Path, as_json: bool, units: str | None) -> None:
+    """Show what a trace directory holds: ops, tensors, baseline peak, largest tensors."""
+    if path.suffix == ".json" and path.is_file():
+        text = inspect_plan_file(path, as_json, units)
+    else:
+        text = inspect_trace_dir(path, as_json, units)
+    click.echo(text, nl=False)

@@ -1,0 +1,105 @@
+"""``taichi-plan solve TRACE --budget B``: a rematerialization plan under a memory budget."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..atomic import check_output
+from ..cli import handle_errors
+from ..plan import save_plan
+from ..problem import build_problem
+from ..solve import methods, solve
+from ..trace import read_trace
+from ..units import format_bytes, parse_budget
+
+DEFAULT_DIR = Path("plans")
+
+
+def render_solve_summary(plan, units: str = "auto") -> str:
+    p, s = plan.predicted, plan.solver
+
+    def b(x):
+        return format_bytes(x, units)
+
+    unit = "s" if p["cost_unit"] == "s" else " units"
+    lines = [
+        f"Trace      {plan.trace['name']} ({plan.trace['num_ops']} ops)",
+        f"Budget     {b(plan.budget_bytes)}",
+        f"Baseline   peak {b(p['baseline_peak_bytes'])} at op {p['baseline_peak_op']}",
+        f"Planned    peak {b(p['planned_peak_bytes'])} at op {p['planned_peak_op']}"
+        + (" (while recomputing)" if p.get("planned_peak_in_recompute") else ""),
+        f"Extra      {p['extra_compute']:.4g}{unit} of compute, {p['extra_compute_pct']:.2f}% of the step "
+        f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)",
+    ]
+    lb, gap = s.get("lower_bound"), s.get("gap")
+    bound = f"lower bound {lb:.4g}{unit}, gap {100 * gap:.2f}%" if lb is not None and gap is not None else "no lower bound"
+    lines.append(f"Solver     {s['method']}: {s['status']}, {bound}, {s['wall_s']:.2f} s")
+    return "\n".join(lines)
+
+
+@click.command("solve")
+@click.argument("trace_dir", metavar="TRACE", type=click.Path(path_type=Path))
+@click.option("--budget", "-b", required=True, help="Memory budget: 16GB, 16GiB, 512MB or 60% (of the baseline peak).")
+@click.option("--method", "-m", default="auto", show_default=True,
+              help="auto, ilp, heuristic, or a baseline: none, full, sqrt-n, dtr, selective-mm.")
+@click.option("--time-limit", default=60.0, show_default=True, type=float, help="Seconds the solver may search.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Solver seed (same seed, same plan).")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Plan file [default: plans/<trace name>.plan.json].")
+@click.option("--force", is_flag=True, help="Overwrite the plan file if it exists.")
+@click.option("--units", default="auto", show_default=True, help="Print sizes in GB, GiB, MB, MiB or auto.")
+@handle_errors
+def command(trace_dir, budget, method, time_limit, seed, output, force, units) -> None:
+    """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
+    if method not in methods():
+        from ..errors import UsageError
+
+        raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
+    trace = read_trace(trace_dir)
+    if output is None:
+        DEFAULT_DIR.mkdir(exist_ok=True)
+        output = DEFAULT_DIR / f"{trace.name}.plan.json"
+    check_output(output, force, what="plan file")
+    problem = build_problem(trace)
+    budget_bytes = parse_budget(budget, problem.baseline_peak[0])
+    plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed)
+    click.echo(render_solve_summary(plan, units))
+    path = save_plan(plan, output, force=force)
+    click.echo(f"Wrote {path}")
+
+
+def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed):
+    if not sys.stderr.isatty():
+        return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, problem=problem)
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    unit = "s" if trace.cost_unit == "s" else "u"
+    with Progress(TextColumn("[bold]solving[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True, refresh_per_second=8) as bar:
+        task = bar.add_task(f"{method} (limit {time_limit:g}s)", total=time_limit)
+
+        def report(incumbent: float, bound: float) -> None:
+            bar.update(task, description=f"{method}: best {incumbent:.4g}{unit}, bound {bound:.4g}{unit}")
+
+        import threading
+        import time
+
+        done = threading.Event()
+
+        def tick():
+            t0 = time.perf_counter()
+            while not done.wait(0.2):
+                bar.update(task, completed=min(time.perf_counter() - t0, time_limit))
+
+        th = threading.Thread(target=tick, daemon=True)
+        th.start()
+        try:
+            return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed,
+                         progress=report, problem=problem)
+        finally:
+            done.set()
+            th.join()

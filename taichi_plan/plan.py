@@ -1,0 +1,124 @@
+"""Plan format v1: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+
+A plan names the trace it was solved for (path, content hash, op-sequence signature), the
+budget, the solver's status and bound, the simulator's prediction, the decisions (each
+with a ``why``) and the explicit schedule from which anyone can recompute the peak.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .atomic import check_output, write_json_atomic
+from .errors import PlanError
+
+FORMAT_VERSION = 1
+STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
+
+
+@dataclass
+class Recompute:
+    """Free ``tensor`` after op ``free_after``; rebuild it by re-running ``op`` before ``remat_before``."""
+
+    tensor: int
+    op: int
+    op_name: str
+    module: str
+    nbytes: int
+    free_after: int
+    remat_before: int
+    why: str = ""
+
+
+@dataclass
+class Partition:
+    """Run ``module`` on ``chunks`` pieces of its input along ``dim``."""
+
+    module: str
+    dim: int
+    chunks: int
+    why: str = ""
+
+
+@dataclass
+class Plan:
+    trace: dict  # path, name, content_hash, signature, num_ops
+    budget_bytes: int | None
+    solver: dict  # method, status, objective, lower_bound, gap, wall_s, seed, notes
+    predicted: dict  # from the simulator
+    recompute: list[Recompute] = field(default_factory=list)
+    partitions: list[Partition] = field(default_factory=list)
+    schedule: dict | None = None
+    format_version: int = FORMAT_VERSION
+
+    def to_json(self) -> dict:
+        return {
+            "format_version": self.format_version,
+            "trace": self.trace,
+            "budget_bytes": self.budget_bytes,
+            "solver": self.solver,
+            "predicted": self.predicted,
+            "decisions": {
+                "recompute": [asdict(r) for r in self.recompute],
+                "partitions": [asdict(p) for p in self.partitions],
+            },
+            "schedule": self.schedule,
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str = "plan") -> Plan:
+        if not isinstance(obj, dict):
+            raise PlanError(f"{where} is not a JSON object; it is not a taichi-plan plan.")
+        version = obj.get("format_version")
+        if version != FORMAT_VERSION:
+            raise PlanError(
+                f"{where} has format version {version!r}; this taichi-plan reads version "
+                f"{FORMAT_VERSION}. Solve the trace again with `taichi-plan solve`."
+            )
+        try:
+            dec = obj["decisions"]
+            return cls(
+                trace=dict(obj["trace"]),
+                budget_bytes=obj["budget_bytes"],
+                solver=dict(obj["solver"]),
+                predicted=dict(obj["predicted"]),
+                recompute=[Recompute(**r) for r in dec.get("recompute", [])],
+                partitions=[Partition(**p) for p in dec.get("partitions", [])],
+                schedule=obj.get("schedule"),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise PlanError(
+                f"{where} is missing or has malformed fields ({e}); it is not a complete plan. "
+                "Solve the trace again with `taichi-plan solve`."
+            ) from e
+
+
+def save_plan(plan: Plan, path: str | Path, force: bool = False) -> Path:
+    p = check_output(path, force, what="plan file")
+    return write_json_atomic(p, plan.to_json())
+
+
+def load_plan(path: str | Path) -> Plan:
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"Plan {str(p)!r} does not exist. Make one with `taichi-plan solve TRACE --budget ...`.")
+    try:
+        obj = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanError(f"Plan {str(p)!r} is not valid JSON ({e}); it may be truncated. Solve again.") from e
+    return Plan.from_json(obj, where=f"Plan {str(p)!r}")
+
+
+def peak_from_schedule(schedule: dict) -> tuple[int, int]:
+    """(peak bytes, index of the event where it happens), from the schedule alone."""
+    nb = {int(k): int(v) for k, v in schedule["nbytes"].items()}
+    live = sum(nb[t] for t in schedule["initial"])
+    peak, where = live, -1
+    for i, (_kind, _op, allocs, frees) in enumerate(schedule["events"]):
+        live += sum(nb[t] for t in allocs)
+        if live > peak:
+            peak, where = live, i
+        live -= sum(nb[t] for t in frees)
+    return peak, where

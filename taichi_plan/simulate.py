@@ -1,0 +1,278 @@
+"""The referee: replays a trace under a plan and reports the memory it really needs.
+
+Semantics (per-tensor rematerialization, the mechanism replay executes):
+
+* A dropped tensor ``t`` with gap ``(free_after, remat_before)`` is freed right after op
+  ``free_after`` and rebuilt by re-running its producer in the *recompute group* that runs
+  just before op ``remat_before``. The rebuilt copy then lives until its original last use.
+* Re-running a producer needs its inputs. An input that is live is used as is. A dropped
+  input still inside its gap is rebuilt in the same, earlier group (its own rebuild moves
+  up, and it then lives until its own last use). Any other input that is gone (a forward
+  temporary) is rebuilt as a *transient* inside the group and freed right after its last
+  reader in that group.
+* A group re-runs its ops in original op order; every output of a re-run op is allocated,
+  and the outputs nobody needs are freed right after that op.
+* Partitions (see :mod:`taichi_plan.partition`) are applied to the problem before this.
+
+Memory is counted per op: a tensor is live during ops ``start..end`` inclusive. During a
+recompute op the live bytes are those carried into the group plus the group's outputs so
+far. The peak is over run ops and recompute ops alike.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import PlanError
+from .problem import Problem
+from .trace import KINDS
+
+
+@dataclass(frozen=True)
+class Drop:
+    """Free tensor (by index into ``problem.tensor_id``) after ``free_after``, rebuild before ``remat_before``."""
+
+    tensor: int
+    free_after: int
+    remat_before: int
+
+
+@dataclass
+class Group:
+    before_op: int
+    ops: list[int]
+    peak_bytes: int
+    cost: float
+
+
+@dataclass
+class SimResult:
+    live_bytes: np.ndarray  # during each run op
+    live_by_kind: dict[str, np.ndarray]
+    groups: dict[int, Group]
+    peak_bytes: int
+    peak_op: int
+    peak_in_recompute: bool  # the peak happens in the recompute group before ``peak_op``
+    extra_cost: float
+    step_cost: float
+    remat_at: dict[int, int] = field(default_factory=dict)  # dropped tensor -> group it is rebuilt in
+
+    @property
+    def extra_pct(self) -> float:
+        return 100.0 * self.extra_cost / self.step_cost if self.step_cost > 0 else 0.0
+
+    @property
+    def recompute_ops(self) -> int:
+        return sum(len(g.ops) for g in self.groups.values())
+
+
+def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, Drop]:
+    """Validate drops against the problem; return them keyed by tensor index."""
+    out: dict[int, Drop] = {}
+    for d in drops:
+        t = int(d.tensor)
+        tid = int(problem.tensor_id[t]) if 0 <= t < len(problem.tensor_id) else t
+        if not (0 <= t < len(problem.nbytes)):
+            raise PlanError(f"The plan drops tensor index {t}, which the trace does not have.")
+        if t in out:
+            raise PlanError(f"The plan drops tensor {tid} twice; a tensor has at most one gap.")
+        if not problem.rematerializable[t]:
+            raise PlanError(
+                f"The plan drops tensor {tid}, but it cannot be rebuilt (its producer is not "
+                "recomputable, or it is a parameter, gradient, optimizer state or input)."
+            )
+        u = problem.uses[t]
+        a, b = int(d.free_after), int(d.remat_before)
+        k = np.searchsorted(u, a)
+        ok = k < len(u) and u[k] == a and k + 1 < len(u) and u[k + 1] == b and b - a >= 2
+        if not ok or a < problem.producer[t] or b > problem.end[t]:
+            raise PlanError(
+                f"The plan drops tensor {tid} between ops {a} and {b}, but those are not two "
+                "consecutive uses of it at least two ops apart. The plan was made for another trace."
+            )
+        out[t] = d
+    return out
+
+
+def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
+    """Simulate the step with ``drops`` applied; see the module docstring for semantics."""
+    D = check_drops(problem, drops)
+    remat_at, transients = _closure(problem, D)
+    n = problem.num_ops
+    nbytes = problem.nbytes
+
+    # Pieces (tensor, first op, last op) under the plan, then the per-op live timeline.
+    starts = problem.start.copy()
+    ends = problem.end.copy()
+    extra_t, extra_s, extra_e = [], [], []
+    for t, d in D.items():
+        ends[t] = d.free_after
+        extra_t.append(t)
+        extra_s.append(remat_at[t])
+        extra_e.append(problem.end[t])
+    pt = np.concatenate([np.arange(len(nbytes)), np.asarray(extra_t, dtype=np.int64)])
+    ps = np.concatenate([starts, np.asarray(extra_s, dtype=np.int64)])
+    pe = np.concatenate([ends, np.asarray(extra_e, dtype=np.int64)])
+    live_by_kind = {}
+    kinds = problem.kind[pt]
+    for k in KINDS:
+        mask = kinds == k
+        delta = np.zeros(n + 1, dtype=np.int64)
+        np.add.at(delta, ps[mask], nbytes[pt[mask]])
+        np.add.at(delta, pe[mask] + 1, -nbytes[pt[mask]])
+        live_by_kind[k] = np.cumsum(delta)[:n]
+    live = sum(live_by_kind.values()) if n else np.zeros(0, dtype=np.int64)
+    start_bytes = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(start_bytes, ps, nbytes[pt])
+
+    groups = {}
+    for r, members in _groups(problem, D, remat_at, transients).items():
+        groups[r] = _run_group(problem, r, members, D, int(live[r] - start_bytes[r]))
+
+    peak_op, peak_bytes, in_group = -1, 0, False
+    if n:
+        peak_op = int(np.argmax(live))
+        peak_bytes = int(live[peak_op])
+    for r in sorted(groups):
+        if groups[r].peak_bytes > peak_bytes:
+            peak_bytes, peak_op, in_group = groups[r].peak_bytes, r, True
+    extra = float(sum(g.cost for g in groups.values()))
+    return SimResult(
+        live_bytes=live,
+        live_by_kind=live_by_kind,
+        groups=groups,
+        peak_bytes=peak_bytes,
+        peak_op=peak_op,
+        peak_in_recompute=in_group,
+        extra_cost=extra,
+        step_cost=problem.step_cost,
+        remat_at=remat_at,
+    )
+
+
+def _available(problem: Problem, D: dict[int, Drop], remat_at: dict[int, int], u: int, r: int) -> bool:
+    """Is tensor ``u`` in memory when the group before op ``r`` runs (or rebuilt in it)?"""
+    s, e = problem.start[u], problem.end[u]
+    if u in D:
+        if s <= r - 1 and D[u].free_after >= r:
+            return True
+        return remat_at[u] <= r <= e
+    return s <= r - 1 and e >= r
+
+
+def _closure(problem: Problem, D: dict[int, Drop]) -> tuple[dict[int, int], dict[int, set[int]]]:
+    """When each dropped tensor is rebuilt, and which transients each group needs.
+
+    Groups are resolved earliest first, so a rebuild that moves up (because an earlier
+    group needs the tensor) is settled before any later group looks at it.
+    """
+    remat_at = {t: d.remat_before for t, d in D.items()}
+    transients: dict[int, set[int]] = defaultdict(set)
+    heap = [(d.remat_before, t) for t, d in D.items()]
+    heapq.heapify(heap)
+    while heap:
+        r, t = heapq.heappop(heap)
+        if t in D and remat_at[t] != r and t not in transients[r]:
+            continue  # superseded: rebuilt in an earlier group
+        for u in problem.op_reads[problem.producer[t]].tolist():
+            if _available(problem, D, remat_at, u, r):
+                continue
+            if u in D and D[u].free_after < r < remat_at[u]:
+                remat_at[u] = r
+                heapq.heappush(heap, (r, u))
+            elif u not in transients[r]:
+                if not problem.rematerializable[u]:
+                    raise PlanError(
+                        f"Rebuilding tensor {int(problem.tensor_id[t])} before op {r} needs tensor "
+                        f"{int(problem.tensor_id[u])}, which is gone by then and cannot be rebuilt. "
+                        "The plan is not executable on this trace."
+                    )
+                transients[r].add(u)
+                heapq.heappush(heap, (r, u))
+    return remat_at, {r: s for r, s in transients.items() if s}
+
+
+def _groups(problem, D, remat_at, transients) -> dict[int, tuple[set[int], set[int]]]:
+    """Group time -> (dropped tensors rebuilt there, transients rebuilt there)."""
+    out: dict[int, tuple[set[int], set[int]]] = {}
+    for t, r in remat_at.items():
+        out.setdefault(r, (set(), set()))[0].add(t)
+    for r, ts in transients.items():
+        out.setdefault(r, (set(), set()))[1].update(ts)
+    return out
+
+
+def group_events(problem: Problem, r: int, members: tuple[set[int], set[int]]):
+    """The recompute events of the group before op ``r``: (op, allocs, frees) in order."""
+    kept, trans = members
+    ops = sorted({int(problem.producer[t]) for t in kept | trans})
+    last_reader: dict[int, int] = {}
+    for p in ops:
+        for u in problem.op_reads[p].tolist():
+            if u in trans:
+                last_reader[u] = p
+    events = []
+    for p in ops:
+        outs = problem.op_outputs[p].tolist()
+        frees = [u for u in outs if u not in kept and u not in trans]
+        frees += [u for u in outs if u in trans and last_reader.get(u, p) == p]
+        frees += [u for u in problem.op_reads[p].tolist() if u in trans and last_reader[u] == p and problem.producer[u] != p]
+        events.append((p, outs, frees))
+    return events
+
+
+def _run_group(problem, r, members, D, carried: int) -> Group:
+    live = carried
+    peak = carried
+    cost = 0.0
+    events = group_events(problem, r, members)
+    for p, allocs, frees in events:
+        live += int(problem.nbytes[allocs].sum()) if allocs else 0
+        peak = max(peak, live)
+        live -= int(problem.nbytes[frees].sum()) if frees else 0
+        cost += float(problem.op_cost[p])
+    return Group(before_op=r, ops=[e[0] for e in events], peak_bytes=peak, cost=cost)
+
+
+def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
+    """The explicit event list of the planned step, self-contained.
+
+    ``{"initial": [tensor ids live at step start], "nbytes": {tensor id: bytes},
+    "events": [[kind, op, [allocated tensor ids], [freed tensor ids]], ...]}`` where kind
+    is ``run`` or ``recompute``. Peak = max over events of (live + allocated), then the
+    freed ones leave. :func:`taichi_plan.plan.peak_from_schedule` does exactly that.
+    """
+    D = check_drops(problem, drops)
+    remat_at, transients = _closure(problem, D)
+    n = problem.num_ops
+    alloc_op = problem.trace.tensors["alloc_op"].to_numpy()
+    free_op = problem.trace.tensors["free_op"].to_numpy()
+    tid = problem.tensor_id
+    allocs: list[list[int]] = [[] for _ in range(n)]
+    frees: list[list[int]] = [[] for _ in range(n)]
+    initial = []
+    for t in range(len(tid)):
+        if alloc_op[t] < 0:
+            initial.append(int(tid[t]))
+        else:
+            allocs[alloc_op[t]].append(int(tid[t]))
+        if t in D:
+            frees[D[t].free_after].append(int(tid[t]))
+            if free_op[t] >= 0:
+                frees[free_op[t]].append(int(tid[t]))
+        elif free_op[t] >= 0:
+            frees[free_op[t]].append(int(tid[t]))
+    grouped = _groups(problem, D, remat_at, transients)
+    events = []
+    for i in range(n):
+        if i in grouped:
+            for p, a, f in group_events(problem, i, grouped[i]):
+                events.append(["recompute", p, [int(tid[x]) for x in a], [int(tid[x]) for x in f]])
+        events.append(["run", i, allocs[i], frees[i]])
+    used = {x for e in events for x in e[2]} | set(initial)
+    nb = {int(tid[t]): int(problem.nbytes[t]) for t in range(len(tid)) if int(tid[t]) in used}
+    return {"initial": initial, "nbytes": nb, "events": events}

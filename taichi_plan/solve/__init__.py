@@ -1,0 +1,113 @@
+"""Planners: ours (``auto``, ``ilp``, ``heuristic``) and the baselines, one entry point.
+
+Every planner returns :class:`~taichi_plan.solve.result.Decisions`; :func:`solve` turns
+them into a :class:`~taichi_plan.plan.Plan` judged by the simulator.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from ..errors import InfeasibleBudgetError, UsageError
+from ..plan import Plan
+from ..problem import Problem, build_problem, min_live_bytes
+from ..simulate import simulate
+from ..trace import Trace
+from ..units import format_bytes
+from .heuristic import plan_heuristic
+from .ilp import plan_ilp
+from .result import Decisions, make_plan
+
+OURS = ("auto", "ilp", "heuristic")
+
+
+def baseline_table() -> dict[str, Callable]:
+    from .baselines import BASELINES
+
+    return BASELINES
+
+
+def methods() -> list[str]:
+    return [*OURS, *baseline_table()]
+
+
+def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: float = 60.0,
+               seed: int = 0, progress: Callable[[float, float], None] | None = None) -> Decisions:
+    """Decisions of one planner (no simulation of the result, no errors for infeasible)."""
+    if method == "heuristic":
+        return plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
+    if method in ("auto", "ilp"):
+        t0 = time.perf_counter()
+        warm = plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
+        left = max(time_limit - (time.perf_counter() - t0), 0.1)
+        dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm.drops, progress=progress)
+        dec.notes = [f"warm start: {warm.notes[0] if warm.notes else 'heuristic'}", *dec.notes]
+        if dec.status == "infeasible" or not dec.drops:
+            # The ILP proved nothing better or found nothing the simulator accepts: keep the
+            # heuristic's plan (make_plan judges it), with the ILP's bound if it has one.
+            warm_sim = simulate(problem, warm.drops)
+            if dec.status != "infeasible" and warm_sim.peak_bytes <= budget_bytes and not dec.drops:
+                warm.lower_bound = dec.lower_bound
+                warm.status = "feasible"
+                warm.notes += dec.notes
+                warm.stats["ilp"] = dec.stats
+                return warm
+        return dec
+    table = baseline_table()
+    if method not in table:
+        raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
+    return table[method](problem, budget_bytes, seed=seed, time_limit=time_limit)
+
+
+def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
+          seed: int = 0, progress: Callable[[float, float], None] | None = None,
+          problem: Problem | None = None) -> Plan:
+    """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits."""
+    if method not in methods():
+        raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
+    t0 = time.perf_counter()
+    problem = problem or build_problem(trace)
+    base_peak, _ = problem.baseline_peak
+    if budget_bytes >= base_peak:
+        dec = Decisions(status="optimal", lower_bound=0.0, notes=["the budget does not bind: no change needed"])
+        return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+    floor = min_live_bytes(problem)
+    if budget_bytes < int(floor.max()):
+        raise infeasible_error(problem, budget_bytes, method)
+    dec = run_method(problem, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress)
+    plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+    if plan.solver["status"] == "infeasible":
+        raise infeasible_error(problem, budget_bytes, method, plan)
+    return plan
+
+
+def lowest_reachable_peak(problem: Problem) -> tuple[int, int]:
+    """(peak bytes, op) of the heuristic asked for the impossible floor: a budget it reaches."""
+    floor = int(min_live_bytes(problem).max())
+    dec = plan_heuristic(problem, floor)
+    sim = simulate(problem, dec.drops)
+    return sim.peak_bytes, sim.peak_op
+
+
+def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Plan | None = None):
+    floor = min_live_bytes(problem)
+    i = int(np.argmax(floor))
+    where = f"op {i} ({problem.op_name[i]}" + (f" in {problem.op_module[i]}" if problem.op_module[i] else "") + ")"
+    reach, reach_op = lowest_reachable_peak(problem)
+    got = ""
+    if plan is not None:
+        got = (f" The {method} plan peaks at {format_bytes(plan.predicted['planned_peak_bytes'])} "
+               f"at op {plan.predicted['planned_peak_op']}.")
+    msg = (f"No plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes).{got} "
+           f"No plan of this trace can go below {format_bytes(int(floor[i]))}: {where} needs that much "
+           f"live at once even with every droppable tensor dropped. The lowest peak taichi-plan reaches "
+           f"is {format_bytes(reach)} (at op {reach_op}); ask for at least {format_bytes(max(reach, budget_bytes))} "
+           f"(e.g. --budget {math.ceil(reach / 1e6)}MB), reduce the batch size, or try another --method. "
+           "No plan file was written.")
+    return InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)

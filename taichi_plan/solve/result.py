@@ -1,0 +1,102 @@
+"""Turn a planner's decisions into a :class:`~taichi_plan.plan.Plan`, judged by the simulator.
+
+No planner reports its own peak or cost: :func:`make_plan` simulates the decisions and
+fills ``predicted`` from the simulator, writes each decision's ``why`` and the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..plan import Partition, Plan, Recompute
+from ..problem import Problem
+from ..simulate import Drop, SimResult, build_schedule, simulate
+from ..units import format_bytes
+
+
+@dataclass
+class Decisions:
+    """What a planner returns: drops, partitions and what it knows about optimality."""
+
+    drops: list[Drop] = field(default_factory=list)
+    partitions: list[Partition] = field(default_factory=list)
+    status: str | None = None  # optimal|feasible; None = let the simulator decide feasible/infeasible
+    objective: float | None = None  # the planner's own model objective (not the final cost)
+    lower_bound: float | None = None  # a proven lower bound on extra compute, if any
+    notes: list[str] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Decisions,
+              wall_s: float, seed: int, sim: SimResult | None = None, with_schedule: bool = True) -> Plan:
+    sim = sim or simulate(problem, dec.drops)
+    base_peak, base_op = problem.baseline_peak
+    fits = budget_bytes is None or sim.peak_bytes <= budget_bytes
+    status = "infeasible" if not fits else (dec.status or "feasible")
+    lb = dec.lower_bound
+    if status == "optimal" and lb is None:
+        lb = sim.extra_cost
+    gap = None
+    if lb is not None and fits:
+        lb = min(lb, sim.extra_cost)
+        gap = 0.0 if sim.extra_cost <= 1e-12 else (sim.extra_cost - lb) / sim.extra_cost
+    unit = problem.trace.cost_unit
+    trace = problem.trace
+    return Plan(
+        trace={
+            "path": str(trace.path) if trace.path else None,
+            "name": trace.name,
+            "content_hash": trace.meta.get("content_hash") or trace.content_hash(),
+            "signature": trace.signature(),
+            "num_ops": problem.num_ops,
+            "workload": trace.meta.get("workload"),
+        },
+        budget_bytes=budget_bytes,
+        solver={
+            "method": method,
+            "status": status,
+            "objective": dec.objective,
+            "extra_compute": sim.extra_cost,
+            "lower_bound": lb,
+            "gap": gap,
+            "wall_s": wall_s,
+            "seed": seed,
+            "notes": dec.notes,
+            "stats": dec.stats,
+        },
+        predicted={
+            "baseline_peak_bytes": base_peak,
+            "baseline_peak_op": base_op,
+            "planned_peak_bytes": sim.peak_bytes,
+            "planned_peak_op": sim.peak_op,
+            "planned_peak_in_recompute": sim.peak_in_recompute,
+            "extra_compute": sim.extra_cost,
+            "extra_compute_pct": sim.extra_pct,
+            "step_compute": sim.step_cost,
+            "cost_unit": unit,
+            "recompute_ops": sim.recompute_ops,
+        },
+        recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
+        partitions=list(dec.partitions),
+        schedule=build_schedule(problem, dec.drops) if with_schedule else None,
+    )
+
+
+def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recompute:
+    t = d.tensor
+    p = int(problem.producer[t])
+    nb = int(problem.nbytes[t])
+    r = sim.remat_at.get(t, d.remat_before)
+    held = d.remat_before - d.free_after - 1
+    unit_s = "s" if unit == "s" else " cost units"
+    why = (f"frees {format_bytes(nb)} for {held} ops (op {d.free_after + 1} to {r - 1}); "
+           f"re-running {problem.op_name[p]} costs {problem.op_cost[p]:.3g}{unit_s}")
+    if r != d.remat_before:
+        why += f"; rebuilt early, before op {r}, because another rebuild needs it"
+    return Recompute(tensor=int(problem.tensor_id[t]), op=p, op_name=problem.op_name[p],
+                     module=problem.op_module[p], nbytes=nb, free_after=d.free_after,
+                     remat_before=d.remat_before, why=why)
+
+
+def drops_from_plan(problem: Problem, plan: Plan) -> list[Drop]:
+    return [Drop(problem.index_of(r.tensor), r.free_after, r.remat_before) for r in plan.recompute]

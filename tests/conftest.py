@@ -1,0 +1,115 @@
+"""Shared fixtures: a small hand-built trace and the public benchmark graphs directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from taichi_plan.trace import Trace, frame, op_signature
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def graphs_path() -> Path:
+    """``$TAICHI_GRAPHS_DIR`` if set, else ``../shared/graphs`` beside the repository."""
+    env = os.environ.get("TAICHI_GRAPHS_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "shared" / "graphs"
+
+
+def graph_files() -> list[Path]:
+    d = graphs_path()
+    return sorted(d.glob("*.json")) if d.is_dir() else []
+
+
+@pytest.fixture
+def graphs_dir() -> Path:
+    d = graphs_path()
+    if not d.is_dir() or not any(d.glob("*.json")):
+        pytest.skip(f"public benchmark graphs not found at {d} (set TAICHI_GRAPHS_DIR)")
+    return d
+
+
+def small_trace() -> Trace:
+    """A 6-op step (3 forward, 2 backward, 1 optimizer) with a parameter, its gradient, an
+    optimizer state, an input and activations. Live bytes per op (alloc..free inclusive):
+
+    op:            0     1     2     3     4     5
+    param  1000    x     x     x     x     x     x   (-1..-1: whole step)
+    state   500    x     x     x     x     x     x   (-1..-1)
+    input   200    x     x                           (-1..1)
+    act1    300    x     x     x     x               (0..3)
+    act2    400          x     x                     (1..2)
+    loss      8                x     x               (2..3)
+    tmp      50                      x               (3..3)
+    grad   1000                            x     x   (4..-1)
+    total        2000  2400  2208  1858  2500  2500
+
+    Peak 2500 first at op 4 (parameter 1000, optimizer_state 500, gradient 1000).
+    """
+    ops = frame(
+        "ops",
+        {
+            "op_id": [0, 1, 2, 3, 4, 5],
+            "step": [0] * 6,
+            "phase": ["forward", "forward", "forward", "backward", "backward", "optimizer"],
+            "op": ["aten.mm.default", "aten.relu.default", "aten.sum.default",
+                   "aten.threshold_backward.default", "aten.mm.default", "aten._foreach_add_.List"],
+            "module": ["net.lin", "net.act", "", "net.act", "net.lin", ""],
+            "duration_s": [0.001, 0.0005, 0.0001, 0.0005, 0.002, 0.0003],
+            "flops": [1000, 0, 0, 0, 2000, 0],
+            "cost_source": ["measured"] * 6,
+            "recomputable": [True, True, True, True, True, False],
+            "mutates": [False, False, False, False, False, True],
+        },
+    )
+    tensors = frame(
+        "tensors",
+        {
+            "tensor_id": [10, 11, 12, 13, 14, 15, 16, 17],
+            "nbytes": [1000, 500, 200, 300, 400, 8, 50, 1000],
+            "dtype": ["float32"] * 8,
+            "shape": [[10, 25], [125], [2, 25], [3, 25], [4, 25], [2], [1, 12], [10, 25]],
+            "kind": ["parameter", "optimizer_state", "input", "activation", "activation",
+                     "activation", "temporary", "gradient"],
+            "producer_op": [-1, -1, -1, 0, 1, 2, 3, 4],
+            "alloc_op": [-1, -1, -1, 0, 1, 2, 3, 4],
+            "free_op": [-1, -1, 1, 3, 2, 3, 3, -1],
+        },
+    )
+    accesses = frame(
+        "accesses",
+        {
+            "op_id": [0, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 4, 5, 5, 5],
+            "tensor_id": [12, 10, 13, 13, 14, 14, 15, 13, 16, 16, 12, 17, 10, 17, 11],
+            "role": ["read", "read", "write", "read", "write", "read", "write", "read", "write",
+                     "read", "read", "write", "write", "read", "write"],
+            "arg_index": [0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 1, 2],
+        },
+    )
+    meta = {
+        "name": "small",
+        "mode": "fake",
+        "workload": {"name": "mlp", "args": {"batch": 2, "hidden": 25}},
+        "device_profile": "a100-40gb",
+        "dtype": "float32",
+        "torch_version": "2.13.0",
+        "torch_build": "cpu",
+        "steps_recorded": 2,
+        "steps_match": True,
+        "first_mismatch": None,
+        "signature": op_signature(ops["op"].tolist()),
+    }
+    return Trace(ops, tensors, accesses, meta)
+
+
+SMALL_TRACE_PEAK = (2500, 4)
+SMALL_TRACE_PEAK_BY_KIND = {"parameter": 1000, "optimizer_state": 500, "gradient": 1000}
+
+
+@pytest.fixture
+def small() -> Trace:
+    return small_trace()
