@@ -87,7 +87,7 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
     p = int(problem.producer[t])
     nb = int(problem.nbytes[t])
     r = sim.remat_at.get(t, d.remat_before)
-    held = d.remat_before - d.free_after - 1
+    held = r - d.free_after - 1
     unit_s = "s" if unit == "s" else " cost units"
     why = (f"frees {format_bytes(nb)} for {held} ops (op {d.free_after + 1} to {r - 1}); "
            f"re-running {problem.op_name[p]} costs {problem.op_cost[p]:.3g}{unit_s}")
