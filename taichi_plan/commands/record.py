@@ -1,0 +1,104 @@
+"""``taichi-plan record``: record one training step of a model into a trace directory."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..atomic import check_output
+from ..cli import handle_errors
+from ..devices import get_profile
+from ..units import format_bytes
+
+_SIZES = [
+    ("--batch", int, "Batch size."),
+    ("--seq", int, "Sequence length (text models)."),
+    ("--image-size", int, "Image side in pixels (vision models)."),
+    ("--layers", int, "Number of layers (blocks)."),
+    ("--hidden", int, "Hidden size."),
+    ("--heads", int, "Attention heads."),
+    ("--vocab", int, "Vocabulary size (text models)."),
+]
+
+
+def _size_options(fn):
+    for flag, typ, help_text in reversed(_SIZES):
+        fn = click.option(flag, type=typ, default=None, help=help_text + " Default: the model's own.")(fn)
+    return fn
+
+
+class _Status:
+    """A transient rich status line on stderr, only when stderr is a terminal."""
+
+    def __init__(self):
+        self._status = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status("recording", refresh_per_second=10)
+
+    def __enter__(self):
+        if self._status is not None:
+            self._status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+    def update(self, message: str) -> None:
+        if self._status is not None:
+            self._status.update(message)
+
+
+@click.command("record")
+@click.option("--model", "model_name", metavar="NAME", help="Built-in model: mlp, gpt2, bert, llama, resnet50, vit.")
+@click.option("--entry", metavar="MOD:FN", help="Your workload: a function returning (model, batch, loss_fn, optimizer).")
+@_size_options
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Built-in models only. [default: adamw]")
+@click.option("--fake", is_flag=True, help="Trace under FakeTensorMode: no memory, any size; costs are roofline estimates.")
+@click.option("--device-profile", metavar="NAME", default=None,
+              help="Device to cost a fake run on (default a100-40gb); metadata only for real runs. See `taichi-plan devices`.")
+@click.option("--steps", type=int, default=2, show_default=True, help="Steps recorded after one warm-up step.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Trace directory. Default: traces/<model>-b<batch>...")
+@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@handle_errors
+def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
+            fake, device_profile, steps, output, force) -> None:
+    """Record one training step (forward, backward, optimizer) into a trace directory."""
+    from ..errors import UsageError
+    from ..record import get_workload, record_workload
+    from ..trace import baseline_peak, write_trace
+
+    if device_profile is not None:
+        get_profile(device_profile)
+    if steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {steps}.")
+    workload = get_workload(
+        model=model_name, entry=entry, batch=batch, seq=seq, image_size=image_size, layers=layers,
+        hidden=hidden, heads=heads, vocab=vocab, dtype=dtype, optimizer=optimizer,
+    )
+    if output is None:
+        output = Path("traces") / (workload.default_output_name() + ("-fake" if fake else ""))
+    if output.parent == Path("traces") and not output.parent.exists():  # the default home of traces
+        output.parent.mkdir()
+    check_output(output, force, what="trace directory")
+
+    with _Status() as status:
+        trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps,
+                                progress=status.update)
+    if not trace.meta["steps_match"]:
+        m = trace.meta["first_mismatch"]
+        click.echo(
+            f"Warning: the recorded steps differ: step {m['step']} op {m['op_index']} is {m['got']}, "
+            f"expected {m['expected']}. The trace keeps the last step; a plan made from it may not "
+            "apply to every iteration.",
+            err=True,
+        )
+    path = write_trace(trace, output, force=force)
+    peak, at = baseline_peak(trace)
+    click.echo(f"Wrote {path} ({len(trace.ops)} ops, peak {format_bytes(peak)} at op {at})")

@@ -1,0 +1,162 @@
+"""Device profiles: the public spec-sheet numbers a fake recording's roofline estimate uses.
+
+A profile gives the memory capacity, the peak *dense* FLOP/s per dtype (no structured-sparsity
+numbers), the memory bandwidth and a per-kernel launch overhead. Each number carries a
+``source`` note. Memory sizes are the nominal capacity in binary units (a "40GB" A100 reports
+40,960 MiB), since that is what the allocator can hand out at most.
+
+This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .errors import UsageError
+
+GIB = 2**30
+TERA = 10**12
+GIGA = 10**9
+DTYPES = ("fp32", "tf32", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One accelerator's public numbers.
+
+    ``peak_flops`` maps a dtype (``fp32``, ``tf32``, ``fp16``, ``bf16``) to dense FLOP/s; a
+    dtype the chip has no fast path for is absent (``flops_per_s`` falls back to fp32).
+    ``sources`` maps each field name (and ``peak_flops.<dtype>``) to where the number is from.
+    """
+
+    name: str
+    title: str
+    memory_bytes: int
+    peak_flops: dict[str, float]
+    bandwidth_bytes_per_s: float
+    launch_overhead_s: float
+    sources: dict[str, str] = field(default_factory=dict)
+
+    def flops_per_s(self, dtype: str) -> float:
+        """Peak dense FLOP/s for ``dtype`` (``fp32``/``bf16``/``fp16``/``tf32``; torch names too)."""
+        key = _DTYPE_ALIASES.get(dtype, dtype)
+        return self.peak_flops.get(key) or self.peak_flops["fp32"]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+_DTYPE_ALIASES = {
+    "float32": "fp32",
+    "torch.float32": "fp32",
+    "float": "fp32",
+    "float16": "fp16",
+    "torch.float16": "fp16",
+    "half": "fp16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+}
+
+_LAUNCH_NOTE = "typical CUDA kernel launch latency (~5 us); an estimate, not a datasheet number"
+
+
+def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None):
+    sources = {
+        "memory_bytes": f"{sheet}: {mem_note}",
+        "bandwidth_bytes_per_s": f"{sheet}: {bw_gbs:,} GB/s memory bandwidth",
+        "launch_overhead_s": _LAUNCH_NOTE,
+    }
+    for dt, tf in flops_tf.items():
+        sources[f"peak_flops.{dt}"] = f"{sheet}: {tf} TFLOPS {_FLOP_NOTE[dt]}"
+    sources.update(extra or {})
+    return DeviceProfile(
+        name=name,
+        title=title,
+        memory_bytes=int(mem_gib * GIB),
+        peak_flops={dt: tf * TERA for dt, tf in flops_tf.items()},
+        bandwidth_bytes_per_s=bw_gbs * GIGA,
+        launch_overhead_s=5e-6,
+        sources=sources,
+    )
+
+
+_FLOP_NOTE = {
+    "fp32": "FP32 (non-tensor-core)",
+    "tf32": "TF32 tensor core, dense",
+    "fp16": "FP16 tensor core with FP32 accumulate, dense",
+    "bf16": "BF16 tensor core with FP32 accumulate, dense",
+}
+
+PROFILES: dict[str, DeviceProfile] = {
+    p.name: p
+    for p in [
+        _profile(
+            "v100-16gb", "NVIDIA V100 SXM2 16GB", 16,
+            {"fp32": 15.7, "fp16": 125.0}, 900,
+            "NVIDIA Tesla V100 datasheet (SXM2)", "16 GB HBM2",
+            {"peak_flops.bf16": "V100 has no BF16 tensor cores: bf16 uses the fp32 number"},
+        ),
+        _profile(
+            "t4-16gb", "NVIDIA T4 16GB", 16,
+            {"fp32": 8.1, "fp16": 65.0}, 320,
+            "NVIDIA T4 Tensor Core GPU datasheet", "16 GB GDDR6",
+            {"peak_flops.bf16": "T4 has no BF16 tensor cores: bf16 uses the fp32 number"},
+        ),
+        _profile(
+            "a100-40gb", "NVIDIA A100 SXM4 40GB", 40,
+            {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, 1555,
+            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)", "40 GB HBM2",
+        ),
+        _profile(
+            "a100-80gb", "NVIDIA A100 SXM4 80GB", 80,
+            {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, 2039,
+            "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)", "80 GB HBM2e",
+        ),
+        _profile(
+            "h100-80gb", "NVIDIA H100 SXM5 80GB", 80,
+            {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}, 3350,
+            "NVIDIA H100 Tensor Core GPU datasheet (SXM)", "80 GB HBM3",
+        ),
+        _profile(
+            "rtx-4090-24gb", "NVIDIA GeForce RTX 4090 24GB", 24,
+            {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2}, 1008,
+            "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090)", "24 GB GDDR6X",
+        ),
+    ]
+}
+
+
+def known_profiles() -> list[str]:
+    return list(PROFILES)
+
+
+def get_profile(name: str) -> DeviceProfile:
+    """The profile called ``name`` (case-insensitive); :class:`UsageError` lists the known ones."""
+    key = str(name).strip().lower()
+    if key in PROFILES:
+        return PROFILES[key]
+    raise UsageError(
+        f"Unknown device profile {name!r}. Known profiles: {', '.join(PROFILES)}. "
+        "Run `taichi-plan devices` to see their numbers."
+    )
+
+
+def profiles_table() -> list[dict]:
+    """One row per profile, numbers in display units (GiB, TFLOP/s, GB/s, us)."""
+    rows = []
+    for p in PROFILES.values():
+        rows.append(
+            {
+                "name": p.name,
+                "memory_gib": p.memory_bytes / GIB,
+                **{f"{dt}_tflops": (p.peak_flops[dt] / TERA if dt in p.peak_flops else None) for dt in DTYPES},
+                "bandwidth_gbs": p.bandwidth_bytes_per_s / GIGA,
+                "launch_us": p.launch_overhead_s * 1e6,
+            }
+        )
+    return rows
+
+
+def profiles_json() -> str:
+    return json.dumps({name: p.to_dict() for name, p in PROFILES.items()}, indent=1)

@@ -1,0 +1,375 @@
+"""The recorder: a ``TorchDispatchMode`` that writes down one training step, op by op.
+
+What one recorded step is (``record_step``)::
+
+    optimizer.zero_grad(set_to_none=True)      # outside the recorded region: old grads die here
+    -- recording starts --
+    out = model(batch); loss = loss_fn(out, batch); del out      # phase "forward"
+    loss.backward()                                               # phase "backward"
+    optimizer.step()                                              # phase "optimizer"
+    -- locals die, recording stops --
+
+So gradients do not exist at the step start; they are allocated in backward and outlive the
+step (``free_op = -1``). Parameters, buffers, optimizer state and the batch exist before the
+step and are registered up front with ``alloc_op = producer_op = -1``.
+
+How each column is decided:
+
+- Ops: every op the mode sees, in order, except the ``prim`` and ``profiler`` namespaces (fake
+  mode emits ``prim.device.default`` on every ``.device``; ``optimizer.step`` is wrapped in
+  ``profiler._record_function_*`` markers; neither launches a kernel). ``aten.detach.default`` is
+  kept: replay's op ordinals must skip the ops in ``torch.utils.checkpoint.SAC_IGNORED_OPS``.
+- ``phase``: ``backward`` while ``torch._C._current_graph_task_id() != -1``; ``optimizer``
+  between the optimizer's step pre- and post-hooks; otherwise ``forward`` (the loss included).
+- ``module``: the deepest FQN in ``ModTracker.parents``, relative to the model (``''`` for the
+  model itself, no module, or a module outside the model such as a loss module).
+- ``flops``: ``torch.utils.flop_counter.flop_registry`` (plus CPU flash attention), else 0.
+- ``duration_s``: real runs time the kernel call (``measured``); fake runs use the roofline
+  estimate of a device profile (``estimated``), 0 for ops that launch no kernel.
+- ``mutates``: the schema writes an argument (in-place or ``out=``); ``recomputable`` is
+  ``not mutates`` outside the optimizer phase (random ops count as recomputable: replay
+  restores the RNG state).
+- Tensors are storages (0-byte storages are not recorded: they hold no memory): an output whose storage is already live is a view (no new tensor, no
+  write) unless the op mutates that storage. ``free_op`` is the last op that started before the
+  storage's weakref callback fired.
+- Accesses: one ``read`` per tensor argument (``arg_index`` = position among the flattened tensor
+  arguments); one ``write`` per new or mutated output storage (``arg_index`` = position among
+  the flattened tensor outputs; for a mutated argument the op does not return, its position
+  among the tensor arguments).
+- Kinds: registered ones (parameter, buffer, optimizer_state, input), ``.grad`` storages at the
+  step end are ``gradient``, storages in ``optimizer.state`` at the end ``optimizer_state``;
+  the rest is ``activation`` if produced in forward and alive when backward starts (saved for
+  backward), else ``temporary``.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import arg_tree_leaves, tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
+
+from ..devices import DeviceProfile
+from .roofline import dtype_key, estimate_duration_s
+
+_aten = torch.ops.aten
+# CPU SDPA kernels have the same (q, k, v, ...) / (grad_out, q, k, v, ...) layout as the CUDA ones.
+_EXTRA_FLOPS = {
+    _aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(sdpa_flop),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(sdpa_backward_flop),
+}
+_Tensor = torch.Tensor
+# Metadata queries and profiler markers: no kernel, no memory (``prim.device`` under fake mode,
+# ``profiler._record_function_*`` around ``optimizer.step``).
+_SKIP_NAMESPACES = ("prim", "profiler")
+
+
+@dataclass
+class _OpInfo:
+    name: str
+    skip: bool
+    mutates: bool
+    write_args: list[tuple[int, str]]
+    flop_fn: object
+
+
+def _op_info(func) -> _OpInfo:
+    name = str(func)
+    skip = func.namespace in _SKIP_NAMESPACES
+    write_args = []
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                write_args.append((-1 if a.kwarg_only else i, a.name))
+    packet = func.overloadpacket
+    flop_fn = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
+    return _OpInfo(name, skip, bool(write_args), write_args, flop_fn)
+
+
+@dataclass
+class StepRecord:
+    """Column lists of one recorded step (plain Python lists, turned into frames later)."""
+
+    ops: dict[str, list] = field(default_factory=dict)
+    tensors: dict[str, list] = field(default_factory=dict)
+    accesses: dict[str, list] = field(default_factory=dict)
+    shapes: list = field(default_factory=list)
+    producer_phase: list = field(default_factory=list)
+
+    @property
+    def num_ops(self) -> int:
+        return len(self.ops["op"])
+
+
+class Recorder(TorchDispatchMode):
+    """Records ops, storages and accesses; one instance serves several steps.
+
+    Use ``begin_step(...)`` / ``end_step(...)`` around each step, with the mode active in
+    between. ``profile`` given: durations are roofline estimates; else measured wall time.
+    """
+
+    def __init__(self, profile: DeviceProfile | None = None, model: torch.nn.Module | None = None):
+        super().__init__()
+        self.profile = profile
+        self._infos: dict = {}
+        self._alive: dict[int, weakref.ref] = {}  # storage key -> weakref, every storage seen and alive
+        self._tid: dict[int, int] = {}  # storage key -> tensor id in the current step
+        self._n = 0
+        self._in_opt = False
+        self._rec: StepRecord | None = None
+        self._mod_tracker = ModTracker()
+        self._root = ""
+        self._fqn_cache: dict[str, str] = {}
+        if model is not None:
+            get_name = getattr(self._mod_tracker, "_get_mod_name", None)
+            if get_name is not None:  # name submodules relative to the model, not the first caller
+                self._root = get_name(model)
+
+    # -- hooks ----------------------------------------------------------------------------------
+    def optimizer_hooks(self, optimizer: torch.optim.Optimizer):
+        def pre(*_):
+            self._in_opt = True
+
+        def post(*_):
+            self._in_opt = False
+
+        return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+    def __enter__(self):
+        self._mod_tracker.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._mod_tracker.__exit__(*exc)
+
+    # -- step bookkeeping -----------------------------------------------------------------------
+    def begin_step(self, registered: list[tuple[str, list[torch.Tensor]]]) -> None:
+        """Start a new step; ``registered`` = [(kind, tensors)] that exist before it."""
+        self._rec = StepRecord(
+            ops={k: [] for k in ("op", "module", "phase", "duration_s", "flops", "mutates", "recomputable")},
+            tensors={k: [] for k in ("nbytes", "dtype", "shape", "kind", "producer_op", "alloc_op", "free_op")},
+            accesses={k: [] for k in ("op_id", "tensor_id", "role", "arg_index")},
+        )
+        self._tid = {}
+        self._n = 0
+        for kind, tensors in registered:
+            for t in tensors:
+                if isinstance(t, _Tensor):
+                    st = t.untyped_storage()
+                    if st._cdata not in self._tid:
+                        self._register(t, st, -1, -1, kind)
+
+    def end_step(self, late_kinds: list[tuple[str, list[torch.Tensor]]]) -> StepRecord:
+        """Stop the step (after its locals died); ``late_kinds`` re-label storages alive now.
+
+        No ``gc.collect()``: a storage kept by a reference cycle is live until the collector
+        runs, in the step as in training; one still uncollected at the end outlives the step.
+        """
+        rec = self._rec
+        kinds = rec.tensors["kind"]
+        for kind, tensors in late_kinds:
+            for t in tensors:
+                if isinstance(t, _Tensor):
+                    tid = self._tid.get(t.untyped_storage()._cdata)
+                    if tid is not None:
+                        kinds[tid] = kind
+        phases = rec.ops["phase"]
+        first_bw = next((i for i, p in enumerate(phases) if p == "backward"), None)
+        alloc, free = rec.tensors["alloc_op"], rec.tensors["free_op"]
+        for tid, k in enumerate(kinds):
+            if k is None:
+                alive_at_bw = (
+                    first_bw is not None
+                    and rec.producer_phase[tid] == "forward"
+                    and (free[tid] == -1 or free[tid] >= first_bw)
+                    and alloc[tid] < first_bw
+                )
+                kinds[tid] = "activation" if alive_at_bw else "temporary"
+        self._tid = {}
+        self._rec = None
+        return rec
+
+    def close(self) -> None:
+        """Drop the weakrefs (and their callbacks) and the module tracker: no cycle keeps the
+        model alive after recording."""
+        self._alive.clear()
+        self._tid = {}
+        self._rec = None
+        self._mod_tracker = None
+
+    def _register(self, t, st, op_id: int, producer: int, kind: str | None) -> int:
+        key = st._cdata
+        rec = self._rec
+        tens = rec.tensors
+        tid = len(tens["nbytes"])
+        self._tid[key] = tid
+        if key not in self._alive:
+            self._alive[key] = weakref.ref(st, partial(self._on_free, key))
+        tens["nbytes"].append(st.nbytes())
+        tens["dtype"].append(str(t.dtype).replace("torch.", ""))
+        tens["shape"].append(list(t.shape))
+        tens["kind"].append(kind)
+        tens["producer_op"].append(producer)
+        tens["alloc_op"].append(op_id)
+        tens["free_op"].append(-1)
+        rec.producer_phase.append(rec.ops["phase"][producer] if producer >= 0 else None)
+        return tid
+
+    def _on_free(self, key: int, _ref) -> None:
+        self._alive.pop(key, None)
+        tid = self._tid.pop(key, None)
+        if tid is not None:
+            self._rec.tensors["free_op"][tid] = max(self._n - 1, 0)
+
+    def _module(self) -> str:
+        parents = self._mod_tracker.parents
+        best, depth = "Global", -1
+        for p in parents:
+            d = p.count(".")
+            if d > depth or (d == depth and len(p) > len(best)):
+                best, depth = p, d
+        fqn = self._fqn_cache.get(best)
+        if fqn is None:
+            if self._root and best.startswith(self._root + "."):
+                fqn = best[len(self._root) + 1 :]
+            else:  # the model itself, no module, or one outside the model (e.g. a loss module)
+                fqn = ""
+            self._fqn_cache[best] = fqn
+        return fqn
+
+    # -- the hot path ---------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if kwargs is None:
+            kwargs = {}
+        info = self._infos.get(func)
+        if info is None:
+            info = self._infos[func] = _op_info(func)
+        rec = self._rec
+        if info.skip or rec is None:
+            return func(*args, **kwargs)
+        op_id = self._n
+        self._n = op_id + 1
+        flat_in = arg_tree_leaves(*args, **kwargs)
+        measure = self.profile is None
+        try:
+            if measure:
+                t0 = time.perf_counter()
+                out = func(*args, **kwargs)
+                duration_s = time.perf_counter() - t0
+            else:
+                out = func(*args, **kwargs)
+        except BaseException:
+            self._n = op_id
+            raise
+
+        if torch._C._current_graph_task_id() != -1:
+            phase = "backward"
+        elif self._in_opt:
+            phase = "optimizer"
+        else:
+            phase = "forward"
+        ops = rec.ops
+        ops["op"].append(info.name)
+        ops["phase"].append(phase)
+        ops["module"].append(self._module())
+
+        acc = rec.accesses
+        a_op, a_tid, a_role, a_idx = acc["op_id"], acc["tensor_id"], acc["role"], acc["arg_index"]
+        tids = self._tid
+        bytes_moved = 0
+        in_keys = []
+        i = 0
+        for x in flat_in:
+            if isinstance(x, _Tensor):
+                st = x.untyped_storage()
+                key = st._cdata
+                tid = tids.get(key)
+                if tid is None:  # storage from before the step, or made outside the dispatcher
+                    if st.nbytes() == 0:  # holds no memory: not recorded
+                        i += 1
+                        continue
+                    tid = self._register(x, st, -1 if key in self._alive else op_id, -1, None)
+                a_op.append(op_id)
+                a_tid.append(tid)
+                a_role.append("read")
+                a_idx.append(i)
+                in_keys.append(key)
+                if not measure:
+                    bytes_moved += x.nbytes
+                i += 1
+
+        written = None
+        if info.mutates:
+            written = {}
+            for pos, name in info.write_args:
+                v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
+                for w in (v,) if isinstance(v, _Tensor) else tree_leaves(v):
+                    if isinstance(w, _Tensor):
+                        k = w.untyped_storage()._cdata
+                        written.setdefault(k, in_keys.index(k) if k in in_keys else -1)
+
+        flat_out = (out,) if isinstance(out, _Tensor) else tree_leaves(out)
+        shapes = []
+        launched = info.mutates
+        j = 0
+        for x in flat_out:
+            if not isinstance(x, _Tensor):
+                continue
+            shapes.append(tuple(x.shape))
+            st = x.untyped_storage()
+            key = st._cdata
+            tid = tids.get(key)
+            if tid is None:
+                launched = True
+                if st.nbytes() == 0:  # holds no memory: not recorded
+                    j += 1
+                    continue
+                tid = self._register(x, st, op_id, op_id, None)
+            elif written is None or key not in written:
+                j += 1
+                continue
+            else:
+                del written[key]
+            a_op.append(op_id)
+            a_tid.append(tid)
+            a_role.append("write")
+            a_idx.append(j)
+            if not measure:
+                bytes_moved += x.nbytes
+            j += 1
+        if written:  # mutated arguments the op does not return (e.g. void ``_foreach_*_``)
+            for key, pos in written.items():
+                if key in tids:
+                    a_op.append(op_id)
+                    a_tid.append(tids[key])
+                    a_role.append("write")
+                    a_idx.append(pos)
+        rec.shapes.append(tuple(shapes))
+
+        flops = 0
+        if info.flop_fn is not None:
+            try:
+                flops = int(info.flop_fn(*args, **kwargs, out_val=out))
+            except Exception:  # a formula that does not know this overload: no count, not a crash
+                flops = 0
+        if not measure:
+            if launched or flops:
+                dt = next((x.dtype for x in flat_in if isinstance(x, _Tensor) and x.is_floating_point()), None)
+                duration_s = estimate_duration_s(self.profile, flops, bytes_moved, dtype_key(dt))
+            else:
+                duration_s = 0.0
+        ops["duration_s"].append(duration_s)
+        ops["flops"].append(flops)
+        ops["mutates"].append(info.mutates)
+        ops["recomputable"].append(not info.mutates and phase != "optimizer")
+        return out
