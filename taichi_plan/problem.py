@@ -1,11 +1,14 @@
 """What a planner can decide, built from a trace (no torch).
 
 A *candidate* is a tensor whose memory can be given back between two consecutive uses:
-it is freed after use ``free_after`` and rematerialized (its producer op re-run) before
-use ``remat_before``. For a recorded step the natural gap is forward -> backward; for a
-public graph it is the longest gap between two uses. A candidate qualifies when its
-producer is recomputable, nobody else writes it, and none of the producer's inputs is
-written between the producer and ``remat_before`` (the recomputed value would differ).
+it is freed after use ``free_after`` and rematerialized before use ``remat_before`` by
+re-running its *rebuild ops*: its producer, then any forward op that wrote it in place
+(dropout masks: empty_like, bernoulli_, div_). For a recorded step the natural gap is
+forward -> backward; for a public graph it is the longest gap between two uses. A
+candidate qualifies when its producer is recomputable, its in-place writers are forward
+ops that write nothing else, no input of its rebuild ops is overwritten before
+``remat_before`` (the rebuilt value would differ), and its lone rebuild is executable
+(every input gone by then can itself be rebuilt).
 """
 
 from __future__ import annotations
@@ -38,11 +41,29 @@ class Problem:
     op_reads: list[np.ndarray]  # per op: tensor indices read (excluding its own outputs)
     op_outputs: list[np.ndarray]  # per op: tensor indices it produced
     uses: list[np.ndarray]  # per tensor: sorted op ids that access it
-    rematerializable: np.ndarray  # bool per tensor: producer may be re-run to rebuild it
+    rematerializable: np.ndarray  # bool per tensor: it can be rebuilt by re-running ``rebuild_ops``
+    rebuild_ops: list[np.ndarray]  # per tensor: producer, then its in-place forward writers
+    remat_deadline: np.ndarray  # per tensor: a rebuild must happen at or before this op
     baseline_live: np.ndarray  # live bytes during each op, unplanned
     candidates: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cand_free_after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cand_remat_before: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # Per candidate: the last op before which its producer's inputs are all still live, if
+    # that is earlier than ``cand_remat_before`` (a rebuild there needs no other rebuild),
+    # else -1. Planners may rebuild early there: it frees less but costs only the producer.
+    cand_early_remat: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    @property
+    def last_write(self) -> np.ndarray:
+        """Per tensor: the last of its rebuild ops (its producer, or -1 if none)."""
+        return np.fromiter((int(r[-1]) if len(r) else int(p) for r, p in zip(self.rebuild_ops, self.producer)),
+                           dtype=np.int64, count=len(self.producer))
+
+    @property
+    def rebuild_cost(self) -> np.ndarray:
+        """Per tensor: the cost of re-running its rebuild ops once (0 if it has none)."""
+        return np.fromiter((float(self.op_cost[r].sum()) for r in self.rebuild_ops), dtype=np.float64,
+                           count=len(self.rebuild_ops))
 
     @property
     def step_cost(self) -> float:
@@ -98,10 +119,10 @@ def build_problem(trace: Trace) -> Problem:
         if t not in op_outputs[p]:
             op_outputs[p] = np.union1d(op_outputs[p], [t])
 
-    # Uses per tensor (any access) and writers other than the producer.
+    # Uses per tensor (any access) and every op that writes it.
     order_t = np.lexsort((a_op, a_t))
     uses: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * m
-    foreign_write = np.zeros(m, dtype=bool)
+    writers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * m
     if len(order_t):
         st, so, sw = a_t[order_t], a_op[order_t], a_write[order_t]
         bounds = np.searchsorted(st, np.arange(m + 1))
@@ -110,22 +131,40 @@ def build_problem(trace: Trace) -> Problem:
             if lo == hi:
                 continue
             uses[t] = np.unique(so[lo:hi])
-            w = so[lo:hi][sw[lo:hi]]
-            foreign_write[t] = bool(np.any(w != producer[t]))
-    writes: dict[int, np.ndarray] = {}
-    if len(a_op):
-        wt, wo = a_t[a_write], a_op[a_write]
-        multi = np.nonzero(foreign_write)[0]
-        for t in multi.tolist():
-            writes[t] = np.unique(wo[wt == t])
+            writers[t] = np.unique(so[lo:hi][sw[lo:hi]])
 
+    # A tensor can be rebuilt by re-running its producer and then, in order, the forward
+    # ops that wrote it in place (dropout's empty_like -> bernoulli_ -> div_). Those
+    # in-place ops must write nothing else.
     recomputable = ops["recomputable"].to_numpy().astype(bool)
     mutates = ops["mutates"].to_numpy().astype(bool)
+    forward = ops["phase"].to_numpy() == "forward"
+    writes_per_op = np.bincount(a_op[a_write], minlength=n) if len(a_op) else np.zeros(n, dtype=np.int64)
     remat = np.zeros(m, dtype=bool)
-    ok_kind = ~np.isin(kind, FIXED_KINDS)
-    has_prod = producer >= 0
-    remat[has_prod] = recomputable[producer[has_prod]] & ~mutates[producer[has_prod]]
-    remat &= ok_kind & ~foreign_write
+    rebuild_ops: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * m
+    for t in np.nonzero((producer >= 0) & ~np.isin(kind, FIXED_KINDS))[0].tolist():
+        p = int(producer[t])
+        if not recomputable[p] or mutates[p]:
+            continue
+        extra = writers[t][writers[t] != p]
+        if len(extra) and not (np.all(forward[extra]) and np.all(writes_per_op[extra] == 1) and np.all(extra > p)):
+            continue
+        remat[t] = True
+        rebuild_ops[t] = np.concatenate([[p], extra]).astype(np.int64)
+
+    # A rebuild must happen before any input of its ops is overwritten: the first later
+    # write to any of those inputs.
+    deadline = np.full(m, n, dtype=np.int64)
+    for t in np.nonzero(remat)[0].tolist():
+        last = int(rebuild_ops[t][-1])
+        for q in rebuild_ops[t].tolist():
+            for u in op_reads[q].tolist():
+                if u == t:
+                    continue
+                w = writers[u]
+                k = np.searchsorted(w, last, side="right")
+                if k < len(w):
+                    deadline[t] = min(deadline[t], int(w[k]))
 
     cost = ops["duration_s"].to_numpy().astype(np.float64)
     prob = Problem(
@@ -145,19 +184,22 @@ def build_problem(trace: Trace) -> Problem:
         op_outputs=op_outputs,
         uses=uses,
         rematerializable=remat,
+        rebuild_ops=rebuild_ops,
+        remat_deadline=deadline,
         baseline_live=baseline_live_bytes(trace),
     )
-    _find_candidates(prob, writes)
+    _find_candidates(prob)
     return prob
 
 
-def _find_candidates(prob: Problem, writes: dict[int, np.ndarray]) -> None:
-    """Pick each rematerializable tensor's longest gap between consecutive uses."""
-    cands, frees, remats = [], [], []
-    for t in np.nonzero(prob.rematerializable & (prob.nbytes > 0))[0]:
+def _find_candidates(prob: Problem) -> None:
+    """Pick each rematerializable tensor's longest gap between consecutive uses after its
+    last write, keeping those whose lone rebuild is executable."""
+    cands, frees, remats, early = [], [], [], []
+    for t in np.nonzero(prob.rematerializable & (prob.nbytes > 0))[0].tolist():
+        last_write = int(prob.rebuild_ops[t][-1])
         u = prob.uses[t]
-        p = prob.producer[t]
-        u = u[u >= p]
+        u = u[u >= last_write]
         if len(u) < 2:
             continue
         gaps = np.diff(u)
@@ -165,25 +207,44 @@ def _find_candidates(prob: Problem, writes: dict[int, np.ndarray]) -> None:
         if gaps[k] < 2:
             continue
         a, b = int(u[k]), int(u[k + 1])
-        if b > prob.end[t]:
-            continue
-        # The producer's inputs must hold the same values at b as at p.
-        if any(_written_between(writes.get(int(r)), p, b) for r in prob.op_reads[p]):
+        if b > prob.end[t] or b > prob.remat_deadline[t] or not rebuildable(prob, t, b):
             continue
         cands.append(t)
         frees.append(a)
         remats.append(b)
+        reads = rebuild_inputs(prob, t)
+        r = int(min(int(prob.end[reads].min()), b)) if reads else b
+        early.append(r if a + 2 <= r < b else -1)
     prob.candidates = np.asarray(cands, dtype=np.int64)
+    prob.cand_early_remat = np.asarray(early, dtype=np.int64)
     prob.cand_free_after = np.asarray(frees, dtype=np.int64)
     prob.cand_remat_before = np.asarray(remats, dtype=np.int64)
 
 
-def _written_between(write_ops: np.ndarray | None, lo: int, hi: int) -> bool:
-    """True if any op in (lo, hi) writes the tensor (``write_ops`` sorted, or None)."""
-    if write_ops is None:
+def rebuild_inputs(problem: Problem, t: int) -> list[int]:
+    """Tensors the rebuild of ``t`` reads (inputs of its rebuild ops, ``t`` itself excluded)."""
+    out: list[int] = []
+    for q in problem.rebuild_ops[t].tolist():
+        for u in problem.op_reads[q].tolist():
+            if u != t and u not in out:
+                out.append(u)
+    return out
+
+
+def rebuildable(problem: Problem, t: int, r: int, _seen: set[int] | None = None) -> bool:
+    """Can ``t`` alone be rebuilt right before op ``r``, rebuilding gone inputs as needed?"""
+    seen = _seen if _seen is not None else set()
+    if t in seen:
+        return True
+    seen.add(t)
+    if not problem.rematerializable[t] or r > problem.remat_deadline[t]:
         return False
-    k = np.searchsorted(write_ops, lo, side="right")
-    return bool(k < len(write_ops) and write_ops[k] < hi)
+    for u in rebuild_inputs(problem, t):
+        if problem.start[u] <= r - 1 and problem.end[u] >= r:
+            continue
+        if not rebuildable(problem, u, r, seen):
+            return False
+    return True
 
 
 def coverage_delta(problem: Problem, chosen: np.ndarray | None = None) -> np.ndarray:
@@ -204,3 +265,54 @@ def min_live_bytes(problem: Problem) -> np.ndarray:
     """Bytes that must be live during each op under any plan (everything droppable dropped,
     nothing rebuilt): no budget below ``max(min_live_bytes)`` can be met."""
     return problem.baseline_live - coverage_delta(problem)
+
+
+@dataclass
+class Options:
+    """Every (tensor, free_after, remat_before) a planner may pick, at most one per tensor:
+    each candidate's full gap, plus its early-rebuild variant where it has one."""
+
+    tensor: np.ndarray  # tensor index
+    cand: np.ndarray  # index into problem.candidates
+    free_after: np.ndarray
+    remat_before: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.tensor)
+
+
+def options(problem: Problem, early: bool = True) -> Options:
+    k = np.arange(len(problem.candidates))
+    alt = k[problem.cand_early_remat >= 0] if early else k[:0]
+    cand = np.concatenate([k, alt])
+    return Options(
+        tensor=problem.candidates[cand],
+        cand=cand,
+        free_after=problem.cand_free_after[cand],
+        remat_before=np.concatenate([problem.cand_remat_before, problem.cand_early_remat[alt]]),
+    )
+
+
+def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: set[int]) -> tuple[list[int], list[int]]:
+    """The ops a rebuild of ``t`` certainly re-runs, and the candidates it reads.
+
+    Walks ``t``'s rebuild inputs: a candidate input is reported (whether it must be rebuilt
+    depends on its own decision); a non-candidate input already gone when ``t`` is freed
+    (``end <= free_after``) must be rebuilt too, so its rebuild ops join, recursively.
+    """
+    ops: list[int] = []
+    deps: list[int] = []
+    seen = {t}
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        ops.extend(problem.rebuild_ops[x].tolist())
+        for u in rebuild_inputs(problem, x):
+            if u in seen:
+                continue
+            seen.add(u)
+            if u in candidate_set:
+                deps.append(u)
+            elif problem.end[u] <= free_after and problem.rematerializable[u]:
+                stack.append(u)
+    return sorted(set(ops)), deps

@@ -28,13 +28,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import PlanError
-from .problem import Problem
+from .problem import Problem, rebuild_inputs
 from .trace import KINDS
 
 
 @dataclass(frozen=True)
 class Drop:
-    """Free tensor (by index into ``problem.tensor_id``) after ``free_after``, rebuild before ``remat_before``."""
+    """Free tensor (by index into ``problem.tensor_id``) after its use ``free_after``; rebuild it
+    before ``remat_before`` (its next use, or earlier: then it is held until that use)."""
 
     tensor: int
     free_after: int
@@ -88,11 +89,12 @@ def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, Drop]:
         u = problem.uses[t]
         a, b = int(d.free_after), int(d.remat_before)
         k = np.searchsorted(u, a)
-        ok = k < len(u) and u[k] == a and k + 1 < len(u) and u[k + 1] == b and b - a >= 2
-        if not ok or a < problem.producer[t] or b > problem.end[t]:
+        ok = k < len(u) and u[k] == a and k + 1 < len(u) and a + 2 <= b <= u[k + 1]
+        if not ok or a < problem.rebuild_ops[t][-1] or b > problem.end[t]:
             raise PlanError(
-                f"The plan drops tensor {tid} between ops {a} and {b}, but those are not two "
-                "consecutive uses of it at least two ops apart. The plan was made for another trace."
+                f"The plan drops tensor {tid} after op {a} and rebuilds it before op {b}, but op {a} "
+                "is not a use of it followed by a gap of at least two ops reaching op "
+                f"{b}. The plan was made for another trace."
             )
         out[t] = d
     return out
@@ -164,36 +166,54 @@ def _available(problem: Problem, D: dict[int, Drop], remat_at: dict[int, int], u
     return s <= r - 1 and e >= r
 
 
-def _closure(problem: Problem, D: dict[int, Drop]) -> tuple[dict[int, int], dict[int, set[int]]]:
+def _closure(problem: Problem, D: dict[int, Drop], failures: set[int] | None = None
+             ) -> tuple[dict[int, int], dict[int, set[int]]]:
     """When each dropped tensor is rebuilt, and which transients each group needs.
 
     Groups are resolved earliest first, so a rebuild that moves up (because an earlier
-    group needs the tensor) is settled before any later group looks at it.
+    group needs the tensor) is settled before any later group looks at it. A rebuild that
+    needs a tensor that is gone and cannot be rebuilt raises :class:`PlanError`, or, with
+    ``failures``, adds the dropped tensor whose rebuild started the chain to it.
     """
     remat_at = {t: d.remat_before for t, d in D.items()}
     transients: dict[int, set[int]] = defaultdict(set)
-    heap = [(d.remat_before, t) for t, d in D.items()]
+    heap = [(d.remat_before, t, t) for t, d in D.items()]
     heapq.heapify(heap)
     while heap:
-        r, t = heapq.heappop(heap)
+        r, t, root = heapq.heappop(heap)
         if t in D and remat_at[t] != r and t not in transients[r]:
             continue  # superseded: rebuilt in an earlier group
-        for u in problem.op_reads[problem.producer[t]].tolist():
+        if r > problem.remat_deadline[t]:
+            _fail(problem, failures, root, t, r, f"an input of its rebuild is overwritten at op {int(problem.remat_deadline[t])}")
+            continue
+        for u in rebuild_inputs(problem, t):
             if _available(problem, D, remat_at, u, r):
                 continue
             if u in D and D[u].free_after < r < remat_at[u]:
                 remat_at[u] = r
-                heapq.heappush(heap, (r, u))
+                heapq.heappush(heap, (r, u, root))
             elif u not in transients[r]:
                 if not problem.rematerializable[u]:
-                    raise PlanError(
-                        f"Rebuilding tensor {int(problem.tensor_id[t])} before op {r} needs tensor "
-                        f"{int(problem.tensor_id[u])}, which is gone by then and cannot be rebuilt. "
-                        "The plan is not executable on this trace."
-                    )
+                    _fail(problem, failures, root, t, r, f"it needs tensor {int(problem.tensor_id[u])}, "
+                          "which is gone by then and cannot be rebuilt")
+                    continue
                 transients[r].add(u)
-                heapq.heappush(heap, (r, u))
+                heapq.heappush(heap, (r, u, root))
     return remat_at, {r: s for r, s in transients.items() if s}
+
+
+def _fail(problem, failures, root, t, r, why) -> None:
+    if failures is None:
+        raise PlanError(f"Rebuilding tensor {int(problem.tensor_id[t])} before op {r} is impossible: "
+                        f"{why}. The plan is not executable on this trace.")
+    failures.add(root)
+
+
+def unexecutable(problem: Problem, drops: list[Drop]) -> set[int]:
+    """Dropped tensors whose rebuild chain cannot run (the simulator would refuse them)."""
+    failures: set[int] = set()
+    _closure(problem, check_drops(problem, drops), failures)
+    return failures
 
 
 def _groups(problem, D, remat_at, transients) -> dict[int, tuple[set[int], set[int]]]:
@@ -209,19 +229,18 @@ def _groups(problem, D, remat_at, transients) -> dict[int, tuple[set[int], set[i
 def group_events(problem: Problem, r: int, members: tuple[set[int], set[int]]):
     """The recompute events of the group before op ``r``: (op, allocs, frees) in order."""
     kept, trans = members
-    ops = sorted({int(problem.producer[t]) for t in kept | trans})
-    last_reader: dict[int, int] = {}
+    ops = sorted({int(q) for t in kept | trans for q in problem.rebuild_ops[t].tolist()})
+    last_use: dict[int, int] = {}  # transient -> last group op that reads or writes it
     for p in ops:
-        for u in problem.op_reads[p].tolist():
+        for u in (*problem.op_reads[p].tolist(), *problem.op_outputs[p].tolist()):
             if u in trans:
-                last_reader[u] = p
+                last_use[u] = p
     events = []
     for p in ops:
         outs = problem.op_outputs[p].tolist()
         frees = [u for u in outs if u not in kept and u not in trans]
-        frees += [u for u in outs if u in trans and last_reader.get(u, p) == p]
-        frees += [u for u in problem.op_reads[p].tolist() if u in trans and last_reader[u] == p and problem.producer[u] != p]
-        events.append((p, outs, frees))
+        frees += [u for u in trans if last_use[u] == p]
+        events.append((p, outs, sorted(set(frees))))
     return events
 
 
@@ -276,3 +295,18 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
     used = {x for e in events for x in e[2]} | set(initial)
     nb = {int(tid[t]): int(problem.nbytes[t]) for t in range(len(tid)) if int(tid[t]) in used}
     return {"initial": initial, "nbytes": nb, "events": events}
+
+
+def rebuild_overhead(problem: Problem, drop: Drop) -> int:
+    """Bytes a lone rebuild of ``drop`` adds on top of what is carried into its group:
+    its rebuilt tensor plus every transient its rebuild chain holds at the worst moment."""
+    D = {drop.tensor: drop}
+    remat_at, transients = _closure(problem, D)
+    r = remat_at[drop.tensor]
+    members = _groups(problem, D, remat_at, transients)[r]
+    live = peak = 0
+    for _p, allocs, frees in group_events(problem, r, members):
+        live += int(problem.nbytes[allocs].sum()) if allocs else 0
+        peak = max(peak, live)
+        live -= int(problem.nbytes[frees].sum()) if frees else 0
+    return peak

@@ -13,7 +13,6 @@ when its module equals the block FQN or starts with the FQN plus ``"."``.
 
 from __future__ import annotations
 
-import heapq
 import math
 import re
 import time
@@ -23,7 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..problem import Problem
-from ..simulate import Drop, simulate
+from ..simulate import Drop, simulate, unexecutable
 from .result import Decisions
 
 DESCRIPTIONS = {
@@ -205,42 +204,11 @@ def executable(problem: Problem, drops: list[Drop]) -> tuple[list[Drop], set[int
     """
     removed: set[int] = set()
     while True:
-        D = {d.tensor: d for d in drops}
-        bad = _failing_roots(problem, D)
+        bad = unexecutable(problem, drops)
         if not bad:
             return drops, removed
         removed |= bad
         drops = [d for d in drops if d.tensor not in bad]
-
-
-def _failing_roots(problem: Problem, D: dict[int, Drop]) -> set[int]:
-    remat_at = {t: d.remat_before for t, d in D.items()}
-    trans: dict[int, set[int]] = defaultdict(set)
-    heap = [(d.remat_before, t, t) for t, d in D.items()]
-    heapq.heapify(heap)
-    bad: set[int] = set()
-    start, end = problem.start, problem.end
-    while heap:
-        r, t, root = heapq.heappop(heap)
-        if t in D and remat_at[t] != r and t not in trans[r]:
-            continue
-        for u in problem.op_reads[problem.producer[t]].tolist():
-            if u in D:
-                d = D[u]
-                if (start[u] <= r - 1 and d.free_after >= r) or remat_at[u] <= r <= end[u]:
-                    continue
-            elif start[u] <= r - 1 and end[u] >= r:
-                continue
-            if u in D and D[u].free_after < r < remat_at[u]:
-                remat_at[u] = r
-                heapq.heappush(heap, (r, u, root))
-            elif u not in trans[r]:
-                if not problem.rematerializable[u]:
-                    bad.add(root)
-                    continue
-                trans[r].add(u)
-                heapq.heappush(heap, (r, u, root))
-    return bad
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,13 +269,13 @@ class _DTRState:
         if len(ops):
             nxt[:-1] = ops[1:]
             nxt[np.cumsum(lengths)[lengths > 0] - 1] = -1  # a tensor's last use has no next
-        write_limit = _first_input_write(p)
-        ok = (nxt >= 0) & (nxt - ops >= 2) & (nxt <= p.end[tens]) & (ops >= p.producer[tens])
+        write_limit = p.remat_deadline
+        ok = (nxt >= 0) & (nxt - ops >= 2) & (nxt <= p.end[tens]) & (ops >= p.last_write[tens])
         ok &= p.rematerializable[tens] & (p.nbytes[tens] > 0) & (nxt <= write_limit[tens])
         order = np.argsort(ops, kind="stable")
         self.acc_t, self.acc_next, self.acc_ok = tens[order], nxt[order], ok[order]
         self.bounds = np.searchsorted(ops[order], np.arange(p.num_ops + 1))
-        cost = p.op_cost[np.maximum(p.producer, 0)].astype(np.float64)
+        cost = p.rebuild_cost.astype(np.float64)
         eps = 1e-9 * max(float(p.op_cost.max()) if p.num_ops else 1.0, 1e-30)
         self.slope = p.nbytes / np.maximum(cost, eps)  # 1/h = slope * staleness
 
@@ -348,37 +316,6 @@ class _DTRState:
                     gap_end[t] = b
                     pool.add(t, i, self.slope[t])
         return drops
-
-
-def _first_input_write(p: Problem) -> np.ndarray:
-    """Per tensor, the first op after its producer that writes one of the producer's inputs
-    (a rebuild before that op or at it sees the same inputs); ``num_ops`` if none."""
-    acc = p.trace.accesses
-    out = np.full(len(p.nbytes), p.num_ops, dtype=np.int64)
-    w = acc["role"].to_numpy() == "write"
-    if not w.any():
-        return out
-    index = {tid: i for i, tid in enumerate(p.tensor_id.tolist())}
-    w_t = np.asarray([index.get(x, -1) for x in acc["tensor_id"].to_numpy()[w].tolist()], dtype=np.int64)
-    w_op = acc["op_id"].to_numpy()[w].astype(np.int64)
-    w_op, w_t = w_op[w_t >= 0], w_t[w_t >= 0]
-    foreign = w_op != p.producer[w_t]
-    writes: dict[int, np.ndarray] = {}
-    for t in np.unique(w_t[foreign]).tolist():
-        writes[t] = np.unique(w_op[w_t == t])
-    if not writes:
-        return out
-    op_limit = np.full(p.num_ops, p.num_ops, dtype=np.int64)
-    for op in range(p.num_ops):
-        for r in p.op_reads[op].tolist():
-            ws = writes.get(r)
-            if ws is not None:
-                k = np.searchsorted(ws, op, side="right")
-                if k < len(ws):
-                    op_limit[op] = min(op_limit[op], int(ws[k]))
-    has = p.producer >= 0
-    out[has] = op_limit[p.producer[has]]
-    return out
 
 
 class _Pool:

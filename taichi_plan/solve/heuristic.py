@@ -14,34 +14,20 @@ import heapq
 
 import numpy as np
 
-from ..problem import Problem
+from ..problem import Options, Problem, options, rebuild_closure
 from ..simulate import Drop, SimResult, simulate
 from .result import Decisions
 
 MAX_ROUNDS = 30
 
 
-def rebuild_cost(problem: Problem) -> np.ndarray:
-    """Per candidate: its producer's cost plus the forward temporaries its rebuild must redo."""
+def rebuild_cost(problem: Problem, opts: Options) -> np.ndarray:
+    """Per option: the cost of its rebuild ops plus the forward temporaries it must redo."""
     cand_set = set(problem.candidates.tolist())
-    out = np.zeros(len(problem.candidates))
-    for k, t in enumerate(problem.candidates.tolist()):
-        a = int(problem.cand_free_after[k])
-        seen: set[int] = set()
-        stack = [int(problem.producer[t])]
-        cost = 0.0
-        while stack:
-            p = stack.pop()
-            if p in seen:
-                continue
-            seen.add(p)
-            cost += problem.op_cost[p]
-            for u in problem.op_reads[p].tolist():
-                if u in cand_set or problem.end[u] > a or problem.producer[u] < 0:
-                    continue  # live, or decided by its own candidate variable
-                if problem.rematerializable[u]:
-                    stack.append(int(problem.producer[u]))
-        out[k] = cost
+    out = np.zeros(len(opts))
+    for k, t in enumerate(opts.tensor.tolist()):
+        ops, _ = rebuild_closure(problem, t, int(opts.free_after[k]), cand_set)
+        out[k] = float(problem.op_cost[ops].sum())
     return out
 
 
@@ -58,13 +44,15 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     if budget_bytes is None or problem.num_ops == 0:
         return Decisions(notes=["no budget: nothing to do"])
     n = problem.num_ops
-    sizes = problem.nbytes[problem.candidates].astype(np.int64)
-    a_arr, b_arr = problem.cand_free_after, problem.cand_remat_before
-    costs = rebuild_cost(problem)
-    k_of = {int(t): k for k, t in enumerate(problem.candidates.tolist())}
+    opts = options(problem)
+    sizes = problem.nbytes[opts.tensor].astype(np.int64)
+    a_arr, b_arr = opts.free_after, opts.remat_before
+    costs = rebuild_cost(problem, opts)
+    group = opts.cand  # options of one tensor share their candidate index
     chosen = np.zeros(len(sizes), dtype=bool)
+    key = {(int(t), int(b)): k for k, (t, b) in enumerate(zip(opts.tensor.tolist(), b_arr.tolist(), strict=True))}
     for d in initial or []:
-        chosen[k_of[d.tensor]] = True
+        chosen[key[(d.tensor, d.remat_before)]] = True
 
     target = np.full(n, budget_bytes, dtype=np.int64)
     est = problem.baseline_live.astype(np.int64)
@@ -72,8 +60,8 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007
         before = int(chosen.sum())
-        _sweep(est, target, sizes, a_arr, b_arr, costs, chosen)
-        drops = [Drop(int(problem.candidates[k]), int(a_arr[k]), int(b_arr[k])) for k in np.nonzero(chosen)[0]]
+        _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group)
+        drops = [Drop(int(opts.tensor[k]), int(a_arr[k]), int(b_arr[k])) for k in np.nonzero(chosen)[0]]
         sim = simulate(problem, drops)
         if best is None or sim.peak_bytes <= budget_bytes or (
                 best[1].peak_bytes > budget_bytes and sim.peak_bytes < best[1].peak_bytes):
@@ -91,9 +79,12 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
                      stats={"rounds": rounds, "candidates": int(len(sizes)), "dropped": len(drops)})
 
 
-def _sweep(est, target, sizes, a_arr, b_arr, costs, chosen) -> None:
-    """Greedy left-to-right pass adding drops to ``chosen`` until ``est - saved <= target``."""
+def _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group) -> None:
+    """Greedy left-to-right pass adding drops to ``chosen`` until ``est - saved <= target``;
+    at most one option per ``group`` (tensor)."""
     n = len(est)
+    taken = np.zeros(int(group.max()) + 1 if len(group) else 0, dtype=bool)
+    taken[group[chosen]] = True
     over_ops = (est - _saved(n, sizes, a_arr, b_arr, chosen)) > target
     prefix = np.concatenate([[0], np.cumsum(over_ops)])
     cover = prefix[b_arr] - prefix[np.minimum(a_arr + 1, n)]
@@ -109,15 +100,16 @@ def _sweep(est, target, sizes, a_arr, b_arr, costs, chosen) -> None:
         saved += saved_delta[i]
         while j < len(order) and a_arr[order[j]] + 1 <= i:
             k = order[j]
-            if not chosen[k] and cover[k] > 0:
+            if not taken[group[k]] and cover[k] > 0:
                 heapq.heappush(heap, (score[k], int(k)))
             j += 1
         need = est[i] - saved - target[i]
         while need > 0 and heap:
             _, k = heapq.heappop(heap)
-            if b_arr[k] <= i or chosen[k]:
+            if b_arr[k] <= i or taken[group[k]]:
                 continue
             chosen[k] = True
+            taken[group[k]] = True
             saved += sizes[k]
             saved_delta[b_arr[k]] -= sizes[k]
             need -= sizes[k]

@@ -32,11 +32,12 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..problem import Problem, coverage_delta
-from ..simulate import Drop, SimResult, simulate
+from ..problem import Problem, coverage_delta, options, rebuild_closure
+from ..simulate import Drop, SimResult, rebuild_overhead, simulate
 from .heuristic import sim_over
 from .result import Decisions
 
+_DEBUG = False
 INITIAL_OPS = 24  # budget-binding ops modelled in the first round
 MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain terms
 
@@ -48,39 +49,51 @@ class Structure:
     sizes: np.ndarray
     a: np.ndarray
     b: np.ndarray
-    producer: np.ndarray
+    own_ops: list[list[int]]  # per option: its rebuild ops (producer, in-place writers)
     temporaries: list[list[int]]  # per candidate: producer ops of temporaries its rebuild must redo
-    needers: list[list[int]]  # per candidate t: candidates c whose rebuild certainly needs t
+    needers: list[list[int]]  # per option t: options c whose rebuild certainly needs t
+    tensor: np.ndarray  # per option: tensor index
+    cand: np.ndarray  # per option: candidate index (options of one tensor share it)
 
 
 def structure(problem: Problem) -> Structure:
-    cands = problem.candidates.tolist()
-    k_of = {t: k for k, t in enumerate(cands)}
-    a, b = problem.cand_free_after, problem.cand_remat_before
+    opts = options(problem)
+    cands = opts.tensor.tolist()
+    k_of: dict[int, list[int]] = {}
+    for k, t in enumerate(cands):
+        k_of.setdefault(t, []).append(k)
+    a, b = opts.free_after, opts.remat_before
+    own_ops: list[list[int]] = []
     temporaries: list[list[int]] = []
     needers: list[list[int]] = [[] for _ in cands]
+    cand_set = set(k_of)
+    broad: list[list[int]] = [[] for _ in cands]  # option -> options whose rebuild may need it
     for k, t in enumerate(cands):
-        ops_needed: list[int] = []
-        seen = {int(problem.producer[t])}
-        stack = [int(problem.producer[t])]
-        while stack:
-            p = stack.pop()
-            for u in problem.op_reads[p].tolist():
-                if u in k_of:
-                    j = k_of[u]
-                    if j != k and a[k] >= a[j] and k not in needers[j]:
-                        needers[j].append(k)
-                    continue
-                # A non-candidate input gone before t is freed must be rebuilt too.
-                if problem.end[u] <= a[k] and problem.rematerializable[u]:
-                    q = int(problem.producer[u])
-                    if q not in seen:
-                        seen.add(q)
-                        ops_needed.append(q)
-                        stack.append(q)
-        temporaries.append(ops_needed)
-    return Structure(problem.nbytes[problem.candidates].astype(np.int64), a, b,
-                     problem.producer[problem.candidates], temporaries, needers)
+        ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set)
+        own = problem.rebuild_ops[t].tolist()
+        own_ops.append(own)
+        temporaries.append([q for q in ops if q not in own])
+        for u in deps:
+            for j in k_of[u]:
+                if j != k:
+                    broad[j].append(k)
+    # Earliest op each option's rebuild can happen: its own point, or earlier when a
+    # rebuild that needs it comes first (fixpoint over the broad relation).
+    low = b.astype(np.int64).copy()
+    changed = True
+    while changed:
+        changed = False
+        for j in np.argsort(-a, kind="stable").tolist():
+            for k in broad[j]:
+                if low[k] < low[j]:
+                    low[j] = low[k]
+                    changed = True
+    # c's rebuild certainly needs t back (t already freed by then) when even its earliest
+    # possible rebuild comes after t is freed.
+    for j in range(len(cands)):
+        needers[j] = sorted({k for k in broad[j] if low[k] > a[j]})
+    return Structure(problem.nbytes[opts.tensor].astype(np.int64), a, b,
+                     own_ops, temporaries, needers, opts.tensor, opts.cand)
 
 
 def binding_ops(problem: Problem, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -93,7 +106,7 @@ def binding_ops(problem: Problem, budget: int) -> tuple[np.ndarray, np.ndarray]:
     cuts = np.unique(np.concatenate([problem.cand_free_after + 1, problem.cand_remat_before]))
     seg = np.searchsorted(cuts, over, side="right")
     best: dict[int, int] = {}
-    for i, s in zip(over.tolist(), seg.tolist()):
+    for i, s in zip(over.tolist(), seg.tolist(), strict=True):
         if s not in best or req[i] > req[best[s]]:
             best[s] = i
     ops = np.array(sorted(best.values(), key=lambda i: -req[i]), dtype=np.int64)
@@ -134,6 +147,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     rounds = 0
     notes = []
     status_final = None
+    overheads: dict[int, int] = {}
     cutoff = None
     if hint:
         hint_sim = simulate(problem, hint)
@@ -146,6 +160,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         if remaining <= 0.05:
             break
         model, x, model_cost, scale_note, terms = _build(problem, st, active, req, extra_req, budget_bytes, cost_unit)
+        if not relaxed:
+            _add_rebuild_constraints(problem, st, model, x, budget_bytes, overheads)
         if relaxed and cutoff is not None:
             # Warm start: the heuristic's plan is the incumbent to beat. (Solution hints
             # with interleaved search abort inside CP-SAT 9.15 on some infeasible models,
@@ -178,8 +194,11 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         if relaxed:
             lower_bound = solver.BestObjectiveBound() * cost_unit
         chosen = np.array([solver.Value(v) for v in x], dtype=bool)
-        drops = [Drop(int(problem.candidates[k]), int(st.a[k]), int(st.b[k])) for k in np.nonzero(chosen)[0]]
+        drops = [Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in np.nonzero(chosen)[0]]
         sim = simulate(problem, drops)
+        if _DEBUG:
+            _o = sim_over(problem, sim) - budget_bytes
+            print("round", rounds, "relaxed", relaxed, "code", code, "peak", sim.peak_bytes, "over ops", int((_o > 0).sum()), "max", int(_o.max()), "groups over", [r for r, g in sim.groups.items() if g.peak_bytes > budget_bytes][:10], "in active", sorted(set(np.nonzero(_o > 0)[0].tolist()) & set(active))[:10])
         if sim.peak_bytes <= budget_bytes:
             if incumbent is None or sim.extra_cost < incumbent[1].extra_cost:
                 incumbent = (drops, sim)
@@ -194,8 +213,12 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             active.extend(sorted(new, key=lambda i: -over[i])[:64])
         else:
             relaxed = False
+            # Ask for more bytes away at each op still over: what this solution frees there
+            # (at most its coverage) plus the excess.
+            freed = coverage_of(st, chosen, problem.num_ops)
             for i in bad.tolist():
-                extra_req[i] = extra_req.get(i, 0) + int(over[i])
+                want = int(freed[i]) + int(over[i])
+                extra_req[i] = max(extra_req.get(i, 0), want - int(req[i]))
                 if i not in active:
                     active.append(i)
     stats = {"rounds": rounds, "modelled_ops": len(active), "binding_ops": int(len(ops_all)),
@@ -209,15 +232,51 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
                      lower_bound=lower_bound, notes=notes, stats=stats)
 
 
+def coverage_of(st: Structure, chosen: np.ndarray, n: int) -> np.ndarray:
+    """Bytes the chosen options free at each op, at most (their gaps, ignoring early rebuilds)."""
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, st.a[chosen] + 1, st.sizes[chosen])
+    np.add.at(delta, st.b[chosen], -st.sizes[chosen])
+    return np.cumsum(delta)[:n]
+
+
+def _add_rebuild_constraints(problem, st: Structure, model, x, budget: int, overheads: dict[int, int]) -> None:
+    """[Constraint] (tightening, not a relaxation) a rebuild's own working set must fit:
+    the bytes dropped around its rebuild point cover what the rebuild adds over the budget."""
+    live = problem.baseline_live
+    for k in range(len(st.sizes)):
+        r = int(st.b[k])
+        if k not in overheads:
+            overheads[k] = rebuild_overhead(problem, Drop(int(st.tensor[k]), int(st.a[k]), r))
+        # Carried into the group: what was live during op r-1 minus what op r-1 freed is at
+        # most live[r-1]; the rebuilt tensor itself is part of the overhead.
+        excess = int(live[r - 1]) + overheads[k] - int(st.sizes[k]) - budget
+        if excess <= 0:
+            continue
+        cover = np.nonzero((st.a < r - 1) & (r - 1 < st.b))[0]
+        cover = cover[cover != k]
+        if int(st.sizes[cover].sum()) < excess:
+            model.Add(x[k] == 0)
+            continue
+        model.Add(sum(int(st.sizes[j]) * x[j] for j in cover.tolist()) >= excess).OnlyEnforceIf(x[k])
+
+
 def _build(problem, st: Structure, active, req, extra_req, budget, cost_unit):
     model = cp_model.CpModel()
     C = len(st.sizes)
     x = [model.NewBoolVar(f"x{k}") for k in range(C)]
+    # [Constraint] at most one gap option per tensor.
+    alts: dict[int, list[int]] = {}
+    for k, c in enumerate(st.cand.tolist()):
+        alts.setdefault(c, []).append(k)
+    for ks in alts.values():
+        if len(ks) > 1:
+            model.AddAtMostOne([x[k] for k in ks])
 
     # [Constraint] an op re-runs if any output it produced is dropped; temporaries likewise.
     rerun: dict[int, cp_model.IntVar] = {}
     for k in range(C):
-        for p in [int(st.producer[k]), *st.temporaries[k]]:
+        for p in [*st.own_ops[k], *st.temporaries[k]]:
             if p not in rerun:
                 rerun[p] = model.NewBoolVar(f"r{p}")
             model.AddImplication(x[k], rerun[p])
