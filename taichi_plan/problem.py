@@ -45,6 +45,8 @@ class Problem:
     rebuild_ops: list[np.ndarray]  # per tensor: producer, then its in-place forward writers
     remat_deadline: np.ndarray  # per tensor: a rebuild must happen at or before this op
     baseline_live: np.ndarray  # live bytes during each op, unplanned
+    initial: np.ndarray  # bool per tensor: exists before the step (alloc_op == -1)
+    persists: np.ndarray  # bool per tensor: outlives the step (free_op == -1)
     candidates: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cand_free_after: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     cand_remat_before: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -187,6 +189,8 @@ def build_problem(trace: Trace) -> Problem:
         rebuild_ops=rebuild_ops,
         remat_deadline=deadline,
         baseline_live=baseline_live_bytes(trace),
+        initial=tensors["alloc_op"].to_numpy() < 0,
+        persists=tensors["free_op"].to_numpy() < 0,
     )
     _find_candidates(prob)
     return prob

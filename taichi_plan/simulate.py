@@ -61,6 +61,7 @@ class SimResult:
     extra_cost: float
     step_cost: float
     remat_at: dict[int, int] = field(default_factory=dict)  # dropped tensor -> group it is rebuilt in
+    partition_cost: float = 0.0  # included in extra_cost
 
     @property
     def extra_pct(self) -> float:
@@ -268,23 +269,19 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
     D = check_drops(problem, drops)
     remat_at, transients = _closure(problem, D)
     n = problem.num_ops
-    alloc_op = problem.trace.tensors["alloc_op"].to_numpy()
-    free_op = problem.trace.tensors["free_op"].to_numpy()
     tid = problem.tensor_id
     allocs: list[list[int]] = [[] for _ in range(n)]
     frees: list[list[int]] = [[] for _ in range(n)]
     initial = []
     for t in range(len(tid)):
-        if alloc_op[t] < 0:
+        if problem.initial[t]:
             initial.append(int(tid[t]))
         else:
-            allocs[alloc_op[t]].append(int(tid[t]))
+            allocs[problem.start[t]].append(int(tid[t]))
         if t in D:
             frees[D[t].free_after].append(int(tid[t]))
-            if free_op[t] >= 0:
-                frees[free_op[t]].append(int(tid[t]))
-        elif free_op[t] >= 0:
-            frees[free_op[t]].append(int(tid[t]))
+        if not problem.persists[t]:
+            frees[problem.end[t]].append(int(tid[t]))
     grouped = _groups(problem, D, remat_at, transients)
     events = []
     for i in range(n):
@@ -310,3 +307,15 @@ def rebuild_overhead(problem: Problem, drop: Drop) -> int:
         peak = max(peak, live)
         live -= int(problem.nbytes[frees].sum()) if frees else 0
     return peak
+
+
+def simulate_plan(problem: Problem, drops: list[Drop], partitions=()) -> tuple[SimResult, Problem]:
+    """Simulate drops and partitions together; returns the result and the partitioned problem
+    (the one whose tensors the timeline and schedule describe)."""
+    from .partition import apply_partitions
+
+    parted, cost = apply_partitions(problem, partitions, drops)
+    sim = simulate(parted, drops)
+    sim.partition_cost = cost
+    sim.extra_cost += cost
+    return sim, parted

@@ -266,8 +266,10 @@ def test_executable_removes_drops_whose_rebuild_needs_a_gone_tensor():
     b.op("aten.relu_backward", [g, z], [64], phase="backward", kind="temporary")
     problem = build_problem(b.build())
     zi = problem.index_of(z)
-    k = problem.candidates.tolist().index(zi)
-    drop = Drop(zi, int(problem.cand_free_after[k]), int(problem.cand_remat_before[k]))
+    # The problem already refuses z as a candidate: its lone rebuild is not executable.
+    assert zi not in problem.candidates.tolist()
+    uses = problem.uses[zi].tolist()
+    drop = Drop(zi, uses[1], uses[2])
     with pytest.raises(PlanError):
         simulate(problem, [drop])
     kept, removed = executable(problem, [drop])

@@ -15,9 +15,10 @@ from ..trace import read_trace
 UNITS = ["GB", "GiB", "MB", "MiB"]
 
 
-def inspect_plan_file(path: Path, as_json: bool, units: str | None) -> str:
+def inspect_plan_file(path: Path, as_json: bool, units: str | None, png: Path | None = None,
+                      force: bool = False) -> str:
     """Dispatch to the plan report (``taichi_plan.report.plan_text.inspect_plan``), which
-    takes ``(path, as_json=..., units=...)`` and returns the text to print."""
+    takes ``(path, as_json=..., units=..., png=..., force=...)`` and returns the text to print."""
     module = f"{__package__.rsplit('.', 1)[0]}.report.plan_text"
     try:
         from ..report.plan_text import inspect_plan
@@ -30,7 +31,7 @@ def inspect_plan_file(path: Path, as_json: bool, units: str | None) -> str:
             f"(module {module} {missing}). Inspect the trace directory the plan was solved for "
             "instead."
         ) from e
-    return inspect_plan(path, as_json=as_json, units=units)
+    return inspect_plan(path, as_json=as_json, units=units, png=png, force=force)
 
 
 def inspect_trace_dir(path: Path, as_json: bool, units: str | None) -> str:
@@ -45,11 +46,21 @@ def inspect_trace_dir(path: Path, as_json: bool, units: str | None) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as one JSON object.")
 @click.option("--units", type=click.Choice(UNITS, case_sensitive=False), default=None,
               help="Unit for byte sizes [default: automatic, decimal].")
+@click.option("--png", type=click.Path(path_type=Path), default=None,
+              help="For a plan: also draw its memory timeline (baseline vs planned) to this PNG file.")
+@click.option("--force", is_flag=True, help="Overwrite the --png file if it exists.")
 @handle_errors
-def command(path: Path, as_json: bool, units: str | None) -> None:
-    """Show what a trace directory holds: ops, tensors, baseline peak, largest tensors."""
+def command(path: Path, as_json: bool, units: str | None, png: Path | None, force: bool) -> None:
+    """Show what a trace directory holds (ops, tensors, baseline peak, largest tensors) or
+    what a plan file decides and why (PLAN.plan.json; --png draws its memory timeline)."""
     if path.suffix == ".json" and path.is_file():
-        text = inspect_plan_file(path, as_json, units)
+        text = inspect_plan_file(path, as_json, units, png, force)
     else:
+        if png is not None:
+            raise UsageError(
+                f"--png draws a plan's memory timeline, but {str(path)!r} is not a plan file. "
+                "Solve the trace first (`taichi-plan solve TRACE --budget ...`) and inspect the "
+                "plan file it writes."
+            )
         text = inspect_trace_dir(path, as_json, units)
     click.echo(text, nl=False)

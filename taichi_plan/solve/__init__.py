@@ -13,9 +13,10 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import InfeasibleBudgetError, UsageError
+from ..partition import floor_bytes
 from ..plan import Plan
 from ..problem import Problem, build_problem, min_live_bytes
-from ..simulate import simulate
+from ..simulate import simulate_plan
 from ..trace import Trace
 from ..units import format_bytes
 from .heuristic import plan_heuristic
@@ -44,12 +45,12 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
         t0 = time.perf_counter()
         warm = plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
         left = max(time_limit - (time.perf_counter() - t0), 0.1)
-        dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm.drops, progress=progress)
+        dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm, progress=progress)
         dec.notes = [f"warm start: {warm.notes[0] if warm.notes else 'heuristic'}", *dec.notes]
         if dec.status == "infeasible" or not dec.drops:
             # The ILP proved nothing better or found nothing the simulator accepts: keep the
             # heuristic's plan (make_plan judges it), with the ILP's bound if it has one.
-            warm_sim = simulate(problem, warm.drops)
+            warm_sim, _ = simulate_plan(problem, warm.drops, warm.partitions)
             if dec.status != "infeasible" and warm_sim.peak_bytes <= budget_bytes and not dec.drops:
                 warm.lower_bound = dec.lower_bound
                 warm.status = "feasible"
@@ -77,8 +78,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     if budget_bytes >= base_peak:
         dec = Decisions(status="optimal", lower_bound=0.0, notes=["the budget does not bind: no change needed"])
         return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
-    floor = min_live_bytes(problem)
-    if budget_bytes < int(floor.max()):
+    if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         raise infeasible_error(problem, budget_bytes, method)
     dec = run_method(problem, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress)
     plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
@@ -87,16 +87,27 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     return plan
 
 
-def lowest_reachable_peak(problem: Problem) -> tuple[int, int]:
-    """(peak bytes, op) of the heuristic asked for the impossible floor: a budget it reaches."""
-    floor = int(min_live_bytes(problem).max())
-    dec = plan_heuristic(problem, floor)
-    sim = simulate(problem, dec.drops)
-    return sim.peak_bytes, sim.peak_op
+def lowest_reachable_peak(problem: Problem, steps: int = 8) -> tuple[int, int]:
+    """(peak bytes, op) of the lowest budget the heuristic meets, by bisection between the
+    floor no plan can pass and the baseline peak."""
+    lo = int(floor_bytes(problem).max())
+    hi, hi_op = problem.baseline_peak
+    best = (hi, hi_op)
+    for _ in range(steps):
+        if hi - lo <= max(1, hi // 1000):
+            break
+        mid = (lo + hi) // 2
+        dec = plan_heuristic(problem, mid)
+        sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
+        if sim.peak_bytes <= mid:
+            hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op)
+        else:
+            lo = mid + 1
+    return best
 
 
 def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Plan | None = None):
-    floor = min_live_bytes(problem)
+    floor = floor_bytes(problem)
     i = int(np.argmax(floor))
     where = f"op {i} ({problem.op_name[i]}" + (f" in {problem.op_module[i]}" if problem.op_module[i] else "") + ")"
     reach, reach_op = lowest_reachable_peak(problem)
@@ -108,6 +119,14 @@ def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Pla
            f"No plan of this trace can go below {format_bytes(int(floor[i]))}: {where} needs that much "
            f"live at once even with every droppable tensor dropped. The lowest peak taichi-plan reaches "
            f"is {format_bytes(reach)} (at op {reach_op}); ask for at least {format_bytes(max(reach, budget_bytes))} "
-           f"(e.g. --budget {math.ceil(reach / 1e6)}MB), reduce the batch size, or try another --method. "
+           f"(--budget {_suggest(reach)}), reduce the batch size, or try another --method. "
            "No plan file was written.")
     return InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)
+
+
+def _suggest(nbytes: int) -> str:
+    """A budget flag at or just above ``nbytes``, in a readable unit."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= 10 * scale:
+            return f"{math.ceil(nbytes / scale * 100) / 100:g}{unit}"
+    return str(nbytes)

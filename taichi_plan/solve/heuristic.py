@@ -14,8 +14,17 @@ import heapq
 
 import numpy as np
 
+from ..partition import (
+    CHUNK_CHOICES,
+    _under,
+    apply_partitions,
+    module_spans,
+    partition_cost,
+    partition_savings,
+)
+from ..plan import Partition
 from ..problem import Options, Problem, options, rebuild_closure
-from ..simulate import Drop, SimResult, simulate
+from ..simulate import Drop, SimResult, simulate, simulate_plan
 from .result import Decisions
 
 MAX_ROUNDS = 30
@@ -40,7 +49,53 @@ def sim_over(problem: Problem, sim: SimResult) -> np.ndarray:
 
 
 def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-                   time_limit: float = 60.0, initial: list[Drop] | None = None) -> Decisions:
+                   time_limit: float = 60.0, partitions: bool = True) -> Decisions:
+    """Rematerialization alone first; if that cannot meet the budget, partition modules one
+    at a time (the one freeing most at the worst op per unit of cost, at the most chunks)
+    and plan rematerialization again around them."""
+    dec = plan_remat(problem, budget_bytes)
+    if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
+        return dec
+    spans = module_spans(problem)
+    chosen: list[Partition] = []
+    best = dec
+    while spans:
+        parted, _ = apply_partitions(problem, chosen)
+        sim = simulate(parted, best.drops if chosen else [])
+        worst = int(np.argmax(sim_over(parted, sim)))
+        pick = None
+        for span in spans:
+            if any(_under(span.module, c.module) or _under(c.module, span.module) for c in chosen):
+                continue
+            k = max(c for c in CHUNK_CHOICES if c <= span.batch) if span.batch >= 2 else 0
+            if k < 2:
+                continue
+            gain = partition_savings(parted, span, k)[worst]
+            if gain <= 0:
+                continue
+            score = gain / max(partition_cost(problem, span, k), 1e-12)
+            if pick is None or score > pick[0]:
+                pick = (score, span, k)
+        if pick is None:
+            break
+        chosen.append(Partition(pick[1].module, 0, pick[2]))
+        parted, _ = apply_partitions(problem, chosen)
+        dec = plan_remat(parted, budget_bytes)
+        dec.partitions = list(chosen)
+        best = dec
+        if _fits(problem, dec, budget_bytes):
+            break
+    best.notes.append(f"{len(best.partitions)} module(s) partitioned")
+    return best
+
+
+def _fits(problem: Problem, dec: Decisions, budget_bytes: int) -> bool:
+    sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
+    return sim.peak_bytes <= budget_bytes
+
+
+def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] | None = None) -> Decisions:
+    """The greedy rematerialization sweep (no partitions)."""
     if budget_bytes is None or problem.num_ops == 0:
         return Decisions(notes=["no budget: nothing to do"])
     n = problem.num_ops

@@ -32,12 +32,20 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from ..partition import (
+    CHUNK_CHOICES,
+    Span,
+    internal_tensors,
+    module_spans,
+    partition_cost,
+    partition_savings,
+)
+from ..plan import Partition
 from ..problem import Problem, coverage_delta, options, rebuild_closure
-from ..simulate import Drop, SimResult, rebuild_overhead, simulate
+from ..simulate import Drop, SimResult, rebuild_overhead, simulate_plan
 from .heuristic import sim_over
 from .result import Decisions
 
-_DEBUG = False
 INITIAL_OPS = 24  # budget-binding ops modelled in the first round
 MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain terms
 
@@ -123,9 +131,41 @@ class _Progress(cp_model.CpSolverSolutionCallback):
             self.report(self.ObjectiveValue() * self.unit, self.BestObjectiveBound() * self.unit)
 
 
+@dataclass
+class PartOption:
+    """Partition ``span`` into ``chunks``: frees ``savings[i]`` bytes at op i, costs ``cost``."""
+
+    span: Span
+    chunks: int
+    savings: np.ndarray
+    cost: float
+    internal: np.ndarray  # option indices whose tensor the partition makes internal
+
+
+def partition_options(problem: Problem, st: Structure, budget: int) -> list[PartOption]:
+    """Partitions worth modelling: those that free bytes at some op over the budget."""
+    spans = module_spans(problem)
+    if not spans:
+        return []
+    over = problem.baseline_live > budget
+    opt_of: dict[int, list[int]] = {}
+    for k, t in enumerate(st.tensor.tolist()):
+        opt_of.setdefault(t, []).append(k)
+    out = []
+    for span in spans:
+        inner = set(np.concatenate(internal_tensors(problem, span)).tolist())
+        internal = np.asarray(sorted(k for t in inner for k in opt_of.get(t, [])), dtype=np.int64)
+        for chunks in sorted({c for c in CHUNK_CHOICES if c <= span.batch}):
+            sav = partition_savings(problem, span, chunks)
+            if not np.any(sav[over] > 0):
+                break
+            out.append(PartOption(span, chunks, sav, partition_cost(problem, span, chunks), internal))
+    return out
+
+
 def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_limit: float = 60.0,
-             hint: list[Drop] | None = None, progress: Callable[[float, float], None] | None = None,
-             workers: int = 2) -> Decisions:
+             hint: Decisions | None = None, progress: Callable[[float, float], None] | None = None,
+             workers: int = 2, partitions: bool = True) -> Decisions:
     t0 = time.perf_counter()
     if budget_bytes is None:
         return Decisions(status="optimal", lower_bound=0.0, notes=["no budget"])
@@ -134,32 +174,39 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     if len(ops_all) == 0:
         return Decisions(status="optimal", lower_bound=0.0, objective=0.0,
                          notes=["the budget does not bind: nothing to drop"])
-    if np.any(coverage_delta(problem)[ops_all] < req[ops_all]):
+    parts = partition_options(problem, st, budget_bytes) if partitions else []
+    most = coverage_delta(problem)
+    for po in parts:
+        most = most + np.maximum(po.savings, 0)
+    if np.any(most[ops_all] < req[ops_all]):
         return Decisions(status="infeasible", lower_bound=None,
-                         notes=["even dropping every candidate cannot meet the budget at some op"])
+                         notes=["even dropping every candidate and partitioning every module cannot meet the budget"])
 
     cost_unit = max(problem.step_cost / 1e7, 1e-12)
     active: list[int] = list(ops_all[:INITIAL_OPS])
     extra_req: dict[int, int] = {}
-    incumbent: tuple[list[Drop], SimResult] | None = None
+    incumbent: tuple[Decisions, SimResult] | None = None
     lower_bound = None
     relaxed = True
     rounds = 0
-    notes = []
+    notes: list[str] = []
     status_final = None
     overheads: dict[int, int] = {}
     cutoff = None
-    if hint:
-        hint_sim = simulate(problem, hint)
+    scale_note = ""
+    if hint is not None:
+        hint_sim, _ = simulate_plan(problem, hint.drops, hint.partitions)
         if hint_sim.peak_bytes <= budget_bytes:
-            incumbent = (list(hint), hint_sim)
+            incumbent = (hint, hint_sim)
             cutoff = hint_sim.extra_cost
     while True:
         rounds += 1
         remaining = time_limit - (time.perf_counter() - t0)
         if remaining <= 0.05:
+            notes.append("stopped at the time limit")
             break
-        model, x, model_cost, scale_note, terms = _build(problem, st, active, req, extra_req, budget_bytes, cost_unit)
+        model, x, y, model_cost, scale_note, terms = _build(problem, st, parts, active, req, extra_req,
+                                                            budget_bytes, cost_unit)
         if not relaxed:
             _add_rebuild_constraints(problem, st, model, x, budget_bytes, overheads)
         if relaxed and cutoff is not None:
@@ -172,14 +219,11 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         prm.random_seed = seed
         prm.num_workers = workers
         prm.interleave_search = workers > 1
-        if workers > 1:
-            prm.use_lns_only = False
         prm.max_deterministic_time = remaining
         prm.max_time_in_seconds = remaining * 1.5 + 1
-        cb = _Progress(progress, cost_unit)
-        code = solver.Solve(model, cb)
+        code = solver.Solve(model, _Progress(progress, cost_unit))
         if code == cp_model.INFEASIBLE and relaxed and cutoff is not None:
-            # Nothing beats the heuristic in the relaxation: it is optimal.
+            # Nothing beats the heuristic even in the relaxation: the heuristic is optimal.
             lower_bound = cutoff
             status_final = "optimal"
             break
@@ -187,6 +231,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             if relaxed:
                 return Decisions(status="infeasible", notes=["the relaxation is infeasible: no plan fits"],
                                  stats={"rounds": rounds})
+            notes.append(f"round {rounds}: the tightened model has no solution")
             break
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             notes.append(f"round {rounds}: no solution within the time limit")
@@ -194,19 +239,20 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         if relaxed:
             lower_bound = solver.BestObjectiveBound() * cost_unit
         chosen = np.array([solver.Value(v) for v in x], dtype=bool)
-        drops = [Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in np.nonzero(chosen)[0]]
-        sim = simulate(problem, drops)
-        if _DEBUG:
-            _o = sim_over(problem, sim) - budget_bytes
-            print("round", rounds, "relaxed", relaxed, "code", code, "peak", sim.peak_bytes, "over ops", int((_o > 0).sum()), "max", int(_o.max()), "groups over", [r for r, g in sim.groups.items() if g.peak_bytes > budget_bytes][:10], "in active", sorted(set(np.nonzero(_o > 0)[0].tolist()) & set(active))[:10])
+        dec = Decisions(
+            drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in np.nonzero(chosen)[0]],
+            partitions=[Partition(parts[j].span.module, 0, parts[j].chunks) for j, v in enumerate(y)
+                        if solver.Value(v)],
+        )
+        sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
         if sim.peak_bytes <= budget_bytes:
             if incumbent is None or sim.extra_cost < incumbent[1].extra_cost:
-                incumbent = (drops, sim)
-            slack = cost_unit * (len(st.sizes) + 1)  # rounding of costs to the unit
+                incumbent = (dec, sim)
+            slack = cost_unit * (len(st.sizes) + len(parts) + 1)  # rounding of costs to the unit
             if code == cp_model.OPTIMAL and relaxed and sim.extra_cost <= lower_bound + slack:
                 status_final = "optimal"
             break
-        over = sim_over(problem, sim) - budget_bytes
+        over = sim_over(parted, sim) - budget_bytes
         bad = np.nonzero(over > 0)[0]
         new = [int(i) for i in bad if i not in set(active) and req[i] > 0]
         if new and terms < MAX_TERMS:
@@ -215,21 +261,21 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             relaxed = False
             # Ask for more bytes away at each op still over: what this solution frees there
             # (at most its coverage) plus the excess.
-            freed = coverage_of(st, chosen, problem.num_ops)
+            freed = coverage_of(st, chosen, problem.num_ops) + sum(
+                (parts[j].savings for j, v in enumerate(y) if solver.Value(v)), np.zeros(problem.num_ops, np.int64))
             for i in bad.tolist():
                 want = int(freed[i]) + int(over[i])
                 extra_req[i] = max(extra_req.get(i, 0), want - int(req[i]))
                 if i not in active:
                     active.append(i)
     stats = {"rounds": rounds, "modelled_ops": len(active), "binding_ops": int(len(ops_all)),
-             "candidates": int(len(st.sizes)), "scaling": scale_note}
+             "candidates": int(len(st.sizes)), "partition_options": len(parts), "scaling": scale_note}
     if incumbent is None:
         return Decisions(lower_bound=lower_bound, notes=notes + ["CP-SAT found no plan the simulator accepts"],
                          stats=stats)
-    drops, sim = incumbent
-    notes.append(scale_note)
-    return Decisions(drops=drops, status=status_final or "feasible", objective=sim.extra_cost,
-                     lower_bound=lower_bound, notes=notes, stats=stats)
+    dec, sim = incumbent
+    return Decisions(drops=dec.drops, partitions=dec.partitions, status=status_final or "feasible",
+                     objective=sim.extra_cost, lower_bound=lower_bound, notes=notes + [scale_note], stats=stats)
 
 
 def coverage_of(st: Structure, chosen: np.ndarray, n: int) -> np.ndarray:
@@ -261,10 +307,25 @@ def _add_rebuild_constraints(problem, st: Structure, model, x, budget: int, over
         model.Add(sum(int(st.sizes[j]) * x[j] for j in cover.tolist()) >= excess).OnlyEnforceIf(x[k])
 
 
-def _build(problem, st: Structure, active, req, extra_req, budget, cost_unit):
+def _build(problem, st: Structure, parts: list[PartOption], active, req, extra_req, budget, cost_unit):
     model = cp_model.CpModel()
     C = len(st.sizes)
     x = [model.NewBoolVar(f"x{k}") for k in range(C)]
+    y = [model.NewBoolVar(f"y{j}") for j in range(len(parts))]
+    # [Constraint] partitions: one chunk count per module, never a module and one inside it,
+    # and a partitioned module's insides are not dropped on their own.
+    by_module: dict[str, list[int]] = {}
+    for j, po in enumerate(parts):
+        by_module.setdefault(po.span.module, []).append(j)
+    mods = sorted(by_module)
+    for i1, m1 in enumerate(mods):
+        for m2 in mods[i1 + 1:]:
+            if m2.startswith(m1 + "."):
+                model.AddAtMostOne([y[j] for j in by_module[m1] + by_module[m2]])
+        model.AddAtMostOne([y[j] for j in by_module[m1]])
+    for j, po in enumerate(parts):
+        for k in po.internal.tolist():
+            model.AddImplication(y[j], x[k].Not())
     # [Constraint] at most one gap option per tensor.
     alts: dict[int, list[int]] = {}
     for k, c in enumerate(st.cand.tolist()):
@@ -281,7 +342,8 @@ def _build(problem, st: Structure, active, req, extra_req, budget, cost_unit):
                 rerun[p] = model.NewBoolVar(f"r{p}")
             model.AddImplication(x[k], rerun[p])
     costs = {p: int(math.floor(problem.op_cost[p] / cost_unit)) for p in rerun}
-    objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0)
+    objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0) + sum(
+        int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts))
     model.Minimize(objective)
 
     # Byte scaling: divide by the GCD; if still large, round sizes up to a unit (relaxation).
@@ -291,7 +353,7 @@ def _build(problem, st: Structure, active, req, extra_req, budget, cost_unit):
         g = math.gcd(g, int(s))
     g = max(g, 1)
     unit = g
-    biggest = max(int(st.sizes.max()), max(reqs.values()))
+    biggest = max(int(st.sizes.max()) if len(st.sizes) else 1, max(reqs.values()))
     if biggest // unit > 2**40:
         unit = max(g, biggest >> 40)
     sizes = [-(-int(s) // unit) for s in st.sizes.tolist()]
@@ -328,6 +390,7 @@ def _build(problem, st: Structure, active, req, extra_req, budget, cost_unit):
                     elif c in cov_set:
                         pass  # c is never brought back early, so rebuilding it happens after i
         need = -(-reqs[i] // unit)
-        model.Add(sum(sizes[k] * away[k] for k in cover) >= need)
+        part_terms = [(-(-int(po.savings[i]) // unit)) * y[j] for j, po in enumerate(parts) if po.savings[i] > 0]
+        model.Add(sum(sizes[k] * away[k] for k in cover) + sum(part_terms) >= need)
         terms += len(cover)
-    return model, x, objective, note, terms
+    return model, x, y, objective, note, terms

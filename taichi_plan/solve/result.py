@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
-from ..simulate import Drop, SimResult, build_schedule, simulate
+from ..simulate import Drop, SimResult, build_schedule, simulate_plan
 from ..units import format_bytes
 
 
@@ -28,8 +31,8 @@ class Decisions:
 
 
 def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Decisions,
-              wall_s: float, seed: int, sim: SimResult | None = None, with_schedule: bool = True) -> Plan:
-    sim = sim or simulate(problem, dec.drops)
+              wall_s: float, seed: int, with_schedule: bool = True) -> Plan:
+    sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
     base_peak, base_op = problem.baseline_peak
     fits = budget_bytes is None or sim.peak_bytes <= budget_bytes
     status = "infeasible" if not fits else (dec.status or "feasible")
@@ -75,10 +78,11 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "step_compute": sim.step_cost,
             "cost_unit": unit,
             "recompute_ops": sim.recompute_ops,
+            "partition_compute": sim.partition_cost,
         },
         recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
-        partitions=list(dec.partitions),
-        schedule=build_schedule(problem, dec.drops) if with_schedule else None,
+        partitions=[_partition(problem, p, unit) for p in dec.partitions],
+        schedule=build_schedule(parted, dec.drops) if with_schedule else None,
     )
 
 
@@ -98,6 +102,17 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
     return Recompute(tensor=int(problem.tensor_id[t]), op=p, op_name=problem.op_name[p],
                      module=problem.op_module[p], nbytes=nb, free_after=d.free_after,
                      remat_before=d.remat_before, why=why)
+
+
+def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
+    span = next(s for s in module_spans(problem) if s.module == part.module)
+    saved = partition_savings(problem, span, part.chunks)
+    i = int(np.argmax(saved))
+    unit_s = "s" if unit == "s" else " cost units"
+    why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) by running {part.module} on {part.chunks} "
+           f"chunks of the batch; re-running its forward and the extra launches cost "
+           f"{partition_cost(problem, span, part.chunks):.3g}{unit_s}")
+    return Partition(part.module, part.dim, part.chunks, why)
 
 
 def drops_from_plan(problem: Problem, plan: Plan) -> list[Drop]:

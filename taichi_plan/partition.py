@@ -1,0 +1,239 @@
+"""Tensor partition: run a module on ``k`` chunks of its input (MegTaiChi's second lever).
+
+What the simulator models for a partitioned module ``m`` (called once per step, with a
+contiguous forward span and a contiguous backward span in the trace):
+
+* each chunk runs checkpointed, so the module keeps only its inputs across the step;
+* tensors made and freed inside the forward span (its transients) shrink to 1/k;
+* tensors made in the forward span and used only inside the module (saved for its own
+  backward) shrink to 1/k, are freed after their last forward use, and come back at 1/k
+  for the module's backward span (the chunk's forward is re-run there);
+* tensors made and freed inside the backward span shrink to 1/k;
+* the module's outputs (read outside it) and everything else keep their size;
+* extra compute: the module's forward once more, plus a launch overhead per op per chunk.
+
+A module qualifies along dim 0 (the batch) when none of its ops mixes samples: no batch
+norm, and every tensor it makes has a leading size that is a multiple of the batch.
+Imported graphs have no modules and are never partitioned.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import PlanError
+from .problem import Problem
+
+MIXES_BATCH = ("batch_norm", "native_batch_norm", "_batch_norm", "cudnn_batch_norm", "group_norm_backward")
+DEFAULT_LAUNCH_S = 1e-5
+CHUNK_CHOICES = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Span:
+    module: str
+    fwd: tuple[int, int]
+    bwd: tuple[int, int]
+    batch: int
+
+
+def _under(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def module_spans(problem: Problem) -> list[Span]:
+    """Modules that can be partitioned along dim 0, with their forward and backward spans."""
+    names = problem.op_module
+    phases = np.asarray(problem.op_phase)
+    fqns: set[str] = set()
+    for m in set(names):
+        parts = m.split(".") if m else []
+        for i in range(1, len(parts) + 1):
+            fqns.add(".".join(parts[:i]))
+    batch = _batch_size(problem)
+    if not batch:
+        return []
+    shapes = problem.trace.tensors["shape"].tolist()
+    out = []
+    for m in sorted(fqns):
+        mask = np.fromiter((_under(x, m) for x in names), dtype=bool, count=len(names))
+        f = np.nonzero(mask & (phases == "forward"))[0]
+        b = np.nonzero(mask & (phases == "backward"))[0]
+        if len(f) < 2 or len(b) < 1:
+            continue
+        if f[-1] - f[0] + 1 != len(f) or b[-1] - b[0] + 1 != len(b):
+            continue  # called more than once, or interleaved: not modelled
+        if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
+            continue
+        made = np.nonzero((problem.start >= f[0]) & (problem.start <= f[-1]) & ~problem.initial)[0]
+        ok = True
+        for t in made.tolist():
+            if problem.kind[t] not in ("activation", "temporary") or _constant(problem, t):
+                continue
+            shp = shapes[t]
+            if len(shp) == 0 or shp[0] < batch or shp[0] % batch:
+                ok = False
+                break
+        if ok:
+            out.append(Span(m, (int(f[0]), int(f[-1])), (int(b[0]), int(b[-1])), batch))
+    return out
+
+
+def _constant(problem: Problem, t: int) -> bool:
+    """Made from parameters, buffers or nothing (masks, scalars): no batch in it, not split."""
+    p = problem.producer[t]
+    if p < 0:
+        return False
+    return all(problem.kind[u] in ("parameter", "buffer") for u in problem.op_reads[p].tolist())
+
+
+def _batch_size(problem: Problem) -> int | None:
+    wl = problem.trace.meta.get("workload") or {}
+    args = wl.get("args") or {}
+    b = args.get("batch")
+    return int(b) if isinstance(b, int) and b > 1 else None
+
+
+def launch_overhead_s(problem: Problem) -> float:
+    name = problem.trace.meta.get("device_profile")
+    if name:
+        try:
+            from .devices import get_profile
+
+            return float(get_profile(name).launch_overhead_s)
+        except Exception:  # noqa: BLE001 - an unknown profile name in an old trace
+            pass
+    return DEFAULT_LAUNCH_S
+
+
+def partition_cost(problem: Problem, span: Span, chunks: int) -> float:
+    f0, f1 = span.fwd
+    b0, b1 = span.bwd
+    n_ops = (f1 - f0 + 1) + (b1 - b0 + 1)
+    return float(problem.op_cost[f0:f1 + 1].sum()) + chunks * n_ops * launch_overhead_s(problem)
+
+
+def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(forward transients, saved-internal, backward transients) tensor indices of ``span``."""
+    f0, f1 = span.fwd
+    b0, b1 = span.bwd
+    kinds_ok = np.isin(problem.kind, ("activation", "temporary")) & ~problem.initial & ~problem.persists
+    made_f = kinds_ok & (problem.start >= f0) & (problem.start <= f1)
+    made_b = kinds_ok & (problem.start >= b0) & (problem.start <= b1) & (problem.end <= b1)
+    const = np.fromiter((_constant(problem, t) for t in range(len(problem.nbytes))), dtype=bool,
+                        count=len(problem.nbytes)) if (made_f.any() or made_b.any()) else made_f
+    made_f &= ~const
+    made_b &= ~const
+    f_trans = np.nonzero(made_f & (problem.end <= f1))[0]
+    later = np.nonzero(made_f & (problem.end > f1))[0]
+    saved = np.asarray([t for t in later.tolist()
+                        if np.all(((problem.uses[t] >= f0) & (problem.uses[t] <= f1))
+                                  | ((problem.uses[t] >= b0) & (problem.uses[t] <= b1)))], dtype=np.int64)
+    b_trans = np.nonzero(made_b)[0]
+    return f_trans, saved, b_trans
+
+
+def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, float]:
+    """A problem with the partitions applied (see the module docstring), and their cost.
+    ``drops`` may not touch a partitioned module's internal tensors."""
+    if not partitions:
+        return problem, 0.0
+    if len({p.module for p in partitions}) != len(partitions):
+        raise PlanError("The plan partitions the same module twice.")
+    names = [p.module for p in partitions]
+    for x in names:
+        for y in names:
+            if x != y and _under(y, x):
+                raise PlanError(f"The plan partitions both {x!r} and {y!r}, which is inside it; keep one.")
+    spans = {s.module: s for s in module_spans(problem)}
+    nbytes = problem.nbytes.copy()
+    end = problem.end.copy()
+    new_t, new_s, new_e = [], [], []
+    cost = 0.0
+    internal: set[int] = set()
+    for part in partitions:
+        span = spans.get(part.module)
+        if span is None or part.dim != 0:
+            raise PlanError(
+                f"The plan partitions module {part.module!r} along dim {part.dim}, but that module is not "
+                "independent along it in this trace (or is not in it). Partition only modules that "
+                "`taichi-plan solve` proposes; the plan may be for another trace."
+            )
+        k = int(part.chunks)
+        if k < 2 or k > span.batch:
+            raise PlanError(f"The plan splits {part.module!r} into {k} chunks; use 2..{span.batch}.")
+        f_trans, saved, b_trans = internal_tensors(problem, span)
+        for arr in (f_trans, saved, b_trans):
+            nbytes[arr] = -(-problem.nbytes[arr] // k)
+            internal.update(arr.tolist())
+        for t in saved.tolist():
+            last_fwd = problem.uses[t][problem.uses[t] <= span.fwd[1]]
+            end[t] = int(last_fwd[-1]) if len(last_fwd) else int(problem.start[t])
+            new_t.append(t)
+            new_s.append(span.bwd[0])
+            new_e.append(int(min(problem.end[t], span.bwd[1])))
+        cost += partition_cost(problem, span, k)
+    clash = [d.tensor for d in drops if d.tensor in internal]
+    if clash:
+        raise PlanError(
+            f"The plan both drops tensor {int(problem.tensor_id[clash[0]])} and partitions the module that "
+            "makes and uses it; a partitioned module already recomputes its insides."
+        )
+    extra = np.asarray(new_t, dtype=np.int64)
+    keep = np.fromiter((int(t) not in internal for t in problem.candidates.tolist()), dtype=bool,
+                       count=len(problem.candidates))
+    empty = np.zeros(0, dtype=np.int64)
+    out = dataclasses.replace(
+        problem,
+        tensor_id=np.concatenate([problem.tensor_id, -1 - problem.tensor_id[extra]]),
+        nbytes=np.concatenate([nbytes, nbytes[extra]]),
+        kind=np.concatenate([problem.kind, problem.kind[extra]]),
+        producer=np.concatenate([problem.producer, np.full(len(extra), -1, dtype=np.int64)]),
+        start=np.concatenate([problem.start, np.asarray(new_s, dtype=np.int64)]),
+        end=np.concatenate([end, np.asarray(new_e, dtype=np.int64)]),
+        uses=problem.uses + [empty] * len(extra),
+        rematerializable=np.concatenate([problem.rematerializable, np.zeros(len(extra), dtype=bool)]),
+        rebuild_ops=problem.rebuild_ops + [empty] * len(extra),
+        remat_deadline=np.concatenate([problem.remat_deadline, np.zeros(len(extra), dtype=np.int64)]),
+        initial=np.concatenate([problem.initial, np.zeros(len(extra), dtype=bool)]),
+        persists=np.concatenate([problem.persists, np.zeros(len(extra), dtype=bool)]),
+        candidates=problem.candidates[keep],
+        cand_free_after=problem.cand_free_after[keep],
+        cand_remat_before=problem.cand_remat_before[keep],
+        cand_early_remat=problem.cand_early_remat[keep],
+    )
+    out.baseline_live = _live(out)
+    return out, cost
+
+
+def _live(problem: Problem) -> np.ndarray:
+    n = problem.num_ops
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, problem.start, problem.nbytes)
+    np.add.at(delta, problem.end + 1, -problem.nbytes)
+    return np.cumsum(delta)[:n]
+
+
+def partition_savings(problem: Problem, span: Span, chunks: int) -> np.ndarray:
+    """Bytes the partition frees at each op (baseline minus partitioned live bytes)."""
+    from .plan import Partition
+
+    part, _ = apply_partitions(problem, [Partition(span.module, 0, chunks)])
+    return problem.baseline_live - part.baseline_live
+
+
+def floor_bytes(problem: Problem) -> np.ndarray:
+    """Bytes that must be live during each op under any plan: everything droppable dropped
+    and every partitionable module at its most chunks (their savings summed, an overcount
+    where modules nest, so this stays a lower bound)."""
+    from .problem import min_live_bytes
+
+    floor = min_live_bytes(problem).astype(np.int64)
+    for span in module_spans(problem):
+        k = max((c for c in CHUNK_CHOICES if c <= span.batch), default=0)
+        if k >= 2:
+            floor = floor - np.maximum(partition_savings(problem, span, k), 0)
+    return floor

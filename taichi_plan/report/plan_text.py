@@ -1,0 +1,380 @@
+"""What a plan holds and why, as JSON-ready data (``plan_summary``) and as 80-column text
+(``render_plan_summary``). ``taichi-plan inspect PLAN.plan.json`` prints one or the other
+(``inspect_plan``), and with ``--png`` also draws the memory timeline
+(:mod:`taichi_plan.report.timeline`).
+
+The plan alone knows its budget, the simulator's prediction, the solver's status and
+every decision. The trace it was solved for adds op names and modules, the per-module
+table (which needs the simulator's recompute groups) and the timeline; when that trace is
+gone or has changed, everything the plan alone knows is still shown and the report says
+what is missing.
+"""
+
+from __future__ import annotations
+
+import json
+import textwrap
+from collections import defaultdict
+from pathlib import Path
+
+from ..errors import PlanError, TraceError, UsageError
+from ..plan import Plan, load_plan, peak_from_schedule
+from ..problem import Problem, build_problem
+from ..simulate import SimResult, simulate
+from ..solve.result import drops_from_plan
+from ..trace import Trace, read_trace
+from ..units import format_bytes
+from .trace_text import WIDTH, _cost, _cut
+
+TOP_DECISIONS = 10
+TOP_MODULES = 20
+NEEDS = "the timeline and per-module table need it"
+
+
+# ---------------------------------------------------------------------------------------------
+# Finding the trace
+# ---------------------------------------------------------------------------------------------
+
+
+def locate_trace(plan: Plan, plan_path: str | Path | None = None) -> tuple[Trace | None, dict]:
+    """Read the trace ``plan.trace['path']`` names and check it is the one the plan was
+    solved for. Returns ``(trace or None, status)``; ``status`` has ``state`` (``found``,
+    ``missing``, ``changed``, ``unreadable`` or ``no_path``), ``path`` and ``message``
+    (what is missing, or None). A relative path that does not exist from the current
+    directory is also tried relative to the plan file's directory.
+    """
+    raw = plan.trace.get("path")
+    if not raw:
+        return None, {"state": "no_path", "path": None,
+                      "message": f"the plan names no trace path: {NEEDS}"}
+    p = Path(raw)
+    if not p.exists() and not p.is_absolute() and plan_path is not None:
+        beside = Path(plan_path).parent / p
+        if beside.exists():
+            p = beside
+    if not p.exists():
+        return None, {"state": "missing", "path": raw, "message": f"trace not found at {raw}: {NEEDS}"}
+    try:
+        trace = read_trace(p)
+    except TraceError as e:
+        return None, {"state": "unreadable", "path": str(p),
+                      "message": f"trace at {p} cannot be read ({e}): {NEEDS}"}
+    want, got = plan.trace.get("content_hash"), trace.content_hash()
+    if want and got != want:
+        return None, {"state": "changed", "path": str(p),
+                      "message": (f"trace at {p} has changed since the plan was solved (content hash "
+                                  f"{got[:12]}, the plan's is {str(want)[:12]}): {NEEDS}, with the "
+                                  "trace the plan was solved for")}
+    return trace, {"state": "found", "path": str(p), "message": None}
+
+
+def resimulate(problem: Problem, plan: Plan) -> tuple[SimResult, Problem]:
+    """The simulator's verdict on ``plan``: ``(result, problem it describes)``, the second
+    being ``problem`` with the plan's partitions applied (when the simulator models
+    partitions; else ``problem``). A :class:`PlanError` if the plan does not apply."""
+    try:
+        drops = drops_from_plan(problem, plan)
+    except KeyError as e:  # Problem.index_of: a tensor id the trace does not have
+        raise PlanError(f"The plan drops tensor {e.args[0]}, which the trace does not have; "
+                        "the plan was made for another trace.") from e
+    from .. import simulate as sim_mod
+
+    if hasattr(sim_mod, "simulate_plan"):
+        return sim_mod.simulate_plan(problem, drops, list(plan.partitions))
+    return simulate(problem, drops), problem
+
+
+def _partition_costs(problem: Problem, plan: Plan, total: float) -> dict[str, float]:
+    """Extra compute of each partitioned module (its forward re-run and launches), summing
+    to ``total``; what cannot be attributed goes to '(partitions)'."""
+    out: dict[str, float] = {}
+    if not plan.partitions or total == 0:
+        return out
+    try:
+        from ..partition import module_spans, partition_cost
+
+        spans = {sp.module: sp for sp in module_spans(problem)}
+        for part in plan.partitions:
+            out[part.module] = out.get(part.module, 0.0) + float(partition_cost(problem, spans[part.module], part.chunks))
+    except (ImportError, KeyError, TypeError, AttributeError):
+        out = {}
+    rest = total - sum(out.values())
+    if abs(rest) > 1e-9 * max(1.0, abs(total)):
+        out = {"(partitions)": total} if not out else {**out, "(partitions)": rest}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathering
+# ---------------------------------------------------------------------------------------------
+
+
+def _op_info(problem: Problem | None, op: int | None) -> dict:
+    if problem is None or op is None or not (0 <= op < problem.num_ops):
+        return {"op": None, "module": None, "phase": None}
+    return {"op": problem.op_name[op], "module": problem.op_module[op], "phase": problem.op_phase[op]}
+
+
+def module_table(problem: Problem, plan: Plan, sim: SimResult, parted: Problem | None = None) -> list[dict]:
+    """Per module FQN ('' shown as '(none)'): tensors dropped and bytes freed (the plan's
+    decisions, by their producer's module) and extra compute (each re-run op of every
+    recompute group charged to that op's module, each partition's cost to its module).
+    ``parted`` is the problem ``sim`` describes (partitions applied), default ``problem``.
+    Sorted by bytes freed, then extra."""
+    parted = parted or problem
+    rows: dict[str, dict] = defaultdict(lambda: {"tensors_dropped": 0, "nbytes_freed": 0,
+                                                 "extra_compute": 0.0, "ops_rerun": 0})
+    for r in plan.recompute:
+        row = rows[r.module or ""]
+        row["tensors_dropped"] += 1
+        row["nbytes_freed"] += int(r.nbytes)
+    for g in sim.groups.values():
+        for op in g.ops:
+            row = rows[parted.op_module[op] or ""]
+            row["extra_compute"] += float(parted.op_cost[op])
+            row["ops_rerun"] += 1
+    for module, c in _partition_costs(problem, plan, float(getattr(sim, "partition_cost", 0.0))).items():
+        rows[module]["extra_compute"] += c
+    step = problem.step_cost
+    out = []
+    for module, row in rows.items():
+        pct = 100.0 * row["extra_compute"] / step if step > 0 else 0.0
+        out.append({"module": module or "(none)", **row, "extra_compute_pct": pct})
+    out.sort(key=lambda r: (-r["nbytes_freed"], -r["extra_compute"], r["module"]))
+    return out
+
+
+def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None = None,
+                 plan_path: str | Path | None = None, problem: Problem | None = None,
+                 sim: SimResult | None = None) -> dict:
+    """Every fact ``inspect`` shows about ``plan``, as a dict of plain JSON values.
+
+    ``trace`` is the trace the plan was solved for, or None; ``trace_status`` is what
+    :func:`locate_trace` said (derived when not given). ``problem`` may be passed to avoid
+    rebuilding it; ``sim`` too, when the plan has no partitions.
+    """
+    if trace_status is None:
+        if trace is None:
+            trace_status = {"state": "missing", "path": plan.trace.get("path"),
+                            "message": f"no trace given: {NEEDS}"}
+        else:
+            trace_status = {"state": "found", "path": str(trace.path) if trace.path else None,
+                            "message": None}
+    pred, solver = plan.predicted, plan.solver
+    if trace is not None and problem is None:
+        problem = build_problem(trace)
+    parted = problem
+    if problem is not None and sim is None:
+        try:
+            sim, parted = resimulate(problem, plan)
+        except PlanError as e:
+            where = trace_status.get("path")
+            trace_status = {**trace_status, "state": "mismatch",
+                            "message": f"the plan's decisions do not apply to the trace at {where} ({e}): {NEEDS}"}
+            problem = None
+    t = plan.trace
+    summary: dict = {
+        "plan_path": str(plan_path) if plan_path is not None else None,
+        "format_version": plan.format_version,
+        "trace": {
+            "name": t.get("name"), "path": t.get("path"), "content_hash": t.get("content_hash"),
+            "signature": t.get("signature"), "num_ops": t.get("num_ops"), "workload": t.get("workload"),
+            "found": trace_status["state"] == "found" and problem is not None,
+            "state": trace_status["state"], "read_from": trace_status.get("path"),
+            "message": trace_status.get("message"),
+        },
+        "budget_bytes": plan.budget_bytes,
+        "baseline_peak": {"nbytes": pred.get("baseline_peak_bytes"), "op_id": pred.get("baseline_peak_op"),
+                          **_op_info(problem, pred.get("baseline_peak_op"))},
+        "planned_peak": {"nbytes": pred.get("planned_peak_bytes"), "op_id": pred.get("planned_peak_op"),
+                         "in_recompute": bool(pred.get("planned_peak_in_recompute")),
+                         **_op_info(problem, pred.get("planned_peak_op"))},
+        "extra_compute": {"cost": pred.get("extra_compute"), "pct_of_step": pred.get("extra_compute_pct"),
+                          "step": pred.get("step_compute"), "unit": pred.get("cost_unit", "s"),
+                          "ops_rerun": pred.get("recompute_ops")},
+        "solver": {k: solver.get(k) for k in ("method", "status", "objective", "lower_bound", "gap",
+                                              "wall_s", "seed", "notes")},
+    }
+    base, planned = summary["baseline_peak"]["nbytes"], summary["planned_peak"]["nbytes"]
+    summary["planned_peak"]["pct_of_baseline"] = 100.0 * planned / base if base and planned is not None else None
+
+    order = sorted(plan.recompute, key=lambda r: (-int(r.nbytes), int(r.tensor)))
+    summary["decisions"] = {
+        "tensors_dropped": len(plan.recompute),
+        "nbytes_freed": int(sum(int(r.nbytes) for r in plan.recompute)),
+        "top": [{"tensor": r.tensor, "op": r.op, "op_name": r.op_name, "module": r.module,
+                 "nbytes": int(r.nbytes), "free_after": r.free_after, "remat_before": r.remat_before,
+                 "why": r.why} for r in order[:TOP_DECISIONS]],
+    }
+    summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "why": p.why}
+                             for p in plan.partitions]
+    summary["schedule_peak_bytes"] = peak_from_schedule(plan.schedule)[0] if plan.schedule else None
+    summary["modules"] = module_table(problem, plan, sim, parted) if problem is not None else None
+    summary["resimulated"] = None
+    if problem is not None:
+        summary["resimulated"] = {
+            "peak_bytes": sim.peak_bytes, "peak_op": sim.peak_op, "extra_compute": sim.extra_cost,
+            "agrees": (sim.peak_bytes == planned
+                       and abs(sim.extra_cost - (pred.get("extra_compute") or 0.0))
+                       <= 1e-9 * max(1.0, abs(sim.extra_cost))),
+        }
+    return summary
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+# ---------------------------------------------------------------------------------------------
+
+
+def _where(p: dict) -> str:
+    if p["op_id"] is None or p["op_id"] < 0:
+        return ""
+    at = f"in the recompute group before op {p['op_id']}" if p.get("in_recompute") else f"during op {p['op_id']}"
+    if p.get("op"):
+        at += f" ({p['op']}" + (f", {p['module']}" if p.get("module") else "") + f", {p['phase']})"
+    return at
+
+
+def _cut_left(text: str, width: int) -> str:
+    """``text`` cut to ``width`` from the left: a module FQN keeps its most specific end."""
+    return text if len(text) <= width else "…" + text[len(text) - width + 1:]
+
+
+def _wrap(text: str, indent: str) -> list[str]:
+    """``text`` wrapped to the width, first line after ``indent`` (e.g. a field label), the
+    others aligned under it."""
+    rest = " " * len(indent)
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False) or [indent.rstrip()]
+
+
+def render_plan_summary(summary: dict, units: str | None = None) -> str:
+    """The summary as text for an 80-column terminal; ``units`` is GB, GiB, MB, MiB or None
+    (auto, decimal). Paths are never cut: a path longer than a line gets a line of its own."""
+    unit = units or "auto"
+
+    def size(b) -> str:
+        return "-" if b is None else format_bytes(b, unit)
+
+    s = summary
+    t, x, sv = s["trace"], s["extra_compute"], s["solver"]
+    cu = x["unit"] or "s"
+
+    def cost(v) -> str:
+        return "-" if v is None else _cost(float(v), cu)
+
+    lines = _wrap(f"Plan for {t['name'] or '-'}", "")
+    if s.get("plan_path"):
+        lines += _wrap(str(s["plan_path"]), f"  {'file':<10} ")
+    if t["found"]:
+        lines += _wrap(f"{t['read_from']} (found; content hash matches the plan)", f"  {'trace':<10} ")
+    else:
+        lines += _wrap(f"{t['path'] or '-'} ({t['state']})", f"  {'trace':<10} ")
+    lines.append(f"  {'ops':<10} {t['num_ops']}    signature {t['signature']}")
+    lines.append(f"  {'budget':<10} {size(s['budget_bytes'])}" +
+                 (f" ({s['budget_bytes']:,} bytes)" if s["budget_bytes"] is not None else " (none)"))
+    b, p = s["baseline_peak"], s["planned_peak"]
+    lines += _wrap(f"peak {size(b['nbytes'])} {_where(b)}", f"  {'baseline':<10} ")
+    pct = f", {p['pct_of_baseline']:.1f}% of baseline" if p.get("pct_of_baseline") is not None else ""
+    lines += _wrap(f"peak {size(p['nbytes'])}{pct} {_where(p)}", f"  {'planned':<10} ")
+    xp = f"{x['pct_of_step']:.2f}%" if x["pct_of_step"] is not None else "-"
+    lines += _wrap(f"{cost(x['cost'])} of compute, {xp} of the step's {cost(x['step'])} "
+                   f"({x['ops_rerun']} ops re-run, {s['decisions']['tensors_dropped']} tensors dropped)",
+                   f"  {'extra':<10} ")
+    gap = f"{100 * sv['gap']:.2f}%" if sv["gap"] is not None else "-"
+    wall = f"{sv['wall_s']:.2f} s" if sv["wall_s"] is not None else "-"
+    lines += _wrap(f"{sv['method']}: {sv['status']}, lower bound {cost(sv['lower_bound'])}, gap {gap}, "
+                   f"wall {wall}, seed {sv['seed']}", f"  {'solver':<10} ")
+    for i, note in enumerate(sv.get("notes") or []):
+        lines += _wrap(str(note), f"  {'notes' if i == 0 else '':<10} ")
+    if t["message"]:
+        lines.append("")
+        lines += _wrap(f"Note: {t['message']}.", "")
+    sp = s.get("schedule_peak_bytes")
+    if sp is not None and p["nbytes"] is not None and sp != p["nbytes"]:
+        lines.append("")
+        lines += _wrap(f"Warning: the plan's own schedule peaks at {size(sp)}, not at the predicted "
+                       f"{size(p['nbytes'])}; the plan file is inconsistent. Solve the trace again.", "")
+    r = s.get("resimulated")
+    if r and not r["agrees"]:
+        lines.append("")
+        lines += _wrap(f"Warning: the simulator now predicts peak {size(r['peak_bytes'])} and extra "
+                       f"{cost(r['extra_compute'])} for this plan, not what the plan file says; "
+                       "solve the trace again.", "")
+
+    d = s["decisions"]
+    lines.append("")
+    head = f"Recompute decisions: {d['tensors_dropped']} tensors dropped, {size(d['nbytes_freed'])} freed"
+    if d["tensors_dropped"] > len(d["top"]):
+        head += f"; the {len(d['top'])} largest:"
+    lines.append(head if d["tensors_dropped"] else "Recompute decisions: none (every tensor is kept)")
+    if d["top"]:
+        lines.append(f"  {'tensor':>7} {'bytes':>10}  {'free..remat':<12} op (module), then why")
+    for row in d["top"]:
+        where = row["op_name"] + (f" in {row['module']}" if row["module"] else "")
+        span = f"{row['free_after']}..{row['remat_before']}"
+        lines += _wrap(where, f"  {row['tensor']:>7} {size(row['nbytes']):>10}  {span:<12} ")
+        lines += _wrap(row["why"], " " * 10)
+
+    if s["partitions"]:
+        lines.append("")
+        lines.append(f"Partitions: {len(s['partitions'])}")
+        lines.append(f"  {'module':<40} {'dim':>4} {'chunks':>7}")
+        for q in s["partitions"]:
+            lines.append(f"  {_cut(q['module'] or '(none)', 40):<40} {q['dim']:>4} {q['chunks']:>7}")
+            if q["why"]:
+                lines += _wrap(q["why"], " " * 6)
+
+    if s["modules"] is not None:
+        lines.append("")
+        lines.append("Per module (extra compute: each re-run op charged to its own module)")
+        lines.append(f"  {'module':<30} {'dropped':>7} {'freed':>11} {'extra':>15} {'% step':>8}")
+        for m in s["modules"][:TOP_MODULES]:
+            lines.append(f"  {_cut_left(m['module'], 30):<30} {m['tensors_dropped']:>7} {size(m['nbytes_freed']):>11} "
+                         f"{_cut(cost(m['extra_compute']), 15):>15} {m['extra_compute_pct']:>7.2f}%")
+        if len(s["modules"]) > TOP_MODULES:
+            lines.append(f"  ... {len(s['modules']) - TOP_MODULES} more modules (all of them with --json)")
+        tot_x = sum(m["extra_compute"] for m in s["modules"])
+        lines.append(f"  {'total':<30} {d['tensors_dropped']:>7} {size(d['nbytes_freed']):>11} "
+                     f"{_cut(cost(tot_x), 15):>15} {(x['pct_of_step'] or 0.0):>7.2f}%")
+    elif not t["found"]:
+        lines.append("")
+        lines.append("Per module: not shown, the trace is needed (see the note above).")
+    return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# The command's work
+# ---------------------------------------------------------------------------------------------
+
+
+def inspect_plan(path: str | Path, as_json: bool = False, units: str | None = None,
+                 png: str | Path | None = None, force: bool = False) -> str:
+    """What ``taichi-plan inspect PLAN.plan.json`` prints; with ``png`` also writes the
+    timeline there (refusing an existing file unless ``force``) and says so."""
+    from ..atomic import check_output
+
+    if png is not None:
+        check_output(png, force, what="PNG file")
+    plan = load_plan(path)
+    trace, status = locate_trace(plan, path)
+    problem = build_problem(trace) if trace is not None else None
+    summary = plan_summary(plan, trace, trace_status=status, plan_path=path, problem=problem)
+    wrote = None
+    if png is not None:
+        if not summary["trace"]["found"]:
+            raise UsageError(f"Cannot draw the timeline of {str(path)!r}: {summary['trace']['message']}. "
+                             "Put the trace back at that path, or record or import it again and solve again.")
+        from .timeline import timeline_data, write_timeline_png
+
+        wrote = write_timeline_png(timeline_data(problem, plan), png, units=units, force=force)
+    if as_json:
+        if wrote is not None:
+            summary["timeline_png"] = str(wrote)
+        return json.dumps(summary, indent=1, ensure_ascii=False) + "\n"
+    text = render_plan_summary(summary, units)
+    return text + (f"Wrote {wrote}\n" if wrote is not None else "")
+
+
+__all__ = ["inspect_plan", "locate_trace", "module_table", "plan_summary", "render_plan_summary",
+           "resimulate"]
