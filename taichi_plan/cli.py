@@ -25,7 +25,8 @@ def handle_errors(fn):
         try:
             return fn(*args, **kwargs)
         except TaichiError as e:
-            msg = textwrap.fill(str(e), width=88) if "\n" not in str(e) else str(e)
+            msg = str(e) if "\n" in str(e) else textwrap.fill(
+                str(e), width=88, break_on_hyphens=False, break_long_words=False)
             click.echo(f"Error: {msg}", err=True)
             sys.exit(e.exit_code)
 

@@ -79,7 +79,15 @@ class Problem:
         return int(self.baseline_live[i]), i
 
     def index_of(self, tensor_id: int) -> int:
-        return self._index[int(tensor_id)]
+        try:
+            return self._index[int(tensor_id)]
+        except KeyError:
+            from .errors import PlanError
+
+            raise PlanError(
+                f"The plan names tensor {tensor_id}, which this trace does not have: the plan was "
+                "made for another trace. Solve this trace again."
+            ) from None
 
     def __post_init__(self):
         self._index = {int(t): i for i, t in enumerate(self.tensor_id.tolist())}

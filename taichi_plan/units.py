@@ -79,3 +79,15 @@ def unit_scale(unit: str) -> tuple[float, str]:
         raise BudgetError(f"Unknown unit {unit!r}; use one of GB, GiB, MB, MiB.")
     label = unit.upper() if key in _DECIMAL else key[:-2] + "iB"
     return float(_UNITS[key]), label
+
+
+def format_cost(cost: float, unit: str = "s") -> str:
+    """Compute cost for people: seconds as s/ms/us; imported graphs' abstract units as is."""
+    if unit != "s":
+        return f"{cost:.4g} units"
+    a = abs(cost)
+    if a >= 1 or a == 0:
+        return f"{cost:.3g} s"
+    if a >= 1e-3:
+        return f"{cost * 1e3:.3g} ms"
+    return f"{cost * 1e6:.3g} us"

@@ -13,7 +13,7 @@ from ..plan import save_plan
 from ..problem import build_problem
 from ..solve import methods, solve
 from ..trace import read_trace
-from ..units import format_bytes, parse_budget
+from ..units import format_bytes, format_cost, parse_budget
 
 DEFAULT_DIR = Path("plans")
 
@@ -24,18 +24,19 @@ def render_solve_summary(plan, units: str = "auto") -> str:
     def b(x):
         return format_bytes(x, units)
 
-    unit = "s" if p["cost_unit"] == "s" else " units"
+    unit = p["cost_unit"]
     lines = [
         f"Trace      {plan.trace['name']} ({plan.trace['num_ops']} ops)",
         f"Budget     {b(plan.budget_bytes)}",
         f"Baseline   peak {b(p['baseline_peak_bytes'])} at op {p['baseline_peak_op']}",
         f"Planned    peak {b(p['planned_peak_bytes'])} at op {p['planned_peak_op']}"
         + (" (while recomputing)" if p.get("planned_peak_in_recompute") else ""),
-        f"Extra      {p['extra_compute']:.4g}{unit} of compute, {p['extra_compute_pct']:.2f}% of the step "
+        f"Extra      {format_cost(p['extra_compute'], unit)} of compute, {p['extra_compute_pct']:.2f}% of the step "
         f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)",
     ]
     lb, gap = s.get("lower_bound"), s.get("gap")
-    bound = f"lower bound {lb:.4g}{unit}, gap {100 * gap:.2f}%" if lb is not None and gap is not None else "no lower bound"
+    bound = (f"lower bound {format_cost(lb, unit)}, gap {100 * gap:.2f}%" if lb is not None and gap is not None
+             else "no lower bound")
     lines.append(f"Solver     {s['method']}: {s['status']}, {bound}, {s['wall_s']:.2f} s")
     return "\n".join(lines)
 

@@ -47,16 +47,14 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
         left = max(time_limit - (time.perf_counter() - t0), 0.1)
         dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm, progress=progress)
         dec.notes = [f"warm start: {warm.notes[0] if warm.notes else 'heuristic'}", *dec.notes]
-        if dec.status == "infeasible" or not dec.drops:
-            # The ILP proved nothing better or found nothing the simulator accepts: keep the
-            # heuristic's plan (make_plan judges it), with the ILP's bound if it has one.
-            warm_sim, _ = simulate_plan(problem, warm.drops, warm.partitions)
-            if dec.status != "infeasible" and warm_sim.peak_bytes <= budget_bytes and not dec.drops:
-                warm.lower_bound = dec.lower_bound
-                warm.status = "feasible"
-                warm.notes += dec.notes
-                warm.stats["ilp"] = dec.stats
-                return warm
+        if dec.status == "infeasible" or not (dec.drops or dec.partitions):
+            # The ILP found nothing the simulator accepts: keep the heuristic's plan (make_plan
+            # judges it), with the ILP's bound if the ILP proved one.
+            warm.lower_bound = dec.lower_bound if dec.status != "infeasible" else None
+            warm.status = None
+            warm.notes += dec.notes
+            warm.stats["ilp"] = dec.stats
+            return warm
         return dec
     table = baseline_table()
     if method not in table:
@@ -111,16 +109,19 @@ def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Pla
     i = int(np.argmax(floor))
     where = f"op {i} ({problem.op_name[i]}" + (f" in {problem.op_module[i]}" if problem.op_module[i] else "") + ")"
     reach, reach_op = lowest_reachable_peak(problem)
-    got = ""
+    head = f"No {method} plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes)."
     if plan is not None:
-        got = (f" The {method} plan peaks at {format_bytes(plan.predicted['planned_peak_bytes'])} "
-               f"at op {plan.predicted['planned_peak_op']}.")
-    msg = (f"No plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes).{got} "
-           f"No plan of this trace can go below {format_bytes(int(floor[i]))}: {where} needs that much "
-           f"live at once even with every droppable tensor dropped. The lowest peak taichi-plan reaches "
-           f"is {format_bytes(reach)} (at op {reach_op}); ask for at least {format_bytes(max(reach, budget_bytes))} "
-           f"(--budget {_suggest(reach)}), reduce the batch size, or try another --method. "
-           "No plan file was written.")
+        head += (f" The {method} plan peaks at {format_bytes(plan.predicted['planned_peak_bytes'])} "
+                 f"at op {plan.predicted['planned_peak_op']}.")
+    if reach <= budget_bytes:
+        msg = (f"{head} taichi-plan's own planner reaches {format_bytes(reach)} on this trace: "
+               "use --method auto. No plan file was written.")
+    else:
+        msg = (f"{head} No plan of this trace can go below {format_bytes(int(floor[i]))}: {where} needs "
+               "that much live at once even with every droppable tensor dropped and every module "
+               f"partitioned. The lowest peak taichi-plan reaches is {format_bytes(reach)} (at op {reach_op}): "
+               f"ask for at least that (--budget {_suggest(reach)}), or reduce the batch size. "
+               "No plan file was written.")
     return InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)
 
 

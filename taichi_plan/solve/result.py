@@ -14,7 +14,7 @@ from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
 from ..simulate import Drop, SimResult, build_schedule, simulate_plan
-from ..units import format_bytes
+from ..units import format_bytes, format_cost
 
 
 @dataclass
@@ -108,10 +108,9 @@ def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
     span = next(s for s in module_spans(problem) if s.module == part.module)
     saved = partition_savings(problem, span, part.chunks)
     i = int(np.argmax(saved))
-    unit_s = "s" if unit == "s" else " cost units"
     why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) by running {part.module} on {part.chunks} "
            f"chunks of the batch; re-running its forward and the extra launches cost "
-           f"{partition_cost(problem, span, part.chunks):.3g}{unit_s}")
+           f"{format_cost(partition_cost(problem, span, part.chunks), unit)}")
     return Partition(part.module, part.dim, part.chunks, why)
 
 
