@@ -22,10 +22,12 @@ test: install
 	$(BIN)/python -m pytest -q
 
 demo: install
-	$(BIN)/taichi-plan record --model mlp --batch 64 -o traces/demo-mlp --force
-	$(BIN)/taichi-plan inspect traces/demo-mlp
-	$(BIN)/taichi-plan solve traces/demo-mlp --budget 60% -o plans/demo-mlp.plan.json --force
-	$(BIN)/taichi-plan inspect plans/demo-mlp.plan.json --png plans/demo-mlp.png
+	$(BIN)/taichi-plan record --model gpt2 --layers 4 --hidden 256 --heads 4 --vocab 8192 \
+		--seq 256 --batch 8 -o traces/demo-gpt2 --force
+	$(BIN)/taichi-plan inspect traces/demo-gpt2
+	$(BIN)/taichi-plan solve traces/demo-gpt2 --budget 50% --time-limit 20 \
+		-o plans/demo-gpt2.plan.json --force
+	$(BIN)/taichi-plan inspect plans/demo-gpt2.plan.json --png plans/demo-gpt2.png --force
 
 bench: install
 	$(BIN)/python -m benchmarks.run

@@ -9,11 +9,15 @@ contiguous forward span and a contiguous backward span in the trace):
   backward) shrink to 1/k, are freed after their last forward use, and come back at 1/k
   for the module's backward span (the chunk's forward is re-run there);
 * tensors made and freed inside the backward span shrink to 1/k;
-* the module's outputs (read outside it) and everything else keep their size;
+* the module's outputs (read outside it) and everything else keep their size; its inputs
+  are held by the checkpointed chunks until its backward is done;
+* joining the chunks' outputs (forward) and input gradients (backward) holds both the pieces
+  and the joined tensor for a moment;
 * extra compute: the module's forward once more, plus a launch overhead per op per chunk.
 
-A module qualifies along dim 0 (the batch) when none of its ops mixes samples: no batch
-norm, and every tensor it makes has a leading size that is a multiple of the batch.
+A module qualifies along dim 0 (the batch) when none of its ops mixes samples (no batch
+norm) or draws random numbers (dropout: chunks would draw other masks than the whole batch),
+and every tensor it makes has a leading size that is a multiple of the batch.
 Imported graphs have no modules and are never partitioned.
 """
 
@@ -28,6 +32,9 @@ from .errors import PlanError
 from .problem import Problem
 
 MIXES_BATCH = ("batch_norm", "native_batch_norm", "_batch_norm", "cudnn_batch_norm", "group_norm_backward")
+# Random ops draw different numbers per chunk than for the whole batch: such a module's
+# partitioned gradients would not match the unpartitioned ones, so it is not partitioned.
+RANDOM = ("bernoulli", "dropout", "rand", "normal", "multinomial")
 DEFAULT_LAUNCH_S = 1e-5
 CHUNK_CHOICES = (2, 4, 8)
 
@@ -66,11 +73,13 @@ def module_spans(problem: Problem) -> list[Span]:
             continue
         if f[-1] - f[0] + 1 != len(f) or b[-1] - b[0] + 1 != len(b):
             continue  # called more than once, or interleaved: not modelled
-        if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
+        if any(any(k in problem.op_name[i] for k in MIXES_BATCH + RANDOM) for i in (*f.tolist(), *b.tolist())):
             continue
         made = np.nonzero((problem.start >= f[0]) & (problem.start <= f[-1]) & ~problem.initial)[0]
         ok = True
         for t in made.tolist():
+            if t >= len(shapes):  # a partition's own bookkeeping tensor
+                continue
             if problem.kind[t] not in ("activation", "temporary") or _constant(problem, t):
                 continue
             shp = shapes[t]
@@ -136,6 +145,47 @@ def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarr
     return f_trans, saved, b_trans
 
 
+_SYNTHETIC_ID = -(10**12)  # ids of the concatenation transients (below any -1 - tensor_id)
+
+
+def module_inputs(problem: Problem, span: Span) -> list[int]:
+    """Batch tensors made before the module and read by its forward (not parameters)."""
+    f0, f1 = span.fwd
+    ins: set[int] = set()
+    for i in range(f0, f1 + 1):
+        for t in problem.op_reads[i].tolist():
+            if (problem.start[t] < f0 or problem.initial[t]) and problem.kind[t] in ("activation", "temporary", "input"):
+                ins.add(t)
+    return sorted(ins)
+
+
+def boundary_bytes(problem: Problem, span: Span) -> tuple[int, int]:
+    """(bytes of the module's outputs, bytes of its batch inputs) in the trace."""
+    f0, f1 = span.fwd
+    b0, b1 = span.bwd
+    outs = set()
+    for i in range(f0, f1 + 1):
+        for t in problem.op_outputs[i].tolist():
+            u = problem.uses[t]
+            if np.any((u > f1) & ((u < b0) | (u > b1))):
+                outs.add(t)
+    ins = module_inputs(problem, span)
+    return int(problem.nbytes[list(outs)].sum()) if outs else 0, int(problem.nbytes[ins].sum()) if ins else 0
+
+
+def span_tensors(problem: Problem, span: Span) -> set[int]:
+    """Tensors a partition owns: everything its forward ops read or make (its inputs are held
+    by the checkpointed chunks, its outputs are rebuilt by concatenation), plus its insides."""
+    f0, f1 = span.fwd
+    out: set[int] = set()
+    for i in range(f0, f1 + 1):
+        out.update(problem.op_reads[i].tolist())
+        out.update(problem.op_outputs[i].tolist())
+    for arr in internal_tensors(problem, span):
+        out.update(arr.tolist())
+    return out
+
+
 def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, float]:
     """A problem with the partitions applied (see the module docstring), and their cost.
     ``drops`` may not touch a partitioned module's internal tensors."""
@@ -151,7 +201,7 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     spans = {s.module: s for s in module_spans(problem)}
     nbytes = problem.nbytes.copy()
     end = problem.end.copy()
-    new_t, new_s, new_e = [], [], []
+    new_t, new_id, new_nb, new_s, new_e = [], [], [], [], []
     cost = 0.0
     internal: set[int] = set()
     for part in partitions:
@@ -168,29 +218,47 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
         f_trans, saved, b_trans = internal_tensors(problem, span)
         for arr in (f_trans, saved, b_trans):
             nbytes[arr] = -(-problem.nbytes[arr] // k)
-            internal.update(arr.tolist())
+        internal.update(span_tensors(problem, span))
         for t in saved.tolist():
             last_fwd = problem.uses[t][problem.uses[t] <= span.fwd[1]]
             end[t] = int(last_fwd[-1]) if len(last_fwd) else int(problem.start[t])
             new_t.append(t)
+            new_id.append(-1 - int(problem.tensor_id[t]))
+            new_nb.append(int(nbytes[t]))
             new_s.append(span.bwd[0])
             new_e.append(int(min(problem.end[t], span.bwd[1])))
+        # The checkpointed chunks keep the module's inputs until its backward is done.
+        for t in module_inputs(problem, span):
+            if not problem.persists[t]:
+                end[t] = max(int(end[t]), span.bwd[1])
+        # Concatenations: the chunks' outputs and the joined output are both live while the
+        # forward joins them; the chunks' input gradients and the joined one while backward does.
+        out_bytes, in_bytes = boundary_bytes(problem, span)
+        for nb, at in ((out_bytes, span.fwd[1]), (in_bytes, span.bwd[1])):
+            if nb > 0:
+                new_t.append(-1)
+                new_id.append(_SYNTHETIC_ID - len(new_id))
+                new_nb.append(nb)
+                new_s.append(at)
+                new_e.append(at)
         cost += partition_cost(problem, span, k)
     clash = [d.tensor for d in drops if d.tensor in internal]
     if clash:
         raise PlanError(
-            f"The plan both drops tensor {int(problem.tensor_id[clash[0]])} and partitions the module that "
-            "makes and uses it; a partitioned module already recomputes its insides."
+            f"The plan both drops tensor {int(problem.tensor_id[clash[0]])} and partitions a module that "
+            "reads or makes it; a partitioned module keeps its inputs and recomputes its insides."
         )
     extra = np.asarray(new_t, dtype=np.int64)
+    like = np.where(extra >= 0, extra, 0)
+    kinds_new = np.where(extra >= 0, problem.kind[like], "temporary") if len(extra) else problem.kind[:0]
     keep = np.fromiter((int(t) not in internal for t in problem.candidates.tolist()), dtype=bool,
                        count=len(problem.candidates))
     empty = np.zeros(0, dtype=np.int64)
     out = dataclasses.replace(
         problem,
-        tensor_id=np.concatenate([problem.tensor_id, -1 - problem.tensor_id[extra]]),
-        nbytes=np.concatenate([nbytes, nbytes[extra]]),
-        kind=np.concatenate([problem.kind, problem.kind[extra]]),
+        tensor_id=np.concatenate([problem.tensor_id, np.asarray(new_id, dtype=np.int64)]),
+        nbytes=np.concatenate([nbytes, np.asarray(new_nb, dtype=np.int64)]),
+        kind=np.concatenate([problem.kind, kinds_new]),
         producer=np.concatenate([problem.producer, np.full(len(extra), -1, dtype=np.int64)]),
         start=np.concatenate([problem.start, np.asarray(new_s, dtype=np.int64)]),
         end=np.concatenate([end, np.asarray(new_e, dtype=np.int64)]),

@@ -56,6 +56,20 @@ class Problem:
     cand_early_remat: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
+    def replayable_only(self) -> bool:
+        """Recorded steps are replayed, and replay can only free a tensor that autograd alone
+        keeps: one made in forward and used next in backward. Imported graphs have no such limit."""
+        return self.trace.meta.get("mode") != "imported"
+
+    def gap_allowed(self, producer: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        """Which (producer, free_after, remat_before) gaps a plan may use (see replayable_only)."""
+        if not self.replayable_only:
+            return np.ones(np.shape(a), dtype=bool)
+        phase = np.asarray(self.op_phase)
+        p = np.maximum(producer, 0)
+        return (producer >= 0) & (phase[p] == "forward") & (phase[a] == "forward") & (phase[b] == "backward")
+
+    @property
     def last_write(self) -> np.ndarray:
         """Per tensor: the last of its rebuild ops (its producer, or -1 if none)."""
         return np.fromiter((int(r[-1]) if len(r) else int(p) for r, p in zip(self.rebuild_ops, self.producer)),
@@ -221,12 +235,16 @@ def _find_candidates(prob: Problem) -> None:
         a, b = int(u[k]), int(u[k + 1])
         if b > prob.end[t] or b > prob.remat_deadline[t] or not rebuildable(prob, t, b):
             continue
+        if not prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]), np.asarray([b]))[0]:
+            continue
         cands.append(t)
         frees.append(a)
         remats.append(b)
         reads = rebuild_inputs(prob, t)
         r = int(min(int(prob.end[reads].min()), b)) if reads else b
-        early.append(r if a + 2 <= r < b else -1)
+        early_ok = a + 2 <= r < b and prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]),
+                                                        np.asarray([r]))[0]
+        early.append(r if early_ok else -1)
     prob.candidates = np.asarray(cands, dtype=np.int64)
     prob.cand_early_remat = np.asarray(early, dtype=np.int64)
     prob.cand_free_after = np.asarray(frees, dtype=np.int64)

@@ -2,16 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
+from . import compare, devices, import_graph, inspect, maxbatch, record, replay, solve
 
-_MODULES = ["record", "devices", "import_graph", "inspect", "solve"]
-
-COMMANDS = []
-for _name in _MODULES:
-    try:
-        _mod = importlib.import_module(f"{__name__}.{_name}")
-    except ModuleNotFoundError as _e:  # a command module not written yet
-        if _e.name != f"{__name__}.{_name}":
-            raise
-        continue
-    COMMANDS.append(_mod.command)
+COMMANDS = [m.command for m in (record, import_graph, inspect, devices, solve, compare, maxbatch, replay)]

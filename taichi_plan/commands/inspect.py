@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from ..atomic import check_output
 from ..cli import handle_errors
 from ..errors import UsageError
 from ..report.trace_text import render_trace_summary, trace_summary
@@ -34,6 +35,19 @@ def inspect_plan_file(path: Path, as_json: bool, units: str | None, png: Path | 
     return inspect_plan(path, as_json=as_json, units=units, png=png, force=force)
 
 
+def _with_html(text: str, plan_path: Path, html_path: Path, as_json: bool, units: str | None,
+               force: bool) -> str:
+    """Write the plan's HTML report and say so: a ``Wrote`` line, or an ``html`` key in JSON."""
+    from ..report.html import write_plan_html
+
+    wrote = write_plan_html(plan_path, html_path, force=force, units=units)
+    if as_json:
+        summary = json.loads(text)
+        summary["html"] = str(wrote)
+        return json.dumps(summary, indent=1, ensure_ascii=False) + "\n"
+    return text + f"Wrote {wrote}\n"
+
+
 def inspect_trace_dir(path: Path, as_json: bool, units: str | None) -> str:
     summary = trace_summary(read_trace(path))
     if as_json:
@@ -48,14 +62,28 @@ def inspect_trace_dir(path: Path, as_json: bool, units: str | None) -> str:
               help="Unit for byte sizes [default: automatic, decimal].")
 @click.option("--png", type=click.Path(path_type=Path), default=None,
               help="For a plan: also draw its memory timeline (baseline vs planned) to this PNG file.")
-@click.option("--force", is_flag=True, help="Overwrite the --png file if it exists.")
+@click.option("--html", "html_path", type=click.Path(path_type=Path), default=None,
+              help="For a plan: also write a self-contained HTML report (timeline, decisions, modules) to this file.")
+@click.option("--force", is_flag=True, help="Overwrite the --png or --html file if it exists.")
 @handle_errors
-def command(path: Path, as_json: bool, units: str | None, png: Path | None, force: bool) -> None:
+def command(path: Path, as_json: bool, units: str | None, png: Path | None, html_path: Path | None,
+            force: bool) -> None:
     """Show what a trace directory holds (ops, tensors, baseline peak, largest tensors) or
-    what a plan file decides and why (PLAN.plan.json; --png draws its memory timeline)."""
+    what a plan file decides and why (PLAN.plan.json; --png draws its memory timeline,
+    --html writes a report to open in a browser)."""
     if path.suffix == ".json" and path.is_file():
+        if html_path is not None:
+            check_output(html_path, force, what="HTML file")
         text = inspect_plan_file(path, as_json, units, png, force)
+        if html_path is not None:
+            text = _with_html(text, path, html_path, as_json, units, force)
     else:
+        if html_path is not None:
+            raise UsageError(
+                f"--html writes a plan's report, but {str(path)!r} is not a plan file. Solve the "
+                "trace first (`taichi-plan solve TRACE --budget ...`) and inspect the plan file it "
+                "writes."
+            )
         if png is not None:
             raise UsageError(
                 f"--png draws a plan's memory timeline, but {str(path)!r} is not a plan file. "

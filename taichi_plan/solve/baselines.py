@@ -272,6 +272,7 @@ class _DTRState:
         write_limit = p.remat_deadline
         ok = (nxt >= 0) & (nxt - ops >= 2) & (nxt <= p.end[tens]) & (ops >= p.last_write[tens])
         ok &= p.rematerializable[tens] & (p.nbytes[tens] > 0) & (nxt <= write_limit[tens])
+        ok &= p.gap_allowed(p.producer[tens], ops, np.maximum(nxt, 0))
         order = np.argsort(ops, kind="stable")
         self.acc_t, self.acc_next, self.acc_ok = tens[order], nxt[order], ok[order]
         self.bounds = np.searchsorted(ops[order], np.arange(p.num_ops + 1))

@@ -35,10 +35,10 @@ from ortools.sat.python import cp_model
 from ..partition import (
     CHUNK_CHOICES,
     Span,
-    internal_tensors,
     module_spans,
     partition_cost,
     partition_savings,
+    span_tensors,
 )
 from ..plan import Partition
 from ..problem import Problem, coverage_delta, options, rebuild_closure
@@ -153,7 +153,7 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
         opt_of.setdefault(t, []).append(k)
     out = []
     for span in spans:
-        inner = set(np.concatenate(internal_tensors(problem, span)).tolist())
+        inner = span_tensors(problem, span)
         internal = np.asarray(sorted(k for t in inner for k in opt_of.get(t, [])), dtype=np.int64)
         for chunks in sorted({c for c in CHUNK_CHOICES if c <= span.batch}):
             sav = partition_savings(problem, span, chunks)

@@ -92,11 +92,10 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
     nb = int(problem.nbytes[t])
     r = sim.remat_at.get(t, d.remat_before)
     held = r - d.free_after - 1
-    unit_s = "s" if unit == "s" else " cost units"
     ops = problem.rebuild_ops[t].tolist()
     names = problem.op_name[p] + (f" and {len(ops) - 1} in-place op(s)" if len(ops) > 1 else "")
     why = (f"frees {format_bytes(nb)} for {held} ops (op {d.free_after + 1} to {r - 1}); "
-           f"re-running {names} costs {float(problem.op_cost[ops].sum()):.3g}{unit_s}")
+           f"re-running {names} costs {format_cost(float(problem.op_cost[ops].sum()), unit)}")
     if r != d.remat_before:
         why += f"; rebuilt early, before op {r}, because another rebuild needs it"
     return Recompute(tensor=int(problem.tensor_id[t]), op=p, op_name=problem.op_name[p],

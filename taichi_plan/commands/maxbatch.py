@@ -1,0 +1,123 @@
+"""``taichi-plan maxbatch --model M --budget B``: the largest batch that fits, per planner."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+from ..cli import handle_errors
+from ..devices import get_profile
+from ..errors import BudgetError
+from ..maxbatch import (
+    DEFAULT_TIME_LIMIT,
+    MAX_BATCH,
+    fake_recorder,
+    max_batch,
+    parse_overhead,
+    render_max_batch,
+)
+from ..units import parse_budget
+
+DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
+UNITS = ["GB", "GiB", "MB", "MiB"]
+
+_SIZES = [
+    ("--seq", int, "Sequence length (text models)."),
+    ("--image-size", int, "Image side in pixels (vision models)."),
+    ("--layers", int, "Number of layers (blocks)."),
+    ("--hidden", int, "Hidden size."),
+    ("--heads", int, "Attention heads."),
+    ("--vocab", int, "Vocabulary size (text models)."),
+]
+
+
+def _size_options(fn):
+    for flag, typ, help_text in reversed(_SIZES):
+        fn = click.option(flag, type=typ, default=None, help=help_text + " Default: the model's own.")(fn)
+    return fn
+
+
+class _Status:
+    """A transient rich status line on stderr, only when stderr is a terminal."""
+
+    def __init__(self):
+        self._status = None
+        if sys.stderr.isatty():
+            from rich.console import Console
+
+            self._status = Console(stderr=True).status("searching", refresh_per_second=10)
+
+    def __enter__(self):
+        if self._status is not None:
+            self._status.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self._status is not None:
+            self._status.__exit__(*exc)
+
+    def __call__(self, message: str) -> None:
+        if self._status is not None:
+            self._status.update(message)
+
+
+@click.command("maxbatch")
+@click.option("--model", "model_name", metavar="NAME", help="Built-in model: mlp, gpt2, bert, llama, resnet50, vit.")
+@click.option("--entry", metavar="MOD:FN", help="Your workload (its function must take batch=...).")
+@_size_options
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
+@click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Built-in models only. [default: adamw]")
+@click.option("--device-profile", metavar="NAME", default=DEFAULT_PROFILE, show_default=True,
+              help="Device the fake steps are costed on; its memory is the default budget. See `taichi-plan devices`.")
+@click.option("--budget", "-b", default=None,
+              help="Memory budget: 16GB, 16GiB or 512MB [default: the device profile's memory].")
+@click.option("--max-overhead", default="33%", show_default=True,
+              help="Most extra compute a plan may add, as % of the step (33% is about one extra forward).")
+@click.option("--method", "-m", type=click.Choice(["auto", "ilp", "heuristic"]), default="auto", show_default=True,
+              help="Our planner to size with (compared against none and sqrt-n).")
+@click.option("--time-limit", default=DEFAULT_TIME_LIMIT, show_default=True, type=float,
+              help="Seconds each solve may search.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Solver seed.")
+@click.option("--limit", default=MAX_BATCH, show_default=True, type=int, help="Largest batch the search tries.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the table.")
+@click.option("--units", type=click.Choice(UNITS, case_sensitive=False), default=None,
+              help="Unit for byte sizes [default: automatic, decimal].")
+@handle_errors
+def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, device_profile,
+            budget, max_overhead, method, time_limit, seed, limit, as_json, units) -> None:
+    """The largest batch size whose training step fits the budget with extra compute within
+    --max-overhead: for our planner, for no planning and for sqrt(n) checkpointing."""
+    from ..errors import UsageError
+
+    profile = get_profile(device_profile)
+    if budget is None:
+        budget_bytes = profile.memory_bytes
+    else:
+        if budget.strip().endswith("%"):
+            raise BudgetError(f"Budget {budget!r} is a percentage, but maxbatch has no baseline to take it of: "
+                              "give a size such as 16GB or 16GiB (the default is the device's memory).")
+        budget_bytes = parse_budget(budget)
+    overhead = parse_overhead(max_overhead)
+    if not (isinstance(time_limit, (int, float)) and time_limit > 0):
+        raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
+    if limit < 1:
+        raise UsageError(f"--limit must be a positive batch size, got {limit}.")
+    with _Status() as status:
+        record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, seq=seq,
+                               image_size=image_size, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+                               dtype=dtype, optimizer=optimizer)
+        result = max_batch(record, budget_bytes, method=method, max_overhead_pct=overhead, time_limit=time_limit,
+                           seed=seed, limit=limit, progress=status)
+    result["workload"] = {"model": model_name, "entry": entry, "seq": seq, "image_size": image_size,
+                          "layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "dtype": dtype,
+                          "optimizer": optimizer}
+    result["device_profile"] = profile.name
+    if as_json:
+        click.echo(json.dumps(result, indent=1))
+        return
+    sizes = ", ".join(f"{k} {v}" for k, v in result["workload"].items()
+                      if v is not None and k not in ("model", "entry"))
+    title = f"{model_name or entry} ({sizes}), fake steps costed on {profile.name}"
+    click.echo(render_max_batch(result, title, units or "auto"), nl=False)

@@ -1,0 +1,57 @@
+"""``taichi-plan replay PLAN``: measured peak and step time of a plan in real training."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from ..atomic import write_json_atomic
+from ..cli import handle_errors
+from ..units import format_bytes, format_cost
+
+
+def render(r: dict) -> str:
+    def pct(x):
+        return "-" if x is None else f"{x:.3f}"
+
+    lines = [
+        f"Replay of {r['plan']} ({r['workload']}, {r['device']}, {r['steps']} steps each)",
+        f"  budget             {format_bytes(r['budget_bytes']) if r['budget_bytes'] else '-'}",
+        f"  peak predicted     {format_bytes(r['predicted_peak_bytes'])}",
+        f"  peak measured      {format_bytes(r['measured_peak_bytes'])} (op {r['measured_peak_op']}), "
+        f"ratio {pct(r['peak_ratio'])}, {'within' if r['within_budget'] else 'OVER'} budget",
+        f"  unplanned peak     predicted {format_bytes(r['baseline_predicted_peak_bytes'])}, "
+        f"measured {format_bytes(r['baseline_measured_peak_bytes'])}",
+        f"  step time          unplanned {format_cost(r['step_s_unplanned'])}, planned "
+        f"{format_cost(r['step_s_planned'])} (x{pct(r['step_time_ratio'])})",
+        f"  extra compute      predicted {format_cost(r['predicted_extra_s']) if r['predicted_extra_s'] is not None else '-'}"
+        f", measured in rebuilds {format_cost(r['measured_recompute_s'])} ({r['recompute_ops']} ops re-run)",
+    ]
+    if "grads_match" in r:
+        lines.append(f"  gradients          {'match' if r['grads_match'] else 'DIFFER'} ({r['grads_check']}, "
+                     f"max abs diff {r['grads_max_abs_diff']:.3g})")
+    return "\n".join(lines)
+
+
+@click.command("replay")
+@click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
+@click.option("--steps", default=3, show_default=True, type=int, help="Timed steps per run.")
+@click.option("--check-grads/--no-check-grads", default=True, show_default=True,
+              help="Compare gradients and parameters with the unplanned run.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Seed for building both runs.")
+@click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
+              help="Report JSON [default: beside the plan, <plan>.replay.json].")
+@handle_errors
+def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: Path | None) -> None:
+    """Rebuild the plan's workload, run it unplanned and planned, and compare the measured
+    peak with the predicted one (also step time, extra compute and gradients)."""
+    from ..replay.measure import replay
+
+    report = replay(plan_path, steps=steps, check_grads=check_grads, seed=seed)
+    click.echo(render(report))
+    out = output or plan_path.with_name(plan_path.name.replace(".plan.json", "") + ".replay.json")
+    write_json_atomic(out, report)
+    click.echo(f"Wrote {out}")
+    if not report["within_budget"] or (check_grads and not report["grads_match"]):
+        raise SystemExit(1)

@@ -1,0 +1,269 @@
+"""The largest batch size whose training step fits a memory budget, per planner.
+
+For a workload sized by everything but its batch, :func:`max_batch` records FAKE traces
+(no memory, any size; cached per batch size) and searches, for each planner, the largest
+batch at which the step fits ``budget_bytes`` with extra compute at most ``max_overhead_pct``
+of the step (33% is about one extra forward):
+
+* ``none``: the trace's own (baseline) peak fits the budget;
+* ``sqrt-n`` and ours (``auto``, ``ilp`` or ``heuristic``): :func:`taichi_plan.solve.solve`
+  finds a plan that fits, and the simulator's extra compute is within the overhead.
+
+Search: every planner fits wherever ``none`` does (a budget that does not bind needs no
+plan), so ``none`` is searched first from batch 1 and the others start from its answer.
+Each search doubles the batch until it does not fit, then bisects; it ends on a batch that
+fits next to one that does not (``batch + 1`` was tried and failed), unless it reached
+``limit``. No torch here; the recorder is passed in (:func:`fake_recorder` builds one).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import textwrap
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+from .errors import InfeasibleBudgetError, UsageError
+from .partition import floor_bytes
+from .problem import Problem, build_problem, min_live_bytes
+from .solve import OURS, solve
+from .trace import Trace
+from .units import format_bytes
+
+DEFAULT_MAX_OVERHEAD_PCT = 33.0
+DEFAULT_TIME_LIMIT = 30.0
+MAX_BATCH = 1 << 16
+COMPARED = ("none", "sqrt-n")
+
+_PCT_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)%$")
+
+
+def parse_overhead(text: str) -> float:
+    """``"33%"`` -> 33.0 (percent of the step's compute); in (0%, 1000%]."""
+    raw = str(text).strip()
+    m = _PCT_RE.match(raw)
+    if not m:
+        raise UsageError(f"--max-overhead {text!r} is not a percentage. Write it with a % sign, e.g. "
+                         "33% (about one extra forward pass) or 100%.")
+    pct = float(m.group(1))
+    if not (math.isfinite(pct) and 0 < pct <= 1000):
+        raise UsageError(f"--max-overhead {text!r} is outside (0%, 1000%]: it is the extra compute a plan "
+                         "may add, as a percentage of the step's own compute (33% = about one extra forward).")
+    return pct
+
+
+@dataclass
+class Probe:
+    """One (planner, batch) tried: did it fit, and with what peak and extra compute."""
+
+    batch: int
+    fits: bool
+    peak_bytes: int | None
+    extra_pct: float | None
+    reason: str  # fits | over budget | over overhead
+
+
+@dataclass
+class PlannerResult:
+    planner: str
+    max_batch: int
+    peak_bytes: int | None  # at max_batch
+    extra_pct: float | None
+    capped: bool = False  # the search stopped at the limit, not at a batch that failed
+    probes: list[Probe] = field(default_factory=list)
+
+
+class TraceCache:
+    """``record(batch) -> Trace``, called at most once per batch size; problems built once."""
+
+    def __init__(self, record: Callable[[int], Trace]):
+        self._record = record
+        self._problems: dict[int, Problem] = {}
+
+    def problem(self, batch: int) -> Problem:
+        if batch not in self._problems:
+            self._problems[batch] = build_problem(self._record(batch))
+        return self._problems[batch]
+
+    @property
+    def recorded(self) -> list[int]:
+        return sorted(self._problems)
+
+
+def fake_recorder(model: str | None = None, entry: str | None = None, *, device_profile: str | None = None,
+                  progress: Callable[[str], None] | None = None, **sizes) -> Callable[[int], Trace]:
+    """A ``record(batch)`` recording a fake step of the workload at that batch size
+    (``sizes``: seq, layers, hidden, heads, vocab, image_size, dtype, optimizer)."""
+    from .record import get_workload, record_workload
+
+    if "batch" in sizes:
+        raise UsageError("maxbatch searches the batch size: do not give --batch.")
+    probe = get_workload(model=model, entry=entry, batch=1, **sizes)  # bad flags fail here, before any search
+    if probe.kind == "entry" and "batch" not in probe.args:
+        raise UsageError(f"--entry {entry!r} does not take a 'batch' argument, so maxbatch cannot vary the "
+                         "batch size. Give make_step a batch=... parameter.")
+    say = progress or (lambda msg: None)
+
+    def record(batch: int) -> Trace:
+        say(f"recording batch {batch}")
+        w = get_workload(model=model, entry=entry, batch=batch, **sizes)
+        return record_workload(w, fake=True, device_profile=device_profile, steps=1)
+
+    return record
+
+
+def probe_planner(problem: Problem, batch: int, budget_bytes: int, planner: str, max_overhead_pct: float, *,
+                  time_limit: float = DEFAULT_TIME_LIMIT, seed: int = 0) -> Probe:
+    """Does ``planner`` fit ``budget_bytes`` at this batch within the overhead?"""
+    base_peak = problem.baseline_peak[0]
+    if base_peak <= budget_bytes:
+        return Probe(batch, True, base_peak, 0.0, "fits")
+    if planner == "none":
+        return Probe(batch, False, base_peak, 0.0, "over budget")
+    # The same test solve() starts with (it would raise); skipping it saves its error's search.
+    if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
+        return Probe(batch, False, None, None, "over budget")
+    try:
+        plan = solve(problem.trace, budget_bytes, planner, time_limit=time_limit, seed=seed, problem=problem)
+    except InfeasibleBudgetError:
+        return Probe(batch, False, None, None, "over budget")
+    p = plan.predicted
+    extra = float(p["extra_compute_pct"])
+    ok = extra <= max_overhead_pct
+    return Probe(batch, ok, int(p["planned_peak_bytes"]), extra, "fits" if ok else "over overhead")
+
+
+def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int = MAX_BATCH) -> PlannerResult:
+    """Largest batch that fits: double from ``start`` (a probe known to fit) or from 1, then
+    bisect. Returns the fitting probe with the probes made (``max_batch`` 0 if 1 fails)."""
+    probes: list[Probe] = []
+    best = start
+    lo = start.batch if start else 0
+    b = max(1, 2 * lo)
+    hi = None
+    while b <= limit:
+        p = probe(b)
+        probes.append(p)
+        if not p.fits:
+            hi = b
+            break
+        best, lo = p, b
+        b *= 2
+    capped = hi is None
+    if capped and lo < limit:  # the doubling jumped past the limit: bisect up to it
+        hi = limit + 1
+    while hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        p = probe(mid)
+        probes.append(p)
+        if p.fits:
+            best, lo = p, mid
+        else:
+            hi = mid
+    capped = capped and lo >= limit
+    if best is None:
+        return PlannerResult("", 0, None, None, False, probes)
+    return PlannerResult("", best.batch, best.peak_bytes, best.extra_pct, capped, probes)
+
+
+def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str = "auto",
+              max_overhead_pct: float = DEFAULT_MAX_OVERHEAD_PCT, time_limit: float = DEFAULT_TIME_LIMIT,
+              seed: int = 0, limit: int = MAX_BATCH, progress: Callable[[str], None] | None = None) -> dict:
+    """Max batch for ``method`` (ours), ``none`` and ``sqrt-n``; see the module docstring.
+
+    Returns ``{"budget_bytes", "max_overhead_pct", "method", "planners": [...],
+    "ratios": {"ours/none", "ours/sqrt-n"}, "batches_recorded"}``; each planner row has
+    ``planner``, ``ours``, ``max_batch``, ``peak_bytes``, ``extra_pct``, ``capped`` and
+    ``probes``. A ratio is None when the denominator is 0.
+    """
+    if method not in OURS:
+        raise UsageError(f"--method {method!r}: maxbatch compares one of our planners ({', '.join(OURS)}) "
+                         "against none and sqrt-n.")
+    if not isinstance(budget_bytes, int) or budget_bytes <= 0:
+        raise UsageError(f"The budget must be a positive number of bytes, got {budget_bytes!r}.")
+    if not (0 < max_overhead_pct <= 1000):
+        raise UsageError(f"max_overhead_pct must be in (0, 1000], got {max_overhead_pct!r}.")
+    if not (isinstance(limit, int) and limit >= 1):
+        raise UsageError(f"limit must be a positive integer, got {limit!r}.")
+    cache = TraceCache(record)
+    say = progress or (lambda msg: None)
+
+    def prober(planner: str) -> Callable[[int], Probe]:
+        def probe(batch: int) -> Probe:
+            problem = cache.problem(batch)
+            say(f"{planner}: batch {batch}")
+            return probe_planner(problem, batch, budget_bytes, planner, max_overhead_pct,
+                                 time_limit=time_limit, seed=seed)
+        return probe
+
+    results: dict[str, PlannerResult] = {}
+    none = search(prober("none"), None, limit)
+    none.planner = "none"
+    results["none"] = none
+    start = _start_probe(none)
+    for planner in (method, "sqrt-n"):
+        r = search(prober(planner), start, limit)
+        r.planner = planner
+        results[planner] = r
+    ours = results[method].max_batch
+    rows = []
+    for planner in (method, *COMPARED):
+        row = asdict(results[planner])
+        row["ours"] = planner in OURS
+        rows.append(row)
+    return {
+        "budget_bytes": budget_bytes,
+        "max_overhead_pct": max_overhead_pct,
+        "method": method,
+        "planners": rows,
+        "ratios": {f"ours/{c}": (ours / results[c].max_batch if results[c].max_batch else None) for c in COMPARED},
+        "batches_recorded": cache.recorded,
+        "limit": limit,
+    }
+
+
+def _start_probe(none: PlannerResult) -> Probe | None:
+    if none.max_batch == 0:
+        return None
+    return Probe(none.max_batch, True, none.peak_bytes, 0.0, "fits")
+
+
+def render_max_batch(result: dict, title: str = "", units: str = "auto") -> str:
+    """The result as an 80-column table."""
+    def size(b):
+        return format_bytes(b, units) if b is not None else "-"
+
+    lines = textwrap.wrap(title, 80, subsequent_indent="  ", break_on_hyphens=False) if title else []
+    lines.append(f"Budget {size(result['budget_bytes'])}, extra compute at most {result['max_overhead_pct']:g}% "
+                 "of the step")
+    lines.append("")
+    lines.append(f"{'planner':<16}{'max batch':>10}{'peak at it':>14}{'extra %':>10}{'vs none':>10}{'vs sqrt-n':>11}")
+    lines.append("-" * 71)
+    by = {r["planner"]: r for r in result["planners"]}
+    for r in result["planners"]:
+        name = r["planner"] + (" (ours)" if r["ours"] else "")
+        mb = f"{r['max_batch']}" + ("+" if r["capped"] else "")
+        extra = f"{r['extra_pct']:.2f}" if r["extra_pct"] is not None else "-"
+        ratios = []
+        for c in COMPARED:
+            den = by[c]["max_batch"]
+            ratios.append("-" if r["planner"] == c else (f"{r['max_batch'] / den:.2f}x" if den else "n/a"))
+        lines.append(f"{name:<16}{mb:>10}{size(r['peak_bytes']):>14}{extra:>10}{ratios[0]:>10}{ratios[1]:>11}")
+    lines.append("")
+    if by["none"]["max_batch"] == 0:
+        lines.append("Without planning the step does not fit even at batch 1 (max batch 0).")
+    if all(r["max_batch"] == 0 for r in result["planners"]):
+        lines.append("No planner fits the step at batch 1: the model alone is too big for this budget.")
+    if any(r["capped"] for r in result["planners"]):
+        lines.append(f"+ the search stopped at its limit (batch {result['limit']}): the step's memory may not "
+                     "grow with the batch.")
+    lines.append("MegTaiChi (ICS 2022) reports 5x over no planning and 2.4x over sqrt(n).")
+    recorded = (f"Recorded {len(result['batches_recorded'])} fake step(s), batch sizes "
+                + ", ".join(map(str, result["batches_recorded"])) + ".")
+    lines += textwrap.wrap(recorded, 80, subsequent_indent="  ", break_on_hyphens=False)
+    return "\n".join(line if len(line) <= 80 else line[:79] + "…" for line in lines) + "\n"
+
+
+__all__ = ["DEFAULT_MAX_OVERHEAD_PCT", "MAX_BATCH", "PlannerResult", "Probe", "TraceCache", "fake_recorder",
+           "max_batch", "parse_overhead", "probe_planner", "render_max_batch", "search"]

@@ -1,0 +1,73 @@
+"""Partition replay: run a module on chunks of its batch, each chunk checkpointed.
+
+The module's ``forward`` is replaced by one that splits every tensor argument whose first
+dimension is the batch into ``chunks`` pieces, runs the original forward on each piece under
+non-reentrant ``torch.utils.checkpoint`` (so only the piece's inputs are kept for backward),
+and concatenates the outputs along dim 0. The runtime's op counter skips the module's own ops
+and resumes after its span in the trace.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import checkpoint
+
+from ..errors import PlanError
+
+
+def install_partitions(model, partitions, rt) -> callable:
+    """Wrap each planned module's forward; returns a function that undoes it."""
+    undo = []
+    for part in partitions:
+        try:
+            module = model.get_submodule(part.module)
+        except AttributeError as e:
+            raise PlanError(f"The plan partitions module {part.module!r}, which this model does not have: "
+                            "the plan was made for another model.") from e
+        if part.dim != 0:
+            raise PlanError(f"Partition along dim {part.dim} is not supported; only dim 0 (the batch).")
+        span = rt.spans.get(part.module) if hasattr(rt, "spans") else None
+        original = module.forward
+        module.forward = _chunked(original, int(part.chunks), rt, span, part.module)
+        undo.append((module, original))
+
+    def restore():
+        for module, original in undo:
+            module.forward = original
+
+    return restore
+
+
+def _chunked(forward, chunks: int, rt, span, name: str):
+    def run(*args, **kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+        if batch is None or batch < chunks:
+            raise PlanError(f"Cannot split {name!r} into {chunks} chunks: its batch is {batch}.")
+        start = rt.enter_partition(span, name) if rt is not None else None
+        try:
+            pieces = [[] for _ in range(chunks)]
+            for x in leaves:
+                parts = (torch.tensor_split(x, chunks, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0
+                         and x.shape[0] == batch else [x] * chunks)
+                for c in range(chunks):
+                    pieces[c].append(parts[c])
+            outs = []
+            for c in range(chunks):
+                a, kw = tree_unflatten(pieces[c], spec)
+                outs.append(checkpoint(forward, *a, use_reentrant=False, **kw))
+            flat = [tree_flatten(o) for o in outs]
+            spec_out = flat[0][1]
+            merged = []
+            for j, first in enumerate(flat[0][0]):
+                if isinstance(first, torch.Tensor) and first.dim() > 0:
+                    merged.append(torch.cat([f[0][j] for f in flat], dim=0))
+                else:
+                    merged.append(first)
+            return tree_unflatten(merged, spec_out)
+        finally:
+            if rt is not None:
+                rt.leave_partition(span, start)
+
+    return run

@@ -1,0 +1,169 @@
+"""maxbatch: the search (exact on a known threshold), per-planner results on synthetic and
+fake-recorded workloads (mlp, a tiny gpt2), and the CLI's errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from synthetic import chain_trace
+
+from taichi_plan.cli import main
+from taichi_plan.errors import UsageError
+from taichi_plan.maxbatch import (
+    Probe,
+    fake_recorder,
+    max_batch,
+    parse_overhead,
+    probe_planner,
+    search,
+)
+from taichi_plan.problem import build_problem
+from taichi_plan.solve import solve
+
+# ---------------------------------------------------------------------------------------------
+# The search
+# ---------------------------------------------------------------------------------------------
+
+
+def threshold(n: int, seen: list[int] | None = None):
+    def probe(b: int) -> Probe:
+        if seen is not None:
+            seen.append(b)
+        return Probe(b, b <= n, b, 0.0, "fits" if b <= n else "over budget")
+    return probe
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 7, 8, 9, 100, 1000])
+def test_search_finds_the_threshold(n):
+    seen = []
+    r = search(threshold(n, seen), None, limit=4096)
+    assert r.max_batch == n and not r.capped
+    assert len(seen) == len(set(seen))  # no batch probed twice
+    if n:
+        assert n + 1 in seen
+    start = Probe(max(n // 3, 1), True, 0, 0.0, "fits") if n else None
+    assert search(threshold(n), start, limit=4096).max_batch == n
+
+
+def test_search_stops_at_the_limit():
+    r = search(threshold(10**9), None, limit=100)
+    assert r.max_batch == 100 and r.capped
+    r = search(threshold(99), None, limit=100)
+    assert r.max_batch == 99 and not r.capped
+
+
+@pytest.mark.parametrize("text,pct", [("33%", 33.0), ("100%", 100.0), ("0.5%", 0.5), (" 1000% ", 1000.0)])
+def test_parse_overhead(text, pct):
+    assert parse_overhead(text) == pct
+
+
+@pytest.mark.parametrize("text", ["0%", "1001%", "-5%", "33", "0.33", "abc", "inf%", ""])
+def test_parse_overhead_rejects(text):
+    with pytest.raises(UsageError):
+        parse_overhead(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# A synthetic workload: an 8-layer chain whose activations grow with the batch.
+# ---------------------------------------------------------------------------------------------
+
+
+def chain_at(batch: int):
+    return chain_trace([10 * batch] * 8, temp_bytes=5 * batch, param_bytes=10)
+
+
+def test_synthetic_max_batch_none_exact_ours_at_least_none():
+    budget, overhead = 2000, 30.0
+    res = max_batch(chain_at, budget, method="auto", max_overhead_pct=overhead, time_limit=5, limit=1000)
+    by = {r["planner"]: r for r in res["planners"]}
+    none, ours, sq = by["none"]["max_batch"], by["auto"]["max_batch"], by["sqrt-n"]["max_batch"]
+    # none is exact: its peak fits at the answer and not one batch above.
+    assert build_problem(chain_at(none)).baseline_peak[0] <= budget < build_problem(chain_at(none + 1)).baseline_peak[0]
+    assert ours >= none and sq >= none and ours > sq  # sqrt-n costs more than 30% here
+    # ours fits at its answer within the overhead and one batch above did not fit.
+    plan = solve(chain_at(ours), budget, "auto", time_limit=5)
+    assert plan.predicted["planned_peak_bytes"] <= budget and plan.predicted["extra_compute_pct"] <= overhead
+    assert plan.predicted["planned_peak_bytes"] == by["auto"]["peak_bytes"]
+    assert any(p["batch"] == ours + 1 and not p["fits"] for p in by["auto"]["probes"])
+    assert not probe_planner(build_problem(chain_at(ours + 1)), ours + 1, budget, "auto", overhead,
+                             time_limit=5).fits
+    assert res["ratios"]["ours/none"] == pytest.approx(ours / none)
+
+
+def test_synthetic_too_big_at_batch_one():
+    res = max_batch(chain_at, 50, method="heuristic", time_limit=5)  # params and grads alone: 160 B
+    assert [r["max_batch"] for r in res["planners"]] == [0, 0, 0]
+    assert res["ratios"] == {"ours/none": None, "ours/sqrt-n": None}
+
+
+def test_max_batch_rejects_bad_arguments():
+    with pytest.raises(UsageError):
+        max_batch(chain_at, 2000, method="sqrt-n")
+    with pytest.raises(UsageError):
+        max_batch(chain_at, 0)
+    with pytest.raises(UsageError):
+        max_batch(chain_at, 2000, max_overhead_pct=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fake-recorded workloads
+# ---------------------------------------------------------------------------------------------
+
+
+def test_mlp_small_budget():
+    record = fake_recorder("mlp", layers=2, hidden=64, optimizer="sgd", device_profile="v100-16gb")
+    budget = 200_000
+    res = max_batch(record, budget, method="heuristic", max_overhead_pct=100.0, time_limit=5, limit=4096)
+    by = {r["planner"]: r for r in res["planners"]}
+    none = by["none"]["max_batch"]
+    assert none >= 1 and by["heuristic"]["max_batch"] >= none
+    assert build_problem(record(none)).baseline_peak[0] <= budget < build_problem(record(none + 1)).baseline_peak[0]
+
+
+def test_cli_tiny_gpt2_json():
+    args = ["maxbatch", "--model", "gpt2", "--seq", "32", "--layers", "1", "--hidden", "64", "--heads", "2",
+            "--vocab", "256", "--budget", "8MB", "--device-profile", "v100-16gb", "--max-overhead", "33%",
+            "--time-limit", "2"]
+    r = CliRunner().invoke(main, [*args, "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    by = {p["planner"]: p for p in res["planners"]}
+    none, ours = by["none"]["max_batch"], by["auto"]["max_batch"]
+    assert none >= 1 and ours >= none
+    assert by["auto"]["extra_pct"] <= 33.0 and by["auto"]["peak_bytes"] <= 8 * 10**6
+    assert by["none"]["peak_bytes"] <= 8 * 10**6
+    assert any(p["batch"] == none + 1 and not p["fits"] for p in by["none"]["probes"])
+    assert res["device_profile"] == "v100-16gb" and res["budget_bytes"] == 8 * 10**6
+
+
+def test_cli_model_too_big_says_max_batch_0():
+    r = CliRunner().invoke(main, ["maxbatch", "--model", "mlp", "--layers", "1", "--hidden", "64",
+                                  "--budget", "1KB", "--method", "heuristic", "--time-limit", "2"])
+    assert r.exit_code == 0, r.output
+    assert "does not fit even at batch 1 (max batch 0)" in r.output
+    assert all(len(line) <= 80 for line in r.output.splitlines())
+
+
+@pytest.mark.parametrize("args,code", [
+    (["--budget", "abc"], 4),
+    (["--budget", "50%"], 4),
+    (["--budget", "-3GB"], 4),
+    (["--max-overhead", "0%"], 2),
+    (["--max-overhead", "2000%"], 2),
+    (["--max-overhead", "33"], 2),
+    (["--device-profile", "nope"], 2),
+    (["--time-limit", "0"], 2),
+])
+def test_cli_bad_input(args, code):
+    r = CliRunner().invoke(main, ["maxbatch", "--model", "mlp", *args])
+    assert r.exit_code == code, r.output
+    assert r.output.startswith("Error:")
+
+
+def test_cli_needs_a_workload():
+    r = CliRunner().invoke(main, ["maxbatch", "--budget", "1GB"])
+    assert r.exit_code == 2 and "--model" in r.output
+    r = CliRunner().invoke(main, ["maxbatch", "--model", "nope", "--budget", "1GB"])
+    assert r.exit_code == 7
