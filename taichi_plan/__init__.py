@@ -10,4 +10,20 @@ from .trace import Trace, read_trace, write_trace
 
 __version__ = "0.1.0"
 
-__all__ = ["Trace", "TaichiError", "read_trace", "write_trace", "__version__"]
+
+def apply(model, plan, on_mismatch: str = "raise"):
+    """Run ``model``'s training steps under ``plan`` (a path or Plan); see
+    :func:`taichi_plan.replay.apply`. Imports torch."""
+    from .replay import apply as _apply
+
+    return _apply(model, plan, on_mismatch)
+
+
+def finish(model) -> None:
+    """Remove what :func:`apply` installed; see :func:`taichi_plan.replay.finish`."""
+    from .replay import finish as _finish
+
+    _finish(model)
+
+
+__all__ = ["Trace", "TaichiError", "apply", "finish", "read_trace", "write_trace", "__version__"]

@@ -40,6 +40,17 @@ def write_json_atomic(path: str | os.PathLike, obj) -> Path:
     return write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=False) + "\n")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _umask_mode() -> int:
+    """0o666 minus the process umask: what a plain open() would create (mkstemp makes 0600)."""
+    return 0o666 & ~_umask()
+
+
 def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
     p = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent or ".")
@@ -48,6 +59,7 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
@@ -63,6 +75,7 @@ def write_with_atomic(path: str | os.PathLike, writer: Callable[[str], None]) ->
     os.close(fd)
     try:
         writer(tmp)
+        os.chmod(tmp, _umask_mode())
         os.replace(tmp, p)
     except BaseException:
         if os.path.exists(tmp):
@@ -77,6 +90,7 @@ def replace_dir_atomic(build: Callable[[Path], None], target: str | os.PathLike)
     t.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{t.name}.", suffix=".tmp", dir=t.parent))
     try:
+        os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes 0700
         build(tmp)
         if t.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{t.name}.", suffix=".old", dir=t.parent))

@@ -37,10 +37,12 @@ class InfeasibleBudgetError(TaichiError):
 
     exit_code = 5
 
-    def __init__(self, message: str, min_budget_bytes: int | None = None, op_id: int | None = None):
+    def __init__(self, message: str, min_budget_bytes: int | None = None, op_id: int | None = None,
+                 planned_peak_bytes: int | None = None):
         super().__init__(message)
-        self.min_budget_bytes = min_budget_bytes
+        self.min_budget_bytes = min_budget_bytes  # lowest budget the heuristic is known to meet
         self.op_id = op_id
+        self.planned_peak_bytes = planned_peak_bytes  # the failed method's own simulated peak
 
 
 class PlanError(TaichiError):

@@ -65,7 +65,7 @@ class Problem:
         """Which (producer, free_after, remat_before) gaps a plan may use (see replayable_only)."""
         if not self.replayable_only:
             return np.ones(np.shape(a), dtype=bool)
-        phase = np.asarray(self.op_phase)
+        phase = self._phase_array
         p = np.maximum(producer, 0)
         return (producer >= 0) & (phase[p] == "forward") & (phase[a] == "forward") & (phase[b] == "backward")
 
@@ -105,6 +105,7 @@ class Problem:
 
     def __post_init__(self):
         self._index = {int(t): i for i, t in enumerate(self.tensor_id.tolist())}
+        self._phase_array = np.asarray(self.op_phase)
 
 
 def build_problem(trace: Trace) -> Problem:
@@ -124,38 +125,15 @@ def build_problem(trace: Trace) -> Problem:
 
     # Per-op reads (inputs that are not the op's own fresh outputs) and outputs.
     is_output = a_write & (producer[a_t] == a_op) if len(a_t) else a_write
-    order = np.argsort(a_op, kind="stable")
-    op_reads: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
-    op_outputs: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * n
-    if len(order):
-        so, st, sout = a_op[order], a_t[order], is_output[order]
-        bounds = np.searchsorted(so, np.arange(n + 1))
-        for i in range(n):
-            lo, hi = bounds[i], bounds[i + 1]
-            if lo == hi:
-                continue
-            ts, outs = st[lo:hi], sout[lo:hi]
-            op_reads[i] = np.unique(ts[~outs])
-            op_outputs[i] = np.unique(ts[outs])
-    # Tensors produced by an op but with no write access recorded still count as outputs.
-    for t in np.nonzero(producer >= 0)[0]:
-        p = producer[t]
-        if t not in op_outputs[p]:
-            op_outputs[p] = np.union1d(op_outputs[p], [t])
+    op_reads = _grouped(a_op[~is_output], a_t[~is_output], n)
+    # Tensors produced by an op count as its outputs even without a recorded write access.
+    made = producer >= 0
+    op_outputs = _grouped(np.concatenate([a_op[is_output], producer[made]]),
+                          np.concatenate([a_t[is_output], np.nonzero(made)[0]]), n)
 
     # Uses per tensor (any access) and every op that writes it.
-    order_t = np.lexsort((a_op, a_t))
-    uses: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * m
-    writers: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * m
-    if len(order_t):
-        st, so, sw = a_t[order_t], a_op[order_t], a_write[order_t]
-        bounds = np.searchsorted(st, np.arange(m + 1))
-        for t in range(m):
-            lo, hi = bounds[t], bounds[t + 1]
-            if lo == hi:
-                continue
-            uses[t] = np.unique(so[lo:hi])
-            writers[t] = np.unique(so[lo:hi][sw[lo:hi]])
+    uses = _grouped(a_t, a_op, m)
+    writers = _grouped(a_t[a_write], a_op[a_write], m)
 
     # A tensor can be rebuilt by re-running its producer and then, in order, the forward
     # ops that wrote it in place (dropout's empty_like -> bernoulli_ -> div_). Those
@@ -216,6 +194,18 @@ def build_problem(trace: Trace) -> Problem:
     )
     _find_candidates(prob)
     return prob
+
+
+def _grouped(keys: np.ndarray, values: np.ndarray, n: int) -> list[np.ndarray]:
+    """For each key 0..n-1, the sorted distinct values paired with it."""
+    if len(keys) == 0:
+        return [np.zeros(0, dtype=np.int64)] * n
+    order = np.lexsort((values, keys))
+    k, v = keys[order], values[order].astype(np.int64)
+    keep = np.ones(len(k), dtype=bool)
+    keep[1:] = (k[1:] != k[:-1]) | (v[1:] != v[:-1])
+    k, v = k[keep], v[keep]
+    return np.split(v, np.searchsorted(k, np.arange(1, n)))
 
 
 def _find_candidates(prob: Problem) -> None:

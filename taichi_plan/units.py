@@ -84,8 +84,10 @@ def unit_scale(unit: str) -> tuple[float, str]:
 def format_cost(cost: float, unit: str = "s") -> str:
     """Compute cost for people: seconds as s/ms/us; imported graphs' abstract units as is."""
     if unit != "s":
-        return f"{cost:.4g} units"
+        return f"{cost:,.0f} units" if abs(cost) >= 1e4 else f"{cost:.4g} units"
     a = abs(cost)
+    if a >= 1000:
+        return f"{cost:,.0f} s"
     if a >= 1 or a == 0:
         return f"{cost:.3g} s"
     if a >= 1e-3:

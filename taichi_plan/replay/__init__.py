@@ -11,8 +11,9 @@ from ..errors import PlanError
 from ..plan import Plan, load_plan
 
 
-def replay_tables(plan: Plan, trace) -> tuple[dict[int, list[tuple[int, int]]], list[tuple[str, str]]]:
-    """(forward op ordinal -> [(flattened output index, tensor id)], forward (op, module) names)."""
+def replay_tables(plan: Plan, trace) -> tuple[dict[int, list[tuple[int, int]]], list[tuple[str, str, dict]]]:
+    """(counted forward op -> [(flattened output index, tensor id)], counted forward ops as
+    (op name, module, {output index: bytes of the storage it creates}))."""
     from .runtime import IGNORED_OPS
 
     ops = trace.ops
@@ -38,7 +39,14 @@ def replay_tables(plan: Plan, trace) -> tuple[dict[int, list[tuple[int, int]]], 
         if r.op not in index:
             raise PlanError(f"The plan drops tensor {r.tensor}, made by {r.op_name}, an op replay does not count.")
         drops.setdefault(index[r.op], []).append((j, r.tensor))
-    names = list(zip(counted["op"].tolist(), counted["module"].tolist(), strict=True))
+    nbytes = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["nbytes"].tolist(), strict=True))
+    producer = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["producer_op"].tolist(), strict=True))
+    made: dict[int, dict[int, int]] = {}
+    for (o, t), j in pos.items():
+        if producer.get(t) == o:
+            made.setdefault(o, {})[j] = int(nbytes[t])
+    names = [(name, module, made.get(int(o), {})) for name, module, o in
+             zip(counted["op"].tolist(), counted["module"].tolist(), counted["op_id"].tolist(), strict=True)]
     return drops, names
 
 

@@ -225,6 +225,7 @@ class PlanRuntime(TorchDispatchMode):
                 refs.append(x)
         flat_out = [out] if isinstance(out, _Tensor) else tree_leaves(out)
         outs = []
+        sizes = self.forward_ops[i][2] if i < len(self.forward_ops) else {}
         for j, x in enumerate(o for o in flat_out if isinstance(o, _Tensor)):
             st = x.untyped_storage()
             fresh = st._cdata not in self._sid_of
@@ -232,6 +233,16 @@ class PlanRuntime(TorchDispatchMode):
             outs.append(sid)
             if fresh and sid not in in_sids:
                 self._recipes[sid] = [Step(func, spec, refs, j, rng)]
+                want = sizes.get(j)
+                if want is not None and want != st.nbytes():
+                    self._mismatch(
+                        f"The live op sequence differs from the one the plan was made for, at forward op {i} "
+                        f"({info.name} in {self.forward_ops[i][1] or '<top level>'}): its output {j} has "
+                        f"{st.nbytes()} bytes, the plan's trace has {want}. The input shapes (batch, sequence "
+                        "length) or the model changed since the trace was recorded: record and solve again, "
+                        "or apply the plan with on_mismatch='warn'.")
+                    if not self.enabled:
+                        return out
         if info.mutates:
             for pos, name in info.write_args:
                 v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)

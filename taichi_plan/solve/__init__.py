@@ -100,9 +100,18 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     return plan
 
 
-def lowest_reachable_peak(problem: Problem, steps: int = 8) -> tuple[int, int]:
+def lowest_reachable_peak(problem: Problem, steps: int = 7) -> tuple[int, int]:
     """(peak bytes, op) of the lowest budget the heuristic meets, by bisection between the
-    floor no plan can pass and the baseline peak."""
+    floor no plan can pass and the baseline peak. Cached on the problem."""
+    cached = getattr(problem, "_lowest_reachable", None)
+    if cached is not None:
+        return cached
+    best = _bisect_heuristic(problem, steps)
+    problem._lowest_reachable = best
+    return best
+
+
+def _bisect_heuristic(problem: Problem, steps: int) -> tuple[int, int]:
     lo = int(floor_bytes(problem).max())
     hi, hi_op = problem.baseline_peak
     best = (hi, hi_op)
@@ -124,20 +133,24 @@ def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Pla
     i = int(np.argmax(floor))
     where = f"op {i} ({problem.op_name[i]}" + (f" in {problem.op_module[i]}" if problem.op_module[i] else "") + ")"
     reach, reach_op = lowest_reachable_peak(problem)
+    if plan is not None and plan.predicted["planned_peak_bytes"] <= budget_bytes:
+        reach = min(reach, plan.predicted["planned_peak_bytes"])
     head = f"No {method} plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes)."
     if plan is not None:
         head += (f" The {method} plan peaks at {format_bytes(plan.predicted['planned_peak_bytes'])} "
                  f"at op {plan.predicted['planned_peak_op']}.")
     if reach <= budget_bytes:
-        msg = (f"{head} taichi-plan's own planner reaches {format_bytes(reach)} on this trace: "
+        msg = (f"{head} taichi-plan's heuristic reaches {format_bytes(reach)} on this trace: "
                "use --method auto. No plan file was written.")
     else:
         msg = (f"{head} No plan of this trace can go below {format_bytes(int(floor[i]))}: {where} needs "
                "that much live at once even with every droppable tensor dropped and every module "
-               f"partitioned. The lowest peak taichi-plan reaches is {format_bytes(reach)} (at op {reach_op}): "
-               f"ask for at least that (--budget {_suggest(reach)}), or reduce the batch size. "
-               "No plan file was written.")
-    return InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)
+               f"partitioned. The lowest peak the heuristic reaches is {format_bytes(reach)} (at op {reach_op}; "
+               f"--method auto may reach a little lower): ask for at least that (--budget {_suggest(reach)}), "
+               "or reduce the batch size. No plan file was written.")
+    err = InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)
+    err.planned_peak_bytes = plan.predicted["planned_peak_bytes"] if plan is not None else None
+    return err
 
 
 def _suggest(nbytes: int) -> str:

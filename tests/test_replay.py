@@ -1,0 +1,156 @@
+"""Replay: plans run in real (CPU) training; measured peaks against predicted ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import taichi_plan
+from taichi_plan.cli import main
+from taichi_plan.errors import InfeasibleBudgetError, MismatchError, PlanError
+from taichi_plan.plan import Partition, load_plan, save_plan
+from taichi_plan.problem import build_problem
+from taichi_plan.record import get_workload, record_workload
+from taichi_plan.replay import plan_and_trace
+from taichi_plan.replay.measure import replay
+from taichi_plan.solve import solve
+from taichi_plan.solve.result import Decisions, make_plan
+from taichi_plan.trace import write_trace
+
+MODELS = {
+    "mlp": dict(model="mlp", hidden=256, layers=3, batch=32),
+    "gpt2": dict(model="gpt2", layers=2, hidden=128, heads=4, vocab=1000, seq=64, batch=4),
+    "bert": dict(model="bert", layers=2, hidden=128, heads=4, vocab=1000, seq=64, batch=4),
+}
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory):
+    root = tmp_path_factory.mktemp("replay")
+    out = {}
+    for name, flags in MODELS.items():
+        trace = record_workload(get_workload(**flags), fake=False)
+        out[name] = write_trace(trace, root / name), trace
+    return root, out
+
+
+def _solve_reachable(trace, frac):
+    """Solve at ``frac`` of the baseline peak, or at the least budget the planner reaches."""
+    p = build_problem(trace)
+    budget = int(p.baseline_peak[0] * frac)
+    try:
+        return solve(trace, budget, "auto", time_limit=5, problem=p)
+    except InfeasibleBudgetError as e:
+        return solve(trace, int(e.min_budget_bytes), "auto", time_limit=5, problem=p)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("frac", [0.7, 0.5, 0.35])
+def test_measured_peak_matches_predicted(traces, name, frac):
+    root, by_name = traces
+    path, trace = by_name[name]
+    plan = _solve_reachable(trace, frac)
+    plan_path = root / f"{name}-{int(frac * 100)}.plan.json"
+    save_plan(plan, plan_path, force=True)
+    r = replay(plan_path, steps=1)
+    assert r["measured_peak_bytes"] <= plan.budget_bytes * 1.02
+    assert abs(r["peak_ratio"] - 1) <= 0.05, r
+    assert r["grads_match"] and r["grads_check"].startswith("bitwise")
+    assert r["baseline_measured_peak_bytes"] == r["baseline_predicted_peak_bytes"]
+
+
+def test_partitioned_plan_replays(traces):
+    root, by_name = traces
+    path, trace = by_name["gpt2"]
+    p = build_problem(trace)
+    parts = [Partition("transformer.h.0.mlp.act", 0, 4), Partition("lm_head", 0, 2)]
+    plan = make_plan(p, None, "manual", Decisions(partitions=parts), 0.0, 0)
+    assert plan.predicted["planned_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
+    plan_path = root / "parts.plan.json"
+    save_plan(plan, plan_path, force=True)
+    r = replay(plan_path, steps=1)
+    assert abs(r["peak_ratio"] - 1) <= 0.05, r
+    assert r["grads_match"] and r["grads_check"].startswith("allclose")
+
+
+def test_apply_in_a_plain_loop(traces, tmp_path):
+    from examples.train_with_plan import main as train
+
+    root, by_name = traces
+    plan = _solve_reachable(by_name["gpt2"][1], 0.7)
+    plan_path = root / "loop.plan.json"
+    save_plan(plan, plan_path, force=True)
+    losses = train([str(plan_path), "--steps", "3"])
+    assert len(losses) == 3 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def _gpt2(seq):
+    wl = get_workload(**{**MODELS["gpt2"], "seq": seq})
+    torch.manual_seed(0)
+    return wl.build(False)
+
+
+def test_guard_names_the_first_differing_op(traces):
+    root, by_name = traces
+    plan = _solve_reachable(by_name["gpt2"][1], 0.7)
+    plan_path = root / "guard.plan.json"
+    save_plan(plan, plan_path, force=True)
+    model, batch, loss_fn, _ = _gpt2(32)  # another sequence length: another op sequence
+    model = taichi_plan.apply(model, plan_path)
+    with pytest.raises(MismatchError) as e:
+        loss_fn(model(**batch), batch).backward()
+    msg = str(e.value)
+    assert "forward op" in msg and "differs" in msg
+    taichi_plan.finish(model)
+
+    model, batch, loss_fn, _ = _gpt2(32)
+    model = taichi_plan.apply(model, plan_path, on_mismatch="warn")
+    with pytest.warns(UserWarning, match="Running unplanned"):
+        loss_fn(model(**batch), batch).backward()
+    loss_fn(model(**batch), batch).backward()  # says it once, then trains unplanned
+    taichi_plan.finish(model)
+
+
+def test_bad_plans(traces, tmp_path):
+    root, by_name = traces
+    plan = _solve_reachable(by_name["gpt2"][1], 0.7)
+    good = root / "bad-base.plan.json"
+    save_plan(plan, good, force=True)
+
+    truncated = tmp_path / "t.plan.json"
+    truncated.write_text(good.read_text()[:200])
+    with pytest.raises(PlanError, match="not valid JSON"):
+        plan_and_trace(truncated)
+
+    other = json.loads(good.read_text())
+    other["trace"]["path"] = str(by_name["bert"][0])  # a plan pointing at another model's trace
+    p2 = tmp_path / "other.plan.json"
+    p2.write_text(json.dumps(other))
+    with pytest.raises(PlanError):
+        plan_and_trace(p2)
+
+    missing = make_plan(build_problem(by_name["gpt2"][1]), None, "manual",
+                        Decisions(partitions=[Partition("transformer.h.0.mlp.act", 0, 2)]), 0.0, 0)
+    missing.partitions[0].module = "transformer.h.9.mlp.act"
+    p3 = tmp_path / "missing.plan.json"
+    save_plan(missing, p3)
+    with pytest.raises(PlanError, match="h.9"):
+        replay(p3, steps=1)
+
+    r = CliRunner().invoke(main, ["replay", str(truncated)])
+    assert r.exit_code == PlanError.exit_code and "JSON" in r.output
+
+
+def test_replay_cli_writes_report(traces):
+    root, by_name = traces
+    plan = _solve_reachable(by_name["mlp"][1], 0.7)
+    plan_path = root / "cli.plan.json"
+    save_plan(plan, plan_path, force=True)
+    r = CliRunner().invoke(main, ["replay", str(plan_path), "--steps", "1"])
+    assert r.exit_code == 0, r.output
+    report = json.loads((root / "cli.replay.json").read_text())
+    assert report["measured_peak_bytes"] == load_plan(plan_path).predicted["planned_peak_bytes"]
+    assert "gradients          match" in r.output
