@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 import click
 
@@ -19,54 +18,15 @@ from ..maxbatch import (
     render_max_batch,
 )
 from ..units import parse_budget
+from ._common import Status, size_options
 
 DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 UNITS = ["GB", "GiB", "MB", "MiB"]
 
-_SIZES = [
-    ("--seq", int, "Sequence length (text models)."),
-    ("--image-size", int, "Image side in pixels (vision models)."),
-    ("--layers", int, "Number of layers (blocks)."),
-    ("--hidden", int, "Hidden size."),
-    ("--heads", int, "Attention heads."),
-    ("--vocab", int, "Vocabulary size (text models)."),
-]
-
-
-def _size_options(fn):
-    for flag, typ, help_text in reversed(_SIZES):
-        fn = click.option(flag, type=typ, default=None, help=help_text + " Default: the model's own.")(fn)
-    return fn
-
-
-class _Status:
-    """A transient rich status line on stderr, only when stderr is a terminal."""
-
-    def __init__(self):
-        self._status = None
-        if sys.stderr.isatty():
-            from rich.console import Console
-
-            self._status = Console(stderr=True).status("searching", refresh_per_second=10)
-
-    def __enter__(self):
-        if self._status is not None:
-            self._status.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._status is not None:
-            self._status.__exit__(*exc)
-
-    def __call__(self, message: str) -> None:
-        if self._status is not None:
-            self._status.update(message)
-
-
 @click.command("maxbatch")
 @click.option("--model", "model_name", metavar="NAME", help="Built-in model: mlp, gpt2, bert, llama, resnet50, vit.")
 @click.option("--entry", metavar="MOD:FN", help="Your workload (its function must take batch=...).")
-@_size_options
+@size_options(batch=False)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Built-in models only. [default: adamw]")
 @click.option("--device-profile", metavar="NAME", default=DEFAULT_PROFILE, show_default=True,
@@ -104,7 +64,7 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
         raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
     if limit < 1:
         raise UsageError(f"--limit must be a positive batch size, got {limit}.")
-    with _Status() as status:
+    with Status('searching') as status:
         record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, seq=seq,
                                image_size=image_size, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                                dtype=dtype, optimizer=optimizer)

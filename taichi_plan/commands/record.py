@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import click
@@ -11,52 +10,13 @@ from ..atomic import check_output
 from ..cli import handle_errors
 from ..devices import get_profile
 from ..units import format_bytes
-
-_SIZES = [
-    ("--batch", int, "Batch size."),
-    ("--seq", int, "Sequence length (text models)."),
-    ("--image-size", int, "Image side in pixels (vision models)."),
-    ("--layers", int, "Number of layers (blocks)."),
-    ("--hidden", int, "Hidden size."),
-    ("--heads", int, "Attention heads."),
-    ("--vocab", int, "Vocabulary size (text models)."),
-]
-
-
-def _size_options(fn):
-    for flag, typ, help_text in reversed(_SIZES):
-        fn = click.option(flag, type=typ, default=None, help=help_text + " Default: the model's own.")(fn)
-    return fn
-
-
-class _Status:
-    """A transient rich status line on stderr, only when stderr is a terminal."""
-
-    def __init__(self):
-        self._status = None
-        if sys.stderr.isatty():
-            from rich.console import Console
-
-            self._status = Console(stderr=True).status("recording", refresh_per_second=10)
-
-    def __enter__(self):
-        if self._status is not None:
-            self._status.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._status is not None:
-            self._status.__exit__(*exc)
-
-    def update(self, message: str) -> None:
-        if self._status is not None:
-            self._status.update(message)
+from ._common import Status, size_options
 
 
 @click.command("record")
 @click.option("--model", "model_name", metavar="NAME", help="Built-in model: mlp, gpt2, bert, llama, resnet50, vit.")
 @click.option("--entry", metavar="MOD:FN", help="Your workload: a function returning (model, batch, loss_fn, optimizer).")
-@_size_options
+@size_options(batch=True)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Built-in models only. [default: adamw]")
 @click.option("--fake", is_flag=True, help="Trace under FakeTensorMode: no memory, any size; costs are roofline estimates.")
@@ -88,7 +48,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         output.parent.mkdir()
     check_output(output, force, what="trace directory")
 
-    with _Status() as status:
+    with Status('recording') as status:
         trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps,
                                 progress=status.update)
     if not trace.meta["steps_match"]:
