@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from benchmarks import bench_graphs, bench_record
+from benchmarks import bench_graphs, bench_record, bench_replay
 from taichi_plan.atomic import write_text_atomic
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -26,8 +26,11 @@ TIME_LIMIT = float(os.environ.get("BENCH_TIME_LIMIT", "60"))
 RECORDED = [  # (label, model, flags) recorded with --fake on the a100-40gb profile
     ("GPT-2 small b8 s1024", "gpt2", {"batch": 8, "seq": 1024}),
     ("BERT-base b8 s512", "bert", {"batch": 8, "seq": 512}),
+    ("Llama 8L h1024 b4 s1024", "llama", {}),
     ("ResNet-50 b32 224", "resnet50", {"batch": 32}),
+    ("ViT-base b32 224", "vit", {"batch": 32}),
 ]
+RECORDED_TIME_LIMIT = float(os.environ.get("BENCH_RECORDED_TIME_LIMIT", "30"))
 SIZES = [  # solve time against trace size: GPT-2 configs of growing depth (fake)
     ("GPT-2 2 layers", {"batch": 8, "seq": 512, "layers": 2}),
     ("GPT-2 XL 48 layers", {"batch": 8, "seq": 1024, "layers": 48, "hidden": 1600, "heads": 25}),
@@ -56,7 +59,7 @@ def fmt(x, p=4):
     return "-" if x is None else f"{x:.{p}f}"
 
 
-def solve_rows(trace, label, fractions, methods, bar=None):
+def solve_rows(trace, label, fractions, methods, bar=None, time_limit=None):
     from taichi_plan.errors import InfeasibleBudgetError
     from taichi_plan.problem import build_problem
     from taichi_plan.solve import solve
@@ -69,7 +72,7 @@ def solve_rows(trace, label, fractions, methods, bar=None):
             t0 = time.perf_counter()
             row = {"trace": label, "ops": problem.num_ops, "budget": frac, "method": method}
             try:
-                plan = solve(trace, int(base * frac), method, time_limit=TIME_LIMIT, problem=problem)
+                plan = solve(trace, int(base * frac), method, time_limit=time_limit or TIME_LIMIT, problem=problem)
                 s = plan.solver
                 row.update(status=s["status"], ratio=1 + plan.predicted["extra_compute"] / problem.step_cost,
                            lb=None if s["lower_bound"] is None else 1 + s["lower_bound"] / problem.step_cost,
@@ -84,6 +87,30 @@ def solve_rows(trace, label, fractions, methods, bar=None):
             print(f"  {label} {frac} {method}: {row['status']} {fmt(row['ratio'])} {row['seconds']:.1f}s",
                   file=sys.stderr, flush=True)
     return rows
+
+
+MAXBATCH = [  # (label, record flags, budget, device profile)
+    ("GPT-2 small s1024 on 16GB (v100-16gb)", {"model": "gpt2", "seq": 1024}, "16GB", "v100-16gb"),
+]
+
+
+def maxbatch_section() -> str:
+    from taichi_plan.devices import get_profile
+    from taichi_plan.maxbatch import fake_recorder, max_batch, render_max_batch
+    from taichi_plan.units import parse_budget
+
+    parts = ["## Max batch under a budget (extra compute <= 33%, fake recordings)\n",
+             "MegTaiChi reports 5x the batch of no planning and 2.4x that of sqrt(n). Ours here is "
+             "the `heuristic` planner (20 s limit per solve).\n"]
+    for label, flags, budget, profile in MAXBATCH:
+        t0 = time.perf_counter()
+        flags = dict(flags)
+        model = flags.pop("model")
+        record = fake_recorder(model, None, device_profile=get_profile(profile).name, **flags)
+        res = max_batch(record, parse_budget(budget), method="heuristic", max_overhead_pct=33.0, time_limit=20)
+        parts.append(f"### {label}\n\n```\n{render_max_batch(res)}\n```\n\n"
+                     f"Search took {time.perf_counter() - t0:.0f} s.\n")
+    return "\n".join(parts)
 
 
 def table(rows, with_parts=False):
@@ -137,7 +164,8 @@ def main() -> None:
         rows = []
         for label, model, flags in RECORDED:
             trace = record_workload(get_workload(model=model, **flags), fake=True, device_profile="a100-40gb")
-            rows += solve_rows(trace, label, (0.7, 0.5, 0.35), ("auto", "heuristic", "dtr", "sqrt-n", "full"), tick)
+            rows += solve_rows(trace, label, (0.7, 0.5, 0.35), ("auto", "heuristic", "dtr", "sqrt-n", "full"), tick,
+                               time_limit=RECORDED_TIME_LIMIT)
         sections.append("## Recorded traces (fake mode, a100-40gb profile)\n\n`heuristic` may partition "
                         "modules too; `partitions` counts them.\n\n" + table(rows))
 
@@ -153,9 +181,16 @@ def main() -> None:
                 rows.append(r)
         sections.append("## Solve time against trace size (budget 50%)\n\n" + table(rows))
 
-    sections.append("## Not measured yet\n\nReplay fidelity (replayed vs predicted peak) and the "
-                    "maxbatch table need `taichi-plan replay` and `maxbatch`, which are not built yet.\n\n"
-                    f"Whole run: {time.perf_counter() - started:.0f} s.")
+        # 5. Replay: measured against predicted, and against PyTorch's own checkpointing.
+        progress.update(task, description="replay")
+        sections.append("## Replay: measured peaks and step times (real CPU runs)\n\n" +
+                        bench_replay.markdown(bench_replay.run(steps=3)).split("\n", 1)[1])
+
+        # 6. Max batch under a budget.
+        progress.update(task, description="maxbatch")
+        sections.append(maxbatch_section())
+
+    sections.append(f"Whole run: {time.perf_counter() - started:.0f} s.")
     write_text_atomic(OUT, "\n\n".join(sections) + "\n")
     print(f"Wrote {OUT}")
 

@@ -50,6 +50,40 @@ def replay_tables(plan: Plan, trace) -> tuple[dict[int, list[tuple[int, int]]], 
     return drops, names
 
 
+def recipe_ops(plan: Plan, trace) -> set[int]:
+    """Counted forward ops whose recipes a rebuild may need: every op the simulator re-runs
+    for this plan, and the rebuild ops of every dropped tensor."""
+    from ..problem import build_problem
+    from ..simulate import _closure, _groups, check_drops, group_events
+    from ..solve.result import drops_from_plan
+    from .runtime import IGNORED_OPS
+
+    problem = build_problem(trace)
+    drops = drops_from_plan(problem, plan)
+    D = check_drops(problem, drops)
+    remat_at, transients = _closure(problem, D)
+    needed: set[int] = set()
+    for r, members in _groups(problem, D, remat_at, transients).items():
+        needed.update(op for op, _a, _f in group_events(problem, r, members))
+    for t in D:
+        needed.update(problem.rebuild_ops[t].tolist())
+    names = trace.ops["op"].tolist()
+    counted, k = {}, 0
+    for i, name in enumerate(names):
+        if name not in IGNORED_OPS:
+            counted[i] = k
+            k += 1
+    return {counted[i] for i in needed if i in counted}
+
+
+def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
+    """The :class:`~taichi_plan.replay.runtime.PlanRuntime` that executes ``plan``."""
+    from .runtime import PlanRuntime
+
+    drops, names = replay_tables(plan, trace)
+    return PlanRuntime(drops, names, on_mismatch, partition_spans(plan, trace), recipe_ops(plan, trace))
+
+
 def partition_spans(plan: Plan, trace) -> dict[str, tuple[int, int]]:
     """Forward op span of each partitioned module in the trace."""
     if not plan.partitions:
@@ -108,11 +142,8 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise"):
     if on_mismatch not in ("raise", "warn"):
         raise PlanError(f"on_mismatch must be 'raise' or 'warn', not {on_mismatch!r}.")
     from .partition import install_partitions
-    from .runtime import PlanRuntime
-
     plan, trace = plan_and_trace(plan)
-    drops, names = replay_tables(plan, trace)
-    rt = PlanRuntime(drops, names, on_mismatch, partition_spans(plan, trace))
+    rt = runtime_for(plan, trace, on_mismatch)
     state = {"ctx": None}
 
     def end_step():
@@ -151,4 +182,4 @@ def finish(model) -> None:
     del model._taichi_plan
 
 
-__all__ = ["apply", "finish", "plan_and_trace", "replay_tables"]
+__all__ = ["apply", "finish", "plan_and_trace", "recipe_ops", "replay_tables", "runtime_for"]

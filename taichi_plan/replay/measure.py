@@ -38,9 +38,8 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
     from ..record.api import _late_kinds, _registered, _to_trace, make_step_fn
     from ..record.recorder import Recorder
     from ..trace import baseline_peak
-    from . import partition_spans, replay_tables
+    from . import runtime_for
     from .partition import install_partitions
-    from .runtime import PlanRuntime
 
     torch.manual_seed(seed)
     model, batch, loss_fn, optimizer = workload.build(False)
@@ -49,8 +48,7 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
     step()  # warm-up, unplanned
     rt, undo = None, (lambda: None)
     if plan is not None:
-        drops, names = replay_tables(plan, trace)
-        rt = PlanRuntime(drops, names, "raise", partition_spans(plan, trace))
+        rt = runtime_for(plan, trace)
         undo = install_partitions(model, plan.partitions, rt)
 
     def one_step():

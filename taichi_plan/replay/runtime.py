@@ -93,8 +93,10 @@ class PlanRuntime(TorchDispatchMode):
     """
 
     def __init__(self, drops: dict[int, list[tuple[int, int]]], forward_ops: list[tuple[str, str]],
-                 on_mismatch: str = "raise", spans: dict[str, tuple[int, int]] | None = None):
+                 on_mismatch: str = "raise", spans: dict[str, tuple[int, int]] | None = None,
+                 recipe_ops: set[int] | None = None):
         super().__init__()
+        self.recipe_ops = recipe_ops  # counted forward ops to keep recipes for (None: all)
         self.spans = spans or {}  # partitioned module -> its forward op span in the trace
         self._partition_depth = 0
         self.drops = drops
@@ -185,6 +187,13 @@ class PlanRuntime(TorchDispatchMode):
             return
         raise MismatchError(msg)
 
+    def _size_mismatch(self, i: int, name: str, j: int, got: int, want: int) -> None:
+        self._mismatch(
+            f"The live op sequence differs from the one the plan was made for, at forward op {i} "
+            f"({name} in {self.forward_ops[i][1] or '<top level>'}): its output {j} has {got} bytes, the "
+            f"plan's trace has {want}. The input shapes (batch, sequence length) or the model changed "
+            "since the trace was recorded: record and solve again, or apply the plan with on_mismatch='warn'.")
+
     def finish_forward(self) -> None:
         """Called when backward starts: the forward must have had exactly the trace's ops."""
         if self._in_forward:
@@ -209,9 +218,19 @@ class PlanRuntime(TorchDispatchMode):
         i = self._n
         self._n += 1
         self._check(i, info.name)
-        rng = _rng_state(args, kwargs) if info.random else None
+        keep = self.recipe_ops is None or i in self.recipe_ops
+        rng = _rng_state(args, kwargs) if info.random and keep else None
         out = func(*args, **kwargs)
         if not self.enabled:
+            return out
+        if not keep:
+            sizes = self.forward_ops[i][2] if i < len(self.forward_ops) else {}
+            if sizes:
+                flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
+                for j, want in sizes.items():
+                    if j < len(flat) and flat[j].untyped_storage().nbytes() != want:
+                        self._size_mismatch(i, info.name, j, flat[j].untyped_storage().nbytes(), want)
+                        return out
             return out
         leaves, spec = tree_flatten((args, kwargs))
         in_sids = set()
@@ -235,12 +254,7 @@ class PlanRuntime(TorchDispatchMode):
                 self._recipes[sid] = [Step(func, spec, refs, j, rng)]
                 want = sizes.get(j)
                 if want is not None and want != st.nbytes():
-                    self._mismatch(
-                        f"The live op sequence differs from the one the plan was made for, at forward op {i} "
-                        f"({info.name} in {self.forward_ops[i][1] or '<top level>'}): its output {j} has "
-                        f"{st.nbytes()} bytes, the plan's trace has {want}. The input shapes (batch, sequence "
-                        "length) or the model changed since the trace was recorded: record and solve again, "
-                        "or apply the plan with on_mismatch='warn'.")
+                    self._size_mismatch(i, info.name, j, st.nbytes(), want)
                     if not self.enabled:
                         return out
         if info.mutates:
