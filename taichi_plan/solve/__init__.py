@@ -95,26 +95,38 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         raise infeasible_error(problem, budget_bytes, method)
     dec = run_method(problem, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress)
     plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+    if plan.solver["status"] == "infeasible" and method in OURS:
+        # The greedy sweep is not monotone in the budget: asked for less, it may find a plan
+        # that also fits this budget. Use the best one the bisection found, if it fits.
+        reach, _op, asked = lowest_reachable(problem)
+        if reach <= budget_bytes:
+            dec = plan_heuristic(problem, asked, seed=seed)
+            dec.notes.append(f"heuristic asked for {asked} bytes: the plan for this budget did not fit")
+            plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
     if plan.solver["status"] == "infeasible":
         raise infeasible_error(problem, budget_bytes, method, plan)
     return plan
 
 
-def lowest_reachable_peak(problem: Problem, steps: int = 7) -> tuple[int, int]:
-    """(peak bytes, op) of the lowest budget the heuristic meets, by bisection between the
+def lowest_reachable_peak(problem: Problem) -> tuple[int, int]:
+    """(peak bytes, op) of the lowest budget the heuristic is known to meet."""
+    peak, op, _asked = lowest_reachable(problem)
+    return peak, op
+
+
+def lowest_reachable(problem: Problem, steps: int = 7) -> tuple[int, int, int]:
+    """(peak, op, budget asked) of the best plan the heuristic finds when bisecting between the
     floor no plan can pass and the baseline peak. Cached on the problem."""
     cached = getattr(problem, "_lowest_reachable", None)
-    if cached is not None:
-        return cached
-    best = _bisect_heuristic(problem, steps)
-    problem._lowest_reachable = best
-    return best
+    if cached is None:
+        cached = problem._lowest_reachable = _bisect_heuristic(problem, steps)
+    return cached
 
 
-def _bisect_heuristic(problem: Problem, steps: int) -> tuple[int, int]:
+def _bisect_heuristic(problem: Problem, steps: int) -> tuple[int, int, int]:
     lo = int(floor_bytes(problem).max())
     hi, hi_op = problem.baseline_peak
-    best = (hi, hi_op)
+    best = (hi, hi_op, hi)
     for _ in range(steps):
         if hi - lo <= max(1, hi // 1000):
             break
@@ -122,7 +134,7 @@ def _bisect_heuristic(problem: Problem, steps: int) -> tuple[int, int]:
         dec = plan_heuristic(problem, mid)
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
         if sim.peak_bytes <= mid:
-            hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op)
+            hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op, mid)
         else:
             lo = mid + 1
     return best

@@ -56,35 +56,38 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     dec = plan_remat(problem, budget_bytes)
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
         return dec
-    spans = module_spans(problem)
+    # Each module's savings at its most chunks, once; then rounds that add the best-scoring
+    # modules at the worst op, 1, 2, 4, ... per round, re-planning rematerialization around them.
+    options = []
+    for span in module_spans(problem):
+        k = max((c for c in CHUNK_CHOICES if c <= span.batch), default=0)
+        if k >= 2:
+            options.append((span, k, partition_savings(problem, span, k), partition_cost(problem, span, k)))
     chosen: list[Partition] = []
     best = dec
-    while spans:
-        parted, _ = apply_partitions(problem, chosen)
-        sim = simulate(parted, best.drops if chosen else [])
+    take = 1
+    while options:
+        sim, parted = simulate_plan(problem, best.drops, best.partitions)
         worst = int(np.argmax(sim_over(parted, sim)))
-        pick = None
-        for span in spans:
+        ranked = sorted((o for o in options if o[2][worst] > 0), key=lambda o: -o[2][worst] / max(o[3], 1e-12))
+        added = 0
+        for span, k, _sav, _cost in ranked:
+            if added == take:
+                break
             if any(_under(span.module, c.module) or _under(c.module, span.module) for c in chosen):
                 continue
-            k = max(c for c in CHUNK_CHOICES if c <= span.batch) if span.batch >= 2 else 0
-            if k < 2:
-                continue
-            gain = partition_savings(parted, span, k)[worst]
-            if gain <= 0:
-                continue
-            score = gain / max(partition_cost(problem, span, k), 1e-12)
-            if pick is None or score > pick[0]:
-                pick = (score, span, k)
-        if pick is None:
+            chosen.append(Partition(span.module, 0, k))
+            added += 1
+        if not added:
             break
-        chosen.append(Partition(pick[1].module, 0, pick[2]))
+        options = [o for o in options if not any(o[0].module == c.module for c in chosen)]
         parted, _ = apply_partitions(problem, chosen)
         dec = plan_remat(parted, budget_bytes)
         dec.partitions = list(chosen)
         best = dec
         if _fits(problem, dec, budget_bytes):
             break
+        take *= 2
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
     return best
 
