@@ -124,6 +124,14 @@ def table(rows, with_parts=False):
     return "\n".join(lines)
 
 
+def _guarded(title: str, make) -> str:
+    """A section, or what went wrong making it (the rest of the run still lands)."""
+    try:
+        return make()
+    except Exception as e:  # noqa: BLE001 - a benchmark section must not lose the others
+        return f"## {title}\n\nFailed in this run: {type(e).__name__}: {e}"
+
+
 def main() -> None:
     from taichi_plan.import_graph import import_graph
     from taichi_plan.record import get_workload, record_workload
@@ -183,12 +191,12 @@ def main() -> None:
 
         # 5. Replay: measured against predicted, and against PyTorch's own checkpointing.
         progress.update(task, description="replay")
-        sections.append("## Replay: measured peaks and step times (real CPU runs)\n\n" +
-                        bench_replay.markdown(bench_replay.run(steps=3)).split("\n", 1)[1])
+        sections.append(_guarded("Replay", lambda: "## Replay: measured peaks and step times (real CPU runs)\n\n" +
+                                 bench_replay.markdown(bench_replay.run(steps=3)).split("\n", 1)[1]))
 
         # 6. Max batch under a budget.
         progress.update(task, description="maxbatch")
-        sections.append(maxbatch_section())
+        sections.append(_guarded("Max batch", maxbatch_section))
 
     sections.append(f"Whole run: {time.perf_counter() - started:.0f} s.")
     write_text_atomic(OUT, "\n\n".join(sections) + "\n")

@@ -51,8 +51,25 @@ def _under(name: str, module: str) -> bool:
     return name == module or name.startswith(module + ".")
 
 
+MAX_SPANS = 48  # partition options considered: the modules with the most bytes inside
+
+
 def module_spans(problem: Problem) -> list[Span]:
-    """Modules that can be partitioned along dim 0, with their forward and backward spans."""
+    """Modules that can be partitioned along dim 0, with their forward and backward spans:
+    the ``MAX_SPANS`` with the most bytes made inside them (the most a partition can save)."""
+    cached = getattr(problem, "_module_spans", None)
+    if cached is not None:
+        return cached
+    spans = _module_spans(problem)
+    if len(spans) > MAX_SPANS:
+        inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in spans}
+        keep = set(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
+        spans = [s for s in spans if s.module in keep]
+    problem._module_spans = spans
+    return spans
+
+
+def _module_spans(problem: Problem) -> list[Span]:
     names = problem.op_module
     phases = np.asarray(problem.op_phase)
     fqns: set[str] = set()
@@ -132,10 +149,9 @@ def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarr
     kinds_ok = np.isin(problem.kind, ("activation", "temporary")) & ~problem.initial & ~problem.persists
     made_f = kinds_ok & (problem.start >= f0) & (problem.start <= f1)
     made_b = kinds_ok & (problem.start >= b0) & (problem.start <= b1) & (problem.end <= b1)
-    const = np.fromiter((_constant(problem, t) for t in range(len(problem.nbytes))), dtype=bool,
-                        count=len(problem.nbytes)) if (made_f.any() or made_b.any()) else made_f
-    made_f &= ~const
-    made_b &= ~const
+    for t in np.nonzero(made_f | made_b)[0].tolist():
+        if _constant(problem, t):
+            made_f[t] = made_b[t] = False
     f_trans = np.nonzero(made_f & (problem.end <= f1))[0]
     later = np.nonzero(made_f & (problem.end > f1))[0]
     saved = np.asarray([t for t in later.tolist()

@@ -251,19 +251,19 @@ def rebuild_inputs(problem: Problem, t: int) -> list[int]:
     return out
 
 
-def rebuildable(problem: Problem, t: int, r: int, _seen: set[int] | None = None) -> bool:
+def rebuildable(problem: Problem, t: int, r: int) -> bool:
     """Can ``t`` alone be rebuilt right before op ``r``, rebuilding gone inputs as needed?"""
-    seen = _seen if _seen is not None else set()
-    if t in seen:
-        return True
-    seen.add(t)
-    if not problem.rematerializable[t] or r > problem.remat_deadline[t]:
-        return False
-    for u in rebuild_inputs(problem, t):
-        if problem.start[u] <= r - 1 and problem.end[u] >= r:
-            continue
-        if not rebuildable(problem, u, r, seen):
+    seen = {t}
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        if not problem.rematerializable[x] or r > problem.remat_deadline[x]:
             return False
+        for u in rebuild_inputs(problem, x):
+            if u in seen or (problem.start[u] <= r - 1 and problem.end[u] >= r):
+                continue
+            seen.add(u)
+            stack.append(u)
     return True
 
 
