@@ -28,6 +28,7 @@ from ..errors import PlanError, UsageError
 from ..plan import Plan, load_plan
 from ..problem import Problem, build_problem
 from ..units import format_bytes, format_cost
+from .plan_text import _where
 from .timeline import KIND_COLORS, KIND_LABELS, PHASE_COLORS, STACK_ORDER, downsample
 
 TIMELINE_POINTS = 2000  # at most this many buckets of ops in the timeline
@@ -184,15 +185,6 @@ def read_plan_data(page: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 # The static header
 # ---------------------------------------------------------------------------------------------
-
-
-def _where(p: dict) -> str:
-    if p.get("op_id") is None or p["op_id"] < 0:
-        return ""
-    at = f"in the recompute group before op {p['op_id']}" if p.get("in_recompute") else f"during op {p['op_id']}"
-    if p.get("op"):
-        at += f" ({p['op']}" + (f", {p['module']}" if p.get("module") else "") + f", {p['phase']})"
-    return at
 
 
 def _header(s: dict, units: str) -> str:

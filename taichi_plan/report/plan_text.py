@@ -227,7 +227,8 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
 
 
 def _where(p: dict) -> str:
-    if p["op_id"] is None or p["op_id"] < 0:
+    """Where a peak happens, in words (shared by the text and HTML reports)."""
+    if p.get("op_id") is None or p["op_id"] < 0:
         return ""
     at = f"in the recompute group before op {p['op_id']}" if p.get("in_recompute") else f"during op {p['op_id']}"
     if p.get("op"):
