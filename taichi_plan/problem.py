@@ -267,18 +267,24 @@ def rebuildable(problem: Problem, t: int, r: int) -> bool:
     return True
 
 
+def gap_bytes(n: int, free_after: np.ndarray, remat_before: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Bytes away during each of ``n`` ops when each tensor is freed after ``free_after`` and
+    back before ``remat_before`` (ops ``free_after+1 .. remat_before-1``)."""
+    delta = np.zeros(n + 1, dtype=np.int64)
+    np.add.at(delta, free_after + 1, sizes)
+    np.add.at(delta, remat_before, -sizes)
+    return np.cumsum(delta)[:n]
+
+
 def coverage_delta(problem: Problem, chosen: np.ndarray | None = None) -> np.ndarray:
     """Bytes freed at each op by dropping the candidates (all, or those where ``chosen``).
 
     A candidate frees its bytes during ops ``free_after+1 .. remat_before-1``: an upper
     bound on what it saves (rebuilding early or transients only add memory back).
     """
-    n = problem.num_ops
     sel = np.ones(len(problem.candidates), dtype=bool) if chosen is None else chosen.astype(bool)
-    delta = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(delta, problem.cand_free_after[sel] + 1, problem.nbytes[problem.candidates[sel]])
-    np.add.at(delta, problem.cand_remat_before[sel], -problem.nbytes[problem.candidates[sel]])
-    return np.cumsum(delta)[:n]
+    return gap_bytes(problem.num_ops, problem.cand_free_after[sel], problem.cand_remat_before[sel],
+                     problem.nbytes[problem.candidates[sel]])
 
 
 def min_live_bytes(problem: Problem) -> np.ndarray:

@@ -133,8 +133,8 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
     np.add.at(start_bytes, ps, nbytes[pt])
 
     groups = {}
-    for r, members in _groups(problem, D, remat_at, transients).items():
-        groups[r] = _run_group(problem, r, members, D, int(live[r] - start_bytes[r]))
+    for r, members in _groups(remat_at, transients).items():
+        groups[r] = _run_group(problem, r, members, int(live[r] - start_bytes[r]))
 
     peak_op, peak_bytes, in_group = -1, 0, False
     if n:
@@ -217,7 +217,7 @@ def unexecutable(problem: Problem, drops: list[Drop]) -> set[int]:
     return failures
 
 
-def _groups(problem, D, remat_at, transients) -> dict[int, tuple[set[int], set[int]]]:
+def _groups(remat_at: dict[int, int], transients: dict[int, set[int]]) -> dict[int, tuple[set[int], set[int]]]:
     """Group time -> (dropped tensors rebuilt there, transients rebuilt there)."""
     out: dict[int, tuple[set[int], set[int]]] = {}
     for t, r in remat_at.items():
@@ -227,8 +227,9 @@ def _groups(problem, D, remat_at, transients) -> dict[int, tuple[set[int], set[i
     return out
 
 
-def group_events(problem: Problem, r: int, members: tuple[set[int], set[int]]):
-    """The recompute events of the group before op ``r``: (op, allocs, frees) in order."""
+def group_events(problem: Problem, members: tuple[set[int], set[int]]):
+    """The recompute events of one group (dropped tensors rebuilt there, transients): (op,
+    allocs, frees) in order."""
     kept, trans = members
     ops = sorted({int(q) for t in kept | trans for q in problem.rebuild_ops[t].tolist()})
     last_use: dict[int, int] = {}  # transient -> last group op that reads or writes it
@@ -245,11 +246,11 @@ def group_events(problem: Problem, r: int, members: tuple[set[int], set[int]]):
     return events
 
 
-def _run_group(problem, r, members, D, carried: int) -> Group:
+def _run_group(problem, r: int, members, carried: int) -> Group:
     live = carried
     peak = carried
     cost = 0.0
-    events = group_events(problem, r, members)
+    events = group_events(problem, members)
     for p, allocs, frees in events:
         live += int(problem.nbytes[allocs].sum()) if allocs else 0
         peak = max(peak, live)
@@ -282,11 +283,11 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
             frees[D[t].free_after].append(int(tid[t]))
         if not problem.persists[t]:
             frees[problem.end[t]].append(int(tid[t]))
-    grouped = _groups(problem, D, remat_at, transients)
+    grouped = _groups(remat_at, transients)
     events = []
     for i in range(n):
         if i in grouped:
-            for p, a, f in group_events(problem, i, grouped[i]):
+            for p, a, f in group_events(problem, grouped[i]):
                 events.append(["recompute", p, [int(tid[x]) for x in a], [int(tid[x]) for x in f]])
         events.append(["run", i, allocs[i], frees[i]])
     used = {x for e in events for x in e[2]} | set(initial)
@@ -300,9 +301,9 @@ def rebuild_overhead(problem: Problem, drop: Drop) -> int:
     D = {drop.tensor: drop}
     remat_at, transients = _closure(problem, D)
     r = remat_at[drop.tensor]
-    members = _groups(problem, D, remat_at, transients)[r]
+    members = _groups(remat_at, transients)[r]
     live = peak = 0
-    for _p, allocs, frees in group_events(problem, r, members):
+    for _p, allocs, frees in group_events(problem, members):
         live += int(problem.nbytes[allocs].sum()) if allocs else 0
         peak = max(peak, live)
         live -= int(problem.nbytes[frees].sum()) if frees else 0
@@ -319,3 +320,16 @@ def simulate_plan(problem: Problem, drops: list[Drop], partitions=()) -> tuple[S
     sim.partition_cost = cost
     sim.extra_cost += cost
     return sim, parted
+
+
+def rerun_ops(problem: Problem, drops: list[Drop]) -> set[int]:
+    """Every op the planned step re-runs: the ops of all recompute groups, and the rebuild
+    ops of every dropped tensor (what a replay must be able to run again)."""
+    D = check_drops(problem, drops)
+    remat_at, transients = _closure(problem, D)
+    ops: set[int] = set()
+    for members in _groups(remat_at, transients).values():
+        ops.update(op for op, _a, _f in group_events(problem, members))
+    for t in D:
+        ops.update(problem.rebuild_ops[t].tolist())
+    return ops

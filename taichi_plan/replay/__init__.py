@@ -54,19 +54,12 @@ def recipe_ops(plan: Plan, trace) -> set[int]:
     """Counted forward ops whose recipes a rebuild may need: every op the simulator re-runs
     for this plan, and the rebuild ops of every dropped tensor."""
     from ..problem import build_problem
-    from ..simulate import _closure, _groups, check_drops, group_events
+    from ..simulate import rerun_ops
     from ..solve.result import drops_from_plan
     from .runtime import IGNORED_OPS
 
     problem = build_problem(trace)
-    drops = drops_from_plan(problem, plan)
-    D = check_drops(problem, drops)
-    remat_at, transients = _closure(problem, D)
-    needed: set[int] = set()
-    for r, members in _groups(problem, D, remat_at, transients).items():
-        needed.update(op for op, _a, _f in group_events(problem, r, members))
-    for t in D:
-        needed.update(problem.rebuild_ops[t].tolist())
+    needed = rerun_ops(problem, drops_from_plan(problem, plan))
     names = trace.ops["op"].tolist()
     counted, k = {}, 0
     for i, name in enumerate(names):

@@ -27,7 +27,7 @@ def install_partitions(model, partitions, rt) -> callable:
                             "the plan was made for another model.") from e
         if part.dim != 0:
             raise PlanError(f"Partition along dim {part.dim} is not supported; only dim 0 (the batch).")
-        span = rt.spans.get(part.module) if hasattr(rt, "spans") else None
+        span = rt.spans.get(part.module) if rt is not None else None
         original = module.forward
         module.forward = _chunked(original, int(part.chunks), rt, span, part.module)
         undo.append((module, original))
@@ -45,7 +45,8 @@ def _chunked(forward, chunks: int, rt, span, name: str):
         batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         if batch is None or batch < chunks:
             raise PlanError(f"Cannot split {name!r} into {chunks} chunks: its batch is {batch}.")
-        start = rt.enter_partition(span, name) if rt is not None else None
+        if rt is not None:
+            rt.enter_partition(span, name)
         try:
             pieces = [[] for _ in range(chunks)]
             for x in leaves:
@@ -68,6 +69,6 @@ def _chunked(forward, chunks: int, rt, span, name: str):
             return tree_unflatten(merged, spec_out)
         finally:
             if rt is not None:
-                rt.leave_partition(span, start)
+                rt.leave_partition(span)
 
     return run

@@ -272,16 +272,15 @@ class PlanRuntime(TorchDispatchMode):
         return out
 
     # -- partitions -------------------------------------------------------------------------------
-    def enter_partition(self, span: tuple[int, int] | None, name: str) -> int:
+    def enter_partition(self, span: tuple[int, int] | None, name: str) -> None:
         """A partitioned module starts: its ops are not the trace's, so they are not counted."""
         if self._partition_depth == 0 and self._in_forward and self.enabled and span is not None \
                 and torch._C._current_graph_task_id() == -1 and self._n != span[0]:
             self._mismatch(f"The partitioned module {name!r} started at forward op {self._n}, but the plan "
                            f"expects it at op {span[0]}. Record and solve again.")
         self._partition_depth += 1
-        return self._n
 
-    def leave_partition(self, span: tuple[int, int] | None, start: int) -> None:
+    def leave_partition(self, span: tuple[int, int] | None) -> None:
         self._partition_depth -= 1
         if self._partition_depth == 0 and span is not None and self._in_forward \
                 and torch._C._current_graph_task_id() == -1:

@@ -23,7 +23,7 @@ from ..partition import (
     partition_savings,
 )
 from ..plan import Partition
-from ..problem import Options, Problem, options, rebuild_closure
+from ..problem import Options, Problem, gap_bytes, options, rebuild_closure
 from ..simulate import Drop, SimResult, simulate, simulate_plan
 from .result import Decisions
 
@@ -143,7 +143,7 @@ def _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group) -> None:
     n = len(est)
     taken = np.zeros(int(group.max()) + 1 if len(group) else 0, dtype=bool)
     taken[group[chosen]] = True
-    over_ops = (est - _saved(n, sizes, a_arr, b_arr, chosen)) > target
+    over_ops = (est - gap_bytes(n, a_arr[chosen], b_arr[chosen], sizes[chosen])) > target
     prefix = np.concatenate([[0], np.cumsum(over_ops)])
     cover = prefix[b_arr] - prefix[np.minimum(a_arr + 1, n)]
     score = costs / (np.maximum(sizes, 1) * np.maximum(cover, 1))
@@ -171,10 +171,3 @@ def _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group) -> None:
             saved += sizes[k]
             saved_delta[b_arr[k]] -= sizes[k]
             need -= sizes[k]
-
-
-def _saved(n, sizes, a_arr, b_arr, chosen) -> np.ndarray:
-    delta = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(delta, a_arr[chosen] + 1, sizes[chosen])
-    np.add.at(delta, b_arr[chosen], -sizes[chosen])
-    return np.cumsum(delta)[:n]

@@ -41,7 +41,7 @@ from ..partition import (
     span_tensors,
 )
 from ..plan import Partition
-from ..problem import Problem, coverage_delta, options, rebuild_closure
+from ..problem import Problem, coverage_delta, gap_bytes, options, rebuild_closure
 from ..simulate import Drop, SimResult, rebuild_overhead, simulate_plan
 from .heuristic import sim_over
 from .result import Decisions
@@ -261,7 +261,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             relaxed = False
             # Ask for more bytes away at each op still over: what this solution frees there
             # (at most its coverage) plus the excess.
-            freed = coverage_of(st, chosen, problem.num_ops) + sum(
+            freed = gap_bytes(problem.num_ops, st.a[chosen], st.b[chosen], st.sizes[chosen]) + sum(
                 (parts[j].savings for j, v in enumerate(y) if solver.Value(v)), np.zeros(problem.num_ops, np.int64))
             for i in bad.tolist():
                 want = int(freed[i]) + int(over[i])
@@ -276,14 +276,6 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     dec, sim = incumbent
     return Decisions(drops=dec.drops, partitions=dec.partitions, status=status_final or "feasible",
                      objective=sim.extra_cost, lower_bound=lower_bound, notes=notes + [scale_note], stats=stats)
-
-
-def coverage_of(st: Structure, chosen: np.ndarray, n: int) -> np.ndarray:
-    """Bytes the chosen options free at each op, at most (their gaps, ignoring early rebuilds)."""
-    delta = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(delta, st.a[chosen] + 1, st.sizes[chosen])
-    np.add.at(delta, st.b[chosen], -st.sizes[chosen])
-    return np.cumsum(delta)[:n]
 
 
 def _add_rebuild_constraints(problem, st: Structure, model, x, budget: int, overheads: dict[int, int]) -> None:
