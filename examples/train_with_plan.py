@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     loss_fn(model(**batch) if isinstance(batch, dict) else model(batch), batch).backward()
     optimizer.step()
 
-    model = taichi_plan.apply(model, plan)            # <- the only line a training loop adds
+    model = taichi_plan.apply(model, plan, optimizer=optimizer)  # <- the only line a training loop adds
     losses = []
     for step in range(args.steps):
         optimizer.zero_grad(set_to_none=True)

@@ -67,7 +67,9 @@ class Problem:
             return np.ones(np.shape(a), dtype=bool)
         phase = self._phase_array
         p = np.maximum(producer, 0)
-        return (producer >= 0) & (phase[p] == "forward") & (phase[a] == "forward") & (phase[b] == "backward")
+        call = self._call_array
+        return ((producer >= 0) & (phase[p] == "forward") & (phase[a] == "forward") & (phase[b] == "backward")
+                & (call[p] >= 0) & (call[a] == call[p]))
 
     @property
     def last_write(self) -> np.ndarray:
@@ -106,6 +108,26 @@ class Problem:
     def __post_init__(self):
         self._index = {int(t): i for i, t in enumerate(self.tensor_id.tolist())}
         self._phase_array = np.asarray(self.op_phase)
+        self._call_array = model_call_of_ops(self.trace)
+
+
+def model_call_of_ops(trace: Trace) -> np.ndarray:
+    """Per op: which grad-enabled call of the model it ran in (``meta.model_calls``), -1 for
+    ops outside every call (a loss computed outside the model, the loop's own ops, backward).
+    Replay applies a plan inside the model's calls only, so a recorded tensor can be dropped
+    only if its producer and its last forward use ran in the same call. Traces that do not
+    list the calls (imported graphs, older recordings) put every op in call 0."""
+    n = len(trace.ops)
+    calls = trace.meta.get("model_calls")
+    if calls is None:
+        return np.zeros(n, dtype=np.int64)
+    out = np.full(n, -1, dtype=np.int64)
+    k = 0
+    for c in calls:
+        if c.get("grad") and c.get("end") is not None:
+            out[int(c["start"]):int(c["end"]) + 1] = k
+            k += 1
+    return out
 
 
 def build_problem(trace: Trace) -> Problem:
@@ -142,14 +164,16 @@ def build_problem(trace: Trace) -> Problem:
     mutates = ops["mutates"].to_numpy().astype(bool)
     forward = ops["phase"].to_numpy() == "forward"
     writes_per_op = np.bincount(a_op[a_write], minlength=n) if len(a_op) else np.zeros(n, dtype=np.int64)
+    call = model_call_of_ops(trace)
     remat = np.zeros(m, dtype=bool)
     rebuild_ops: list[np.ndarray] = [np.zeros(0, dtype=np.int64)] * m
     for t in np.nonzero((producer >= 0) & ~np.isin(kind, FIXED_KINDS))[0].tolist():
         p = int(producer[t])
-        if not recomputable[p] or mutates[p]:
+        if not recomputable[p] or mutates[p] or call[p] == -1:
             continue
         extra = writers[t][writers[t] != p]
-        if len(extra) and not (np.all(forward[extra]) and np.all(writes_per_op[extra] == 1) and np.all(extra > p)):
+        if len(extra) and not (np.all(forward[extra]) and np.all(writes_per_op[extra] == 1) and np.all(extra > p)
+                               and np.all(call[extra] == call[p])):
             continue
         remat[t] = True
         rebuild_ops[t] = np.concatenate([[p], extra]).astype(np.int64)

@@ -19,7 +19,8 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic, write_json_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)  # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied
 PHASES = ("forward", "backward", "optimizer", "other")
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary")
 ROLES = ("read", "write")
@@ -199,10 +200,10 @@ def read_trace(path: str | Path) -> Trace:
     if not isinstance(meta, dict):
         raise TraceError(f"Trace {str(p)!r}: meta.json is not a JSON object. {hint}")
     version = meta.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
         raise TraceError(
-            f"Trace {str(p)!r} has format version {version!r}; this taichi-plan reads version "
-            f"{FORMAT_VERSION}. Re-record the trace with this version, or use the taichi-plan "
+            f"Trace {str(p)!r} has format version {version!r}; this taichi-plan reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}. Re-record the trace with this version, or use the taichi-plan "
             "version that wrote it."
         )
     tables = {}

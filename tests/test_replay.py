@@ -58,7 +58,8 @@ def test_measured_peak_matches_predicted(traces, name, frac):
     r = replay(plan_path, steps=1)
     assert r["measured_peak_bytes"] <= plan.budget_bytes * 1.02
     assert abs(r["peak_ratio"] - 1) <= 0.05, r
-    assert r["grads_match"] and r["grads_check"].startswith("bitwise")
+    # Bitwise for rematerialization; a time-limited solve on a loaded machine may partition.
+    assert r["grads_match"] and r["grads_check"].startswith("allclose" if plan.partitions else "bitwise")
     assert r["baseline_measured_peak_bytes"] == r["baseline_predicted_peak_bytes"]
 
 
@@ -93,24 +94,24 @@ def _gpt2(seq):
     return wl.build(False)
 
 
-def test_guard_names_the_first_differing_op(traces):
+def test_guard_names_the_input_that_differs(traces):
     root, by_name = traces
     plan = _solve_reachable(by_name["gpt2"][1], 0.7)
     plan_path = root / "guard.plan.json"
     save_plan(plan, plan_path, force=True)
-    model, batch, loss_fn, _ = _gpt2(32)  # another sequence length: another op sequence
+    model, batch, loss_fn, _ = _gpt2(32)  # another sequence length: stopped before any op runs
     model = taichi_plan.apply(model, plan_path)
     with pytest.raises(MismatchError) as e:
         loss_fn(model(**batch), batch).backward()
     msg = str(e.value)
-    assert "forward op" in msg and "differs" in msg
+    assert "input_ids is [4, 32]" in msg and "[4, 64]" in msg
     taichi_plan.finish(model)
 
     model, batch, loss_fn, _ = _gpt2(32)
     model = taichi_plan.apply(model, plan_path, on_mismatch="warn")
-    with pytest.warns(UserWarning, match="Running unplanned"):
+    with pytest.warns(UserWarning, match="runs unplanned"):
         loss_fn(model(**batch), batch).backward()
-    loss_fn(model(**batch), batch).backward()  # says it once, then trains unplanned
+    assert model._taichi_plan["runtime"].planned_calls == 0
     taichi_plan.finish(model)
 
 

@@ -23,21 +23,33 @@ from ._common import Status, size_options
 @click.option("--device-profile", metavar="NAME", default=None,
               help="Device to cost a fake run on (default a100-40gb); metadata only for real runs. See `taichi-plan devices`.")
 @click.option("--steps", type=int, default=2, show_default=True, help="Steps recorded after one warm-up step.")
+@click.option("--micro-batches", type=int, default=1, show_default=True,
+              help="Gradient accumulation: forward + backward this many times per optimizer step.")
+@click.option("--forwards", type=int, default=1, show_default=True,
+              help="Model calls per backward (their losses averaged; all their activations alive at once).")
+@click.option("--autocast", type=click.Choice(["bf16", "fp16"]), default=None,
+              help="Run forward and loss under torch.autocast with this dtype.")
+@click.option("--clip-grad-norm", type=float, default=None, metavar="X",
+              help="clip_grad_norm_(model.parameters(), X) before the optimizer step.")
+@click.option("--keep-grads", is_flag=True, help="zero_grad(set_to_none=False): gradients stay allocated between steps.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Trace directory. Default: traces/<model>-b<batch>...")
 @click.option("--force", is_flag=True, help="Overwrite an existing output.")
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
-            fake, device_profile, steps, output, force) -> None:
+            fake, device_profile, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads, output,
+            force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
-    from ..record import get_workload, record_workload
+    from ..record import Loop, get_workload, record_workload
     from ..trace import baseline_peak, write_trace
 
     if device_profile is not None:
         get_profile(device_profile)
     if steps < 1:
         raise UsageError(f"--steps must be at least 1, got {steps}.")
+    loop = Loop(micro_batches=micro_batches, forwards=forwards, autocast=autocast, clip_grad_norm=clip_grad_norm,
+                set_to_none=not keep_grads)
     workload = get_workload(
         model=model_name, entry=entry, batch=batch, seq=seq, image_size=image_size, layers=layers,
         hidden=hidden, heads=heads, vocab=vocab, dtype=dtype, optimizer=optimizer,
@@ -49,7 +61,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     check_output(output, force, what="trace directory")
 
     with Status('recording') as status:
-        trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps,
+        trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                 progress=status.update)
     if not trace.meta["steps_match"]:
         m = trace.meta["first_mismatch"]

@@ -14,13 +14,14 @@ from collections.abc import Callable
 from ..devices import get_profile
 from ..errors import UsageError, WorkloadError
 from ..trace import Trace, frame, op_signature
+from .loop import AUTOCAST_DTYPES, Loop
 from .recorder import Recorder, StepRecord
 from .workloads import Workload, check_parts
 
 DEFAULT_FAKE_PROFILE = "a100-40gb"
 STEP_DEFINITION = (
-    "zero_grad(set_to_none=True) before the step (outside it); the step is forward + loss, "
-    "backward, optimizer.step(); the model output is dropped once the loss is computed"
+    "zero_grad before the step (outside it); the step is forward + loss, backward (repeated per "
+    "micro-batch, see meta.loop), optimizer.step(); the model output is dropped once the loss is computed"
 )
 
 
@@ -34,11 +35,21 @@ def _call_model(model, batch):
     return model(*batch)
 
 
-def make_step_fn(model, batch, loss_fn, optimizer, where: str = "workload") -> Callable[[], None]:
-    """One training step (forward + loss, backward, optimizer step), nothing kept afterwards."""
+def make_step_fn(model, batch, loss_fn, optimizer, where: str = "workload", loop: Loop | None = None
+                 ) -> Callable[[], None]:
+    """One training step of ``loop`` (default: forward + loss, backward, optimizer step),
+    nothing kept afterwards; ``zero_grad`` is the caller's (see :class:`Loop`)."""
     import torch
 
-    def step() -> None:
+    loop = loop or Loop()
+    device = next((p.device.type for p in model.parameters()), "cpu")
+
+    def autocast():
+        if loop.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device, dtype=getattr(torch, AUTOCAST_DTYPES[loop.autocast]))
+
+    def one_loss():
         out = _call_model(model, batch)
         loss = loss_fn(out, batch)
         del out
@@ -48,7 +59,22 @@ def make_step_fn(model, batch, loss_fn, optimizer, where: str = "workload") -> C
                 + (f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else "")
                 + "; it must return a scalar tensor."
             )
-        loss.backward()
+        return loss
+
+    def step() -> None:
+        for _ in range(loop.micro_batches):
+            with autocast():
+                loss = one_loss()
+                for _ in range(loop.forwards - 1):  # several forwards alive before one backward
+                    loss = loss + one_loss()
+                if loop.forwards > 1:
+                    loss = loss / loop.forwards
+                if loop.micro_batches > 1:
+                    loss = loss / loop.micro_batches
+            loss.backward()
+            del loss
+        if loop.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip_grad_norm)
         optimizer.step()
 
     return step
@@ -110,6 +136,7 @@ def record_workload(
     device_profile: str | None = None,
     steps: int = 2,
     warmup: int = 1,
+    loop: Loop | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
     """Record ``workload`` and return a trace of one steady-state step.
@@ -134,18 +161,19 @@ def record_workload(
     with mode:
         say(f"building {workload.name}")
         model, batch, loss_fn, optimizer = workload.build(fake)
-        step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name)
+        loop = loop or Loop()
+        step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
         for w in range(warmup):
             say(f"warm-up step {w + 1}/{warmup}")
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=loop.set_to_none)
             step()
         recorder = Recorder(profile if fake else None, model)
-        hooks = recorder.optimizer_hooks(optimizer)
+        hooks = recorder.optimizer_hooks(optimizer) + recorder.model_hooks(model)
         records: list[StepRecord] = []
         try:
             for s in range(steps):
                 say(f"recording step {s + 1}/{steps}")
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad(set_to_none=loop.set_to_none)
                 recorder.begin_step(_registered(model, batch, loss_fn, optimizer))
                 with recorder:
                     step()
@@ -178,6 +206,8 @@ def record_workload(
         "cost_unit": "s",
         "step_definition": STEP_DEFINITION,
         "filtered_ops": ["prim.*", "profiler.*"],
+        "model_calls": kept.calls,
+        "loop": loop.to_json(),
     }
     return _to_trace(kept, step_indices[-1], "estimated" if fake else "measured", meta)
 
@@ -191,7 +221,8 @@ def _to_trace(rec: StepRecord, step: int, cost_source: str, meta: dict) -> Trace
 
 
 def record(model, batch, loss_fn, optimizer, *, name: str = "python", steps: int = 2, warmup: int = 1,
-           device_profile: str | None = None, progress: Callable[[str], None] | None = None) -> Trace:
+           device_profile: str | None = None, loop: Loop | None = None,
+           progress: Callable[[str], None] | None = None) -> Trace:
     """Record a real step of objects you already built (same contract as ``--entry``).
 
     Runs ``warmup`` + ``steps`` real training steps on them (the model's weights change).
@@ -205,7 +236,7 @@ def record(model, batch, loss_fn, optimizer, *, name: str = "python", steps: int
 
     workload = Workload(name, {}, build, _dtype_name(parts[0]), "python", {})
     return record_workload(workload, fake=False, device_profile=device_profile, steps=steps,
-                           warmup=warmup, progress=progress)
+                           warmup=warmup, loop=loop, progress=progress)
 
 
 def _dtype_name(model) -> str:

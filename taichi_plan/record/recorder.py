@@ -28,7 +28,8 @@ How each column is decided:
   estimate of a device profile (``estimated``), 0 for ops that launch no kernel.
 - ``mutates``: the schema writes an argument (in-place or ``out=``); ``recomputable`` is
   ``not mutates`` outside the optimizer phase (random ops count as recomputable: replay
-  restores the RNG state).
+  restores the RNG state), except autocast's cached casts of parameters (the cache keeps them
+  until the autocast region ends, so dropping them would free nothing).
 - Tensors are storages (0-byte storages are not recorded: they hold no memory): an output whose storage is already live is a view (no new tensor, no
   write) unless the op mutates that storage. ``free_op`` is the last op that started before the
   storage's weakref callback fired.
@@ -79,6 +80,29 @@ class _OpInfo:
     flop_fn: object
 
 
+def input_signature(args, kwargs) -> list[list]:
+    """The tensor inputs of a model call: ``[name, shape, dtype]`` for each tensor of rank >= 1,
+    named by position (``args[0]``) or keyword (``input_ids``), nested items by index."""
+    out = []
+
+    def walk(name, x):
+        if isinstance(x, _Tensor):
+            if x.dim() >= 1:
+                out.append([name, list(x.shape), str(x.dtype).replace("torch.", "")])
+        elif isinstance(x, (list, tuple)):
+            for i, y in enumerate(x):
+                walk(f"{name}[{i}]", y)
+        elif isinstance(x, dict):
+            for k, y in x.items():
+                walk(f"{name}[{k!r}]", y)
+
+    for i, a in enumerate(args):
+        walk(f"args[{i}]", a)
+    for k, v in kwargs.items():
+        walk(k, v)
+    return out
+
+
 def _op_info(func) -> _OpInfo:
     name = str(func)
     skip = func.namespace in _SKIP_NAMESPACES
@@ -102,6 +126,7 @@ class StepRecord:
     accesses: dict[str, list] = field(default_factory=dict)
     shapes: list = field(default_factory=list)
     producer_phase: list = field(default_factory=list)
+    calls: list = field(default_factory=list)  # the model's forward calls (see Recorder.model_hooks)
 
     @property
     def num_ops(self) -> int:
@@ -133,6 +158,25 @@ class Recorder(TorchDispatchMode):
                 self._root = get_name(model)
 
     # -- hooks ----------------------------------------------------------------------------------
+    def model_hooks(self, model: torch.nn.Module):
+        """Hooks that write down each call of ``model`` in the step: the op span it ran
+        (``start`` .. ``end``, op ids), its tensor inputs, and whether it ran with grad and in
+        training mode. Replay applies a plan per model call, so it needs to know which of the
+        step's ops ran inside the model and which (a loss outside it, scaling) did not."""
+
+        def pre(_module, args, kwargs):
+            if self._rec is not None:
+                self._rec.calls.append({"start": self._n, "end": None, "inputs": input_signature(args, kwargs),
+                                        "grad": torch.is_grad_enabled() and not torch.is_inference_mode_enabled(),
+                                        "training": bool(model.training)})
+
+        def post(_module, _args, _kwargs, _out):
+            if self._rec is not None and self._rec.calls and self._rec.calls[-1]["end"] is None:
+                self._rec.calls[-1]["end"] = self._n - 1
+
+        return [model.register_forward_pre_hook(pre, with_kwargs=True),
+                model.register_forward_hook(post, with_kwargs=True, always_call=True)]
+
     def optimizer_hooks(self, optimizer: torch.optim.Optimizer):
         def pre(*_):
             self._in_opt = True
@@ -371,5 +415,16 @@ class Recorder(TorchDispatchMode):
         ops["duration_s"].append(duration_s)
         ops["flops"].append(flops)
         ops["mutates"].append(info.mutates)
-        ops["recomputable"].append(not info.mutates and phase != "optimizer")
+        ops["recomputable"].append(not info.mutates and phase != "optimizer"
+                                   and not (info.name == "aten._to_copy.default" and _autocast_cached(args)))
         return out
+
+
+def _autocast_cached(args) -> bool:
+    """Whether this may be one of autocast's cached casts (a cast of a leaf tensor that
+    requires grad, with the cache enabled): the cache keeps it until the autocast region ends,
+    so freeing it early frees nothing, and it is no candidate for rematerialization. (Inside a
+    dispatch mode autocast reads as disabled, so every such cast counts: outside autocast these
+    casts are rare in a training step, and keeping one only costs a candidate.)"""
+    x = args[0] if args else None
+    return isinstance(x, _Tensor) and x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled()

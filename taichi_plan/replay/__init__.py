@@ -11,97 +11,123 @@ from ..errors import PlanError
 from ..plan import Plan, load_plan
 
 
-def replay_tables(plan: Plan, trace) -> tuple[dict[int, list[tuple[int, int]]], list[tuple[str, str, dict]]]:
-    """(counted forward op -> [(flattened output index, tensor id)], counted forward ops as
-    (op name, module, {output index: bytes of the storage it creates}))."""
+def model_calls(trace) -> list[dict]:
+    """The grad-enabled model calls of the trace's step (``meta.model_calls``), in order."""
+    calls = trace.meta.get("model_calls")
+    if calls is None:
+        raise PlanError("The plan's trace does not say which ops ran inside the model (it was recorded by an "
+                        "older taichi-plan): record it again and solve again.")
+    return [c for c in calls if c.get("grad") and c.get("end") is not None]
+
+
+def _counted_index(trace) -> list[int]:
+    """Per op id: the number of counted ops (``IGNORED_OPS`` left out) before it."""
     from .runtime import IGNORED_OPS
 
-    ops = trace.ops
-    forward = ops[ops["phase"] == "forward"]
-    n_fwd = len(forward)
-    if n_fwd and int(forward["op_id"].iloc[-1]) != n_fwd - 1:
-        raise PlanError("The plan's trace interleaves forward and other ops; replay needs the forward first.")
-    counted = forward[~forward["op"].isin(IGNORED_OPS)]
-    index = {int(o): k for k, o in enumerate(counted["op_id"].tolist())}
+    out, k = [], 0
+    for name in trace.ops["op"].tolist():
+        out.append(k)
+        k += name not in IGNORED_OPS
+    return out
+
+
+def call_plans(plan: Plan, trace) -> list:
+    """The :class:`~taichi_plan.replay.runtime.CallPlan` of each grad-enabled model call."""
+    from .runtime import IGNORED_OPS, CallPlan
+
+    calls = model_calls(trace)
+    names = trace.ops["op"].tolist()
+    modules = trace.ops["module"].tolist()
+    before = _counted_index(trace)
+
+    def locate(op: int) -> tuple[int, int] | None:
+        for c, call in enumerate(calls):
+            if call["start"] <= op <= call["end"] and names[op] not in IGNORED_OPS:
+                return c, before[op] - before[call["start"]]
+        return None
+
     acc = trace.accesses
     writes = acc[acc["role"] == "write"]
     pos = {(int(o), int(t)): int(a) for o, t, a in zip(writes["op_id"], writes["tensor_id"], writes["arg_index"],
                                                           strict=True)}
-    drops: dict[int, list[tuple[int, int]]] = {}
-    for r in plan.recompute:
-        if r.op >= n_fwd:
-            raise PlanError(f"The plan drops tensor {r.tensor}, made by op {r.op} outside the forward; "
-                            "replay only rebuilds forward tensors. Solve again with this version.")
-        j = pos.get((r.op, r.tensor))
-        if j is None:
-            raise PlanError(f"The plan drops tensor {r.tensor} as an output of op {r.op}, but the trace has no "
-                            "such output: the plan was made for another trace.")
-        if r.op not in index:
-            raise PlanError(f"The plan drops tensor {r.tensor}, made by {r.op_name}, an op replay does not count.")
-        drops.setdefault(index[r.op], []).append((j, r.tensor))
-    nbytes = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["nbytes"].tolist(), strict=True))
-    producer = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["producer_op"].tolist(), strict=True))
+    tensors = trace.tensors
+    nbytes = dict(zip(tensors["tensor_id"].tolist(), tensors["nbytes"].tolist(), strict=True))
+    producer = dict(zip(tensors["tensor_id"].tolist(), tensors["producer_op"].tolist(), strict=True))
     made: dict[int, dict[int, int]] = {}
     for (o, t), j in pos.items():
         if producer.get(t) == o:
             made.setdefault(o, {})[j] = int(nbytes[t])
-    names = [(name, module, made.get(int(o), {})) for name, module, o in
-             zip(counted["op"].tolist(), counted["module"].tolist(), counted["op_id"].tolist(), strict=True)]
-    return drops, names
+
+    drops: list[dict] = [{} for _ in calls]
+    for r in plan.recompute:
+        where = locate(r.op)
+        if where is None:
+            raise PlanError(f"The plan drops tensor {r.tensor}, made by op {r.op} ({r.op_name}) outside the model's "
+                            "forward; replay only rebuilds what the model's own forward made. Solve again with "
+                            "this version.")
+        j = pos.get((r.op, r.tensor))
+        if j is None:
+            raise PlanError(f"The plan drops tensor {r.tensor} as an output of op {r.op}, but the trace has no "
+                            "such output: the plan was made for another trace.")
+        drops[where[0]].setdefault(where[1], []).append((j, r.tensor))
+    recipes: list[set] = [set() for _ in calls]
+    for op in recipe_ops(plan, trace):
+        where = locate(op)
+        if where is None:
+            raise PlanError(f"A rebuild in this plan re-runs op {op} ({names[op]}), which ran outside the model's "
+                            "forward; replay cannot re-run it. Solve again with this version.")
+        recipes[where[0]].add(where[1])
+    spans: list[dict] = [{} for _ in calls]
+    for module, (f0, f1) in partition_spans(plan, trace).items():
+        a, b = locate(f0), locate(f1)
+        if a is None or b is None or a[0] != b[0]:
+            raise PlanError(f"The plan partitions {module!r}, whose ops do not all run in one call of the model.")
+        spans[a[0]][module] = (a[1], b[1] + (names[f1] not in IGNORED_OPS) - 1)
+
+    kinds = tensors["kind"].tolist()
+    alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
+    grads = [(a, f) for k, a, f in zip(kinds, alloc, free, strict=True) if k == "gradient"]
+    out = []
+    for c, call in enumerate(calls):
+        s0, s1 = call["start"], call["end"]
+        ops = [(names[o], modules[o], made.get(o, {})) for o in range(s0, s1 + 1) if names[o] not in IGNORED_OPS]
+        alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
+        out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
+                            bool(call.get("training", True))))
+    return out
 
 
 def recipe_ops(plan: Plan, trace) -> set[int]:
-    """Counted forward ops whose recipes a rebuild may need: every op the simulator re-runs
-    for this plan, and the rebuild ops of every dropped tensor."""
+    """Op ids whose recipes a rebuild may need: every op the simulator re-runs for this plan,
+    and the rebuild ops of every dropped tensor."""
     from ..problem import build_problem
     from ..simulate import rerun_ops
     from ..solve.result import drops_from_plan
-    from .runtime import IGNORED_OPS
 
     problem = build_problem(trace)
-    needed = rerun_ops(problem, drops_from_plan(problem, plan))
-    names = trace.ops["op"].tolist()
-    counted, k = {}, 0
-    for i, name in enumerate(names):
-        if name not in IGNORED_OPS:
-            counted[i] = k
-            k += 1
-    return {counted[i] for i in needed if i in counted}
+    return {int(i) for i in rerun_ops(problem, drops_from_plan(problem, plan))}
 
 
 def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
     """The :class:`~taichi_plan.replay.runtime.PlanRuntime` that executes ``plan``."""
     from .runtime import PlanRuntime
 
-    drops, names = replay_tables(plan, trace)
-    return PlanRuntime(drops, names, on_mismatch, partition_spans(plan, trace), recipe_ops(plan, trace))
+    return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}))
 
 
 def partition_spans(plan: Plan, trace) -> dict[str, tuple[int, int]]:
-    """Forward op span of each partitioned module in the trace."""
+    """Forward op span (op ids) of each partitioned module in the trace."""
     if not plan.partitions:
         return {}
     from ..partition import module_spans
     from ..problem import build_problem
-    from .runtime import IGNORED_OPS
 
     spans = {s.module: s.fwd for s in module_spans(build_problem(trace))}
     missing = [p.module for p in plan.partitions if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "
                         "was made for another trace.")
-    # In counted ops (IGNORED_OPS left out), as the runtime counts them.
-    names = trace.ops["op"].tolist()
-    counted_before = []
-    k = 0
-    for name in names:
-        counted_before.append(k)
-        k += name not in IGNORED_OPS
-    out = {}
-    for p in plan.partitions:
-        f0, f1 = spans[p.module]
-        out[p.module] = (counted_before[f0], counted_before[f1] + (names[f1] not in IGNORED_OPS) - 1)
-    return out
+    return {p.module: spans[p.module] for p in plan.partitions}
 
 
 def plan_and_trace(plan: Plan | str | Path):
@@ -122,57 +148,79 @@ def plan_and_trace(plan: Plan | str | Path):
     return plan, trace
 
 
-def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise"):
-    """Run ``model``'s training steps under ``plan``; returns the same model.
+def _refuse_compiled(model) -> None:
+    import torch
 
-    A step starts when ``model`` is called and lasts until its next call (so the loss,
-    backward and optimizer step in between belong to it). Dropped activations are not saved
-    for backward and are rebuilt when backward needs them; the live op sequence is checked
-    against the plan's trace, and a mismatch raises :class:`~taichi_plan.errors.MismatchError`
-    naming the first differing op, or with ``on_mismatch="warn"`` warns once and runs unplanned.
-    Call :func:`finish` after the last step to remove the hooks.
+    compiled = isinstance(model, getattr(torch._dynamo.eval_frame, "OptimizedModule", ())) or \
+        getattr(model, "_compiled_call_impl", None) is not None
+    if compiled:
+        raise PlanError(
+            "apply() was given a torch.compile'd model. Under compile the op stream differs from the eager "
+            "trace the plan was made for (dropout becomes native_dropout, ops are fused), so the plan cannot be "
+            "matched op by op. Apply the plan to the eager model, or use torch.compile with PyTorch's own "
+            "activation checkpointing instead.")
+
+
+def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=None):
+    """Run ``model``'s training forwards under ``plan``; returns the same model.
+
+    Each call of ``model`` with grad enabled, in training mode, is matched to the next model
+    call of the plan's recorded step (one per step, or one per micro-batch when the trace was
+    recorded with ``--micro-batches``); calls under ``no_grad``/``inference_mode`` or in eval mode
+    run untouched. In a planned call, dropped activations are not saved for backward and are
+    rebuilt when backward needs them; inputs, ops and sizes are checked against the trace, and a
+    mismatch raises :class:`~taichi_plan.errors.MismatchError` naming what differs (with
+    ``on_mismatch="warn"``: warns and runs that call unplanned). Nothing stays installed after
+    a call, and the next call tries the plan again. Pass ``optimizer`` so that a step boundary
+    is known (a step that calls the model another number of times than the recorded loop is
+    reported). Call :func:`finish` after training to remove the hooks.
     """
     if on_mismatch not in ("raise", "warn"):
         raise PlanError(f"on_mismatch must be 'raise' or 'warn', not {on_mismatch!r}.")
+    if getattr(model, "_taichi_plan", None) is not None:
+        raise PlanError("This model already has a plan applied: call taichi_plan.finish(model) first.")
+    _refuse_compiled(model)
     from .partition import install_partitions
+
     plan, trace = plan_and_trace(plan)
     rt = runtime_for(plan, trace, on_mismatch)
-    state = {"ctx": None}
-
-    def end_step():
-        if state["ctx"] is not None:
-            hooks, mode = state["ctx"]
-            state["ctx"] = None
-            hooks.__exit__(None, None, None)
-            mode.__exit__(None, None, None)
-            rt.end_step()
-
-    def pre_hook(_module, _args):
-        end_step()
-        if not rt.enabled:
-            return
-        rt.begin_step()
-        mode = rt
-        mode.__enter__()
-        hooks = rt.hooks()
-        hooks.__enter__()
-        state["ctx"] = (hooks, mode)
-
-    handle = model.register_forward_pre_hook(pre_hook)
+    handles = install(model, rt, optimizer)
     undo = install_partitions(model, plan.partitions, rt)
-    model._taichi_plan = {"runtime": rt, "end_step": end_step, "handle": handle, "undo": undo, "plan": plan}
+    model._taichi_plan = {"runtime": rt, "handles": handles, "undo": undo, "plan": plan}
     return model
 
 
+def install(model, rt, optimizer=None) -> list:
+    """Hook ``rt`` (a :class:`~taichi_plan.replay.runtime.PlanRuntime`) onto ``model``'s calls
+    (and ``optimizer``'s steps); returns the hook handles (``.remove()`` each to undo)."""
+    import sys
+
+    running = []
+
+    def pre_hook(module, args, kwargs):
+        running.append(rt.begin_call(module, args, kwargs))
+
+    def post_hook(_module, _args, _kwargs, _out):
+        if running and running.pop():  # in an exception's handler when the forward raised
+            rt.end_call(failed=sys.exc_info()[0] is not None)
+
+    handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True),
+               model.register_forward_hook(post_hook, with_kwargs=True, always_call=True)]
+    if optimizer is not None:
+        handles.append(optimizer.register_step_post_hook(lambda *_: rt.end_step()))
+    return handles
+
+
 def finish(model) -> None:
-    """End the current planned step and remove everything :func:`apply` installed."""
+    """Remove everything :func:`apply` installed (planned calls already run keep working:
+    their backward still rebuilds what they dropped)."""
     info = getattr(model, "_taichi_plan", None)
     if info is None:
         return
-    info["end_step"]()
-    info["handle"].remove()
+    for h in info["handles"]:
+        h.remove()
     info["undo"]()
     del model._taichi_plan
 
 
-__all__ = ["apply", "finish", "plan_and_trace", "recipe_ops", "replay_tables", "runtime_for"]
+__all__ = ["apply", "call_plans", "finish", "install", "model_calls", "plan_and_trace", "recipe_ops", "runtime_for"]

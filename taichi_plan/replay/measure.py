@@ -35,31 +35,29 @@ def _workload(trace):
 def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str):
     import torch
 
-    from ..record.api import _late_kinds, _registered, _to_trace, make_step_fn
+    from ..record.api import Loop, _late_kinds, _registered, _to_trace, make_step_fn
     from ..record.recorder import Recorder
     from ..trace import baseline_peak
-    from . import runtime_for
+    from . import install, runtime_for
     from .partition import install_partitions
 
     torch.manual_seed(seed)
     model, batch, loss_fn, optimizer = workload.build(False)
-    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name)
-    optimizer.zero_grad(set_to_none=True)
+    loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
+    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
+    optimizer.zero_grad(set_to_none=loop.set_to_none)
     step()  # warm-up, unplanned
-    rt, undo = None, (lambda: None)
+    rt, handles, undo = None, [], (lambda: None)
     if plan is not None:
         rt = runtime_for(plan, trace)
+        handles = install(model, rt, optimizer)
         undo = install_partitions(model, plan.partitions, rt)
 
     def one_step():
-        optimizer.zero_grad(set_to_none=True)
-        if rt is None:
-            step()
-            return
-        rt.begin_step()
-        with rt, rt.hooks():
-            step()
-        rt.end_step()
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
+        if rt is not None:
+            rt.reset_counters()
+        step()
 
     times, recompute_s = [], []
     for _ in range(steps):
@@ -75,7 +73,7 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
     recorder = Recorder(None, model)
     hooks = recorder.optimizer_hooks(optimizer)
     try:
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
         recorder.begin_step(_registered(model, batch, loss_fn, optimizer))
         with recorder:
             one_step()
@@ -84,6 +82,8 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
         for h in hooks:
             h.remove()
         recorder.close()
+        for h in handles:
+            h.remove()
         undo()
     measured = _to_trace(rec, 0, "measured", {})
     peak, peak_op = baseline_peak(measured)
@@ -134,8 +134,8 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "recompute_ops": planned["recompute_ops"],
         "partitions": len(plan.partitions),
         "steps": steps,
-        "mechanism": "saved-tensor hooks: per-tensor rebuild from recorded op recipes; partitions: "
-                     "chunked non-reentrant checkpoint",
+        "mechanism": "per model call: saved-tensor hooks and per-tensor rebuild from recorded op recipes; "
+                     "partitions: chunked non-reentrant checkpoint",
     }
     if check_grads:
         exact = not plan.partitions

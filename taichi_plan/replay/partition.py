@@ -27,9 +27,8 @@ def install_partitions(model, partitions, rt) -> callable:
                             "the plan was made for another model.") from e
         if part.dim != 0:
             raise PlanError(f"Partition along dim {part.dim} is not supported; only dim 0 (the batch).")
-        span = rt.spans.get(part.module) if rt is not None else None
         original = module.forward
-        module.forward = _chunked(original, int(part.chunks), rt, span, part.module)
+        module.forward = _chunked(original, int(part.chunks), rt, part.module)
         undo.append((module, original))
 
     def restore():
@@ -39,14 +38,14 @@ def install_partitions(model, partitions, rt) -> callable:
     return restore
 
 
-def _chunked(forward, chunks: int, rt, span, name: str):
+def _chunked(forward, chunks: int, rt, name: str):
     def run(*args, **kwargs):
         leaves, spec = tree_flatten((args, kwargs))
         batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         if batch is None or batch < chunks:
             raise PlanError(f"Cannot split {name!r} into {chunks} chunks: its batch is {batch}.")
         if rt is not None:
-            rt.enter_partition(span, name)
+            rt.enter_partition(name)
         try:
             pieces = [[] for _ in range(chunks)]
             for x in leaves:
@@ -69,6 +68,6 @@ def _chunked(forward, chunks: int, rt, span, name: str):
             return tree_unflatten(merged, spec_out)
         finally:
             if rt is not None:
-                rt.leave_partition(span)
+                rt.leave_partition(name)
 
     return run

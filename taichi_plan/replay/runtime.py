@@ -1,20 +1,35 @@
-"""The replay runtime: per-tensor rematerialization in live PyTorch training.
+"""The replay runtime: per-tensor rematerialization inside the model's planned forward calls.
 
-It executes what the simulator models (docs/planner.md):
+It executes what the simulator models (docs/planner.md#replay), one model call at a time:
 
-* A ``TorchDispatchMode`` counts the step's ops exactly as the recorder does (``prim.*`` and
-  ``profiler.*`` skipped) and checks each forward op's name against the trace the plan was made
-  for (the guard). For every forward op it keeps a *recipe* for each storage the op creates or
-  writes in place: the op, its non-tensor arguments, and for each tensor argument the storage
-  it views (a weak reference and a recipe id) with its dtype, size, stride and offset. Random
-  ops also keep the RNG state they ran with.
-* Saved-tensor hooks: when autograd saves a tensor whose storage the plan drops, the pack hook
-  keeps a handle instead of the tensor, so the storage is freed as soon as the forward's own
-  references die (after the op ``free_after``).
-* When backward unpacks a handle the storage is rebuilt from its recipe: each input is used
-  if it is still alive, else rebuilt too (recursively). A rebuilt storage that the plan drops
-  is kept until all its handles are unpacked (the simulator's "rebuilt early, held until its
-  last use"); any other rebuilt input is a transient, freed when the rebuild is done.
+* The trace says which of the step's ops ran inside a call of the model (``meta.model_calls``)
+  and with which inputs. ``apply`` hooks the model: a call made with grad enabled, in the
+  recorded training mode, is matched to the next recorded call of the step (:class:`CallPlan`).
+  Its inputs' shapes and dtypes are checked first (a new batch or sequence length stops there,
+  before it costs memory). Calls under ``no_grad``/``inference_mode``, in eval mode, and calls
+  whose plan has nothing to do run untouched: no mode, no hooks, no cost.
+* For a planned call, a :class:`Frame` holds everything of that call; while the call runs, a
+  ``TorchDispatchMode`` counts its ops exactly as the recorder did (``prim.*``, ``profiler.*``
+  and ``IGNORED_OPS`` skipped), checks each op's name (and the size of what it creates) against
+  the trace, and keeps a *recipe* for each storage the plan may need to rebuild: the op, its
+  non-tensor arguments, for each tensor argument the storage it views (a weak reference and an
+  id) with dtype, size, stride and offset, and, for an op whose result depends on the RNG
+  (``torch.Tag.nondeterministic_seeded``, or a ``Generator`` argument), the RNG state it ran with.
+* Saved-tensor hooks, active only during the call: when autograd saves a tensor whose storage
+  the plan drops, the pack hook keeps a handle (the frame and a reference) instead, so the
+  storage is freed as soon as the forward's own references die.
+* When backward unpacks a handle, the storage is rebuilt from its frame's recipes: each input
+  is used if it is still alive, else rebuilt too (recursively). A rebuilt storage that the plan
+  drops is kept until all its handles are unpacked (the simulator's "rebuilt early, held until
+  its last use"); any other rebuilt input is a transient, freed when the rebuild is done.
+
+Frames are independent: two forwards before one backward, gradient accumulation, or an eval
+pass in between each keep their own. A frame lives as long as autograd holds its handles.
+
+A mismatch (another op, size or input shape) stops the plan for that call only: with
+``on_mismatch="raise"`` the forward raises :class:`~taichi_plan.errors.MismatchError`; with
+``"warn"`` the tensors already dropped are rebuilt at once and the call finishes unplanned.
+Either way the mode and hooks are removed when the call ends, and the next call tries again.
 
 Rebuilt ops run under ``no_grad`` with the recorded RNG state, so values, and gradients, are
 bitwise those of the unplanned run.
@@ -23,8 +38,9 @@ bitwise those of the unplanned run.
 from __future__ import annotations
 
 import time
+import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -37,6 +53,7 @@ _SKIP_NAMESPACES = ("prim", "profiler")
 # Ops whose presence depends on how autograd saves tensors (saved-tensor hooks remove the
 # ``detach`` of saved outputs), or that only query metadata: not counted, here or in the trace.
 IGNORED_OPS = frozenset(str(op) for op in torch.utils.checkpoint.SAC_IGNORED_OPS) | {"aten.detach.default"}
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 
 
 @dataclass(frozen=True)
@@ -69,167 +86,274 @@ class _Info:
     random: bool
 
 
+def is_random(func) -> bool:
+    """Whether ``func``'s result depends on the RNG state: PyTorch tags such ops
+    ``nondeterministic_seeded`` (``randn_like``, ``rand``, ``native_dropout``, ``bernoulli_``,
+    SDPA with its ``dropout_p``...), whether or not their schema takes a ``Generator``."""
+    if _SEEDED is not None and _SEEDED in getattr(func, "tags", ()):
+        return True
+    schema = getattr(func, "_schema", None)
+    return schema is not None and any("Generator" in str(a.type) for a in schema.arguments)
+
+
 def _info(func) -> _Info:
     schema = getattr(func, "_schema", None)
-    write_args, random = [], False
+    write_args = []
     if schema is not None:
         for i, a in enumerate(schema.arguments):
             if a.alias_info is not None and a.alias_info.is_write:
                 write_args.append((-1 if a.kwarg_only else i, a.name))
-            if "Generator" in str(a.type):
-                random = True
     name = str(func)
     skip = func.namespace in _SKIP_NAMESPACES or name in IGNORED_OPS
-    return _Info(name, skip, bool(write_args), write_args, random)
+    return _Info(name, skip, bool(write_args), write_args, is_random(func))
+
+
+@dataclass
+class CallPlan:
+    """What the plan does in one recorded model call. Op indices are *counted* ops (the
+    call's ops without ``IGNORED_OPS``), from 0 at the call's first op."""
+
+    index: int  # which grad-enabled call of the step (0-based)
+    ops: list  # (op name, module, {output index: bytes of the storage it creates})
+    drops: dict[int, list[tuple[int, int]]]  # op -> [(flattened output index, tensor id)]
+    recipe_ops: set[int] | None  # ops to keep recipes for (None: all)
+    spans: dict[str, tuple[int, int]]  # partitioned module -> its op span in this call
+    inputs: list  # [name, shape, dtype] per tensor input (the input-signature guard)
+    grads_alive: bool | None  # whether gradients existed when the recorded call started
+    training: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Whether this call needs the dispatch mode and hooks at all."""
+        return bool(self.drops) or bool(self.spans)
+
+
+@dataclass
+class Frame:
+    """The state of one planned model call: recipes and handles, alive as long as autograd
+    holds a handle of it."""
+
+    call: CallPlan
+    enabled: bool = True
+    n: int = 0  # counted ops so far
+    partition_depth: int = 0
+    sid_of: dict = field(default_factory=dict)  # live storage cdata -> sid
+    alive: dict = field(default_factory=dict)  # sid -> weakref to the storage
+    recipes: dict = field(default_factory=dict)  # sid -> [Step]
+    dropped: dict = field(default_factory=dict)  # sid -> tensor id
+    pending: dict = field(default_factory=dict)  # sid -> handles not unpacked yet
+    cache: dict = field(default_factory=dict)  # sid -> rebuilt storage held for later handles
+    building: dict = field(default_factory=dict)
+    depth: int = 0  # rebuilds in progress (a rebuild rebuilds its gone inputs first)
+    next_sid: int = 0
+
+
+class _Handle:
+    """What autograd keeps instead of a dropped tensor."""
+
+    __slots__ = ("frame", "ref")
+
+    def __init__(self, frame: Frame, ref: TRef):
+        self.frame = frame
+        self.ref = ref
 
 
 class PlanRuntime(TorchDispatchMode):
-    """One instance per planned model; ``begin_step()`` / ``end_step()`` around each step,
-    with the mode entered and :meth:`hooks` active in between.
+    """One instance per planned model. :meth:`begin_call` / :meth:`end_call` around each call
+    of the model (``apply`` does this with module hooks); :meth:`end_step` when the optimizer
+    steps. ``calls``: the plan of each grad-enabled call of the recorded step, in order."""
 
-    ``drops``: counted forward op -> [(flattened output index, tensor id)] to drop.
-    ``forward_ops``: the trace's counted forward ops (name, module), in order (the guard).
-    Counted ops exclude ``IGNORED_OPS``, in the trace and live alike.
-    """
-
-    def __init__(self, drops: dict[int, list[tuple[int, int]]], forward_ops: list[tuple[str, str]],
-                 on_mismatch: str = "raise", spans: dict[str, tuple[int, int]] | None = None,
-                 recipe_ops: set[int] | None = None):
+    def __init__(self, calls: list[CallPlan], on_mismatch: str = "raise", loop: dict | None = None):
         super().__init__()
-        self.recipe_ops = recipe_ops  # counted forward ops to keep recipes for (None: all)
-        self.spans = spans or {}  # partitioned module -> its forward op span in the trace
-        self._partition_depth = 0
-        self.drops = drops
-        self.forward_ops = forward_ops
+        self.calls = calls
         self.on_mismatch = on_mismatch
-        self.enabled = True
+        self.loop = loop or {}
         self._infos: dict = {}
-        self._next_sid = 0
-        self._sid_of: dict[int, int] = {}  # live storage cdata -> sid
-        self._alive: dict[int, weakref.ref] = {}  # sid -> weakref to the storage
-        self._recipes: dict[int, list[Step]] = {}
-        self._dropped: dict[int, int] = {}  # sid -> tensor id
-        self._pending: dict[int, int] = {}  # sid -> handles not unpacked yet
-        self._cache: dict[int, torch.UntypedStorage] = {}
-        self._building: dict[int, torch.UntypedStorage] = {}
-        self._n = 0
-        self._in_forward = False
-        self._recomputing = 0
+        self._index = 0  # grad-enabled calls so far in this step
+        self._frame: Frame | None = None
+        self._stack: list = []  # (frame, hooks context) of the calls running now
         self.mismatch: str | None = None
-        # Measurements of the last step.
+        self.mismatches = 0
+        # Measurements since the last reset_counters().
         self.recompute_s = 0.0
         self.recompute_ops = 0
         self.dropped_storages = 0
+        self.planned_calls = 0
 
-    # -- steps ------------------------------------------------------------------------------------
-    def begin_step(self) -> None:
-        self._n = 0
-        self._in_forward = True
-        self._recipes.clear()
-        self._dropped.clear()
-        self._pending.clear()
-        self._cache.clear()
+    def reset_counters(self) -> None:
         self.recompute_s = 0.0
         self.recompute_ops = 0
         self.dropped_storages = 0
+        self.planned_calls = 0
+
+    # -- calls and steps ------------------------------------------------------------------------------
+    def begin_call(self, model, args, kwargs) -> bool:
+        """Start a call of the model; returns whether it runs planned (then :meth:`end_call`
+        must follow, also when the forward raises)."""
+        if not self.calls or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            return False
+        if torch._C._current_graph_task_id() != -1:  # a forward re-run inside backward
+            return False
+        call = self.calls[self._index % len(self.calls)]
+        if bool(model.training) != call.training:
+            return False
+        self._index += 1
+        problem = self._check_inputs(call, model, args, kwargs)
+        if problem is not None:
+            self._mismatch(problem)
+            return False
+        if not call.active:
+            return False
+        frame = Frame(call)
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._frame = frame
+        self.__enter__()
+        hooks.__enter__()
+        self._stack.append((frame, hooks))
+        self.planned_calls += 1
+        return True
+
+    def end_call(self, failed: bool) -> None:
+        frame, hooks = self._stack.pop()
+        try:
+            hooks.__exit__(None, None, None)
+        finally:
+            self.__exit__(None, None, None)
+            self._frame = self._stack[-1][0] if self._stack else None
+        if not failed and frame.enabled and frame.n != len(frame.call.ops):
+            self._frame_mismatch(frame, (
+                f"The model's forward ran {frame.n} ops but call {frame.call.index} of the plan's trace has "
+                f"{len(frame.call.ops)}. The model or its inputs changed since the trace was recorded: record "
+                "and solve again, or apply the plan with on_mismatch='warn'."))
 
     def end_step(self) -> None:
-        self._in_forward = False
-        self._recipes.clear()
-        self._cache.clear()
-        self._dropped.clear()
-        self._pending.clear()
+        """The optimizer stepped: the next call is the first of a new step. Says so when this
+        step ran another number of planned calls than the recorded one."""
+        n, want = self._index, len(self.calls)
+        self._index = 0
+        if n and want and n != want:
+            self._mismatch(
+                f"This training step called the model {n} time(s) with grad before optimizer.step(), but "
+                f"the plan's trace has {want} ({self._loop_words()}). The plan's memory prediction holds only for "
+                "the recorded loop: record it with the same loop (taichi-plan record --micro-batches N) and "
+                "solve again.", once=True)
 
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+    def _loop_words(self) -> str:
+        mb = self.loop.get("micro_batches", 1)
+        return f"recorded with {mb} micro-batch{'es' if mb != 1 else ''} per step"
 
-    # -- identity -----------------------------------------------------------------------------------
-    def _sid(self, st: torch.UntypedStorage) -> int:
-        key = st._cdata
-        sid = self._sid_of.get(key)
-        if sid is None:
-            sid = self._next_sid
-            self._next_sid += 1
-            self._sid_of[key] = sid
-            self._alive[sid] = weakref.ref(st, lambda _r, key=key, sid=sid: self._forget(key, sid))
-        return sid
+    def _check_inputs(self, call: CallPlan, model, args, kwargs) -> str | None:
+        from ..record.recorder import input_signature
 
-    def _forget(self, key: int, sid: int) -> None:
-        if self._sid_of.get(key) == sid:
-            del self._sid_of[key]
-        self._alive.pop(sid, None)
+        got = input_signature(args, kwargs)
+        if got != call.inputs:
+            want = {n: (s, d) for n, s, d in call.inputs}
+            have = {n: (s, d) for n, s, d in got}
+            diffs = [f"{n} is {have[n][0]} {have[n][1]}, the plan's trace has {want[n][0]} {want[n][1]}"
+                     for n in have if n in want and have[n] != want[n]]
+            diffs += [f"{n} is new" for n in have if n not in want]
+            diffs += [f"{n} is missing" for n in want if n not in have]
+            return (f"The model was called with other inputs than the plan was made for: {'; '.join(diffs[:3])}. "
+                    "A plan is tied to the shapes it was recorded with: record and solve again for these shapes, "
+                    "or apply the plan with on_mismatch='warn' to run such calls unplanned.")
+        if call.grads_alive is not None:
+            p = next((p for p in model.parameters() if p.requires_grad), None)
+            alive = p is not None and p.grad is not None
+            if alive and not call.grads_alive:  # (freed where the trace had them only saves memory)
+                return ("The model was called with gradients alive, but in the plan's trace "
+                        f"({self._loop_words()}) call {call.index} started with none. The gradients' memory is not in the plan's prediction: record the loop you run "
+                        "(--micro-batches N for gradient accumulation, --keep-grads for zero_grad(set_to_none=False)) "
+                        "and solve again.")
+        return None
 
-    def _ref(self, t: _Tensor) -> TRef:
-        return TRef(self._sid(t.untyped_storage()), t.dtype, t.device, tuple(t.size()), tuple(t.stride()),
-                    t.storage_offset())
-
-    # -- the guard ----------------------------------------------------------------------------------
-    def _check(self, i: int, name: str) -> None:
-        if not self.enabled:
-            return
-        expected = self.forward_ops[i] if i < len(self.forward_ops) else None
-        if expected is not None and expected[0] == name:
-            return
-        where = (f"forward op {i}: the plan expects {expected[0]} in {expected[1] or '<top level>'}"
-                 if expected else f"forward op {i}: the plan's forward has only {len(self.forward_ops)} ops")
-        msg = (f"The live op sequence differs from the one the plan was made for, at {where}, but the "
-               f"model ran {name}. The model, its input shapes or its code changed since the trace was "
-               "recorded: record and solve again, or apply the plan with on_mismatch='warn'.")
-        self._mismatch(msg)
-
-    def _mismatch(self, msg: str) -> None:
+    # -- mismatches -----------------------------------------------------------------------------------
+    def _mismatch(self, msg: str, once: bool = False) -> None:
         self.mismatch = msg
-        if self.on_mismatch == "warn":
-            import warnings
-
-            warnings.warn(msg + " Running unplanned from here on.", stacklevel=2)
-            self.enabled = False
+        self.mismatches += 1
+        if self.on_mismatch == "warn" or once:
+            warnings.warn(msg + (" This call runs unplanned; the next one tries the plan again."
+                                 if not once else ""), stacklevel=3)
             return
         raise MismatchError(msg)
 
-    def _size_mismatch(self, i: int, name: str, j: int, got: int, want: int) -> None:
-        self._mismatch(
-            f"The live op sequence differs from the one the plan was made for, at forward op {i} "
-            f"({name} in {self.forward_ops[i][1] or '<top level>'}): its output {j} has {got} bytes, the "
-            f"plan's trace has {want}. The input shapes (batch, sequence length) or the model changed "
-            "since the trace was recorded: record and solve again, or apply the plan with on_mismatch='warn'.")
+    def _frame_mismatch(self, frame: Frame, msg: str) -> None:
+        """Stop the plan for ``frame``'s call: what it already dropped is rebuilt now, so the
+        rest of the forward may change anything; then raise or warn."""
+        frame.enabled = False
+        if self.on_mismatch == "warn":
+            for sid in [s for s, k in frame.pending.items() if k > 0]:
+                frame.cache[sid] = self._storage(frame, sid)
+        self._mismatch(msg)
 
-    def finish_forward(self) -> None:
-        """Called when backward starts: the forward must have had exactly the trace's ops."""
-        if self._in_forward:
-            self._in_forward = False
-            if self.enabled and self._n != len(self.forward_ops):
-                self._mismatch(
-                    f"The live forward ran {self._n} ops but the plan's trace has {len(self.forward_ops)}. "
-                    "The model or its inputs changed since the trace was recorded: record and solve again, "
-                    "or apply the plan with on_mismatch='warn'.")
+    def _op_mismatch(self, frame: Frame, i: int, name: str) -> None:
+        ops = frame.call.ops
+        expected = ops[i] if i < len(ops) else None
+        where = (f"op {i} of the model's call {frame.call.index}: the plan expects {expected[0]} in "
+                 f"{expected[1] or '<top level>'}" if expected else
+                 f"op {i} of the model's call {frame.call.index}: the plan's call has only {len(ops)} ops")
+        self._frame_mismatch(frame, (
+            f"The live op sequence differs from the one the plan was made for, at {where}, but the model ran "
+            f"{name}. The model or its code changed since the trace was recorded: record and solve again, or "
+            "apply the plan with on_mismatch='warn'."))
 
-    # -- dispatch -----------------------------------------------------------------------------------
+    def _size_mismatch(self, frame: Frame, i: int, name: str, j: int, got: int, want: int) -> None:
+        self._frame_mismatch(frame, (
+            f"The live op sequence differs from the one the plan was made for, at op {i} of the model's call "
+            f"{frame.call.index} ({name} in {frame.call.ops[i][1] or '<top level>'}): its output {j} has {got} "
+            f"bytes, the plan's trace has {want}. The input shapes or the model changed since the trace was "
+            "recorded: record and solve again, or apply the plan with on_mismatch='warn'."))
+
+    # -- identity -------------------------------------------------------------------------------------
+    @staticmethod
+    def _sid(frame: Frame, st: torch.UntypedStorage) -> int:
+        key = st._cdata
+        sid = frame.sid_of.get(key)
+        if sid is None:
+            sid = frame.next_sid
+            frame.next_sid += 1
+            frame.sid_of[key] = sid
+            ref = weakref.ref(frame)
+
+            def forget(_r, key=key, sid=sid):
+                f = ref()
+                if f is not None:
+                    if f.sid_of.get(key) == sid:
+                        del f.sid_of[key]
+                    f.alive.pop(sid, None)
+
+            frame.alive[sid] = weakref.ref(st, forget)
+        return sid
+
+    def _ref(self, frame: Frame, t: _Tensor) -> TRef:
+        return TRef(self._sid(frame, t.untyped_storage()), t.dtype, t.device, tuple(t.size()), tuple(t.stride()),
+                    t.storage_offset())
+
+    # -- dispatch -------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         info = self._infos.get(func)
         if info is None:
             info = self._infos[func] = _info(func)
-        if info.skip or self._recomputing or not self._in_forward or self._partition_depth:
+        frame = self._frame
+        if info.skip or frame is None or not frame.enabled or frame.partition_depth \
+                or torch._C._current_graph_task_id() != -1:
             return func(*args, **kwargs)
-        if torch._C._current_graph_task_id() != -1:
-            self.finish_forward()
+        call = frame.call
+        i = frame.n
+        frame.n += 1
+        if i >= len(call.ops) or call.ops[i][0] != info.name:
+            self._op_mismatch(frame, i, info.name)
             return func(*args, **kwargs)
-        i = self._n
-        self._n += 1
-        self._check(i, info.name)
-        keep = self.recipe_ops is None or i in self.recipe_ops
+        keep = call.recipe_ops is None or i in call.recipe_ops
         rng = _rng_state(args, kwargs) if info.random and keep else None
         out = func(*args, **kwargs)
-        if not self.enabled:
-            return out
+        sizes = call.ops[i][2]
         if not keep:
-            sizes = self.forward_ops[i][2] if i < len(self.forward_ops) else {}
             if sizes:
                 flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
                 for j, want in sizes.items():
                     if j < len(flat) and flat[j].untyped_storage().nbytes() != want:
-                        self._size_mismatch(i, info.name, j, flat[j].untyped_storage().nbytes(), want)
+                        self._size_mismatch(frame, i, info.name, j, flat[j].untyped_storage().nbytes(), want)
                         return out
             return out
         leaves, spec = tree_flatten((args, kwargs))
@@ -237,125 +361,132 @@ class PlanRuntime(TorchDispatchMode):
         refs = []
         for x in leaves:
             if isinstance(x, _Tensor):
-                r = self._ref(x)
+                r = self._ref(frame, x)
                 in_sids.add(r.sid)
                 refs.append(r)
             else:
                 refs.append(x)
         flat_out = [out] if isinstance(out, _Tensor) else tree_leaves(out)
         outs = []
-        sizes = self.forward_ops[i][2] if i < len(self.forward_ops) else {}
         for j, x in enumerate(o for o in flat_out if isinstance(o, _Tensor)):
             st = x.untyped_storage()
-            fresh = st._cdata not in self._sid_of
-            sid = self._sid(st)
+            fresh = st._cdata not in frame.sid_of
+            sid = self._sid(frame, st)
             outs.append(sid)
             if fresh and sid not in in_sids:
-                self._recipes[sid] = [Step(func, spec, refs, j, rng)]
+                frame.recipes[sid] = [Step(func, spec, refs, j, rng)]
                 want = sizes.get(j)
                 if want is not None and want != st.nbytes():
-                    self._size_mismatch(i, info.name, j, st.nbytes(), want)
-                    if not self.enabled:
-                        return out
+                    self._size_mismatch(frame, i, info.name, j, st.nbytes(), want)
+                    return out
         if info.mutates:
             for pos, name in info.write_args:
                 v = args[pos] if 0 <= pos < len(args) else kwargs.get(name)
                 for w in tree_leaves(v):
                     if isinstance(w, _Tensor):
-                        sid = self._sid(w.untyped_storage())
-                        if sid in self._recipes:
-                            self._recipes[sid].append(Step(func, spec, refs, None, rng))
-        for j, tid in self.drops.get(i, ()):
-            if j < len(outs) and outs[j] in self._recipes:
-                self._dropped[outs[j]] = tid
+                        sid = self._sid(frame, w.untyped_storage())
+                        if sid in frame.recipes:
+                            frame.recipes[sid].append(Step(func, spec, refs, None, rng))
+        for j, tid in call.drops.get(i, ()):
+            if j < len(outs) and outs[j] in frame.recipes:
+                frame.dropped[outs[j]] = tid
                 self.dropped_storages += 1
         return out
 
-    # -- partitions -------------------------------------------------------------------------------
-    def enter_partition(self, span: tuple[int, int] | None, name: str) -> None:
+    # -- partitions -----------------------------------------------------------------------------------
+    def enter_partition(self, name: str) -> None:
         """A partitioned module starts: its ops are not the trace's, so they are not counted."""
-        if self._partition_depth == 0 and self._in_forward and self.enabled and span is not None \
-                and torch._C._current_graph_task_id() == -1 and self._n != span[0]:
-            self._mismatch(f"The partitioned module {name!r} started at forward op {self._n}, but the plan "
-                           f"expects it at op {span[0]}. Record and solve again.")
-        self._partition_depth += 1
+        frame = self._frame
+        if frame is None or torch._C._current_graph_task_id() != -1:
+            return
+        span = frame.call.spans.get(name)
+        if frame.partition_depth == 0 and frame.enabled and span is not None and frame.n != span[0]:
+            self._frame_mismatch(frame, f"The partitioned module {name!r} started at op {frame.n} of the model's "
+                                        f"call, but the plan expects it at op {span[0]}. Record and solve again.")
+        frame.partition_depth += 1
 
-    def leave_partition(self, span: tuple[int, int] | None) -> None:
-        self._partition_depth -= 1
-        if self._partition_depth == 0 and span is not None and self._in_forward \
-                and torch._C._current_graph_task_id() == -1:
-            self._n = span[1] + 1
+    def leave_partition(self, name: str) -> None:
+        frame = self._frame
+        if frame is None or torch._C._current_graph_task_id() != -1:
+            return
+        frame.partition_depth -= 1
+        span = frame.call.spans.get(name)
+        if frame.partition_depth == 0 and span is not None:
+            frame.n = span[1] + 1
 
-    # -- saved tensors ------------------------------------------------------------------------------
+    # -- saved tensors --------------------------------------------------------------------------------
     def _pack(self, t: _Tensor):
-        if not self.enabled or self._recomputing or not isinstance(t, _Tensor):
+        frame = self._frame
+        if frame is None or not frame.enabled or not isinstance(t, _Tensor):
             return t
-        sid = self._sid_of.get(t.untyped_storage()._cdata)
-        if sid is None or sid not in self._dropped:
+        sid = frame.sid_of.get(t.untyped_storage()._cdata)
+        if sid is None or sid not in frame.dropped:
             return t
-        self._pending[sid] = self._pending.get(sid, 0) + 1
-        return ("taichi_plan.dropped", self._ref(t))
+        frame.pending[sid] = frame.pending.get(sid, 0) + 1
+        return _Handle(frame, self._ref(frame, t))
 
     def _unpack(self, packed):
-        if not (isinstance(packed, tuple) and len(packed) == 2 and packed[0] == "taichi_plan.dropped"):
+        if not isinstance(packed, _Handle):
             return packed
-        ref = packed[1]
-        t = self._tensor(ref)
-        left = self._pending.get(ref.sid, 1) - 1
+        frame, ref = packed.frame, packed.ref
+        t = self._tensor(frame, ref)
+        left = frame.pending.get(ref.sid, 1) - 1
         if left <= 0:
-            self._pending.pop(ref.sid, None)
-            self._cache.pop(ref.sid, None)
+            frame.pending.pop(ref.sid, None)
+            frame.cache.pop(ref.sid, None)
         else:
-            self._pending[ref.sid] = left
+            frame.pending[ref.sid] = left
         return t
 
-    # -- rebuilding ---------------------------------------------------------------------------------
-    def _tensor(self, ref: TRef) -> _Tensor:
+    # -- rebuilding -----------------------------------------------------------------------------------
+    def _tensor(self, frame: Frame, ref: TRef) -> _Tensor:
         if 0 in ref.size:  # an empty tensor (e.g. a cache's torch.tensor([])): nothing to rebuild
             return torch.empty(ref.size, dtype=ref.dtype, device=ref.device)
-        st = self._storage(ref.sid)
+        st = self._storage(frame, ref.sid)
         return torch.empty(0, dtype=ref.dtype, device=ref.device).set_(st, ref.offset, ref.size, ref.stride)
 
-    def _storage(self, sid: int) -> torch.UntypedStorage:
-        if sid in self._building:
-            return self._building[sid]
-        if sid in self._cache:
-            return self._cache[sid]
-        w = self._alive.get(sid)
+    def _storage(self, frame: Frame, sid: int) -> torch.UntypedStorage:
+        if sid in frame.building:
+            return frame.building[sid]
+        if sid in frame.cache:
+            return frame.cache[sid]
+        w = frame.alive.get(sid)
         st = w() if w is not None else None
         if st is not None:  # still alive (its value cannot have changed: see remat_deadline)
             return st
-        steps = self._recipes.get(sid)
+        steps = frame.recipes.get(sid)
         if not steps:
             raise MismatchError(f"A storage the plan needs back (id {sid}) has no recipe; the plan does not "
                                 "match this model. Record and solve again.")
         t0 = time.perf_counter()
-        self._recomputing += 1
+        frame.depth += 1
         try:
             with torch.no_grad():
                 st = None
                 for step in steps:
                     args, kwargs = tree_unflatten(
-                        [self._tensor(x) if isinstance(x, TRef) else x for x in step.leaves], step.spec)
+                        [self._tensor(frame, x) if isinstance(x, TRef) else x for x in step.leaves], step.spec)
                     out = _run(step, args, kwargs)
                     self.recompute_ops += 1
                     if step.out_pos is not None:
                         flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out))
                                 if isinstance(o, _Tensor)]
                         st = flat[step.out_pos].untyped_storage()
-                        self._building[sid] = st
+                        frame.building[sid] = st
         finally:
-            self._recomputing -= 1
-            self._building.pop(sid, None)
-        if self._recomputing == 0:
+            frame.building.pop(sid, None)
+            frame.depth -= 1
+        if frame.depth == 0:
             self.recompute_s += time.perf_counter() - t0
-        if sid in self._dropped and self._pending.get(sid, 0) > 0:
-            self._cache[sid] = st
+        if sid in frame.dropped and frame.pending.get(sid, 0) > 0:
+            frame.cache[sid] = st
         return st
 
 
 def _rng_state(args, kwargs):
     devices = {x.device for x in tree_leaves((args, kwargs)) if isinstance(x, _Tensor) and x.device.type == "cuda"}
+    if not devices and torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = {torch.device("cuda", torch.cuda.current_device())}  # e.g. torch.rand(..., device="cuda")
     cuda = {d: torch.cuda.get_rng_state(d) for d in devices}
     return torch.get_rng_state(), cuda
 

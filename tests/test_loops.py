@@ -1,0 +1,278 @@
+"""Plans in the training loops people write (real CPU runs).
+
+Each loop is recorded with its shape (``Loop``), solved at half of its peak, then trained for
+a few steps planned and unplanned from the same seed: parameters must be bitwise equal (the
+runtime rebuilds with the RNG state each op ran with, so dropout and ``randn_like`` match), and
+the planned step's peak, measured by a live-storage counter of this file (independent of the
+recorder and the simulator), must stay within the budget.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import taichi_plan
+from taichi_plan.errors import InfeasibleBudgetError, MismatchError
+from taichi_plan.problem import build_problem
+from taichi_plan.record import Loop, get_workload, record
+from taichi_plan.replay import recipe_ops
+from taichi_plan.simulate import Drop
+from taichi_plan.solve import solve
+from taichi_plan.solve.result import Decisions, make_plan
+
+GPT2 = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=512, seq=32, batch=4)
+
+
+class LivePeak(TorchDispatchMode):
+    """Peak bytes of the storages alive while it is active: those of ``tensors`` given up front
+    and every storage an op creates, until it is freed."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.keep = []
+        for t in tensors:
+            self._add(t.untyped_storage())
+        self.peak = sum(self.live.values())
+
+    def _add(self, st):
+        key = st._cdata
+        if key not in self.live and st.nbytes():
+            self.live[key] = st.nbytes()
+            self.keep.append(weakref.ref(st, lambda _r, key=key: self.live.pop(key, None)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                self._add(x.untyped_storage())
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out
+
+
+def state_tensors(model, opt, batch):
+    out = [p for p in model.parameters()] + [b for b in model.buffers()]
+    out += [p.grad for p in model.parameters() if p.grad is not None]
+    out += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out + [v for v in batch.values() if isinstance(v, torch.Tensor)]
+
+
+def build(seed=0, freeze=False, **flags):
+    torch.manual_seed(seed)
+    model, batch, loss_fn, opt = get_workload(**{**GPT2, **flags}).build(False)
+    if freeze:  # a frozen part: the embeddings get no gradient and no optimizer state
+        for p in model.transformer.wte.parameters():
+            p.requires_grad_(False)
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    return model, batch, loss_fn, opt
+
+
+def plan_for(loop: Loop, tmp_path, frac=0.5, **build_flags):
+    model, batch, loss_fn, opt = build(seed=1, **build_flags)
+    trace = record(model, batch, loss_fn, opt, loop=loop)
+    problem = build_problem(trace)
+    budget = int(problem.baseline_peak[0] * frac)
+    try:
+        plan = solve(trace, budget, "heuristic", problem=problem)
+    except InfeasibleBudgetError as e:
+        plan = solve(trace, int(e.min_budget_bytes), "heuristic", problem=problem)
+    assert plan.recompute, "the plan drops nothing: the test would prove nothing"
+    path = tmp_path / "loop.plan.json"
+    taichi_plan.write_trace(trace, tmp_path / "trace")
+    from taichi_plan.plan import save_plan
+
+    plan.trace["path"] = str(tmp_path / "trace")
+    save_plan(plan, path)
+    return plan, path
+
+
+def train(loop: Loop, steps: int, plan_path=None, eval_every: int = 0, eval_mode=torch.no_grad,
+          **build_flags):
+    """Train ``steps`` steps of ``loop`` (written out as a user would); returns the parameters,
+    and the peak of the last step as :class:`LivePeak` measures it."""
+    model, batch, loss_fn, opt = build(seed=0, **build_flags)
+    if plan_path is not None:
+        model = taichi_plan.apply(model, plan_path, optimizer=opt)
+    device = "cpu"
+    peak = None
+    for s in range(steps):
+        opt.zero_grad(set_to_none=loop.set_to_none)
+        tracker = LivePeak(state_tensors(model, opt, batch)) if s == steps - 1 else None
+        if tracker is not None:
+            tracker.__enter__()
+        for _ in range(loop.micro_batches):
+            ctx = torch.autocast(device, dtype=torch.bfloat16) if loop.autocast else torch.autocast(device, enabled=False)
+            with ctx:
+                losses = [loss_fn(model(**batch), batch) for _ in range(loop.forwards)]
+                loss = sum(losses[1:], losses[0])
+                if loop.forwards > 1:
+                    loss = loss / loop.forwards
+                if loop.micro_batches > 1:
+                    loss = loss / loop.micro_batches
+                del losses
+            loss.backward()
+            del loss
+        if loop.clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), loop.clip_grad_norm)
+        opt.step()
+        if tracker is not None:
+            tracker.__exit__(None, None, None)
+            peak = tracker.peak
+        if eval_every and (s + 1) % eval_every == 0:
+            model.eval()
+            with eval_mode():
+                model(**batch)
+            model.train()
+    if plan_path is not None:
+        taichi_plan.finish(model)
+    return [p.detach().clone() for p in model.parameters()], peak
+
+
+LOOPS = {
+    "plain": (Loop(), {}),
+    "accumulate-2": (Loop(micro_batches=2), {}),
+    "accumulate-4": (Loop(micro_batches=4), {}),
+    "autocast-bf16": (Loop(autocast="bf16"), {}),
+    "clip-grad-norm": (Loop(clip_grad_norm=1.0), {}),
+    "zero-grad-keep": (Loop(set_to_none=False), {}),
+    "two-forwards": (Loop(forwards=2), {}),
+    "frozen-part": (Loop(), {"freeze": True}),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOPS))
+def test_loop_trains_planned_bitwise_within_budget(name, tmp_path):
+    loop, flags = LOOPS[name]
+    plan, path = plan_for(loop, tmp_path, **flags)
+    base, _ = train(loop, 3, **flags)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mismatch may be reported
+        planned, peak = train(loop, 3, plan_path=path, **flags)
+    assert all(torch.equal(a, b) for a, b in zip(base, planned, strict=True))
+    assert peak <= plan.budget_bytes, (peak, plan.budget_bytes)
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_eval_passes_run_unplanned(mode, tmp_path):
+    loop = Loop()
+    plan, path = plan_for(loop, tmp_path)
+    base, _ = train(loop, 4, eval_every=2, eval_mode=mode)
+    planned, peak = train(loop, 4, plan_path=path, eval_every=2, eval_mode=mode)
+    assert all(torch.equal(a, b) for a, b in zip(base, planned, strict=True))
+    assert peak <= plan.budget_bytes
+
+
+def test_a_plan_for_another_loop_says_so(tmp_path):
+    _, path = plan_for(Loop(), tmp_path)
+    model, batch, loss_fn, opt = build()
+    model = taichi_plan.apply(model, path, optimizer=opt)
+    opt.zero_grad()
+    loss_fn(model(**batch), batch).backward()
+    with pytest.raises(MismatchError, match="gradients alive"):  # a second micro-batch
+        model(**batch)
+    with pytest.warns(UserWarning, match="1 micro-batch"):
+        opt.step()
+    taichi_plan.finish(model)
+
+
+def test_mismatch_never_poisons_the_process(tmp_path):
+    _, path = plan_for(Loop(), tmp_path)
+    model, batch, loss_fn, opt = build()
+    model = taichi_plan.apply(model, path, optimizer=opt)
+    short = {k: v[:, :16] for k, v in batch.items()}
+    with pytest.raises(MismatchError, match=r"input_ids is \[4, 16\]"):
+        model(**short)
+    assert torch.equal(torch.ones(3) + 1, torch.full((3,), 2.0))  # nothing left installed
+    # The next call with the recorded shapes runs planned again.
+    rt = model._taichi_plan["runtime"]
+    opt.zero_grad()
+    loss_fn(model(**batch), batch).backward()
+    assert rt.planned_calls == 1 and rt.dropped_storages > 0
+    taichi_plan.finish(model)
+
+
+def test_op_mismatch_mid_forward_warns_and_finishes_unplanned(tmp_path):
+    loop = Loop()
+    _, path = plan_for(loop, tmp_path)
+    base, _ = train(loop, 1)
+    model, batch, loss_fn, opt = build()
+    model = taichi_plan.apply(model, path, on_mismatch="warn", optimizer=opt)
+    block = model.transformer.h[1]
+    original = block.forward
+
+    def changed(*a, **k):  # the model's code changed: one more op in the last block
+        out = original(*a, **k)
+        return out * 1.0 if isinstance(out, torch.Tensor) else (out[0] * 1.0,) + tuple(out[1:])
+
+    block.forward = changed
+    opt.zero_grad()
+    with pytest.warns(UserWarning, match="differs"):
+        loss_fn(model(**batch), batch).backward()
+    block.forward = original
+    opt.step()
+    taichi_plan.finish(model)
+    # Dropped tensors were rebuilt at the mismatch, so the step is still exact.
+    assert all(torch.equal(a, b) for a, b in zip(base, list(model.parameters()), strict=True))
+
+
+def test_random_ops_rebuilt_with_their_rng_state(tmp_path):
+    """A block computing relu(z + 0.1 * randn_like(z)): randn_like takes no Generator, yet its
+    result depends on the RNG; a rebuild must draw the same noise."""
+
+    class Noisy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(64, 256)
+            self.b = torch.nn.Linear(256, 64)
+
+        def forward(self, x):
+            z = self.a(x)
+            z = torch.relu(z + 0.1 * torch.randn_like(z))
+            return self.b(torch.nn.functional.dropout(z, 0.2, training=True))
+
+    def parts(seed):
+        torch.manual_seed(seed)
+        m = torch.nn.Sequential(Noisy(), Noisy())
+        return m, torch.randn(64, 64), (lambda out, b: out.square().mean()), torch.optim.SGD(m.parameters(), lr=0.1)
+
+    model, batch, loss_fn, opt = parts(1)
+    trace = record(model, batch, loss_fn, opt)
+    p = build_problem(trace)
+    # Drop every candidate made by the noise ops and what reads them: the rebuilds re-run
+    # randn_like, and dropout's bernoulli_, with the RNG state they first ran with.
+    noisy = {"aten.randn_like.default", "aten.mul.Tensor", "aten.add.Tensor", "aten.relu.default"}
+    drops = [Drop(int(t), int(a), int(b)) for t, a, b in
+             zip(p.candidates, p.cand_free_after, p.cand_remat_before, strict=True)
+             if p.op_name[int(p.producer[t])] in noisy]
+    plan = make_plan(p, None, "manual", Decisions(drops=drops), 0.0, 0)
+    assert "aten.relu.default" in {r.op_name for r in plan.recompute}
+    rerun = {p.op_name[i] for i in recipe_ops(plan, trace)}  # relu's rebuild re-runs the noise
+    assert "aten.randn_like.default" in rerun, rerun
+    assert plan.predicted["planned_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
+
+    def run(planned):
+        model, batch, loss_fn, opt = parts(0)
+        if planned:
+            model = taichi_plan.apply(model, plan, optimizer=opt)
+        for _ in range(2):
+            opt.zero_grad()
+            loss_fn(model(batch), batch).backward()
+            opt.step()
+        return [q.detach().clone() for q in model.parameters()]
+
+    taichi_plan.write_trace(trace, tmp_path / "noisy")
+    plan.trace["path"] = str(tmp_path / "noisy")
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
+
+
+def test_compiled_model_is_refused(tmp_path):
+    _, path = plan_for(Loop(), tmp_path)
+    model, *_ = build()
+    with pytest.raises(taichi_plan.TaichiError, match="torch.compile"):
+        taichi_plan.apply(torch.compile(model), path)
