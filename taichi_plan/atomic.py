@@ -160,8 +160,14 @@ def stale_siblings(target: str | os.PathLike) -> list[Path]:
     if not parent.is_dir():
         return []
     pattern = _stale_pattern(t)
-    found = [parent / e.name for e in os.scandir(parent) if pattern.match(e.name)]
-    return sorted(found, key=lambda q: (q.lstat().st_mtime, q.name))
+    found = []
+    for e in os.scandir(parent):
+        if pattern.match(e.name):
+            try:
+                found.append((e.stat(follow_symlinks=False).st_mtime, e.name))
+            except FileNotFoundError:
+                continue  # removed meanwhile
+    return [parent / name for _, name in sorted(found)]
 
 
 def _restore_interrupted(target: Path) -> None:
@@ -300,7 +306,10 @@ def _swap_in(tmp: Path, t: Path) -> None:
         os.replace(tmp, t)
         return
     if _exchange(tmp, t):  # tmp now holds the old output
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp.is_symlink():
+            tmp.unlink()
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
         return
     old = Path(tempfile.mkdtemp(prefix=f".{t.name}.", suffix=".old", dir=t.parent))
     os.rmdir(old)

@@ -232,14 +232,14 @@ def test_failed_second_rename_puts_the_old_trace_back(tmp_path, monkeypatch):
 
     def replace(src, dst):
         calls.append((Path(src).name, Path(dst).name))
-        if len(calls) == 2:  # old moved aside; now the new one would move in
+        if Path(dst) == target and Path(src).name.endswith(".tmp"):  # the new one moving in
             raise KeyboardInterrupt
         return real_replace(src, dst)
 
     monkeypatch.setattr(atomic.os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         write_trace(small_trace(), target, force=True)
-    assert calls[0][0] == "t" and calls[0][1].endswith(".old")
+    assert ("t", calls[0][1]) == calls[0] and calls[0][1].endswith(".old")  # old moved aside first
     assert read_trace(target).num_ops == small_trace().num_ops
     assert [p.name for p in tmp_path.iterdir()] == ["t"]
 
