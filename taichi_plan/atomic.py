@@ -42,6 +42,26 @@ _RANDOM = r"[a-z0-9_]{8}"  # tempfile's random part: 8 of "a-z0-9_"
 MAX_LISTED = 4  # foreign files named in a refusal before "and N more"
 
 
+def starts_with(*magics: bytes) -> Callable[[Path], bool]:
+    """An ``owned`` test for :func:`check_output`: the file begins with one of ``magics``
+    (compared case-insensitively, after leading whitespace)."""
+    wanted = [m.lower() for m in magics]
+
+    def owned(path: Path) -> bool:
+        try:
+            with open(path, "rb") as f:
+                head = f.read(64).lstrip().lower()
+        except OSError:
+            return False
+        return any(head.startswith(m) for m in wanted)
+
+    return owned
+
+
+is_png = starts_with(b"\x89PNG\r\n\x1a\n")  # a PNG image, which --force may replace with another
+is_html = starts_with(b"<!doctype html", b"<html")  # an HTML page, likewise
+
+
 def _say(cls: type[TaichiError], option: str | None, text: Callable[[str, str], str]) -> TaichiError:
     """An error in two phrasings: ``text(force, other)`` for library callers (``force=True``,
     "another path") and for the command line (``--force``, "another path with -o")."""

@@ -152,6 +152,23 @@ def test_report_outputs_never_replace_a_directory(tmp_path, plan_file):
     assert (folder / "keep.txt").read_text() == "k"
 
 
+def test_png_and_html_force_replace_only_a_png_or_a_page(tmp_path, plan_file):
+    plan_before = plan_file.read_bytes()
+    run = CliRunner().invoke
+    for flag in ("--png", "--html"):  # the plan itself typed as the output, by mistake
+        msg = _clean_error(run(main, ["inspect", str(plan_file), flag, str(plan_file), "--force"]),
+                           OutputError.exit_code)
+        assert "is not a" in msg and flag in msg
+    msg = _clean_error(run(main, ["compare", str(tmp_path / "traces" / "small"), "-b", "100%", "-m", "none",
+                                  "--png", str(plan_file), "--force"]), OutputError.exit_code)
+    assert "is not a PNG file" in msg and plan_file.read_bytes() == plan_before
+    png, page = tmp_path / "t.png", tmp_path / "t.html"
+    for args in (["--png", str(png)], ["--html", str(page)]):
+        assert run(main, ["inspect", str(plan_file), *args]).exit_code == 0
+        r = run(main, ["inspect", str(plan_file), *args, "--force"])  # our own report: replaced
+        assert r.exit_code == 0, r.output
+
+
 def test_replay_report_replaces_only_a_replay_report(tmp_path, plan_file, monkeypatch):
     import taichi_plan.replay.measure as measure
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output
+from ..atomic import check_output, is_png
 from ..compare import DEFAULT_TIME_LIMIT, check_methods, compare, parse_sweep, render_compare
 from ..errors import UsageError
 from ..problem import build_problem
@@ -86,7 +86,7 @@ def command(trace_dir, budget, sweep, methods_text, time_limit, seed, as_json, p
     names = check_methods(methods_text.split(",")) if methods_text is not None else None
     fractions = parse_sweep(sweep) if sweep is not None else None
     if png is not None:
-        check_output(png, force, what="PNG file", option="--png")
+        check_output(png, force, what="PNG file", option="--png", owned=is_png)
     trace = read_trace(trace_dir)
     problem = build_problem(trace)
     base_peak = problem.baseline_peak[0]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output
+from ..atomic import check_output, is_html, is_png
 from ..errors import UsageError
 from ..report.trace_text import render_trace_summary, trace_summary
 from ..trace import read_trace
@@ -70,9 +70,9 @@ def command(path: Path, as_json: bool, units: str | None, png: Path | None, html
     --html writes a report to open in a browser)."""
     if path.suffix == ".json" and path.is_file():
         if png is not None:
-            check_output(png, force, what="PNG file", option="--png")
+            check_output(png, force, what="PNG file", option="--png", owned=is_png)
         if html_path is not None:
-            check_output(html_path, force, what="HTML file", option="--html")
+            check_output(html_path, force, what="HTML file", option="--html", owned=is_html)
         text = inspect_plan_file(path, as_json, units, png, force)
         if html_path is not None:
             text = _with_html(text, path, html_path, as_json, units, force)
