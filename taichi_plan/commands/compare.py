@@ -74,7 +74,7 @@ class _Bar:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead of the table.")
 @click.option("--png", type=click.Path(path_type=Path), default=None,
               help="Also draw the Pareto curves (extra compute vs budget, one line per planner) to this PNG.")
-@click.option("--force", is_flag=True, help="Replace the --png file if it exists (a file, never a directory).")
+@click.option("--force", is_flag=True, help="Replace the --png file if it exists (only a PNG, never other files).")
 @units_option
 @handle_errors
 def command(trace_dir, budget, sweep, methods_text, time_limit, seed, as_json, png, force, units) -> None:

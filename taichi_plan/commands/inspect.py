@@ -61,7 +61,7 @@ def inspect_trace_dir(path: Path, as_json: bool, units: str | None) -> str:
               help="For a plan: also draw its memory timeline (baseline vs planned) to this PNG file.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), default=None,
               help="For a plan: also write a self-contained HTML report (timeline, decisions, modules) to this file.")
-@click.option("--force", is_flag=True, help="Replace the --png or --html file if it exists (a file, never a directory).")
+@click.option("--force", is_flag=True, help="Replace the --png or --html file if it exists (only a PNG or an HTML page, never other files).")
 @handle_errors
 def command(path: Path, as_json: bool, units: str | None, png: Path | None, html_path: Path | None,
             force: bool) -> None:
