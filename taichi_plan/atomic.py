@@ -58,7 +58,8 @@ def starts_with(*magics: bytes) -> Callable[[Path], bool]:
     return owned
 
 
-is_png = starts_with(b"\x89PNG\r\n\x1a\n")  # a PNG image, which --force may replace with another
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+is_png = starts_with(PNG_MAGIC)  # a PNG image, which --force may replace with another
 is_html = starts_with(b"<!doctype html", b"<html")  # an HTML page, likewise
 
 

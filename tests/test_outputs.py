@@ -439,12 +439,13 @@ _DASH_O = re.compile(r"(?<![\w-])-o(?![\w-])")
 
 
 def test_exists_messages_name_the_real_flag(tmp_path, plan_file):
-    png = tmp_path / "t.png"
-    png.write_bytes(b"x")
+    png, page = tmp_path / "t.png", tmp_path / "t.html"
+    png.write_bytes(atomic.PNG_MAGIC + b"...")
+    page.write_text("<!DOCTYPE html>\n<html></html>\n")
     msg = _clean_error(CliRunner().invoke(main, ["inspect", str(plan_file), "--png", str(png)]),
                        OutputExistsError.exit_code)
     assert "--force" in msg and "another path with --png" in msg and not _DASH_O.search(msg)
-    msg = _clean_error(CliRunner().invoke(main, ["inspect", str(plan_file), "--html", str(png)]),
+    msg = _clean_error(CliRunner().invoke(main, ["inspect", str(plan_file), "--html", str(page)]),
                        OutputExistsError.exit_code)
     assert "another path with --html" in msg and not _DASH_O.search(msg)
 
