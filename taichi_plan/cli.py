@@ -2,35 +2,17 @@
 
 Each command lives in ``taichi_plan/commands/<name>.py``: it parses, calls one library
 function and prints. Every :class:`~taichi_plan.errors.TaichiError` becomes a one-paragraph
-message on stderr and the error's exit code.
+message on stderr and the error's exit code (``commands/_common.handle_errors``).
 """
 
 from __future__ import annotations
 
-import functools
-import sys
-import textwrap
-
 import click
 
 from . import __version__
-from .errors import TaichiError
+from .commands._common import handle_errors
 
-
-def handle_errors(fn):
-    """Turn library errors into a clear message and a non-zero exit code."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except TaichiError as e:
-            msg = str(e) if "\n" in str(e) else textwrap.fill(
-                str(e), width=88, break_on_hyphens=False, break_long_words=False)
-            click.echo(f"Error: {msg}", err=True)
-            sys.exit(e.exit_code)
-
-    return wrapper
+__all__ = ["handle_errors", "main"]  # handle_errors lives in commands/_common.py; kept here for callers
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})

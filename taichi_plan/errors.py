@@ -9,9 +9,17 @@ from __future__ import annotations
 
 
 class TaichiError(Exception):
-    """Base class: a problem the user can fix. ``exit_code`` is what the CLI returns."""
+    """Base class: a problem the user can fix. ``exit_code`` is what the CLI returns.
+
+    ``str(e)`` speaks to library callers (``force=True``); ``cli_message``, when set, is the
+    same message for the command line (``--force``, ``-o``), which the CLI prints instead.
+    """
 
     exit_code = 1
+
+    def __init__(self, message: str = "", *, cli_message: str | None = None):
+        super().__init__(message)
+        self.cli_message = cli_message
 
 
 class UsageError(TaichiError):
@@ -58,7 +66,7 @@ class WorkloadError(TaichiError):
 
 
 class OutputExistsError(TaichiError):
-    """The output path exists and ``--force`` was not given."""
+    """The output path exists and ``force`` (``--force``) was not given."""
 
     exit_code = 8
 
@@ -67,3 +75,12 @@ class MismatchError(TaichiError):
     """The live op sequence differs from the one a plan or trace was made for."""
 
     exit_code = 9
+
+
+class OutputError(TaichiError):
+    """An output that cannot be written there: the location is not writable or not a
+    directory, the path holds something this tool did not write (``force`` replaces only its
+    own traces, plans and reports, never a directory of other files), or the write itself
+    failed (disk full, permission denied)."""
+
+    exit_code = 10

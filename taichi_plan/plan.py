@@ -95,9 +95,28 @@ class Plan:
             ) from e
 
 
+def is_plan_file(path: str | Path) -> bool:
+    """Whether ``path`` is a plan this tool wrote (a JSON object with ``format_version`` and
+    ``solver``), so that ``force`` may replace it; a plan of any format version counts."""
+    try:
+        with open(path, "rb") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and "format_version" in obj and "solver" in obj
+
+
+def check_plan_output(path: str | Path, force: bool, option: str | None = None) -> Path:
+    """Check, before any work, that a plan can be written to ``path``: an existing file is
+    replaced only with ``force`` and only if it is a plan; see :func:`taichi_plan.atomic.check_output`."""
+    return check_output(path, force, what="plan file", option=option, owned=is_plan_file)
+
+
 def save_plan(plan: Plan, path: str | Path, force: bool = False) -> Path:
-    p = check_output(path, force, what="plan file")
-    return write_json_atomic(p, plan.to_json())
+    """Write ``plan`` to ``path`` atomically (missing parent directories are created);
+    ``force`` replaces an existing plan file, never anything else."""
+    p = check_plan_output(path, force)
+    return write_json_atomic(p, plan.to_json(), what="plan file")
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -16,7 +16,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .atomic import check_output, replace_dir_atomic, write_json_atomic
+from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
 FORMAT_VERSION = 2
@@ -61,6 +61,7 @@ ACCESSES_SCHEMA = pa.schema(
     ]
 )
 TABLES = {"ops": OPS_SCHEMA, "tensors": TENSORS_SCHEMA, "accesses": ACCESSES_SCHEMA}
+TRACE_FILES = frozenset({"meta.json", *(f"{name}.parquet" for name in TABLES)})  # all a trace directory holds
 _CATEGORIES = {
     ("ops", "phase"): PHASES,
     ("ops", "cost_source"): COST_SOURCES,
@@ -159,9 +160,17 @@ def _to_pandas(table: pa.Table) -> pd.DataFrame:
 # ---------------------------------------------------------------------------------------------
 
 
+def check_trace_output(path: str | Path, force: bool, option: str | None = None) -> Path:
+    """Check, before any work, that a trace can be written to the directory ``path``: an
+    existing directory is replaced only with ``force`` and only if it holds nothing but a
+    trace's own files (:data:`TRACE_FILES`); see :func:`taichi_plan.atomic.check_output`."""
+    return check_output(path, force, what="trace directory", option=option, dir_files=TRACE_FILES)
+
+
 def write_trace(trace: Trace, path: str | Path, force: bool = False) -> Path:
-    """Validate and write ``trace`` to the directory ``path`` atomically."""
-    target = check_output(path, force, what="trace directory")
+    """Validate and write ``trace`` to the directory ``path`` atomically (missing parent
+    directories are created). ``force`` replaces an existing trace, never anything else."""
+    target = check_trace_output(path, force)
     validate(trace)
     meta = dict(trace.meta)
     meta["format_version"] = FORMAT_VERSION
@@ -174,9 +183,9 @@ def write_trace(trace: Trace, path: str | Path, force: bool = False) -> Path:
         for name, schema in TABLES.items():
             table = pa.Table.from_pandas(getattr(trace, name), schema=schema, preserve_index=False)
             pq.write_table(table, tmp / f"{name}.parquet")
-        write_json_atomic(tmp / "meta.json", meta)
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n", encoding="utf-8")
 
-    replace_dir_atomic(build, target)
+    replace_dir_atomic(build, target, what="trace directory")
     trace.meta = meta
     trace.path = target
     return target

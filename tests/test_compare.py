@@ -146,8 +146,9 @@ def test_cli_sweep_table_json_and_png(trace_dir, tmp_path):
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert len(data["rows"]) == 6 and data["baseline_peak_bytes"] == baseline_peak(tiny())[0]
-    r = CliRunner().invoke(main, [*args, "--png", str(tmp_path / "nope" / "p.png")])
-    assert r.exit_code == UsageError.exit_code and "does not exist" in " ".join(r.output.split())
+    r = CliRunner().invoke(main, [*args, "--png", str(tmp_path / "new" / "p.png")])
+    assert r.exit_code == 0, r.output  # a missing directory is created, as for every output
+    assert (tmp_path / "new" / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_cli_one_budget_in_bytes(trace_dir, tmp_path):

@@ -9,15 +9,13 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output
-from ..cli import handle_errors
+from ..atomic import check_output, is_png
 from ..compare import DEFAULT_TIME_LIMIT, check_methods, compare, parse_sweep, render_compare
 from ..errors import UsageError
 from ..problem import build_problem
 from ..trace import read_trace
 from ..units import parse_budget
-
-UNITS = ["GB", "GiB", "MB", "MiB"]
+from ._common import UNITS, handle_errors, units_option
 
 
 def _budget_unit(text: str) -> str | None:
@@ -25,7 +23,7 @@ def _budget_unit(text: str) -> str | None:
     m = re.search(r"([A-Za-z]+)$", text.strip())
     if not m:
         return None
-    by_upper = {u.upper(): u for u in UNITS}
+    by_upper = {u.upper(): u for u in UNITS if u != "auto"}
     return by_upper.get(m.group(1).upper())
 
 
@@ -76,9 +74,8 @@ class _Bar:
 @click.option("--json", "as_json", is_flag=True, help="Print the rows as JSON instead of the table.")
 @click.option("--png", type=click.Path(path_type=Path), default=None,
               help="Also draw the Pareto curves (extra compute vs budget, one line per planner) to this PNG.")
-@click.option("--force", is_flag=True, help="Overwrite the --png file if it exists.")
-@click.option("--units", type=click.Choice(UNITS, case_sensitive=False), default=None,
-              help="Unit for byte sizes [default: automatic, decimal].")
+@click.option("--force", is_flag=True, help="Replace the --png file if it exists (only a PNG, never other files).")
+@units_option
 @handle_errors
 def command(trace_dir, budget, sweep, methods_text, time_limit, seed, as_json, png, force, units) -> None:
     """Run every planner (ours and the baselines) on TRACE at each budget and print one table:
@@ -89,7 +86,7 @@ def command(trace_dir, budget, sweep, methods_text, time_limit, seed, as_json, p
     names = check_methods(methods_text.split(",")) if methods_text is not None else None
     fractions = parse_sweep(sweep) if sweep is not None else None
     if png is not None:
-        check_output(png, force, what="PNG file")
+        check_output(png, force, what="PNG file", option="--png", owned=is_png)
     trace = read_trace(trace_dir)
     problem = build_problem(trace)
     base_peak = problem.baseline_peak[0]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import click
 
-from ..cli import handle_errors
 from ..devices import PROFILES, profiles_json, profiles_table
+from ._common import handle_errors
 
 
 def _fmt(v, digits=1) -> str:

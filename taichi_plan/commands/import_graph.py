@@ -6,10 +6,10 @@ from pathlib import Path
 
 import click
 
-from ..cli import handle_errors
 from ..import_graph import import_graph
-from ..trace import baseline_peak, write_trace
+from ..trace import baseline_peak, check_trace_output, write_trace
 from ..units import format_bytes
+from ._common import handle_errors
 
 DEFAULT_DIR = Path("traces")
 
@@ -18,14 +18,14 @@ DEFAULT_DIR = Path("traces")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Trace directory to write [default: traces/<file stem>].")
-@click.option("--force", is_flag=True, help="Overwrite the output if it exists.")
+@click.option("--force", is_flag=True, help="Replace an existing trace directory (only a trace, never other files).")
 @handle_errors
 def command(file: Path, output: Path | None, force: bool) -> None:
     """Import a Checkmate/Moccasin benchmark graph (node-link JSON) as a trace."""
-    trace = import_graph(file)
     if output is None:
-        DEFAULT_DIR.mkdir(exist_ok=True)
         output = DEFAULT_DIR / file.stem
+    check_trace_output(output, force, option="-o")
+    trace = import_graph(file)
     path = write_trace(trace, output, force=force)
     peak_bytes, peak_op = baseline_peak(trace)
     click.echo(f"Wrote {path} ({trace.num_ops} ops, baseline peak {format_bytes(peak_bytes)} at op {peak_op})")

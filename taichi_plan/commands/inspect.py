@@ -7,13 +7,11 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output
-from ..cli import handle_errors
+from ..atomic import check_output, is_html, is_png
 from ..errors import UsageError
 from ..report.trace_text import render_trace_summary, trace_summary
 from ..trace import read_trace
-
-UNITS = ["GB", "GiB", "MB", "MiB"]
+from ._common import handle_errors, units_option
 
 
 def inspect_plan_file(path: Path, as_json: bool, units: str | None, png: Path | None = None,
@@ -58,13 +56,12 @@ def inspect_trace_dir(path: Path, as_json: bool, units: str | None) -> str:
 @click.command("inspect")
 @click.argument("path", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the facts as one JSON object.")
-@click.option("--units", type=click.Choice(UNITS, case_sensitive=False), default=None,
-              help="Unit for byte sizes [default: automatic, decimal].")
+@units_option
 @click.option("--png", type=click.Path(path_type=Path), default=None,
               help="For a plan: also draw its memory timeline (baseline vs planned) to this PNG file.")
 @click.option("--html", "html_path", type=click.Path(path_type=Path), default=None,
               help="For a plan: also write a self-contained HTML report (timeline, decisions, modules) to this file.")
-@click.option("--force", is_flag=True, help="Overwrite the --png or --html file if it exists.")
+@click.option("--force", is_flag=True, help="Replace the --png or --html file if it exists (only a PNG or an HTML page, never other files).")
 @handle_errors
 def command(path: Path, as_json: bool, units: str | None, png: Path | None, html_path: Path | None,
             force: bool) -> None:
@@ -72,8 +69,10 @@ def command(path: Path, as_json: bool, units: str | None, png: Path | None, html
     what a plan file decides and why (PLAN.plan.json; --png draws its memory timeline,
     --html writes a report to open in a browser)."""
     if path.suffix == ".json" and path.is_file():
+        if png is not None:
+            check_output(png, force, what="PNG file", option="--png", owned=is_png)
         if html_path is not None:
-            check_output(html_path, force, what="HTML file")
+            check_output(html_path, force, what="HTML file", option="--html", owned=is_html)
         text = inspect_plan_file(path, as_json, units, png, force)
         if html_path is not None:
             text = _with_html(text, path, html_path, as_json, units, force)

@@ -6,7 +6,6 @@ import json
 
 import click
 
-from ..cli import handle_errors
 from ..devices import get_profile
 from ..errors import BudgetError
 from ..maxbatch import (
@@ -18,10 +17,9 @@ from ..maxbatch import (
     render_max_batch,
 )
 from ..units import parse_budget
-from ._common import Status, size_options
+from ._common import Status, handle_errors, size_options, units_option
 
 DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
-UNITS = ["GB", "GiB", "MB", "MiB"]
 
 @click.command("maxbatch")
 @click.option("--model", "model_name", metavar="NAME", help="Built-in model: mlp, gpt2, bert, llama, resnet50, vit.")
@@ -42,8 +40,7 @@ UNITS = ["GB", "GiB", "MB", "MiB"]
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed.")
 @click.option("--limit", default=MAX_BATCH, show_default=True, type=int, help="Largest batch the search tries.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the table.")
-@click.option("--units", type=click.Choice(UNITS, case_sensitive=False), default=None,
-              help="Unit for byte sizes [default: automatic, decimal].")
+@units_option
 @handle_errors
 def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, device_profile,
             budget, max_overhead, method, time_limit, seed, limit, as_json, units) -> None:

@@ -6,11 +6,10 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output
-from ..cli import handle_errors
 from ..devices import get_profile
+from ..trace import check_trace_output
 from ..units import format_bytes
-from ._common import Status, size_options
+from ._common import Status, handle_errors, size_options
 
 
 @click.command("record")
@@ -34,7 +33,7 @@ from ._common import Status, size_options
 @click.option("--keep-grads", is_flag=True, help="zero_grad(set_to_none=False): gradients stay allocated between steps.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Trace directory. Default: traces/<model>-b<batch>...")
-@click.option("--force", is_flag=True, help="Overwrite an existing output.")
+@click.option("--force", is_flag=True, help="Replace an existing trace directory (only a trace, never other files).")
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
             fake, device_profile, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads, output,
@@ -56,9 +55,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     )
     if output is None:
         output = Path("traces") / (workload.default_output_name() + ("-fake" if fake else ""))
-    if output.parent == Path("traces") and not output.parent.exists():  # the default home of traces
-        output.parent.mkdir()
-    check_output(output, force, what="trace directory")
+    check_trace_output(output, force, option="-o")
 
     with Status('recording') as status:
         trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,

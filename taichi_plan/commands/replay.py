@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
 
-from ..atomic import write_json_atomic
-from ..cli import handle_errors
+from ..atomic import check_output, write_json_atomic
 from ..units import format_bytes, format_cost
+from ._common import handle_errors
 
 
 def render(r: dict) -> str:
@@ -34,6 +35,15 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
+def _is_replay_report(path: Path) -> bool:
+    """A report an earlier replay wrote, which a new one replaces (no other file is replaced)."""
+    try:
+        obj = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return False
+    return isinstance(obj, dict) and "plan" in obj and "measured_peak_bytes" in obj
+
+
 @click.command("replay")
 @click.argument("plan_path", metavar="PLAN", type=click.Path(path_type=Path))
 @click.option("--steps", default=3, show_default=True, type=int, help="Timed steps per run.")
@@ -48,10 +58,11 @@ def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: P
     peak with the predicted one (also step time, extra compute and gradients)."""
     from ..replay.measure import replay
 
+    out = output or plan_path.with_name(plan_path.name.replace(".plan.json", "") + ".replay.json")
+    check_output(out, True, what="replay report", option="-o", owned=_is_replay_report)
     report = replay(plan_path, steps=steps, check_grads=check_grads, seed=seed)
     click.echo(render(report))
-    out = output or plan_path.with_name(plan_path.name.replace(".plan.json", "") + ".replay.json")
-    write_json_atomic(out, report)
+    write_json_atomic(out, report, what="replay report")
     click.echo(f"Wrote {out}")
     if not report["within_budget"] or (check_grads and not report["grads_match"]):
         raise SystemExit(1)

@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 
-from ..atomic import check_output
-from ..cli import handle_errors
-from ..plan import save_plan
+from ..plan import check_plan_output, save_plan
 from ..problem import build_problem
 from ..solve import methods, solve
 from ..trace import read_trace
 from ..units import format_bytes, format_cost, parse_budget
+from ._common import handle_errors, units_option
 
 DEFAULT_DIR = Path("plans")
 
@@ -41,6 +41,12 @@ def render_solve_summary(plan, units: str = "auto") -> str:
     return "\n".join(lines)
 
 
+def default_plan_path(trace_dir: Path) -> Path:
+    """``plans/<name>.plan.json``, named after the trace directory the user chose (not the
+    model name recorded inside it), so ``solve traces/vgg`` writes ``plans/vgg.plan.json``."""
+    return DEFAULT_DIR / f"{Path(os.path.abspath(trace_dir)).name}.plan.json"
+
+
 @click.command("solve")
 @click.argument("trace_dir", metavar="TRACE", type=click.Path(path_type=Path))
 @click.option("--budget", "-b", required=True, help="Memory budget: 16GB, 16GiB, 512MB or 60% (of the baseline peak).")
@@ -49,9 +55,9 @@ def render_solve_summary(plan, units: str = "auto") -> str:
 @click.option("--time-limit", default=60.0, show_default=True, type=float, help="Seconds the solver may search.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed (same seed, same plan).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
-              help="Plan file [default: plans/<trace name>.plan.json].")
-@click.option("--force", is_flag=True, help="Overwrite the plan file if it exists.")
-@click.option("--units", default="auto", show_default=True, help="Print sizes in GB, GiB, MB, MiB or auto.")
+              help="Plan file [default: plans/<TRACE directory's name>.plan.json].")
+@click.option("--force", is_flag=True, help="Replace the plan file if it exists (only a plan, never other files).")
+@units_option
 @handle_errors
 def command(trace_dir, budget, method, time_limit, seed, output, force, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
@@ -61,13 +67,12 @@ def command(trace_dir, budget, method, time_limit, seed, output, force, units) -
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
     trace = read_trace(trace_dir)
     if output is None:
-        DEFAULT_DIR.mkdir(exist_ok=True)
-        output = DEFAULT_DIR / f"{trace.name}.plan.json"
-    check_output(output, force, what="plan file")
+        output = default_plan_path(trace_dir)
+    check_plan_output(output, force, option="-o")
     problem = build_problem(trace)
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
     plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed)
-    click.echo(render_solve_summary(plan, units))
+    click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
 
