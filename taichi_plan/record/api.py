@@ -91,7 +91,8 @@ def _optimizer_state(optimizer) -> list:
     return [v for state in optimizer.state.values() for v in _tensors(list(state.values()))]
 
 
-def _registered(model, batch, loss_fn, optimizer) -> list[tuple[str, list]]:
+def registered_tensors(model, batch, loss_fn, optimizer) -> list[tuple[str, list]]:
+    """The tensors a step starts with, by kind, for :meth:`Recorder.begin_step`."""
     params = list(model.parameters())
     return [
         ("parameter", params),
@@ -102,7 +103,9 @@ def _registered(model, batch, loss_fn, optimizer) -> list[tuple[str, list]]:
     ]
 
 
-def _late_kinds(model, optimizer) -> list[tuple[str, list]]:
+def late_tensors(model, optimizer) -> list[tuple[str, list]]:
+    """Tensors a step creates that outlive it (gradients, optimizer state), by kind, for
+    :meth:`Recorder.end_step`."""
     return [
         ("gradient", [p.grad for p in model.parameters() if p.grad is not None]),
         ("optimizer_state", _optimizer_state(optimizer)),
@@ -174,10 +177,10 @@ def record_workload(
             for s in range(steps):
                 say(f"recording step {s + 1}/{steps}")
                 optimizer.zero_grad(set_to_none=loop.set_to_none)
-                recorder.begin_step(_registered(model, batch, loss_fn, optimizer))
+                recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
                 with recorder:
                     step()
-                records.append(recorder.end_step(_late_kinds(model, optimizer)))
+                records.append(recorder.end_step(late_tensors(model, optimizer)))
         finally:
             for h in hooks:
                 h.remove()
@@ -209,10 +212,11 @@ def record_workload(
         "model_calls": kept.calls,
         "loop": loop.to_json(),
     }
-    return _to_trace(kept, step_indices[-1], "estimated" if fake else "measured", meta)
+    return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", meta)
 
 
-def _to_trace(rec: StepRecord, step: int, cost_source: str, meta: dict) -> Trace:
+def step_to_trace(rec: StepRecord, step: int, cost_source: str, meta: dict) -> Trace:
+    """A recorded step as a :class:`Trace` (op ids from 0, every op tagged ``cost_source``)."""
     n, m = rec.num_ops, len(rec.tensors["nbytes"])
     ops = frame("ops", {"op_id": list(range(n)), "step": [step] * n, "cost_source": [cost_source] * n, **rec.ops})
     tensors = frame("tensors", {"tensor_id": list(range(m)), **rec.tensors})

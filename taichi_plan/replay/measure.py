@@ -35,7 +35,7 @@ def _workload(trace):
 def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str):
     import torch
 
-    from ..record.api import Loop, _late_kinds, _registered, _to_trace, make_step_fn
+    from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
     from ..record.recorder import Recorder
     from ..trace import baseline_peak
     from . import install, runtime_for
@@ -74,10 +74,10 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
     hooks = recorder.optimizer_hooks(optimizer)
     try:
         optimizer.zero_grad(set_to_none=loop.set_to_none)
-        recorder.begin_step(_registered(model, batch, loss_fn, optimizer))
+        recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
         with recorder:
             one_step()
-        rec = recorder.end_step(_late_kinds(model, optimizer))
+        rec = recorder.end_step(late_tensors(model, optimizer))
     finally:
         for h in hooks:
             h.remove()
@@ -85,7 +85,7 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
         for h in handles:
             h.remove()
         undo()
-    measured = _to_trace(rec, 0, "measured", {})
+    measured = step_to_trace(rec, 0, "measured", {})
     peak, peak_op = baseline_peak(measured)
     out = {
         "step_s": statistics.median(times) if times else None,

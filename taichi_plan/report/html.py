@@ -280,8 +280,9 @@ def write_plan_html(plan_path: str | Path, out_path: str | Path, force: bool = F
     """Read the plan at ``plan_path`` (and the trace it names, if still there) and write its
     page to ``out_path`` atomically; refuse an existing file unless ``force``. Returns the
     path written."""
-    from .plan_text import locate_trace, plan_summary, resimulate
+    from .plan_text import locate_trace, plan_summary
     from .timeline import timeline_data
+    from .verdict import resimulate
 
     target = check_output(out_path, force, what="HTML file")
     unit = _units(units)

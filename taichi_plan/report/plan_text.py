@@ -20,11 +20,11 @@ from pathlib import Path
 from ..errors import PlanError, TraceError, UsageError
 from ..plan import Plan, load_plan, peak_from_schedule
 from ..problem import Problem, build_problem
-from ..simulate import SimResult, simulate
-from ..solve.result import drops_from_plan
+from ..simulate import SimResult
 from ..trace import Trace, read_trace
 from ..units import format_bytes
 from .trace_text import WIDTH, _cost, _cut
+from .verdict import resimulate
 
 TOP_DECISIONS = 10
 TOP_MODULES = 20
@@ -66,22 +66,6 @@ def locate_trace(plan: Plan, plan_path: str | Path | None = None) -> tuple[Trace
                                   f"{got[:12]}, the plan's is {str(want)[:12]}): {NEEDS}, with the "
                                   "trace the plan was solved for")}
     return trace, {"state": "found", "path": str(p), "message": None}
-
-
-def resimulate(problem: Problem, plan: Plan) -> tuple[SimResult, Problem]:
-    """The simulator's verdict on ``plan``: ``(result, problem it describes)``, the second
-    being ``problem`` with the plan's partitions applied (when the simulator models
-    partitions; else ``problem``). A :class:`PlanError` if the plan does not apply."""
-    try:
-        drops = drops_from_plan(problem, plan)
-    except KeyError as e:  # Problem.index_of: a tensor id the trace does not have
-        raise PlanError(f"The plan drops tensor {e.args[0]}, which the trace does not have; "
-                        "the plan was made for another trace.") from e
-    from .. import simulate as sim_mod
-
-    if hasattr(sim_mod, "simulate_plan"):
-        return sim_mod.simulate_plan(problem, drops, list(plan.partitions))
-    return simulate(problem, drops), problem
 
 
 def _partition_costs(problem: Problem, plan: Plan, total: float) -> dict[str, float]:

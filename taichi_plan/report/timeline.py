@@ -19,6 +19,7 @@ from ..plan import Plan
 from ..problem import Problem
 from ..trace import KINDS, PHASES, baseline_live_bytes
 from ..units import unit_scale
+from .verdict import resimulate
 
 MAX_POINTS = 5000  # longer traces are downsampled
 BUCKETS = 2000  # points drawn for a downsampled trace
@@ -56,8 +57,6 @@ def timeline_data(problem: Problem, plan: Plan) -> dict:
     ``baseline_live`` and ``planned_live``), the phase, phase spans; the budget, both
     peaks (the planned one from the simulator, possibly inside a recompute group) and
     every recompute group's peak. Raises :class:`PlanError` if the plan does not apply."""
-    from .plan_text import resimulate
-
     sim, _parted = resimulate(problem, plan)
     trace = problem.trace
     base_by_kind = {k: np.asarray(v, dtype=np.int64) for k, v in baseline_live_bytes(trace, by_kind=True).items()}
