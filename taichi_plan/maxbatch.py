@@ -229,14 +229,18 @@ def _start_probe(none: PlannerResult) -> Probe | None:
     return Probe(none.max_batch, True, none.peak_bytes, 0.0, "fits")
 
 
-def render_max_batch(result: dict, title: str = "", units: str = "auto") -> str:
-    """The result as an 80-column table."""
+def render_max_batch(result: dict, title: str = "", units: str = "auto", width: int = 80) -> str:
+    """The result as a table; the title and notes are wrapped to ``width`` columns, never cut."""
     def size(b):
         return format_bytes(b, units) if b is not None else "-"
 
-    lines = textwrap.wrap(title, 80, subsequent_indent="  ", break_on_hyphens=False) if title else []
-    lines.append(f"Budget {size(result['budget_bytes'])}, extra compute at most {result['max_overhead_pct']:g}% "
-                 "of the step")
+    def wrap(text: str) -> list[str]:
+        return textwrap.wrap(text, width, subsequent_indent="  ", break_on_hyphens=False,
+                             break_long_words=False)
+
+    lines = wrap(title) if title else []
+    lines += wrap(f"Budget {size(result['budget_bytes'])}, extra compute at most {result['max_overhead_pct']:g}% "
+                  "of the step")
     lines.append("")
     lines.append(f"{'planner':<16}{'max batch':>10}{'peak at it':>14}{'extra %':>10}{'vs none':>10}{'vs sqrt-n':>11}")
     lines.append("-" * 71)
@@ -251,18 +255,20 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto") -> str:
             ratios.append("-" if r["planner"] == c else (f"{r['max_batch'] / den:.2f}x" if den else "n/a"))
         lines.append(f"{name:<16}{mb:>10}{size(r['peak_bytes']):>14}{extra:>10}{ratios[0]:>10}{ratios[1]:>11}")
     lines.append("")
+    notes = []
     if by["none"]["max_batch"] == 0:
-        lines.append("Without planning the step does not fit even at batch 1 (max batch 0).")
+        notes.append("Without planning the step does not fit even at batch 1 (max batch 0).")
     if all(r["max_batch"] == 0 for r in result["planners"]):
-        lines.append("No planner fits the step at batch 1: the model alone is too big for this budget.")
+        notes.append("No planner fits the step at batch 1: the model alone is too big for this budget.")
     if any(r["capped"] for r in result["planners"]):
-        lines.append(f"+ the search stopped at its limit (batch {result['limit']}): the step's memory may not "
+        notes.append(f"+ the search stopped at its limit (batch {result['limit']}): the step's memory may not "
                      "grow with the batch.")
-    lines.append("MegTaiChi (ICS 2022) reports 5x over no planning and 2.4x over sqrt(n).")
-    recorded = (f"Recorded {len(result['batches_recorded'])} fake step(s), batch sizes "
-                + ", ".join(map(str, result["batches_recorded"])) + ".")
-    lines += textwrap.wrap(recorded, 80, subsequent_indent="  ", break_on_hyphens=False)
-    return "\n".join(line if len(line) <= 80 else line[:79] + "…" for line in lines) + "\n"
+    notes.append("MegTaiChi (ICS 2022) reports 5x over no planning and 2.4x over sqrt(n).")
+    notes.append(f"Recorded {len(result['batches_recorded'])} fake step(s), batch sizes "
+                 + ", ".join(map(str, result["batches_recorded"])) + ".")
+    for note in notes:
+        lines += wrap(note)
+    return "\n".join(lines) + "\n"
 
 
 __all__ = ["DEFAULT_MAX_OVERHEAD_PCT", "MAX_BATCH", "PlannerResult", "Probe", "TraceCache", "fake_recorder",

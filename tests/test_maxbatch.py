@@ -167,3 +167,21 @@ def test_cli_needs_a_workload():
     assert r.exit_code == 2 and "--model" in r.output
     r = CliRunner().invoke(main, ["maxbatch", "--model", "nope", "--budget", "1GB"])
     assert r.exit_code == 7
+
+
+def test_render_keeps_every_note_whole():
+    """The notes under the table are wrapped, never cut: the capped-search footnote (longer
+    than 80 columns with a five-digit limit) reads to its end."""
+    from taichi_plan.maxbatch import MAX_BATCH, render_max_batch
+
+    res = max_batch(lambda b: chain_trace([1] * 4, temp_bytes=1, param_bytes=1), 10**9, method="heuristic",
+                    time_limit=5, limit=MAX_BATCH)
+    assert all(r["capped"] for r in res["planners"])
+    text = render_max_batch(res, "a title " * 20)
+    assert "…" not in text
+    assert all(len(line) <= 80 for line in text.splitlines())
+    joined = " ".join(line.strip() for line in text.splitlines())
+    assert (f"+ the search stopped at its limit (batch {MAX_BATCH}): the step's memory may not grow "
+            "with the batch.") in joined
+    assert f"batch sizes {', '.join(map(str, res['batches_recorded']))}." in joined
+    assert "a title " * 19 in joined + " "
