@@ -1,6 +1,6 @@
-"""What a plan holds and why, as JSON-ready data (``plan_summary``) and as 80-column text
-(``render_plan_summary``). ``taichi-plan inspect PLAN.plan.json`` prints one or the other
-(``inspect_plan``), and with ``--png`` also draws the memory timeline
+"""What a plan holds and why, as JSON-ready data (``plan_summary``) and as text as wide as
+the terminal (``render_plan_summary``). ``taichi-plan inspect PLAN.plan.json`` prints one or
+the other (``inspect_plan``), and with ``--png`` also draws the memory timeline
 (:mod:`taichi_plan.report.timeline`).
 
 The plan alone knows its budget, the simulator's prediction, the solver's status and
@@ -23,7 +23,7 @@ from ..problem import Problem, build_problem
 from ..simulate import SimResult
 from ..trace import Trace, read_trace
 from ..units import format_bytes
-from .trace_text import WIDTH, _cost, _cut
+from .trace_text import _cost, _cut, terminal_width
 from .verdict import resimulate
 
 TOP_DECISIONS = 10
@@ -225,18 +225,23 @@ def _cut_left(text: str, width: int) -> str:
     return text if len(text) <= width else "…" + text[len(text) - width + 1:]
 
 
-def _wrap(text: str, indent: str) -> list[str]:
-    """``text`` wrapped to the width, first line after ``indent`` (e.g. a field label), the
+def _wrap(text: str, indent: str, width: int) -> list[str]:
+    """``text`` wrapped to ``width``, first line after ``indent`` (e.g. a field label), the
     others aligned under it."""
     rest = " " * len(indent)
-    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=rest, break_long_words=False,
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=rest, break_long_words=False,
                          break_on_hyphens=False) or [indent.rstrip()]
 
 
-def render_plan_summary(summary: dict, units: str | None = None) -> str:
-    """The summary as text for an 80-column terminal; ``units`` is GB, GiB, MB, MiB or None
-    (auto, decimal). Paths are never cut: a path longer than a line gets a line of its own."""
+def render_plan_summary(summary: dict, units: str | None = None, width: int | None = None) -> str:
+    """The summary as text ``width`` columns wide (default: the terminal's, 80 off a terminal);
+    ``units`` is GB, GiB, MB, MiB or None (auto, decimal). Paths are never cut: a path longer
+    than a line gets a line of its own."""
     unit = units or "auto"
+    width = width or terminal_width()
+
+    def wrap(text: str, indent: str) -> list[str]:
+        return _wrap(text, indent, width)
 
     def size(b) -> str:
         return "-" if b is None else format_bytes(b, unit)
@@ -248,42 +253,42 @@ def render_plan_summary(summary: dict, units: str | None = None) -> str:
     def cost(v) -> str:
         return "-" if v is None else _cost(float(v), cu)
 
-    lines = _wrap(f"Plan for {t['name'] or '-'}", "")
+    lines = wrap(f"Plan for {t['name'] or '-'}", "")
     if s.get("plan_path"):
-        lines += _wrap(str(s["plan_path"]), f"  {'file':<10} ")
+        lines += wrap(str(s["plan_path"]), f"  {'file':<10} ")
     if t["found"]:
-        lines += _wrap(f"{t['read_from']} (found; content hash matches the plan)", f"  {'trace':<10} ")
+        lines += wrap(f"{t['read_from']} (found; content hash matches the plan)", f"  {'trace':<10} ")
     else:
-        lines += _wrap(f"{t['path'] or '-'} ({t['state']})", f"  {'trace':<10} ")
+        lines += wrap(f"{t['path'] or '-'} ({t['state']})", f"  {'trace':<10} ")
     lines.append(f"  {'ops':<10} {t['num_ops']}    signature {t['signature']}")
     lines.append(f"  {'budget':<10} {size(s['budget_bytes'])}" +
                  (f" ({s['budget_bytes']:,} bytes)" if s["budget_bytes"] is not None else " (none)"))
     b, p = s["baseline_peak"], s["planned_peak"]
-    lines += _wrap(f"peak {size(b['nbytes'])} {_where(b)}", f"  {'baseline':<10} ")
+    lines += wrap(f"peak {size(b['nbytes'])} {_where(b)}", f"  {'baseline':<10} ")
     pct = f", {p['pct_of_baseline']:.1f}% of baseline" if p.get("pct_of_baseline") is not None else ""
-    lines += _wrap(f"peak {size(p['nbytes'])}{pct} {_where(p)}", f"  {'planned':<10} ")
+    lines += wrap(f"peak {size(p['nbytes'])}{pct} {_where(p)}", f"  {'planned':<10} ")
     xp = f"{x['pct_of_step']:.2f}%" if x["pct_of_step"] is not None else "-"
-    lines += _wrap(f"{cost(x['cost'])} of compute, {xp} of the step's {cost(x['step'])} "
+    lines += wrap(f"{cost(x['cost'])} of compute, {xp} of the step's {cost(x['step'])} "
                    f"({x['ops_rerun']} ops re-run, {s['decisions']['tensors_dropped']} tensors dropped)",
                    f"  {'extra':<10} ")
     gap = f"{100 * sv['gap']:.2f}%" if sv["gap"] is not None else "-"
     wall = f"{sv['wall_s']:.2f} s" if sv["wall_s"] is not None else "-"
-    lines += _wrap(f"{sv['method']}: {sv['status']}, lower bound {cost(sv['lower_bound'])}, gap {gap}, "
+    lines += wrap(f"{sv['method']}: {sv['status']}, lower bound {cost(sv['lower_bound'])}, gap {gap}, "
                    f"wall {wall}, seed {sv['seed']}", f"  {'solver':<10} ")
     for i, note in enumerate(sv.get("notes") or []):
-        lines += _wrap(str(note), f"  {'notes' if i == 0 else '':<10} ")
+        lines += wrap(str(note), f"  {'notes' if i == 0 else '':<10} ")
     if t["message"]:
         lines.append("")
-        lines += _wrap(f"Note: {t['message']}.", "")
+        lines += wrap(f"Note: {t['message']}.", "")
     sp = s.get("schedule_peak_bytes")
     if sp is not None and p["nbytes"] is not None and sp != p["nbytes"]:
         lines.append("")
-        lines += _wrap(f"Warning: the plan's own schedule peaks at {size(sp)}, not at the predicted "
+        lines += wrap(f"Warning: the plan's own schedule peaks at {size(sp)}, not at the predicted "
                        f"{size(p['nbytes'])}; the plan file is inconsistent. Solve the trace again.", "")
     r = s.get("resimulated")
     if r and not r["agrees"]:
         lines.append("")
-        lines += _wrap(f"Warning: the simulator now predicts peak {size(r['peak_bytes'])} and extra "
+        lines += wrap(f"Warning: the simulator now predicts peak {size(r['peak_bytes'])} and extra "
                        f"{cost(r['extra_compute'])} for this plan, not what the plan file says; "
                        "solve the trace again.", "")
 
@@ -298,29 +303,33 @@ def render_plan_summary(summary: dict, units: str | None = None) -> str:
     for row in d["top"]:
         where = row["op_name"] + (f" in {row['module']}" if row["module"] else "")
         span = f"{row['free_after']}..{row['remat_before']}"
-        lines += _wrap(where, f"  {row['tensor']:>7} {size(row['nbytes']):>10}  {span:<12} ")
-        lines += _wrap(row["why"], " " * 10)
+        lines += wrap(where, f"  {row['tensor']:>7} {size(row['nbytes']):>10}  {span:<12} ")
+        lines += wrap(row["why"], " " * 10)
 
     if s["partitions"]:
         lines.append("")
         lines.append(f"Partitions: {len(s['partitions'])}")
-        lines.append(f"  {'module':<40} {'dim':>4} {'chunks':>7}")
+        longest = max(len(q["module"] or "(none)") for q in s["partitions"])
+        pw = max(40, min(width - 15, longest))  # wider for long names, as the line allows
+        lines.append(f"  {'module':<{pw}} {'dim':>4} {'chunks':>7}")
         for q in s["partitions"]:
-            lines.append(f"  {_cut(q['module'] or '(none)', 40):<40} {q['dim']:>4} {q['chunks']:>7}")
+            lines.append(f"  {_cut(q['module'] or '(none)', pw):<{pw}} {q['dim']:>4} {q['chunks']:>7}")
             if q["why"]:
-                lines += _wrap(q["why"], " " * 6)
+                lines += wrap(q["why"], " " * 6)
 
     if s["modules"] is not None:
         lines.append("")
         lines.append("Per module (extra compute: each re-run op charged to its own module)")
-        lines.append(f"  {'module':<30} {'dropped':>7} {'freed':>11} {'extra':>15} {'% step':>8}")
+        longest = max((len(m["module"]) for m in s["modules"][:TOP_MODULES]), default=0)
+        mw = max(30, min(width - 47, longest))  # wider for long names, as the line allows
+        lines.append(f"  {'module':<{mw}} {'dropped':>7} {'freed':>11} {'extra':>15} {'% step':>8}")
         for m in s["modules"][:TOP_MODULES]:
-            lines.append(f"  {_cut_left(m['module'], 30):<30} {m['tensors_dropped']:>7} {size(m['nbytes_freed']):>11} "
+            lines.append(f"  {_cut_left(m['module'], mw):<{mw}} {m['tensors_dropped']:>7} {size(m['nbytes_freed']):>11} "
                          f"{_cut(cost(m['extra_compute']), 15):>15} {m['extra_compute_pct']:>7.2f}%")
         if len(s["modules"]) > TOP_MODULES:
             lines.append(f"  ... {len(s['modules']) - TOP_MODULES} more modules (all of them with --json)")
         tot_x = sum(m["extra_compute"] for m in s["modules"])
-        lines.append(f"  {'total':<30} {d['tensors_dropped']:>7} {size(d['nbytes_freed']):>11} "
+        lines.append(f"  {'total':<{mw}} {d['tensors_dropped']:>7} {size(d['nbytes_freed']):>11} "
                      f"{_cut(cost(tot_x), 15):>15} {(x['pct_of_step'] or 0.0):>7.2f}%")
     elif not t["found"]:
         lines.append("")
@@ -334,9 +343,10 @@ def render_plan_summary(summary: dict, units: str | None = None) -> str:
 
 
 def inspect_plan(path: str | Path, as_json: bool = False, units: str | None = None,
-                 png: str | Path | None = None, force: bool = False) -> str:
+                 png: str | Path | None = None, force: bool = False, width: int | None = None) -> str:
     """What ``taichi-plan inspect PLAN.plan.json`` prints; with ``png`` also writes the
-    timeline there (refusing an existing file unless ``force``) and says so."""
+    timeline there (refusing an existing file unless ``force``) and says so. ``width``:
+    columns of the text (default: the terminal's, 80 off a terminal)."""
     from ..atomic import check_output
 
     if png is not None:
@@ -357,7 +367,7 @@ def inspect_plan(path: str | Path, as_json: bool = False, units: str | None = No
         if wrote is not None:
             summary["timeline_png"] = str(wrote)
         return json.dumps(summary, indent=1, ensure_ascii=False) + "\n"
-    text = render_plan_summary(summary, units)
+    text = render_plan_summary(summary, units, width)
     return text + (f"Wrote {wrote}\n" if wrote is not None else "")
 
 

@@ -1,8 +1,10 @@
-"""What a trace holds, as JSON-ready data (``trace_summary``) and as 80-column text
-(``render_trace_summary``). ``taichi-plan inspect TRACE`` prints one or the other.
+"""What a trace holds, as JSON-ready data (``trace_summary``) and as text as wide as the
+terminal (``render_trace_summary``). ``taichi-plan inspect TRACE`` prints one or the other.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import numpy as np
 
@@ -10,7 +12,14 @@ from ..trace import KINDS, PHASES, Trace, baseline_live_bytes, baseline_peak
 from ..units import format_bytes
 
 TOP_TENSORS = 10
-WIDTH = 80
+WIDTH = 80  # text width when stdout is not a terminal and COLUMNS is unset
+MIN_WIDTH = 40  # narrower terminals get 40-column text (and wrap it themselves)
+
+
+def terminal_width() -> int:
+    """Columns for text reports: ``COLUMNS`` when set, else the width of the terminal stdout
+    is on, else :data:`WIDTH` (80); never under :data:`MIN_WIDTH`."""
+    return max(MIN_WIDTH, shutil.get_terminal_size((WIDTH, 24)).columns)
 
 
 def _first(meta: dict, *keys: str):
@@ -168,10 +177,11 @@ def _mismatch(m: object) -> list[str]:
     return [f"  first mismatch: {m}"]
 
 
-def render_trace_summary(summary: dict, units: str | None = None) -> str:
-    """The summary as text for an 80-column terminal; ``units`` is GB, GiB, MB, MiB or None
-    (auto, decimal)."""
+def render_trace_summary(summary: dict, units: str | None = None, width: int | None = None) -> str:
+    """The summary as text ``width`` columns wide (default: :func:`terminal_width`); ``units``
+    is GB, GiB, MB, MiB or None (auto, decimal)."""
     unit = units or "auto"
+    width = width or terminal_width()
 
     def size(b: int) -> str:
         return format_bytes(b, unit)
@@ -181,7 +191,7 @@ def render_trace_summary(summary: dict, units: str | None = None) -> str:
     title = f"Trace {s['name']}"
     if s.get("path"):
         title += f"  ({s['path']})"
-    lines.append(_cut(title, WIDTH))
+    lines.append(_cut(title, width))
     w = s["workload"]
     args = w.get("args") or {}
     args_text = ", ".join(f"{k}={v}" for k, v in args.items()) if isinstance(args, dict) else str(args)
@@ -201,7 +211,7 @@ def render_trace_summary(summary: dict, units: str | None = None) -> str:
     fields.append(("ops", f"{s['num_ops']}" + (f"  ({phases})" if phases else "")))
     fields.append(("tensors", f"{s['num_tensors']}  ({s['num_accesses']} accesses)"))
     for key, value in fields:
-        lines.append(_cut(f"  {key:<10} {_cut(value, WIDTH)}", WIDTH))
+        lines.append(_cut(f"  {key:<10} {value if value not in (None, '') else '-'}", width))
 
     lines.append("")
     lines.append(f"  {'tensors by kind':<17}{'count':>7}{'bytes':>13}{'at step start':>17}{'bytes':>13}")
@@ -218,8 +228,8 @@ def render_trace_summary(summary: dict, units: str | None = None) -> str:
         lines.append("Baseline peak: 0 B (the trace has no ops)")
     else:
         lines.append(f"Baseline peak {size(p['nbytes'])} ({p['nbytes']:,} bytes) during op {p['op_id']}")
-        lines.append(_cut(f"  op {p['op']}", WIDTH))
-        lines.append(_cut(f"  module {p['module'] or '-'}, phase {p['phase']}", WIDTH))
+        lines.append(_cut(f"  op {p['op']}", width))
+        lines.append(_cut(f"  module {p['module'] or '-'}, phase {p['phase']}", width))
         lines.append("  live at the peak by kind:")
         for k, b in p["by_kind"].items():
             if b:
@@ -228,13 +238,14 @@ def render_trace_summary(summary: dict, units: str | None = None) -> str:
 
     lines.append("")
     lines.append(f"Largest {len(s['largest_tensors'])} tensors")
-    lines.append(f"  {'id':>6} {'kind':<12}{'bytes':>11}  {'shape':<13} {'dtype':<8} {'producer':<12} live ops")
+    pw = max(12, width - 80 + 12)  # the producer column takes what a wider line leaves
+    lines.append(f"  {'id':>6} {'kind':<12}{'bytes':>11}  {'shape':<13} {'dtype':<8} {'producer':<{pw}} live ops")
     for t in s["largest_tensors"]:
         shape = "[" + ", ".join(map(str, t["shape"])) + "]"
         live = f"{t['alloc_op']}..{t['free_op']}"
         lines.append(
             f"  {t['tensor_id']:>6} {_SHORT_KIND.get(t['kind'], t['kind']):<12}{size(t['nbytes']):>11}  "
-            f"{_cut(shape, 13):<13} {_cut(t['dtype'], 8):<8} {_cut(t['producer_op_name'], 12):<12} {live}"
+            f"{_cut(shape, 13):<13} {_cut(t['dtype'], 8):<8} {_cut(t['producer_op_name'], pw):<{pw}} {live}"
         )
 
     r = s["regularity"]
@@ -251,4 +262,4 @@ def render_trace_summary(summary: dict, units: str | None = None) -> str:
     for ph, v in c["by_phase"].items():
         if s["ops_per_phase"].get(ph):
             lines.append(f"  {ph:<10}{_cost(v, c['unit']):>20}")
-    return "\n".join(line if len(line) <= WIDTH else line[: WIDTH - 1] + "…" for line in lines) + "\n"
+    return "\n".join(_cut(line, width) if line else line for line in lines) + "\n"
