@@ -172,3 +172,32 @@ def test_cli_bad_input(trace_dir, args, code):
     r = CliRunner().invoke(main, ["compare", str(trace_dir), *args])
     assert r.exit_code == code, r.output
     assert r.output.startswith("Error:")
+
+
+def _row(method, frac, extra, feasible=True):
+    return {"method": method, "ours": method in OURS, "budget_fraction": frac, "budget_bytes": int(1000 * frac),
+            "feasible": feasible, "extra_pct": extra if feasible else None}
+
+
+def test_pareto_marks_where_a_baseline_equals_ours(tmp_path):
+    """As on GPT-2 small: dtr finds the same plans as ours at 90/80/60%, differs at 40%; ilp
+    agrees with auto everywhere; sqrt-n never matches."""
+    from taichi_plan.report.pareto import write_pareto_png
+
+    fracs = [0.9, 0.8, 0.6, 0.4]
+    rows = ([_row("auto", f, e) for f, e in zip(fracs, [1.0, 2.5, 7.0, 20.0])]
+            + [_row("ilp", f, e) for f, e in zip(fracs, [1.0, 2.5, 7.0, 20.0])]
+            + [_row("dtr", f, e) for f, e in zip(fracs, [1.0, 2.5, 7.0, 31.0])]
+            + [_row("sqrt-n", f, e) for f, e in zip(fracs, [33.0, 33.0, 33.0, 33.0])]
+            + [_row("full", 0.4, None, feasible=False)])
+    data = pareto_data(rows)
+    shared = {(round(g["x"]), tuple(g["methods"])) for g in data["coincident"]}
+    assert shared == {(90, ("auto", "ilp", "dtr")), (80, ("auto", "ilp", "dtr")), (60, ("auto", "ilp", "dtr")),
+                      (40, ("auto", "ilp"))}
+    assert data["notes"] == ["ours (auto, ilp) = dtr at 90%, 80%, 60%"]
+    by_bytes = pareto_data(rows, x="bytes", units="KB")
+    assert by_bytes["notes"] == ["ours (auto, ilp) = dtr at 0.9 KB, 0.8 KB, 0.6 KB"]
+    no_dtr = pareto_data([r for r in rows if r["method"] != "dtr"])
+    assert no_dtr["notes"] == [] and len(no_dtr["coincident"]) == 4
+    png = write_pareto_png(rows, tmp_path / "p.png", title="gpt2")
+    assert png.read_bytes().startswith(b"\x89PNG")

@@ -5,10 +5,16 @@ on the Agg canvas, imported only when drawing). Infeasible points are left out.
 x is the budget as a percentage of the baseline peak (``x="fraction"``) or in bytes in a
 unit (``x="bytes"``, ``units`` GB/GiB/MB/MiB or auto); y is the extra compute as a
 percentage of the step's compute.
+
+Points of two planners that coincide (same budget, same extra compute) would hide each
+other: ``pareto_data`` lists them (``coincident``) and says, per baseline, where it equals
+ours (``notes``, e.g. "ours (auto) = dtr at 90%, 80%"); the figure rings each hidden
+baseline point in its colour around ours and puts the notes under the legend.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from ..atomic import check_output, write_with_atomic
@@ -38,18 +44,22 @@ def _auto_unit(nbytes: int) -> tuple[float, str]:
 
 def pareto_data(rows: list[dict], x: str = "fraction", units: str | None = None) -> dict:
     """``{"x_label", "y_label", "series": [{"method", "ours", "x": [...], "y": [...]}],
-    "omitted": [(method, budget_bytes), ...]}``; each series sorted by x, feasible points
-    only."""
+    "omitted": [(method, budget_bytes), ...], "coincident": [{"x", "y", "methods"}],
+    "notes": [str]}``; each series sorted by x, feasible points only. ``coincident``: every
+    point two or more planners share (methods in row order); ``notes``: for each baseline
+    that shares points with ours, which of ours and at which budgets."""
     if x not in ("fraction", "bytes"):
         raise UsageError(f"x must be 'fraction' or 'bytes', not {x!r}.")
     if x == "bytes":
         top = max((r["budget_bytes"] for r in rows), default=1)
         scale, label = _auto_unit(top) if units in (None, "auto") else unit_scale(units)
         x_label = f"memory budget ({label})"
+        unit_label = label
     else:
         if any(r["budget_fraction"] is None for r in rows):
             raise UsageError("The trace has no baseline peak: draw the budget in bytes instead.")
         scale, x_label = 1.0, "memory budget (% of the unplanned peak)"
+        unit_label = "%"
     series: dict[str, dict] = {}
     omitted = []
     for r in rows:
@@ -62,8 +72,49 @@ def pareto_data(rows: list[dict], x: str = "fraction", units: str | None = None)
     for s in series.values():
         pts = sorted(zip(s["x"], s["y"], strict=True))
         s["x"], s["y"] = [p[0] for p in pts], [p[1] for p in pts]
+    coincident = coinciding_points(list(series.values()))
     return {"x_label": x_label, "y_label": "extra compute (% of the step)",
-            "series": list(series.values()), "omitted": omitted}
+            "series": list(series.values()), "omitted": omitted, "coincident": coincident,
+            "notes": coincidence_notes(coincident, {s["method"]: s["ours"] for s in series.values()},
+                                       unit_label)}
+
+
+def _same(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-9)
+
+
+def coinciding_points(series: list[dict]) -> list[dict]:
+    """Points shared by two or more series (same x, y within 1e-9): ``[{"x", "y", "methods"}]``,
+    by x then y, methods in series order."""
+    groups: list[dict] = []
+    for s in series:
+        for xv, yv in zip(s["x"], s["y"], strict=True):
+            g = next((g for g in groups if _same(g["x"], xv) and _same(g["y"], yv)), None)
+            if g is None:
+                groups.append({"x": xv, "y": yv, "methods": [s["method"]]})
+            elif s["method"] not in g["methods"]:
+                g["methods"].append(s["method"])
+    return sorted((g for g in groups if len(g["methods"]) > 1), key=lambda g: (g["x"], g["y"]))
+
+
+def _x_text(xv: float, unit_label: str) -> str:
+    return f"{xv:.0f}%" if unit_label == "%" and _same(xv, round(xv)) else (
+        f"{xv:.1f}%" if unit_label == "%" else f"{xv:.4g} {unit_label}")
+
+
+def coincidence_notes(coincident: list[dict], ours: dict[str, bool], unit_label: str) -> list[str]:
+    """One line per baseline that shares points with ours: ``"ours (auto, ilp) = dtr at 90%,
+    80%"``, budgets from the loosest to the tightest."""
+    notes = []
+    baselines = [m for m, o in ours.items() if not o]
+    for base in baselines:
+        hits = [g for g in coincident if base in g["methods"] and any(ours.get(m) for m in g["methods"])]
+        if not hits:
+            continue
+        who = [m for m in ours if ours[m] and any(m in g["methods"] for g in hits)]
+        xs = sorted({g["x"] for g in hits}, reverse=True)
+        notes.append(f"ours ({', '.join(who)}) = {base} at {', '.join(_x_text(v, unit_label) for v in xs)}")
+    return notes
 
 
 def write_pareto_png(rows: list[dict], path: str | Path, *, title: str = "", x: str = "fraction",
@@ -89,6 +140,21 @@ def write_pareto_png(rows: list[dict], path: str | Path, *, title: str = "", x: 
         ax.plot(s["x"], s["y"], color=color, marker=marker, ls=ls, lw=2.0 if s["ours"] else 1.3,
                 ms=size, zorder=(5 - size / 10) if s["ours"] else 2, label=label)
         drawn += len(s["x"])
+    # A baseline point under one of ours (same x, same y) is ringed in its colour, so the
+    # reader sees both planners there; the legend says where.
+    is_ours = {s["method"]: s["ours"] for s in data["series"]}
+    for g in data["coincident"]:
+        hidden = [m for m in g["methods"] if not is_ours[m]]
+        if len(hidden) == len(g["methods"]):  # baselines only: the last drawn shows, ring the others
+            hidden = hidden[:-1]
+        for k, m in enumerate(hidden):
+            color = METHOD_STYLE.get(m, ("#333333",))[0]
+            ax.plot([g["x"]], [g["y"]], ls="none", marker="o", ms=14 + 5 * k, mfc="none", mec=color, mew=1.6,
+                    zorder=6)
+    for note in data["notes"]:
+        base = note.split(" = ", 1)[1].rsplit(" at ", 1)[0]  # "ours (...) = <baseline> at ..."
+        ax.plot([], [], ls="none", marker="o", ms=10, mfc="none", mew=1.6,
+                mec=METHOD_STYLE.get(base, ("#555555",))[0], label=note)
     ax.set_xlabel(data["x_label"])
     ax.set_ylabel(data["y_label"])
     ax.grid(color="#bbbbbb", lw=0.5, alpha=0.6)
@@ -110,4 +176,4 @@ def write_pareto_png(rows: list[dict], path: str | Path, *, title: str = "", x: 
     return write_with_atomic(target, save)
 
 
-__all__ = ["METHOD_STYLE", "pareto_data", "write_pareto_png"]
+__all__ = ["METHOD_STYLE", "coincidence_notes", "coinciding_points", "pareto_data", "write_pareto_png"]
