@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 
 import click
@@ -15,7 +14,7 @@ from ..errors import UsageError
 from ..problem import build_problem
 from ..trace import read_trace
 from ..units import parse_budget
-from ._common import UNITS, handle_errors, units_option
+from ._common import UNITS, Status, handle_errors, units_option
 
 
 def _budget_unit(text: str) -> str | None:
@@ -25,40 +24,6 @@ def _budget_unit(text: str) -> str | None:
         return None
     by_upper = {u.upper(): u for u in UNITS if u != "auto"}
     return by_upper.get(m.group(1).upper())
-
-
-class _Bar:
-    """A transient rich progress bar on stderr, only when stderr is a terminal."""
-
-    def __init__(self, total: int):
-        self._bar = None
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._bar = Progress(TextColumn("[bold]comparing[/] {task.description}"), BarColumn(),
-                                 MofNCompleteColumn(), TimeElapsedColumn(), console=Console(stderr=True),
-                                 transient=True, refresh_per_second=10)
-            self._task = self._bar.add_task("", total=total)
-
-    def __enter__(self):
-        if self._bar is not None:
-            self._bar.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        if self._bar is not None:
-            self._bar.__exit__(*exc)
-
-    def __call__(self, done: int, total: int, label: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, total=total, description=label)
 
 
 @click.command("compare")
@@ -97,8 +62,9 @@ def command(trace_dir, budget, sweep, methods_text, time_limit, seed, as_json, p
     else:
         budgets = [parse_budget(budget, base_peak)]
     total = len(budgets) * len(names or check_methods(None))
-    with _Bar(total) as bar:
-        rows = compare(trace, budgets, names, time_limit=time_limit, seed=seed, progress=bar, problem=problem)
+    with Status("comparing", total) as status:
+        rows = compare(trace, budgets, names, time_limit=time_limit, seed=seed, progress=status.step,
+                       problem=problem)
     if as_json:
         out = {"trace": trace.name, "num_ops": problem.num_ops, "baseline_peak_bytes": base_peak,
                "baseline_peak_op": problem.baseline_peak[1], "cost_unit": trace.cost_unit,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import click
@@ -13,7 +12,7 @@ from ..problem import build_problem
 from ..solve import methods, solve
 from ..trace import read_trace
 from ..units import format_bytes, format_cost, parse_budget
-from ._common import handle_errors, units_option
+from ._common import Status, handle_errors, units_option
 
 DEFAULT_DIR = Path("plans")
 
@@ -78,34 +77,12 @@ def command(trace_dir, budget, method, time_limit, seed, output, force, units) -
 
 
 def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed):
-    if not sys.stderr.isatty():
-        return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, problem=problem)
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
     unit = "s" if trace.cost_unit == "s" else "u"
-    with Progress(TextColumn("[bold]solving[/] {task.description}"), BarColumn(), TimeElapsedColumn(),
-                  console=Console(stderr=True), transient=True, refresh_per_second=8) as bar:
-        task = bar.add_task(f"{method} (limit {time_limit:g}s)", total=time_limit)
+    with Status("solving", time_limit, timed=True) as status:
+        status.update(f"{method} (limit {time_limit:g}s)")
 
         def report(incumbent: float, bound: float) -> None:
-            bar.update(task, description=f"{method}: best {incumbent:.4g}{unit}, bound {bound:.4g}{unit}")
+            status.update(f"{method}: best {incumbent:.4g}{unit}, bound {bound:.4g}{unit}")
 
-        import threading
-        import time
-
-        done = threading.Event()
-
-        def tick():
-            t0 = time.perf_counter()
-            while not done.wait(0.2):
-                bar.update(task, completed=min(time.perf_counter() - t0, time_limit))
-
-        th = threading.Thread(target=tick, daemon=True)
-        th.start()
-        try:
-            return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed,
-                         progress=report, problem=problem)
-        finally:
-            done.set()
-            th.join()
+        return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
+                     problem=problem)
