@@ -84,3 +84,15 @@ class OutputError(TaichiError):
     failed (disk full, permission denied)."""
 
     exit_code = 10
+
+
+class NotEnoughMemoryError(TaichiError):
+    """This machine has less memory than a run needs (``replay`` before it starts);
+    ``--force`` tries anyway."""
+
+    exit_code = 11
+
+    def __init__(self, message: str, needed_bytes: int | None = None, available_bytes: int | None = None):
+        super().__init__(message)
+        self.needed_bytes = needed_bytes
+        self.available_bytes = available_bytes

@@ -9,7 +9,7 @@ import click
 
 from ..atomic import check_output, write_json_atomic
 from ..units import format_bytes, format_cost
-from ._common import handle_errors
+from ._common import Status, handle_errors
 
 
 def render(r: dict) -> str:
@@ -29,6 +29,13 @@ def render(r: dict) -> str:
         f"  extra compute      predicted {format_cost(r['predicted_extra_s']) if r['predicted_extra_s'] is not None else '-'}"
         f", measured in rebuilds {format_cost(r['measured_recompute_s'])} ({r['recompute_ops']} ops re-run)",
     ]
+    mem = r.get("memory")
+    if mem:
+        lines.append(f"  memory             needs about {format_bytes(mem['needed_bytes'])}, "
+                     f"{format_bytes(mem['available_bytes'])} of {mem['available_source']} here"
+                     + (" (--force: ran anyway)" if mem.get("forced") else ""))
+    if r.get("trace_mode") == "fake":
+        lines.append("  note               the trace was recorded fake; replay ran it on real tensors")
     if "grads_match" in r:
         lines.append(f"  gradients          {'match' if r['grads_match'] else 'DIFFER'} ({r['grads_check']}, "
                      f"max abs diff {r['grads_max_abs_diff']:.3g})")
@@ -52,17 +59,29 @@ def _is_replay_report(path: Path) -> bool:
 @click.option("--seed", default=0, show_default=True, type=int, help="Seed for building both runs.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Report JSON [default: beside the plan, <plan>.replay.json].")
+@click.option("--force", is_flag=True,
+              help="Run even when the predicted peaks exceed this machine's memory (free CUDA memory, or "
+                   "available RAM on CPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of the text.")
 @handle_errors
-def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: Path | None) -> None:
+def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: Path | None, force: bool,
+            as_json: bool) -> None:
     """Rebuild the plan's workload, run it unplanned and planned, and compare the measured
-    peak with the predicted one (also step time, extra compute and gradients)."""
+    peak with the predicted one (also step time, extra compute and gradients). Refuses, before
+    building anything, a plan whose predicted peaks exceed this machine's memory (--force to
+    try anyway)."""
     from ..replay.measure import replay
 
     out = output or plan_path.with_name(plan_path.name.replace(".plan.json", "") + ".replay.json")
     check_output(out, True, what="replay report", option="-o", owned=_is_replay_report)
-    report = replay(plan_path, steps=steps, check_grads=check_grads, seed=seed)
-    click.echo(render(report))
+    with Status("replaying") as status:
+        report = replay(plan_path, steps=steps, check_grads=check_grads, seed=seed, force=force,
+                        progress=status.update)
+    if as_json:
+        click.echo(json.dumps(report, indent=1))
+    else:
+        click.echo(render(report))
     write_json_atomic(out, report, what="replay report")
-    click.echo(f"Wrote {out}")
+    click.echo(f"Wrote {out}", err=as_json)
     if not report["within_budget"] or (check_grads and not report["grads_match"]):
         raise SystemExit(1)

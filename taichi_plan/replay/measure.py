@@ -6,16 +6,24 @@ step under the recorder, whose live-storage accounting is the trace's own (the s
 MemTracker gives): that step's peak is the measured peak. Gradients and parameters after
 the last step are compared: bitwise for rematerialization alone (rebuilt ops replay their RNG
 state), ``allclose`` when modules are partitioned.
+
+Before building anything, the larger of the two predicted peaks (the unplanned run needs the
+trace's own peak) is compared with the memory this machine has for it (free CUDA memory, or
+available RAM on CPU); a replay that cannot fit is refused with both numbers unless
+``force``. A fake-recorded trace costs no memory to record but replays on real tensors.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import PlanError
+from ..errors import NotEnoughMemoryError, PlanError
 from ..plan import Plan
+from ..units import format_bytes
 
 
 def _workload(trace):
@@ -32,7 +40,57 @@ def _workload(trace):
     return get_workload(model=name, **args) if kind == "builtin" else get_workload(entry=name, **args)
 
 
-def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str):
+def available_memory_bytes(device: str) -> tuple[int, str]:
+    """Memory a replay on ``device`` may use here, and where that number comes from: free
+    CUDA memory (``torch.cuda.mem_get_info``), or on CPU the kernel's MemAvailable
+    (``/proc/meminfo``), else free physical pages (``os.sysconf``)."""
+    if device == "cuda":
+        import torch
+
+        free, _total = torch.cuda.mem_get_info()
+        return int(free), "free CUDA memory"
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024, "available RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "free RAM"
+    except (ValueError, OSError, AttributeError) as e:
+        raise NotEnoughMemoryError(
+            "Cannot tell how much memory this machine has (no /proc/meminfo, no sysconf), so replay "
+            "cannot check that the plan's workload fits. Run again with --force to try anyway."
+        ) from e
+
+
+def check_memory(plan: Plan, trace, device: str, force: bool = False) -> dict:
+    """Refuse (:class:`NotEnoughMemoryError`) a replay whose predicted peaks do not fit the
+    memory this machine has, unless ``force``; returns what was compared."""
+    pred = plan.predicted
+    base, planned = int(pred["baseline_peak_bytes"]), int(pred["planned_peak_bytes"])
+    needed = max(base, planned)
+    available, what = available_memory_bytes(device)
+    fake = trace.meta.get("mode") == "fake"
+    out = {"needed_bytes": needed, "available_bytes": available, "available_source": what, "fits": needed <= available,
+           "forced": bool(force) and needed > available}
+    if needed <= available or force:
+        return out
+    run = "the unplanned run" if base >= planned else "the planned run"
+    fake_text = (" The trace was recorded fake (no memory was used to record it), but replay runs the "
+                 "workload on real tensors, so it needs that memory for real."
+                 if fake else "")
+    raise NotEnoughMemoryError(
+        f"Replay needs about {format_bytes(needed)} ({run}: the unplanned peak is {format_bytes(base)}, "
+        f"the planned peak {format_bytes(planned)}), but this machine has {format_bytes(available)} of "
+        f"{what} on {device}.{fake_text} Replay on a machine with more memory, record and solve a "
+        "smaller workload (smaller --batch, --seq or --layers), or run again with --force to try anyway.",
+        needed_bytes=needed, available_bytes=available)
+
+
+def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str,
+         say: Callable[[str], None] = lambda msg: None, what: str = "run"):
     import torch
 
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
@@ -42,6 +100,7 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
     from .partition import install_partitions
 
     torch.manual_seed(seed)
+    say(f"{what}: building {workload.name}")
     model, batch, loss_fn, optimizer = workload.build(False)
     loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
     step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
@@ -60,7 +119,8 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
         step()
 
     times, recompute_s = [], []
-    for _ in range(steps):
+    for k in range(steps):
+        say(f"{what}: step {k + 1}/{steps}")
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -70,6 +130,7 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
         times.append(time.perf_counter() - t0)
         if rt is not None:
             recompute_s.append(rt.recompute_s)
+    say(f"{what}: measuring a step")
     recorder = Recorder(None, model)
     hooks = recorder.optimizer_hooks(optimizer)
     try:
@@ -100,19 +161,26 @@ def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str)
     return out
 
 
-def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, seed: int = 0) -> dict:
-    """Measure ``plan`` on its workload; returns the report (what ``taichi-plan replay`` prints)."""
+def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, seed: int = 0, *,
+           force: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+    """Measure ``plan`` on its workload; returns the report (what ``taichi-plan replay`` prints).
+
+    Raises :class:`~taichi_plan.errors.NotEnoughMemoryError` before building anything when the
+    larger predicted peak exceeds this machine's memory, unless ``force``. ``progress(message)``
+    is called as the runs go."""
     import torch
 
     from . import plan_and_trace
 
     if steps < 1:
         raise PlanError(f"--steps must be at least 1, got {steps}.")
+    say = progress or (lambda msg: None)
     plan, trace = plan_and_trace(plan)
-    workload = _workload(trace)
     device = "cuda" if torch.cuda.is_available() and trace.meta.get("torch_build") == "cuda" else "cpu"
-    base = _run(workload, None, trace, steps, seed, device)
-    planned = _run(workload, plan, trace, steps, seed, device)
+    workload = _workload(trace)
+    memory = check_memory(plan, trace, device, force)
+    base = _run(workload, None, trace, steps, seed, device, say, "unplanned run")
+    planned = _run(workload, plan, trace, steps, seed, device, say, "planned run")
     pred = plan.predicted
     report = {
         "plan": plan.trace.get("name"),
@@ -134,6 +202,8 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "recompute_ops": planned["recompute_ops"],
         "partitions": len(plan.partitions),
         "steps": steps,
+        "trace_mode": trace.meta.get("mode"),
+        "memory": memory,
         "mechanism": "per model call: saved-tensor hooks and per-tensor rebuild from recorded op recipes; "
                      "partitions: chunked non-reentrant checkpoint",
     }
