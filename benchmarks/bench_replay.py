@@ -11,9 +11,10 @@ Everything is a real run on this machine, side by side in one process, on the sa
   (``PREFER_RECOMPUTE``);
 * ``ours@<baseline>``: the model's recorded trace solved (method ``auto``) at a budget equal to
   the peak that baseline was *measured* to reach, the plan saved, reloaded and replayed with
-  :func:`taichi_plan.replay.measure._run`.
+  :func:`taichi_plan.replay.measure.run_and_measure`.
 
-Every method is measured by the same function, ``taichi_plan.replay.measure._run``: the
+Every method is measured by the same function,
+``taichi_plan.replay.measure.run_and_measure``: the
 workload is built from the same seed, one warm-up step, ``steps`` timed steps (median), then
 one step under the recorder whose live-storage peak is the measured peak. The baselines go
 through it unplanned, with their checkpoint wrappers installed by the workload's ``build``.
@@ -144,10 +145,11 @@ def wrapped_workload(workload, method: str, select: str | None = None):
 
 
 def measure(workload, steps: int, plan=None, trace=None) -> dict:
-    """``taichi_plan.replay.measure._run`` on CPU: {peak_bytes, step_s (median), peak_op, recompute_*}."""
-    from taichi_plan.replay.measure import _run
+    """``taichi_plan.replay.measure.run_and_measure`` on CPU: {peak_bytes, step_s (median), peak_op,
+    recompute_*}."""
+    from taichi_plan.replay.measure import run_and_measure
 
-    out = _run(workload, plan, trace, steps, SEED, "cpu")
+    out = run_and_measure(workload, plan, trace, steps, SEED, "cpu")
     return {"peak_bytes": int(out["peak_bytes"]), "step_s": out["step_s"], "peak_op": out["peak_op"],
             "recompute_ops": out["recompute_ops"], "recompute_s": out["recompute_s"]}
 
@@ -301,7 +303,7 @@ def markdown(result: dict) -> str:
     """The tables for docs/benchmarks.md: one per model, then the claim checks and notes."""
     lines = ["## Replay: measured peak and step time against PyTorch checkpointing", "",
              f"Real CPU runs ({result['machine']}; {result.get('threads', '?')} torch threads). Each method "
-             f"is measured by `taichi_plan.replay.measure._run`: same seed ({result['seed']}), one warm-up "
+             f"is measured by `taichi_plan.replay.measure.run_and_measure`: same seed ({result['seed']}), one warm-up "
              f"step, median of {result['steps']} timed steps, then one step under the recorder whose "
              "live-storage peak is the peak shown (the trace's own accounting, for every method). "
              "`ours@X` = `solve(trace, budget = X's measured peak, 'auto', time_limit="

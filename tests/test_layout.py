@@ -64,6 +64,18 @@ def test_no_room_imports_another_rooms_private_names():
     assert not [o for o in offenders if o not in KNOWN_CROSSINGS], offenders
 
 
+def test_benchmarks_use_only_public_names():
+    bench = ROOT.parent / "benchmarks"
+    offenders = []
+    for path in sorted(bench.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("taichi_plan"):
+                private = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+                if private:
+                    offenders.append(f"benchmarks/{path.name} imports {', '.join(private)} from {node.module}")
+    assert not offenders, offenders
+
+
 def test_report_modules_import_each_other_without_a_circle():
     report = {_module_name(p): p for p in (ROOT / "report").glob("*.py")}
     graph = {}

@@ -30,7 +30,7 @@ def no_build(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("replay built the workload before checking memory")
 
-    monkeypatch.setattr(measure, "_run", refuse)
+    monkeypatch.setattr(measure, "run_and_measure", refuse)
 
 
 def test_huge_fake_trace_is_refused_before_building(tmp_path, no_build):

@@ -89,8 +89,13 @@ def check_memory(plan: Plan, trace, device: str, force: bool = False) -> dict:
         needed_bytes=needed, available_bytes=available)
 
 
-def _run(workload, plan: Plan | None, trace, steps: int, seed: int, device: str,
-         say: Callable[[str], None] = lambda msg: None, what: str = "run"):
+def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, device: str,
+                    say: Callable[[str], None] = lambda msg: None, what: str = "run") -> dict:
+    """Build ``workload`` from ``seed``, run an unplanned warm-up step, then ``steps`` timed
+    steps under ``plan`` (None: unplanned) and one more under the recorder. Returns
+    ``step_s`` (median), ``peak_bytes`` and ``peak_op`` (the recorded step's), ``ops``,
+    ``recompute_s``, ``recompute_ops``, and the ``params`` and ``grads`` after the last step.
+    Shared by ``replay`` and the replay benchmark, so both measure the same way."""
     import torch
 
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
@@ -179,8 +184,8 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     device = "cuda" if torch.cuda.is_available() and trace.meta.get("torch_build") == "cuda" else "cpu"
     workload = _workload(trace)
     memory = check_memory(plan, trace, device, force)
-    base = _run(workload, None, trace, steps, seed, device, say, "unplanned run")
-    planned = _run(workload, plan, trace, steps, seed, device, say, "planned run")
+    base = run_and_measure(workload, None, trace, steps, seed, device, say, "unplanned run")
+    planned = run_and_measure(workload, plan, trace, steps, seed, device, say, "planned run")
     pred = plan.predicted
     report = {
         "plan": plan.trace.get("name"),
