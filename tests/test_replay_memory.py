@@ -19,6 +19,14 @@ from taichi_plan.trace import read_trace, write_trace
 from taichi_plan.units import format_bytes
 
 
+def _needed(plan, trace_dir) -> int:
+    """The unplanned peak, or the planned one plus the parameters and gradients the unplanned
+    run leaves behind for the comparison, whichever is larger."""
+    t = read_trace(trace_dir).tensors
+    kept = int(t.loc[t["kind"].isin(["parameter", "gradient"]), "nbytes"].sum())
+    return max(plan.predicted["baseline_peak_bytes"], plan.predicted["planned_peak_bytes"] + kept)
+
+
 def _plan(tmp_path, name, fake, method="none", **flags):
     trace = read_trace(write_trace(record_workload(get_workload(model="mlp", **flags), fake=fake), tmp_path / name))
     plan = solve(trace, 10**15, method, time_limit=5)  # a budget that does not bind: nothing dropped
@@ -36,7 +44,7 @@ def no_build(monkeypatch):
 def test_huge_fake_trace_is_refused_before_building(tmp_path, no_build):
     # 8 layers of 65536 x 65536 fp32 with AdamW: ~550 GB of parameters, gradients and state.
     path, plan = _plan(tmp_path, "huge", True, layers=8, hidden=65536, batch=4)
-    needed = max(plan.predicted["baseline_peak_bytes"], plan.predicted["planned_peak_bytes"])
+    needed = _needed(plan, tmp_path / "huge")
     available, _ = measure.available_memory_bytes("cpu")
     assert needed > available  # no machine this suite runs on has 550 GB free
     r = CliRunner().invoke(main, ["replay", str(path)])
@@ -56,8 +64,10 @@ def small_plan(tmp_path):
     return _plan(tmp_path, "small", False, method="heuristic", layers=2, hidden=64, batch=8)
 
 
-def test_force_replays_anyway_and_json_prints_the_report(small_plan, monkeypatch):
+def test_force_replays_anyway_and_json_prints_the_report(small_plan, tmp_path, monkeypatch):
     path, plan = small_plan
+    needed = _needed(plan, tmp_path / "small")
+    assert needed > plan.predicted["baseline_peak_bytes"]  # nothing dropped: the planned run needs more
     monkeypatch.setattr(measure, "available_memory_bytes", lambda device: (1000, "available RAM"))
     r = CliRunner().invoke(main, ["replay", str(path), "--steps", "1"])
     assert r.exit_code == NotEnoughMemoryError.exit_code, r.output
@@ -66,7 +76,7 @@ def test_force_replays_anyway_and_json_prints_the_report(small_plan, monkeypatch
     r = CliRunner().invoke(main, ["replay", str(path), "--steps", "1", "--force", "--json"])
     assert r.exit_code == 0, r.output
     report = json.loads(r.stdout)
-    assert report["memory"] == {"needed_bytes": plan.predicted["baseline_peak_bytes"], "available_bytes": 1000,
+    assert report["memory"] == {"needed_bytes": needed, "available_bytes": 1000,
                                 "available_source": "available RAM", "fits": False, "forced": True}
     assert report["measured_peak_bytes"] > 0 and report["trace_mode"] == "real"
     assert "Wrote" in r.stderr

@@ -66,26 +66,29 @@ def available_memory_bytes(device: str) -> tuple[int, str]:
 
 
 def check_memory(plan: Plan, trace, device: str, force: bool = False) -> dict:
-    """Refuse (:class:`NotEnoughMemoryError`) a replay whose predicted peaks do not fit the
-    memory this machine has, unless ``force``; returns what was compared."""
+    """Refuse (:class:`NotEnoughMemoryError`) a replay whose runs do not fit the memory this
+    machine has, unless ``force``; returns what was compared. The runs are one after the
+    other: the unplanned one needs the trace's own peak, the planned one its predicted peak
+    plus the copies of the unplanned run's parameters and gradients kept to compare them."""
     pred = plan.predicted
     base, planned = int(pred["baseline_peak_bytes"]), int(pred["planned_peak_bytes"])
-    needed = max(base, planned)
+    kinds = trace.tensors["kind"]
+    kept = int(trace.tensors["nbytes"][kinds.isin(["parameter", "gradient"])].sum())
+    needed = max(base, planned + kept)
     available, what = available_memory_bytes(device)
-    fake = trace.meta.get("mode") == "fake"
-    out = {"needed_bytes": needed, "available_bytes": available, "available_source": what, "fits": needed <= available,
-           "forced": bool(force) and needed > available}
+    out = {"needed_bytes": needed, "available_bytes": available, "available_source": what,
+           "fits": needed <= available, "forced": bool(force) and needed > available}
     if needed <= available or force:
         return out
-    run = "the unplanned run" if base >= planned else "the planned run"
     fake_text = (" The trace was recorded fake (no memory was used to record it), but replay runs the "
                  "workload on real tensors, so it needs that memory for real."
-                 if fake else "")
+                 if trace.meta.get("mode") == "fake" else "")
     raise NotEnoughMemoryError(
-        f"Replay needs about {format_bytes(needed)} ({run}: the unplanned peak is {format_bytes(base)}, "
-        f"the planned peak {format_bytes(planned)}), but this machine has {format_bytes(available)} of "
-        f"{what} on {device}.{fake_text} Replay on a machine with more memory, record and solve a "
-        "smaller workload (smaller --batch, --seq or --layers), or run again with --force to try anyway.",
+        f"Replay needs about {format_bytes(needed)} (the unplanned run peaks at {format_bytes(base)}; the "
+        f"planned run at {format_bytes(planned)}, plus {format_bytes(kept)} of the unplanned run's parameters "
+        f"and gradients kept to compare), but this machine has {format_bytes(available)} of {what} on "
+        f"{device}.{fake_text} Replay on a machine with more memory, record and solve a smaller workload "
+        "(smaller --batch, --seq or --layers), or run again with --force to try anyway.",
         needed_bytes=needed, available_bytes=available)
 
 
