@@ -99,3 +99,11 @@ def test_available_memory_is_this_machines():
             if line.startswith("MemTotal:"):
                 total = int(line.split()[1]) * 1024
     assert what == "available RAM" and 0 < available <= total
+
+
+def test_cuda_memory_is_the_free_device_memory(monkeypatch):
+    """On CUDA the check uses torch.cuda.mem_get_info's free bytes (faked here: no GPU in CI)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (5 * 10**9, 80 * 10**9))
+    assert measure.available_memory_bytes("cuda") == (5 * 10**9, "free CUDA memory")
