@@ -13,9 +13,11 @@ from pathlib import Path
 
 from .atomic import check_output, write_json_atomic
 from .errors import PlanError
+from .plan_check import STATUSES, check_plan_json
 
 FORMAT_VERSION = 1
-STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
+__all__ = ["FORMAT_VERSION", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
+           "save_plan"]
 
 
 @dataclass
@@ -77,22 +79,17 @@ class Plan:
                 f"{where} has format version {version!r}; this taichi-plan reads version "
                 f"{FORMAT_VERSION}. Solve the trace again with `taichi-plan solve`."
             )
-        try:
-            dec = obj["decisions"]
-            return cls(
-                trace=dict(obj["trace"]),
-                budget_bytes=obj["budget_bytes"],
-                solver=dict(obj["solver"]),
-                predicted=dict(obj["predicted"]),
-                recompute=[Recompute(**r) for r in dec.get("recompute", [])],
-                partitions=[Partition(**p) for p in dec.get("partitions", [])],
-                schedule=obj.get("schedule"),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(
-                f"{where} is missing or has malformed fields ({e}); it is not a complete plan. "
-                "Solve the trace again with `taichi-plan solve`."
-            ) from e
+        check_plan_json(obj, where)
+        dec = obj["decisions"]
+        return cls(
+            trace=dict(obj["trace"]),
+            budget_bytes=obj["budget_bytes"],
+            solver=dict(obj["solver"]),
+            predicted=dict(obj["predicted"]),
+            recompute=[Recompute(**r) for r in dec.get("recompute", [])],
+            partitions=[Partition(**p) for p in dec.get("partitions", [])],
+            schedule=obj.get("schedule"),
+        )
 
 
 def is_plan_file(path: str | Path) -> bool:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..errors import PlanError, TraceError, UsageError
 from ..plan import Plan, load_plan, peak_from_schedule
+from ..plan_check import check_plan_against_trace
 from ..problem import Problem, build_problem
 from ..simulate import SimResult, simulate
 from ..solve.result import drops_from_plan
@@ -65,6 +66,7 @@ def locate_trace(plan: Plan, plan_path: str | Path | None = None) -> tuple[Trace
                       "message": (f"trace at {p} has changed since the plan was solved (content hash "
                                   f"{got[:12]}, the plan's is {str(want)[:12]}): {NEEDS}, with the "
                                   "trace the plan was solved for")}
+    check_plan_against_trace(plan, trace, where=f"Plan {str(plan_path)!r}" if plan_path else "The plan")
     return trace, {"state": "found", "path": str(p), "message": None}
 
 
