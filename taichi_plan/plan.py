@@ -64,7 +64,8 @@ class Plan:
 
     def to_json(self, plan_dir: str | Path | None = None) -> dict:
         """The file's JSON; with ``plan_dir`` (where the file goes) the trace path is written
-        relative to it, so plan and traces can move together, with the absolute path beside."""
+        relative to it, so plan and traces can move together, with the absolute path beside
+        (without ``plan_dir`` both are absolute)."""
         return {
             "format_version": FORMAT_VERSION,
             "trace": self._trace_json(plan_dir),
@@ -82,17 +83,22 @@ class Plan:
         trace = dict(self.trace)
         raw = trace.get("path")
         absolute = trace.get("path_absolute")
-        if absolute is None and raw is not None:
+        if raw is not None:
             # v2 files: relative to the file; v1 files and plans made in memory: to the
-            # working directory.
+            # working directory. Where that path holds a trace it beats a recorded absolute
+            # path (the plan and its traces may have moved together).
             beside = self.source is not None and self.format_version >= 2
-            absolute = os.path.abspath(os.path.join(self.source.parent, raw) if beside else raw)
+            here = os.path.abspath(os.path.join(self.source.parent, raw) if beside else raw)
+            if absolute is None or (self.source is not None and os.path.isdir(here)):
+                absolute = here
         trace["path_absolute"] = absolute
+        if absolute is not None:
+            trace["path"] = absolute  # where the file will be is unknown: absolute is right anywhere
         if plan_dir is not None and absolute is not None:
             try:
                 trace["path"] = Path(os.path.relpath(absolute, os.path.abspath(plan_dir))).as_posix()
             except ValueError:  # another drive: no relative path
-                trace["path"] = absolute
+                pass
         return trace
 
     @classmethod

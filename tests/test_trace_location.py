@@ -108,3 +108,20 @@ def test_format_v1_plans_are_still_read(project, monkeypatch):
     plan, trace = plan_and_trace(v1)
     assert plan.format_version == 1 and trace.path.resolve() == (project / "traces" / "chain").resolve()
     assert "content hash matches" in inspect_plan(v1)
+
+
+def test_resaved_plan_keeps_pointing_at_its_trace(project, tmp_path):
+    """A plan loaded and saved elsewhere (after plan and traces moved together) still finds
+    the trace; a plan written without a destination records absolute paths."""
+    from taichi_plan.plan import save_plan
+
+    moved = tmp_path / "moved"
+    shutil.move(str(project), moved)
+    plan = load_plan(moved / "plans" / "chain.plan.json")
+    out = save_plan(plan, tmp_path / "elsewhere" / "again.plan.json")
+    obj = json.loads(out.read_text())
+    assert obj["trace"]["path_absolute"] == str((moved / "traces" / "chain").resolve())
+    assert obj["trace"]["path"] == "../moved/traces/chain"
+    _, trace = plan_and_trace(out)
+    assert trace.path.resolve() == (moved / "traces" / "chain").resolve()
+    assert plan.to_json()["trace"]["path"] == str((moved / "traces" / "chain").resolve())
