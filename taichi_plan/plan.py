@@ -1,21 +1,27 @@
-"""Plan format v1: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v2: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
-A plan names the trace it was solved for (path, content hash, op-sequence signature), the
-budget, the solver's status and bound, the simulator's prediction, the decisions (each
-with a ``why``) and the explicit schedule from which anyone can recompute the peak.
+A plan names the trace it was solved for (its path relative to the plan file and its
+absolute path, content hash, op-sequence signature), the budget, the solver's status and
+bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
+schedule from which anyone can recompute the peak. Version 1 files (trace path relative to
+the directory ``solve`` ran in) are still read.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .atomic import check_output, write_json_atomic
 from .errors import PlanError
+from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 1
-STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
+           "save_plan"]
 
 
 @dataclass
@@ -44,7 +50,7 @@ class Partition:
 
 @dataclass
 class Plan:
-    trace: dict  # path, name, content_hash, signature, num_ops
+    trace: dict  # path, path_absolute, name, content_hash, signature, num_ops, workload
     budget_bytes: int | None
     solver: dict  # method, status, objective, lower_bound, gap, wall_s, seed, notes
     predicted: dict  # from the simulator
@@ -52,11 +58,17 @@ class Plan:
     partitions: list[Partition] = field(default_factory=list)
     schedule: dict | None = None
     format_version: int = FORMAT_VERSION
+    # The file the plan was read from (not written): a relative ``trace['path']`` is
+    # relative to it. None for a plan made in memory, whose path is as ``solve`` was given it.
+    source: Path | None = field(default=None, compare=False, repr=False)
 
-    def to_json(self) -> dict:
+    def to_json(self, plan_dir: str | Path | None = None) -> dict:
+        """The file's JSON; with ``plan_dir`` (where the file goes) the trace path is written
+        relative to it, so plan and traces can move together, with the absolute path beside
+        (without ``plan_dir`` both are absolute)."""
         return {
-            "format_version": self.format_version,
-            "trace": self.trace,
+            "format_version": FORMAT_VERSION,
+            "trace": self._trace_json(plan_dir),
             "budget_bytes": self.budget_bytes,
             "solver": self.solver,
             "predicted": self.predicted,
@@ -67,32 +79,50 @@ class Plan:
             "schedule": self.schedule,
         }
 
+    def _trace_json(self, plan_dir: str | Path | None) -> dict:
+        trace = dict(self.trace)
+        raw = trace.get("path")
+        absolute = trace.get("path_absolute")
+        if raw is not None:
+            # v2 files: relative to the file; v1 files and plans made in memory: to the
+            # working directory. Where that path holds a trace it beats a recorded absolute
+            # path (the plan and its traces may have moved together).
+            beside = self.source is not None and self.format_version >= 2
+            here = os.path.abspath(os.path.join(self.source.parent, raw) if beside else raw)
+            if absolute is None or (self.source is not None and os.path.isdir(here)):
+                absolute = here
+        trace["path_absolute"] = absolute
+        if absolute is not None:
+            trace["path"] = absolute  # where the file will be is unknown: absolute is right anywhere
+        if plan_dir is not None and absolute is not None:
+            try:
+                trace["path"] = Path(os.path.relpath(absolute, os.path.abspath(plan_dir))).as_posix()
+            except ValueError:  # another drive: no relative path
+                pass
+        return trace
+
     @classmethod
     def from_json(cls, obj: dict, where: str = "plan") -> Plan:
         if not isinstance(obj, dict):
             raise PlanError(f"{where} is not a JSON object; it is not a taichi-plan plan.")
         version = obj.get("format_version")
-        if version != FORMAT_VERSION:
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
             raise PlanError(
-                f"{where} has format version {version!r}; this taichi-plan reads version "
-                f"{FORMAT_VERSION}. Solve the trace again with `taichi-plan solve`."
+                f"{where} has format version {version!r}; this taichi-plan reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}. Solve the trace again with `taichi-plan solve`."
             )
-        try:
-            dec = obj["decisions"]
-            return cls(
-                trace=dict(obj["trace"]),
-                budget_bytes=obj["budget_bytes"],
-                solver=dict(obj["solver"]),
-                predicted=dict(obj["predicted"]),
-                recompute=[Recompute(**r) for r in dec.get("recompute", [])],
-                partitions=[Partition(**p) for p in dec.get("partitions", [])],
-                schedule=obj.get("schedule"),
-            )
-        except (KeyError, TypeError, ValueError) as e:
-            raise PlanError(
-                f"{where} is missing or has malformed fields ({e}); it is not a complete plan. "
-                "Solve the trace again with `taichi-plan solve`."
-            ) from e
+        check_plan_json(obj, where)
+        dec = obj["decisions"]
+        return cls(
+            trace=dict(obj["trace"]),
+            budget_bytes=obj["budget_bytes"],
+            solver=dict(obj["solver"]),
+            predicted=dict(obj["predicted"]),
+            recompute=[Recompute(**r) for r in dec.get("recompute", [])],
+            partitions=[Partition(**p) for p in dec.get("partitions", [])],
+            schedule=obj.get("schedule"),
+            format_version=version,
+        )
 
 
 def is_plan_file(path: str | Path) -> bool:
@@ -116,7 +146,7 @@ def save_plan(plan: Plan, path: str | Path, force: bool = False) -> Path:
     """Write ``plan`` to ``path`` atomically (missing parent directories are created);
     ``force`` replaces an existing plan file, never anything else."""
     p = check_plan_output(path, force)
-    return write_json_atomic(p, plan.to_json(), what="plan file")
+    return write_json_atomic(p, plan.to_json(plan_dir=p.parent), what="plan file")
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -127,7 +157,9 @@ def load_plan(path: str | Path) -> Plan:
         obj = json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PlanError(f"Plan {str(p)!r} is not valid JSON ({e}); it may be truncated. Solve again.") from e
-    return Plan.from_json(obj, where=f"Plan {str(p)!r}")
+    plan = Plan.from_json(obj, where=f"Plan {str(p)!r}")
+    plan.source = p
+    return plan
 
 
 def peak_from_schedule(schedule: dict) -> tuple[int, int]:

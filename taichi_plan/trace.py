@@ -243,7 +243,30 @@ def read_trace(path: str | Path) -> Trace:
         tables[name] = _to_pandas(table)
     trace = Trace(tables["ops"], tables["tensors"], tables["accesses"], meta, p)
     validate(trace)
+    _check_content_hash(trace, hint)
     return trace
+
+
+def _check_content_hash(trace: Trace, hint: str) -> None:
+    """The tables must still be the ones ``meta.json``'s ``content_hash`` was computed over:
+    an edited table would otherwise pass for the trace plans were solved against."""
+    want = trace.meta.get("content_hash")
+    where = f"Trace {str(trace.path)!r}"
+    if want is None:
+        raise TraceError(f"{where}: meta.json has no content_hash, so the tables cannot be checked. {hint}")
+    got = trace.content_hash()
+    if got == want:
+        return
+    # meta.json keeps one hash over all three tables: name the ones written after it.
+    meta_time = (trace.path / "meta.json").stat().st_mtime
+    newer = [f"{name}.parquet" for name in TABLES if (trace.path / f"{name}.parquet").stat().st_mtime > meta_time]
+    which = (f"{', '.join(newer)} {'was' if len(newer) == 1 else 'were'} changed after meta.json was written"
+             if newer else "one of ops.parquet, tensors.parquet, accesses.parquet was changed")
+    raise TraceError(
+        f"{where}: the tables do not match meta.json's content_hash ({got[:12]} instead of {str(want)[:12]}): "
+        f"{which}. A trace edited by hand is no longer the step that was recorded, and plans solved for it "
+        f"would not apply. {hint}"
+    )
 
 
 def _type_ok(got: pa.DataType, want: pa.DataType) -> bool:

@@ -1,7 +1,9 @@
 """Byte quantities: parsing budgets and printing sizes.
 
 ``16GB`` is 16x10^9 bytes, ``16GiB`` is 16x2^30 bytes, ``60%`` is 60% of a reference
-(the trace's baseline peak). Plain integers are bytes.
+(the trace's baseline peak). Plain integers are bytes; a plain number that is surely not
+meant as bytes (a fraction such as ``0.6``, or a count far below the baseline peak such as
+``60``) is refused with a hint (``60%``?) rather than read as a tiny budget.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ _DECIMAL = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _BINARY = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _UNITS = {**_DECIMAL, **_BINARY}
 _BUDGET_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)(%|[A-Za-z]*)$")
+
+# A plain byte count below this fraction of the baseline peak is taken for a slip (``60``
+# meant as 60%): no training step fits in a thousandth of its own peak.
+TINY_FRACTION_OF_PEAK = 1e-3
 
 _HELP = (
     "Write a budget as a number and a unit with no space: 16GB (16x10^9 bytes), "
@@ -45,8 +51,11 @@ def parse_budget(text: str, baseline_peak_bytes: int | None = None) -> int:
                 "peak, and above 100% no planning is needed."
             )
         nbytes = baseline_peak_bytes * number / 100.0
+    elif not unit:
+        _check_plain_number(str(text), number, baseline_peak_bytes)
+        nbytes = number
     else:
-        key = unit.upper() if unit else "B"
+        key = unit.upper()
         if key not in _UNITS:
             raise BudgetError(f"Budget {text!r} has unknown unit {unit!r}. {_HELP}")
         nbytes = number * _UNITS[key]
@@ -56,6 +65,28 @@ def parse_budget(text: str, baseline_peak_bytes: int | None = None) -> int:
     if result <= 0:
         raise BudgetError(f"Budget {text!r} is zero; a memory budget must be positive. {_HELP}")
     return result
+
+
+def _check_plain_number(text: str, number: float, baseline_peak_bytes: int | None) -> None:
+    """A number without a unit is bytes; refuse the ones that are surely meant otherwise."""
+    if number != int(number):
+        if number < 1:
+            hint = f"Did you mean {number * 100:g}% (of the trace's baseline peak)?"
+        elif number <= 100:
+            hint = f"Did you mean {number:g}% (of the trace's baseline peak)?"
+        else:
+            hint = "Give a whole number of bytes, or a unit."
+        raise BudgetError(
+            f"Budget {text!r} is a plain number with a fraction, but a number without a unit is a "
+            f"count of bytes. {hint} {_HELP}"
+        )
+    if baseline_peak_bytes is not None and 0 < number < baseline_peak_bytes * TINY_FRACTION_OF_PEAK:
+        guess = f"{number:g}%" if number <= 100 else f"{number:g}MB or {number:g}GB"
+        raise BudgetError(
+            f"Budget {text!r} is {int(number)} bytes, less than a thousandth of the trace's baseline "
+            f"peak ({format_bytes(baseline_peak_bytes)}): a number without a unit is a count of "
+            f"bytes. Did you mean {guess}? {_HELP}"
+        )
 
 
 def format_bytes(nbytes: float, unit: str = "auto") -> str:

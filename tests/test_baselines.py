@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import random
 
@@ -285,8 +284,6 @@ GRAPHS = graph_files()
 
 @pytest.mark.parametrize("path", GRAPHS, ids=[p.stem for p in GRAPHS])
 def test_public_graphs(path):
-    if importlib.util.find_spec("taichi_plan.import_graph") is None:
-        pytest.skip("taichi_plan.import_graph is not there yet")
     from taichi_plan.import_graph import import_graph
 
     problem = build_problem(import_graph(path))

@@ -128,6 +128,7 @@ def test_bad_plans(traces, tmp_path):
 
     other = json.loads(good.read_text())
     other["trace"]["path"] = str(by_name["bert"][0])  # a plan pointing at another model's trace
+    other["trace"]["path_absolute"] = str(by_name["bert"][0])  # (format v2 keeps both paths)
     p2 = tmp_path / "other.plan.json"
     p2.write_text(json.dumps(other))
     with pytest.raises(PlanError):

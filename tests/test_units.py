@@ -77,3 +77,41 @@ def test_format_bytes():
     assert format_bytes(5 * 10**6, "MB") == "5.00 MB"
     with pytest.raises(BudgetError):
         format_bytes(1, "furlongs")
+
+
+@pytest.mark.parametrize(("text", "hint"), [("0.6", "60%"), ("0.35", "35%"), ("12.5", "12.5%")])
+def test_plain_fraction_is_refused_with_a_percent_hint(text, hint):
+    # A plain number is bytes: 0.6 used to be read as 0 bytes ("is zero"), 12.5 as 12 bytes.
+    for peak in (None, 10**9):
+        with pytest.raises(BudgetError) as e:
+            parse_budget(text, baseline_peak_bytes=peak)
+        msg = str(e.value)
+        assert f"Did you mean {hint}" in msg and "zero" not in msg
+
+
+def test_plain_count_far_below_the_peak_asks_whether_percent_was_meant():
+    with pytest.raises(BudgetError) as e:
+        parse_budget("60", baseline_peak_bytes=10**9)
+    assert "60 bytes" in str(e.value) and "Did you mean 60%?" in str(e.value)
+    with pytest.raises(BudgetError, match="Did you mean 4096MB or 4096GB"):
+        parse_budget("4096", baseline_peak_bytes=10**9)
+    # A plain count that is a sensible fraction of the peak is bytes, as before.
+    assert parse_budget("300", baseline_peak_bytes=324) == 300
+    assert parse_budget("2000000", baseline_peak_bytes=10**9) == 2_000_000
+    # With units nothing is second-guessed.
+    assert parse_budget("60KB", baseline_peak_bytes=10**9) == 60_000
+
+
+def test_cli_budget_hint(tmp_path):
+    from click.testing import CliRunner
+    from synthetic import chain_trace
+
+    from taichi_plan.cli import main
+    from taichi_plan.trace import write_trace
+
+    path = write_trace(chain_trace([10**6] * 4), tmp_path / "chain")
+    for text, hint in (("0.6", "60%"), ("60", "60%")):
+        r = CliRunner().invoke(main, ["solve", str(path), "--budget", text, "-o", str(tmp_path / "p.json")])
+        assert r.exit_code == BudgetError.exit_code, r.output
+        assert f"Did you mean {hint}" in " ".join(r.output.split()) and "Traceback" not in r.output
+        assert not (tmp_path / "p.json").exists()

@@ -68,7 +68,7 @@ def command(path: Path, as_json: bool, units: str | None, png: Path | None, html
     """Show what a trace directory holds (ops, tensors, baseline peak, largest tensors) or
     what a plan file decides and why (PLAN.plan.json; --png draws its memory timeline,
     --html writes a report to open in a browser)."""
-    if path.suffix == ".json" and path.is_file():
+    if path.suffix == ".json" and not path.is_dir():  # a plan file, even a missing one
         if png is not None:
             check_output(png, force, what="PNG file", option="--png", owned=is_png)
         if html_path is not None:

@@ -130,22 +130,25 @@ def partition_spans(plan: Plan, trace) -> dict[str, tuple[int, int]]:
     return {p.module: spans[p.module] for p in plan.partitions}
 
 
-def plan_and_trace(plan: Plan | str | Path):
-    """Load a plan (path or Plan) and the trace it was solved for, checking they match."""
+def plan_and_trace(plan: Plan | str | Path, trace=None):
+    """Load a plan (path or Plan) and the trace it was solved for, checked by content hash
+    and against the plan. ``trace`` (a trace directory or a ``Trace``) overrides where the
+    plan says its trace is; by default it is looked for relative to the plan file, then at
+    the absolute path the plan records (:func:`taichi_plan.report.plan_text.locate_trace`)."""
     from ..report.plan_text import locate_trace
 
     plan_path = None
     if not isinstance(plan, Plan):
         plan_path = Path(plan)
         plan = load_plan(plan_path)
-    trace, state = locate_trace(plan, plan_path)
-    if trace is None:
-        where = plan.trace.get("path")
+    found, status = locate_trace(plan, plan_path, trace=trace)
+    if found is None:
         raise PlanError(
-            f"Replay needs the trace the plan was solved for, but it is {state} (at {where!r}). Keep the "
-            "trace directory beside the plan, or record and solve again."
+            f"Replay needs the trace the plan was solved for, but {status['reason']}. Put that trace "
+            "directory back, or name it explicitly (--trace DIR on the command line, trace=DIR in "
+            "Python), or record and solve again."
         )
-    return plan, trace
+    return plan, found
 
 
 def _refuse_compiled(model) -> None:

@@ -13,12 +13,14 @@ what is missing.
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from collections import defaultdict
 from pathlib import Path
 
 from ..errors import PlanError, TraceError, UsageError
 from ..plan import Plan, load_plan, peak_from_schedule
+from ..plan_check import check_plan_against_trace
 from ..problem import Problem, build_problem
 from ..simulate import SimResult
 from ..trace import Trace, read_trace
@@ -36,36 +38,89 @@ NEEDS = "the timeline and per-module table need it"
 # ---------------------------------------------------------------------------------------------
 
 
-def locate_trace(plan: Plan, plan_path: str | Path | None = None) -> tuple[Trace | None, dict]:
-    """Read the trace ``plan.trace['path']`` names and check it is the one the plan was
-    solved for. Returns ``(trace or None, status)``; ``status`` has ``state`` (``found``,
-    ``missing``, ``changed``, ``unreadable`` or ``no_path``), ``path`` and ``message``
-    (what is missing, or None). A relative path that does not exist from the current
-    directory is also tried relative to the plan file's directory.
+def locate_trace(plan: Plan, plan_path: str | Path | None = None,
+                 trace: Trace | str | Path | None = None) -> tuple[Trace | None, dict]:
+    """Find the trace ``plan`` was solved for and check it by content hash.
+
+    ``trace`` overrides the search: a trace directory (or a :class:`Trace`) to use instead
+    of the one the plan names; it must still have the plan's content hash. Otherwise these
+    are tried in turn, and the first whose content hash matches wins: ``trace['path']``
+    relative to the plan file (``plan_path``, else the file the plan was loaded from),
+    ``trace['path']`` as it is (relative to the working directory: plans made in memory and
+    format-v1 files), and ``trace['path_absolute']``.
+
+    Returns ``(trace or None, status)``; ``status`` has ``state`` (``found``, ``missing``,
+    ``changed``, ``unreadable`` or ``no_path``), ``path`` (where the trace was read, or
+    looked for), ``reason`` (a clause saying what is wrong, or None) and ``message``
+    (``reason`` and what inspect cannot show without the trace). A trace that is found is
+    also cross-checked against the plan (:class:`PlanError` if they disagree).
     """
-    raw = plan.trace.get("path")
-    if not raw:
-        return None, {"state": "no_path", "path": None,
-                      "message": f"the plan names no trace path: {NEEDS}"}
-    p = Path(raw)
-    if not p.exists() and not p.is_absolute() and plan_path is not None:
-        beside = Path(plan_path).parent / p
-        if beside.exists():
-            p = beside
-    if not p.exists():
-        return None, {"state": "missing", "path": raw, "message": f"trace not found at {raw}: {NEEDS}"}
-    try:
-        trace = read_trace(p)
-    except TraceError as e:
-        return None, {"state": "unreadable", "path": str(p),
-                      "message": f"trace at {p} cannot be read ({e}): {NEEDS}"}
-    want, got = plan.trace.get("content_hash"), trace.content_hash()
-    if want and got != want:
-        return None, {"state": "changed", "path": str(p),
-                      "message": (f"trace at {p} has changed since the plan was solved (content hash "
-                                  f"{got[:12]}, the plan's is {str(want)[:12]}): {NEEDS}, with the "
-                                  "trace the plan was solved for")}
-    return trace, {"state": "found", "path": str(p), "message": None}
+    where = f"Plan {str(plan_path or plan.source)!r}" if (plan_path or plan.source) else "The plan"
+    want = plan.trace.get("content_hash")
+    if trace is not None:
+        given = trace if isinstance(trace, Trace) else read_trace(trace)
+        label = str(given.path) if given.path is not None else "the trace given"
+        got = _hash(given)
+        if want and got != want:
+            return None, _status("changed", label,
+                                 f"the trace given ({label}) is not the one the plan was solved for (content "
+                                 f"hash {got[:12]}, the plan's is {str(want)[:12]})")
+        check_plan_against_trace(plan, given, where=where)
+        return given, _status("found", label, None)
+    candidates = _candidates(plan, plan_path)
+    if not candidates:
+        return None, _status("no_path", None, "the plan names no trace path")
+    first_bad = None
+    for p in candidates:
+        if not p.exists():
+            continue
+        try:
+            found = read_trace(p)
+        except TraceError as e:
+            first_bad = first_bad or _status("unreadable", str(p), f"the trace at {p} cannot be read ({e})")
+            continue
+        got = _hash(found)
+        if want and got != want:
+            first_bad = first_bad or _status(
+                "changed", str(p), f"the trace at {p} has changed since the plan was solved (content hash "
+                f"{got[:12]}, the plan's is {str(want)[:12]})")
+            continue
+        check_plan_against_trace(plan, found, where=where)
+        return found, _status("found", str(p), None)
+    if first_bad is not None:
+        return None, first_bad
+    looked = " nor at ".join(str(p) for p in candidates)
+    return None, _status("missing", str(candidates[0]), f"trace not found at {looked}")
+
+
+def _candidates(plan: Plan, plan_path: str | Path | None) -> list[Path]:
+    """Where the plan's trace may be, in the order :func:`locate_trace` tries them."""
+    raw, absolute = plan.trace.get("path"), plan.trace.get("path_absolute")
+    source = Path(plan_path) if plan_path is not None else plan.source
+    out: list[Path] = []
+    if raw:
+        if not Path(raw).is_absolute() and source is not None:
+            out.append(Path(os.path.normpath(source.parent / raw)))
+        out.append(Path(raw))
+    if absolute:
+        out.append(Path(absolute))
+    unique: dict[str, Path] = {}
+    for p in out:
+        unique.setdefault(os.path.abspath(p), p)
+    return list(unique.values())
+
+
+def _hash(trace: Trace) -> str:
+    """The trace's content hash: ``meta.json``'s (``read_trace`` checked it against the
+    tables), else computed."""
+    return trace.meta.get("content_hash") if trace.path is not None and trace.meta.get("content_hash") \
+        else trace.content_hash()
+
+
+def _status(state: str, path: str | None, reason: str | None) -> dict:
+    return {"state": state, "path": path, "reason": reason,
+            "message": None if reason is None else f"{reason}: {NEEDS}" + (
+                ", with the trace the plan was solved for" if state == "changed" else "")}
 
 
 def _partition_costs(problem: Problem, plan: Plan, total: float) -> dict[str, float]:

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import InfeasibleBudgetError, UsageError
 from ..partition import floor_bytes
 from ..plan import Plan
-from ..problem import Problem, build_problem, min_live_bytes
+from ..problem import Problem, build_problem, describe_op, min_live_bytes
 from ..simulate import simulate_plan
 from ..trace import Trace
 from ..units import format_bytes
@@ -43,40 +43,52 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
         return plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
     if method in ("auto", "ilp"):
         t0 = time.perf_counter()
-        warm = _warm_start(problem, budget_bytes, seed, time_limit)
+        warm, warm_name = _warm_start(problem, budget_bytes, seed, time_limit)
         left = max(time_limit - (time.perf_counter() - t0), 0.1)
         dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm, progress=progress)
-        dec.notes = [f"warm start: {warm.notes[0] if warm.notes else 'heuristic'}", *dec.notes]
-        if dec.status == "infeasible" or not (dec.drops or dec.partitions):
-            # The ILP found nothing the simulator accepts: keep the heuristic's plan (make_plan
-            # judges it), with the ILP's bound if the ILP proved one.
-            warm.lower_bound = dec.lower_bound if dec.status != "infeasible" else None
-            warm.status = None
-            warm.notes += dec.notes
-            warm.stats["ilp"] = dec.stats
-            return warm
-        return dec
+        ilp_found = dec.status != "infeasible" and bool(dec.drops or dec.partitions)
+        if ilp_found and best_by_simulator(problem, budget_bytes, [dec, warm]) is dec:
+            if dec.drops == warm.drops and dec.partitions == warm.partitions:
+                dec.notes = [f"the {warm_name}'s plan, which CP-SAT could not improve on", *dec.notes]
+            else:
+                dec.notes = [f"CP-SAT's plan, cheaper than the {warm_name}'s", *dec.notes]
+            dec.stats["warm_start"] = warm_name
+            return dec
+        # The ILP found nothing better that the simulator accepts: keep the warm start (make_plan
+        # judges it), with the ILP's bound if the ILP proved one.
+        warm.lower_bound = dec.lower_bound if dec.status != "infeasible" else None
+        warm.status = None
+        warm.notes = [f"the {warm_name}'s plan: CP-SAT found nothing better", *dec.notes]
+        warm.stats["ilp"] = dec.stats
+        return warm
     table = baseline_table()
     if method not in table:
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
     return table[method](problem, budget_bytes, seed=seed, time_limit=time_limit)
 
 
-def _warm_start(problem: Problem, budget_bytes: int, seed: int, time_limit: float) -> Decisions:
-    """The cheapest feasible plan among our heuristic and every baseline (they are fast, and
-    ours must never do worse than one of them), else the heuristic's."""
-    heur = plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
-    best, best_cost = heur, None
-    tried = [("heuristic", heur)] + [(name, fn(problem, budget_bytes, seed=seed, time_limit=time_limit / 4))
-                                     for name, fn in baseline_table().items() if name != "none"]
-    for name, dec in tried:
+def _warm_start(problem: Problem, budget_bytes: int, seed: int, time_limit: float) -> tuple[Decisions, str]:
+    """The best plan by the simulator among our heuristic and every baseline (they are fast,
+    and ours must never do worse than one of them), and its name ("heuristic", "dtr
+    baseline", ...)."""
+    tried = {"heuristic": plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)}
+    for name, fn in baseline_table().items():
+        if name != "none":
+            tried[f"{name} baseline"] = fn(problem, budget_bytes, seed=seed, time_limit=time_limit / 4)
+    best = best_by_simulator(problem, budget_bytes, list(tried.values()))
+    return best, next(name for name, dec in tried.items() if dec is best)
+
+
+def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Decisions]) -> Decisions:
+    """The best of ``candidates`` as the simulator judges them: the cheapest that fits the
+    budget; if none fits, the one with the lowest peak. Ties go to the earlier candidate."""
+
+    def key(dec: Decisions) -> tuple:
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
-        if sim.peak_bytes <= budget_bytes and (best_cost is None or sim.extra_cost < best_cost):
-            best, best_cost = dec, sim.extra_cost
-            if name != "heuristic":
-                dec.notes = [f"warm start from the {name} baseline (cheaper than the greedy sweep here)",
-                             *dec.notes]
-    return best
+        fits = sim.peak_bytes <= budget_bytes
+        return (0, sim.extra_cost, sim.peak_bytes) if fits else (1, sim.peak_bytes, sim.extra_cost)
+
+    return min(candidates, key=key)
 
 
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
@@ -99,12 +111,14 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
     if plan.solver["status"] == "infeasible" and method in OURS:
         # The greedy sweep is not monotone in the budget: asked for less, it may find a plan
-        # that also fits this budget. Use the best one the bisection found, if it fits.
-        reach, _op, asked = lowest_reachable(problem)
-        if reach <= budget_bytes:
-            dec = plan_heuristic(problem, asked, seed=seed)
-            dec.notes.append(f"heuristic asked for {asked} bytes: the plan for this budget did not fit")
-            plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+        # that fits this budget, or at least peaks lower. Of the two, the simulator's better
+        # one stands (so auto never ends above its own heuristic, even when nothing fits).
+        _reach, _op, asked = lowest_reachable(problem)
+        lower = plan_heuristic(problem, asked, seed=seed)
+        lower.notes.append(f"the heuristic's plan for a budget of {format_bytes(asked)}: its plan for "
+                           f"{format_bytes(budget_bytes)} did not fit")
+        if best_by_simulator(problem, budget_bytes, [dec, lower]) is lower:
+            plan = make_plan(problem, budget_bytes, method, lower, time.perf_counter() - t0, seed)
     if plan.solver["status"] == "infeasible":
         raise infeasible_error(problem, budget_bytes, method, plan)
     return plan
@@ -145,25 +159,29 @@ def _bisect_heuristic(problem: Problem, steps: int) -> tuple[int, int, int]:
 def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Plan | None = None):
     floor = floor_bytes(problem)
     i = int(np.argmax(floor))
-    where = f"op {i} ({problem.op_name[i]}" + (f" in {problem.op_module[i]}" if problem.op_module[i] else "") + ")"
     reach, reach_op = lowest_reachable_peak(problem)
-    if plan is not None and plan.predicted["planned_peak_bytes"] <= budget_bytes:
-        reach = min(reach, plan.predicted["planned_peak_bytes"])
+    peak = plan.predicted["planned_peak_bytes"] if plan is not None else None
+    if peak is not None and peak <= budget_bytes:
+        reach = min(reach, peak)
     head = f"No {method} plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes)."
     if plan is not None:
-        head += (f" The {method} plan peaks at {format_bytes(plan.predicted['planned_peak_bytes'])} "
-                 f"at op {plan.predicted['planned_peak_op']}.")
+        at = describe_op(problem, plan.predicted["planned_peak_op"]) if plan.predicted["planned_peak_op"] >= 0 else ""
+        head += f" The best {method} plan peaks at {format_bytes(peak)}" + (f", during {at}." if at else ".")
     if reach <= budget_bytes:
         msg = (f"{head} taichi-plan's heuristic reaches {format_bytes(reach)} on this trace: "
                "use --method auto. No plan file was written.")
     else:
-        msg = (f"{head} No plan of this trace can go below {format_bytes(int(floor[i]))}: {where} needs "
-               "that much live at once even with every droppable tensor dropped and every module "
-               f"partitioned. The lowest peak the heuristic reaches is {format_bytes(reach)} (at op {reach_op}; "
-               f"--method auto may reach a little lower): ask for at least that (--budget {_suggest(reach)}), "
-               "or reduce the batch size. No plan file was written.")
+        if method in OURS:
+            meet = (f"The lowest budget taichi-plan is known to meet is {format_bytes(reach)}" +
+                    ("" if method in ("auto", "ilp") else " (--method auto may reach a little lower)"))
+        else:
+            meet = f"taichi-plan's own planner (--method auto) meets {format_bytes(reach)}"
+        msg = (f"{head} No plan of this trace can go below {format_bytes(int(floor[i]))}: {describe_op(problem, i)} "
+               "needs that much live at once even with every droppable tensor dropped and every module "
+               f"partitioned. {meet}: ask for at least that (--budget {_suggest(reach)}), or reduce the batch "
+               "size. No plan file was written.")
     err = InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)
-    err.planned_peak_bytes = plan.predicted["planned_peak_bytes"] if plan is not None else None
+    err.planned_peak_bytes = peak
     return err
 
 

@@ -23,6 +23,7 @@ import numpy as np
 
 from ..problem import Problem
 from ..simulate import Drop, simulate, unexecutable
+from ..units import format_bytes
 from .result import Decisions
 
 DESCRIPTIONS = {
@@ -248,9 +249,10 @@ def plan_dtr(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
         if time.perf_counter() - t0 > time_limit:
             break
     drops, sim, used = best or lowest
-    notes = [DESCRIPTIONS["dtr"], f"{rounds} round(s), internal limit {used} bytes"]
+    notes = [DESCRIPTIONS["dtr"]]
     if best is None:
-        notes.append(f"no round fit the budget; kept the lowest simulated peak ({sim.peak_bytes} bytes)")
+        notes.append(f"no eviction limit fit the budget; kept the plan with the lowest simulated peak "
+                     f"({format_bytes(sim.peak_bytes)})")
     stats = {"rounds": rounds, "internal_limit_bytes": used, "drops": len(drops),
              "banned": int(banned.sum())}
     return Decisions(drops=drops, notes=notes, stats=stats)

@@ -189,7 +189,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     lower_bound = None
     relaxed = True
     rounds = 0
-    notes: list[str] = []
+    notes: list[str] = []  # for people (inspect shows them)
+    log: list[str] = []  # for the record: the plan's solver.stats["log"]
     status_final = None
     overheads: dict[int, int] = {}
     cutoff = None
@@ -203,7 +204,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         rounds += 1
         remaining = time_limit - (time.perf_counter() - t0)
         if remaining <= 0.05:
-            notes.append("stopped at the time limit")
+            notes.append("CP-SAT stopped at the time limit: a longer --time-limit may find a cheaper plan")
             break
         model, x, y, model_cost, scale_note, terms = _build(problem, st, parts, active, req, extra_req,
                                                             budget_bytes, cost_unit)
@@ -229,12 +230,12 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             break
         if code == cp_model.INFEASIBLE:
             if relaxed:
-                return Decisions(status="infeasible", notes=["the relaxation is infeasible: no plan fits"],
-                                 stats={"rounds": rounds})
-            notes.append(f"round {rounds}: the tightened model has no solution")
+                return Decisions(status="infeasible", notes=["CP-SAT proved that no plan fits"],
+                                 stats={"rounds": rounds, "log": ["the relaxation is infeasible"]})
+            log.append(f"round {rounds}: the tightened model has no solution")
             break
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            notes.append(f"round {rounds}: no solution within the time limit")
+            log.append(f"round {rounds}: no solution within the time limit")
             break
         if relaxed:
             lower_bound = solver.BestObjectiveBound() * cost_unit
@@ -269,13 +270,13 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
                 if i not in active:
                     active.append(i)
     stats = {"rounds": rounds, "modelled_ops": len(active), "binding_ops": int(len(ops_all)),
-             "candidates": int(len(st.sizes)), "partition_options": len(parts), "scaling": scale_note}
+             "candidates": int(len(st.sizes)), "partition_options": len(parts), "scaling": scale_note, "log": log}
     if incumbent is None:
         return Decisions(lower_bound=lower_bound, notes=notes + ["CP-SAT found no plan the simulator accepts"],
                          stats=stats)
     dec, sim = incumbent
     return Decisions(drops=dec.drops, partitions=dec.partitions, status=status_final or "feasible",
-                     objective=sim.extra_cost, lower_bound=lower_bound, notes=notes + [scale_note], stats=stats)
+                     objective=sim.extra_cost, lower_bound=lower_bound, notes=notes, stats=stats)
 
 
 def _add_rebuild_constraints(problem, st: Structure, model, x, budget: int, overheads: dict[int, int]) -> None:

@@ -47,7 +47,8 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     trace = problem.trace
     return Plan(
         trace={
-            "path": str(trace.path) if trace.path else None,
+            "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
+            "path_absolute": str(trace.path.resolve()) if trace.path else None,
             "name": trace.name,
             "content_hash": trace.meta.get("content_hash") or trace.content_hash(),
             "signature": trace.signature(),

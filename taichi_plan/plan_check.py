@@ -1,0 +1,243 @@
+"""Checks that a plan file is whole and sane (``check_plan_json``) and that it fits the trace
+it names (``check_plan_against_trace``). No torch, no simulator.
+
+Every problem is a :class:`~taichi_plan.errors.PlanError` whose message names the field,
+what it holds, what it must hold and what to do. ``load_plan`` runs the first check; the
+second runs wherever the trace is at hand (``locate_trace``), before anything is drawn,
+simulated or replayed from the plan.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .errors import PlanError
+
+STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
+COST_UNITS = ("s", "units")
+EVENT_KINDS = ("run", "recompute")
+RECOMPUTE_FIELDS = ("tensor", "op", "op_name", "module", "nbytes", "free_after", "remat_before", "why")
+PARTITION_FIELDS = ("module", "dim", "chunks", "why")
+# Schedule ids of a partition's concatenation transients (partition.py makes them from
+# -10**12 down): no trace tensor stands behind them.
+PARTITION_TRANSIENT_IDS_FROM = -(10**12)
+_REMEDY = ("The file was edited or damaged: restore it, or solve the trace again with "
+           "`taichi-plan solve TRACE --budget ...`.")
+
+
+def _bad(where: str, field: str, value, must: str) -> PlanError:
+    shown = repr(value)
+    if len(shown) > 60:
+        shown = shown[:57] + "..."
+    return PlanError(f"{where}: field `{field}` is {shown}, but it must be {must}. {_REMEDY}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _int(where, field, v, lo: int | None = None, hi: int | None = None, none: bool = False):
+    if v is None and none:
+        return
+    ok = _is_int(v) and (lo is None or v >= lo) and (hi is None or v <= hi)
+    if not ok:
+        rng = ("" if lo is None and hi is None else f" from {lo}" if hi is None else f" from {lo} to {hi}")
+        raise _bad(where, field, v, f"an integer{rng}" + (" or null" if none else ""))
+
+
+def _num(where, field, v, lo: float | None = None, none: bool = False):
+    if v is None and none:
+        return
+    if not _is_num(v) or (lo is not None and v < lo):
+        low = "" if lo is None else f" >= {lo:g}"
+        raise _bad(where, field, v, f"a finite number{low}" + (" or null" if none else ""))
+
+
+def _str(where, field, v, none: bool = False, choices: tuple | None = None):
+    if v is None and none:
+        return
+    if not isinstance(v, str) or (choices is not None and v not in choices):
+        must = "a string" if choices is None else "one of " + ", ".join(repr(c) for c in choices)
+        raise _bad(where, field, v, must + (" or null" if none else ""))
+
+
+def _kind(where, field, v, typ: type, name: str, none: bool = False):
+    if v is None and none:
+        return
+    if not isinstance(v, typ):
+        raise _bad(where, field, v, name + (" or null" if none else ""))
+
+
+def check_plan_json(obj: dict, where: str) -> None:
+    """Types and ranges of every field of a plan file's JSON (format v1 or v2)."""
+    for key, typ, name in (("trace", dict, "an object"), ("solver", dict, "an object"),
+                           ("predicted", dict, "an object"), ("decisions", dict, "an object")):
+        if key not in obj:
+            raise PlanError(f"{where} has no `{key}` field, so it is not a complete plan. {_REMEDY}")
+        _kind(where, key, obj[key], typ, name)
+    if "budget_bytes" not in obj:
+        raise PlanError(f"{where} has no `budget_bytes` field, so it is not a complete plan. {_REMEDY}")
+    _int(where, "budget_bytes", obj["budget_bytes"], lo=1, none=True)
+
+    t = obj["trace"]
+    for key in ("path", "path_absolute", "name", "signature"):
+        _str(where, f"trace.{key}", t.get(key), none=True)
+    h = t.get("content_hash")
+    if h is not None and not (isinstance(h, str) and len(h) == 64 and all(c in "0123456789abcdef" for c in h)):
+        raise _bad(where, "trace.content_hash", h, "a sha256 hex digest (64 characters 0-9a-f) or null")
+    _int(where, "trace.num_ops", t.get("num_ops"), lo=0)
+    _kind(where, "trace.workload", t.get("workload"), dict, "an object", none=True)
+    n = t["num_ops"]
+
+    s = obj["solver"]
+    _str(where, "solver.method", s.get("method"))
+    _str(where, "solver.status", s.get("status"), choices=STATUSES)
+    for key in ("objective", "extra_compute", "lower_bound"):
+        _num(where, f"solver.{key}", s.get(key), none=True)
+    _num(where, "solver.gap", s.get("gap"), none=True)
+    _num(where, "solver.wall_s", s.get("wall_s"), lo=0, none=True)
+    _int(where, "solver.seed", s.get("seed"), none=True)
+    notes = s.get("notes")
+    if notes is not None and not (isinstance(notes, list) and all(isinstance(x, str) for x in notes)):
+        raise _bad(where, "solver.notes", notes, "a list of strings")
+    _kind(where, "solver.stats", s.get("stats"), dict, "an object", none=True)
+
+    p = obj["predicted"]
+    for key in ("baseline_peak_bytes", "planned_peak_bytes"):
+        _int(where, f"predicted.{key}", p.get(key), lo=0)
+    for key in ("baseline_peak_op", "planned_peak_op"):
+        _int(where, f"predicted.{key}", p.get(key), lo=-1, hi=max(n - 1, -1), none=True)
+    _kind(where, "predicted.planned_peak_in_recompute", p.get("planned_peak_in_recompute"), bool,
+          "true or false", none=True)
+    _num(where, "predicted.extra_compute", p.get("extra_compute"), lo=0)
+    for key in ("extra_compute_pct", "step_compute", "partition_compute"):
+        _num(where, f"predicted.{key}", p.get(key), lo=0, none=True)
+    _str(where, "predicted.cost_unit", p.get("cost_unit", "s"), choices=COST_UNITS)
+    _int(where, "predicted.recompute_ops", p.get("recompute_ops"), lo=0, none=True)
+
+    d = obj["decisions"]
+    rec, parts = d.get("recompute", []), d.get("partitions", [])
+    _kind(where, "decisions.recompute", rec, list, "a list")
+    _kind(where, "decisions.partitions", parts, list, "a list")
+    seen: set[int] = set()
+    for i, r in enumerate(rec):
+        f = f"decisions.recompute[{i}]"
+        _fields(where, f, r, RECOMPUTE_FIELDS)
+        _int(where, f"{f}.tensor", r["tensor"])
+        _int(where, f"{f}.op", r["op"], lo=0, hi=n - 1)
+        _str(where, f"{f}.op_name", r["op_name"])
+        _str(where, f"{f}.module", r["module"])
+        _int(where, f"{f}.nbytes", r["nbytes"], lo=0)
+        _int(where, f"{f}.free_after", r["free_after"], lo=0, hi=n - 1)
+        _int(where, f"{f}.remat_before", r["remat_before"], lo=r["free_after"] + 1, hi=n - 1)
+        _str(where, f"{f}.why", r.get("why", ""))
+        if r["tensor"] in seen:
+            raise _bad(where, f"{f}.tensor", r["tensor"], "a tensor no other recompute decision drops")
+        seen.add(r["tensor"])
+    mods: set[str] = set()
+    for i, q in enumerate(parts):
+        f = f"decisions.partitions[{i}]"
+        _fields(where, f, q, PARTITION_FIELDS)
+        _str(where, f"{f}.module", q["module"])
+        _int(where, f"{f}.dim", q["dim"], lo=0, hi=0)
+        _int(where, f"{f}.chunks", q["chunks"], lo=2)
+        _str(where, f"{f}.why", q.get("why", ""))
+        if q["module"] in mods:
+            raise _bad(where, f"{f}.module", q["module"], "a module no other partition names")
+        mods.add(q["module"])
+
+    if obj.get("schedule") is not None:
+        _check_schedule(obj["schedule"], where, n)
+
+
+def _fields(where: str, f: str, entry, fields: tuple[str, ...]) -> None:
+    if not isinstance(entry, dict):
+        raise _bad(where, f, entry, "an object")
+    missing = [k for k in fields if k != "why" and k not in entry]
+    extra = [k for k in entry if k not in fields]
+    if missing:
+        raise PlanError(f"{where}: {f} has no `{missing[0]}` field. {_REMEDY}")
+    if extra:
+        raise PlanError(f"{where}: {f} has an unknown field `{extra[0]}`; it may only have "
+                        f"{', '.join(fields)}. {_REMEDY}")
+
+
+def _check_schedule(sched, where: str, n: int) -> None:
+    _kind(where, "schedule", sched, dict, "an object or null")
+    nb = sched.get("nbytes")
+    if not isinstance(nb, dict):
+        raise _bad(where, "schedule.nbytes", nb, "an object from tensor id to bytes")
+    known: set[int] = set()
+    for k, v in nb.items():
+        try:
+            tid = int(k)
+        except ValueError:
+            raise _bad(where, "schedule.nbytes key", k, "a tensor id (an integer)") from None
+        _int(where, f"schedule.nbytes[{k}]", v, lo=0)
+        known.add(tid)
+    initial = sched.get("initial")
+    _kind(where, "schedule.initial", initial, list, "a list of tensor ids")
+    for tid in initial:
+        if not _is_int(tid) or tid not in known:
+            raise _bad(where, "schedule.initial", tid, "a tensor id that schedule.nbytes lists")
+    events = sched.get("events")
+    _kind(where, "schedule.events", events, list, "a list of [kind, op, allocated ids, freed ids]")
+    for i, ev in enumerate(events):
+        f = f"schedule.events[{i}]"
+        if not (isinstance(ev, list) and len(ev) == 4):
+            raise _bad(where, f, ev, "a list [kind, op, allocated ids, freed ids]")
+        kind, op, allocs, frees = ev
+        _str(where, f"{f} kind", kind, choices=EVENT_KINDS)
+        _int(where, f"{f} op", op, lo=0, hi=n - 1)
+        for what, ids in (("allocated", allocs), ("freed", frees)):
+            if not isinstance(ids, list):
+                raise _bad(where, f"{f} {what} ids", ids, "a list of tensor ids")
+            for tid in ids:
+                if not _is_int(tid) or tid not in known:
+                    raise PlanError(
+                        f"{where}: {f} names {what} tensor {tid!r}, which schedule.nbytes does not list, "
+                        f"so the schedule names a tensor that does not exist. {_REMEDY}")
+
+
+def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
+    """The plan's tensor ids, op ids and modules exist in ``trace`` and agree with it
+    (``plan`` is a :class:`~taichi_plan.plan.Plan`, ``trace`` a :class:`~taichi_plan.trace.Trace`)."""
+    at = f" {trace.path}" if trace.path is not None else ""
+    other = (f"The plan does not fit the trace at{at or ' hand'}: solve that trace again, or give the trace "
+             "the plan was solved for.")
+    n = len(trace.ops)
+    if plan.trace.get("num_ops") != n:
+        raise PlanError(f"{where}: field `trace.num_ops` is {plan.trace.get('num_ops')!r}, but the trace{at} "
+                        f"has {n} ops. {other}")
+    tids = trace.tensors["tensor_id"].tolist()
+    producer = dict(zip(tids, trace.tensors["producer_op"].tolist(), strict=True))
+    names = trace.ops["op"].tolist()
+    for i, r in enumerate(plan.recompute):
+        f = f"decisions.recompute[{i}]"
+        if r.tensor not in producer:
+            raise PlanError(f"{where}: {f} drops tensor {r.tensor}, which the trace{at} does not have. {other}")
+        if producer[r.tensor] != r.op:
+            raise PlanError(f"{where}: {f} says tensor {r.tensor} is made by op {r.op}, but in the trace{at} "
+                            f"op {producer[r.tensor]} makes it. {other}")
+        if names[r.op] != r.op_name:
+            raise PlanError(f"{where}: {f} names op {r.op} {r.op_name!r}, but in the trace{at} it is "
+                            f"{names[r.op]!r}. {other}")
+    modules = set(trace.ops["module"].tolist())
+    for i, q in enumerate(plan.partitions):
+        if not any(m == q.module or m.startswith(q.module + ".") for m in modules):
+            raise PlanError(f"{where}: decisions.partitions[{i}] partitions module {q.module!r}, which no op "
+                            f"of the trace{at} runs in. {other}")
+    if plan.schedule:
+        known = set(tids)
+        for k in plan.schedule["nbytes"]:
+            tid = int(k)
+            if plan.partitions and tid <= PARTITION_TRANSIENT_IDS_FROM:
+                continue
+            base = tid if tid >= 0 else -1 - tid
+            if base not in known:
+                raise PlanError(f"{where}: schedule.nbytes lists tensor {tid}, which the trace{at} does not "
+                                f"have{' (a partitioned copy of ' + str(base) + ')' if tid < 0 else ''}. {other}")

@@ -1,0 +1,53 @@
+"""A trace whose tables were edited after meta.json was written is refused on read: its
+content hash no longer matches, and the message names the table and the trace."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from taichi_plan.cli import main
+from taichi_plan.errors import TraceError
+from taichi_plan.trace import read_trace, write_trace
+
+
+@pytest.fixture
+def written(tmp_path, small):
+    return write_trace(small, tmp_path / "small")  # meta.json is written after the tables
+
+
+def _edit_nbytes(path, row: int, nbytes: int) -> None:
+    t = pq.read_table(path / "tensors.parquet")
+    col = t.column("nbytes").to_pylist()
+    col[row] = nbytes
+    t = t.set_column(t.schema.get_field_index("nbytes"), "nbytes", pa.array(col, pa.int64()))
+    pq.write_table(t, path / "tensors.parquet")
+
+
+def test_edited_table_is_refused(written):
+    _edit_nbytes(written, 3, 3000)  # still a valid trace, just not the recorded one
+    with pytest.raises(TraceError) as e:
+        read_trace(written)
+    msg = str(e.value)
+    assert "tensors.parquet was changed after meta.json" in msg and str(written) in msg
+    assert "content_hash" in msg and "Record it again" in msg
+    r = CliRunner().invoke(main, ["inspect", str(written)])
+    assert r.exit_code == TraceError.exit_code and "tensors.parquet" in " ".join(r.output.split())
+    assert "Traceback" not in r.output
+
+
+def test_rewritten_with_same_contents_still_reads(written):
+    _edit_nbytes(written, 3, 300)  # the value it had: same contents, new file
+    assert read_trace(written).tensors["nbytes"].tolist()[3] == 300
+
+
+def test_missing_hash_is_refused(written):
+    import json
+
+    meta = json.loads((written / "meta.json").read_text())
+    del meta["content_hash"]
+    (written / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TraceError, match="no content_hash"):
+        read_trace(written)
