@@ -11,12 +11,12 @@ from .trace import Trace, read_trace, write_trace
 __version__ = "0.1.0"
 
 
-def apply(model, plan, on_mismatch: str = "raise", optimizer=None):
+def apply(model, plan, on_mismatch: str = "raise", optimizer=None, trace=None):
     """Run ``model``'s training forwards under ``plan`` (a path or Plan); see
     :func:`taichi_plan.replay.apply`. Imports torch."""
     from .replay import apply as _apply
 
-    return _apply(model, plan, on_mismatch, optimizer)
+    return _apply(model, plan, on_mismatch, optimizer, trace)
 
 
 def finish(model) -> None:

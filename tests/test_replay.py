@@ -156,3 +156,28 @@ def test_replay_cli_writes_report(traces):
     report = json.loads((root / "cli.replay.json").read_text())
     assert report["measured_peak_bytes"] == load_plan(plan_path).predicted["planned_peak_bytes"]
     assert "gradients          match" in r.output
+
+
+def test_replay_and_apply_take_the_trace_when_it_moved(traces, tmp_path):
+    import shutil
+
+    root, by_name = traces
+    plan = _solve_reachable(by_name["mlp"][1], 0.7)
+    plan_path = tmp_path / "plans" / "moved.plan.json"
+    plan_path.parent.mkdir()
+    save_plan(plan, plan_path)
+    moved = tmp_path / "elsewhere" / "mlp"
+    shutil.copytree(by_name["mlp"][0], moved)
+    # The plan finds its trace where it was solved; point it nowhere, then override.
+    data = json.loads(plan_path.read_text())
+    data["trace"]["path"] = data["trace"]["path_absolute"] = str(tmp_path / "gone")
+    plan_path.write_text(json.dumps(data))
+    r = CliRunner().invoke(main, ["replay", str(plan_path), "--steps", "1"])
+    assert r.exit_code == PlanError.exit_code and "--trace" in r.output, r.output
+    r = CliRunner().invoke(main, ["replay", str(plan_path), "--steps", "1", "--trace", str(moved), "--json"])
+    assert r.exit_code == 0, r.output
+    wl = get_workload(**MODELS["mlp"])
+    model, batch, loss_fn, opt = wl.build(False)
+    model = taichi_plan.apply(model, plan_path, optimizer=opt, trace=moved)
+    assert model._taichi_plan["plan"].predicted == plan.predicted
+    taichi_plan.finish(model)

@@ -63,9 +63,11 @@ def _is_replay_report(path: Path) -> bool:
               help="Run even when the predicted peaks exceed this machine's memory (free CUDA memory, or "
                    "available RAM on CPU).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of the text.")
+@click.option("--trace", "trace_dir", type=click.Path(path_type=Path), default=None,
+              help="The trace the plan was solved for, when it is not where the plan says (checked by content hash).")
 @handle_errors
 def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: Path | None, force: bool,
-            as_json: bool) -> None:
+            as_json: bool, trace_dir: Path | None) -> None:
     """Rebuild the plan's workload, run it unplanned and planned, and compare the measured
     peak with the predicted one (also step time, extra compute and gradients). Refuses, before
     building anything, a plan whose predicted peaks exceed this machine's memory (--force to
@@ -76,7 +78,7 @@ def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: P
     check_output(out, True, what="replay report", option="-o", owned=_is_replay_report)
     with Status("replaying") as status:
         report = replay(plan_path, steps=steps, check_grads=check_grads, seed=seed, force=force,
-                        progress=status.update)
+                        progress=status.update, trace=trace_dir)
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:

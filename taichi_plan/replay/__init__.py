@@ -164,7 +164,7 @@ def _refuse_compiled(model) -> None:
             "activation checkpointing instead.")
 
 
-def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=None):
+def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=None, trace=None):
     """Run ``model``'s training forwards under ``plan``; returns the same model.
 
     Each call of ``model`` with grad enabled, in training mode, is matched to the next model
@@ -176,7 +176,8 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     ``on_mismatch="warn"``: warns and runs that call unplanned). Nothing stays installed after
     a call, and the next call tries the plan again. Pass ``optimizer`` so that a step boundary
     is known (a step that calls the model another number of times than the recorded loop is
-    reported). Call :func:`finish` after training to remove the hooks.
+    reported). ``trace``: the plan's trace (a directory or Trace) when it is not where the plan
+    says. Call :func:`finish` after training to remove the hooks.
     """
     if on_mismatch not in ("raise", "warn"):
         raise PlanError(f"on_mismatch must be 'raise' or 'warn', not {on_mismatch!r}.")
@@ -185,7 +186,7 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     _refuse_compiled(model)
     from .partition import install_partitions
 
-    plan, trace = plan_and_trace(plan)
+    plan, trace = plan_and_trace(plan, trace)
     rt = runtime_for(plan, trace, on_mismatch)
     handles = install(model, rt, optimizer)
     undo = install_partitions(model, plan.partitions, rt)

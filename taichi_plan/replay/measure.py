@@ -170,8 +170,9 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
 
 
 def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, seed: int = 0, *,
-           force: bool = False, progress: Callable[[str], None] | None = None) -> dict:
+           force: bool = False, progress: Callable[[str], None] | None = None, trace=None) -> dict:
     """Measure ``plan`` on its workload; returns the report (what ``taichi-plan replay`` prints).
+    ``trace``: the plan's trace (a directory or Trace) when it is not where the plan says.
 
     Raises :class:`~taichi_plan.errors.NotEnoughMemoryError` before building anything when the
     larger predicted peak exceeds this machine's memory, unless ``force``. ``progress(message)``
@@ -183,7 +184,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     if steps < 1:
         raise PlanError(f"--steps must be at least 1, got {steps}.")
     say = progress or (lambda msg: None)
-    plan, trace = plan_and_trace(plan)
+    plan, trace = plan_and_trace(plan, trace)
     device = "cuda" if torch.cuda.is_available() and trace.meta.get("torch_build") == "cuda" else "cpu"
     workload = _workload(trace)
     memory = check_memory(plan, trace, device, force)
