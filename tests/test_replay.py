@@ -61,6 +61,8 @@ def test_measured_peak_matches_predicted(traces, name, frac):
     # Bitwise for rematerialization; a time-limited solve on a loaded machine may partition.
     assert r["grads_match"] and r["grads_check"].startswith("allclose" if plan.partitions else "bitwise")
     assert r["baseline_measured_peak_bytes"] == r["baseline_predicted_peak_bytes"]
+    # A second, independent accounting (PyTorch's MemTracker) agrees with the recorder's.
+    assert abs(r["memtracker_peak_bytes"] / r["measured_peak_bytes"] - 1) <= 0.02, r
 
 
 def test_partitioned_plan_replays(traces):

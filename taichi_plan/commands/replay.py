@@ -24,6 +24,10 @@ def render(r: dict) -> str:
         f"ratio {pct(r['peak_ratio'])}, {'within' if r['within_budget'] else 'OVER'} budget",
         f"  unplanned peak     predicted {format_bytes(r['baseline_predicted_peak_bytes'])}, "
         f"measured {format_bytes(r['baseline_measured_peak_bytes'])}",
+        "  MemTracker peak    " + ("-" if r.get("memtracker_peak_bytes") is None else
+                                  f"planned {format_bytes(r['memtracker_peak_bytes'])}, unplanned "
+                                  f"{format_bytes(r['baseline_memtracker_peak_bytes'])} (PyTorch's "
+                                  "torch.distributed._tools MemTracker, one more step)"),
         f"  step time          unplanned {format_cost(r['step_s_unplanned'])}, planned "
         f"{format_cost(r['step_s_planned'])} (x{pct(r['step_time_ratio'])})",
         f"  extra compute      predicted {format_cost(r['predicted_extra_s']) if r['predicted_extra_s'] is not None else '-'}"

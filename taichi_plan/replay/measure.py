@@ -147,6 +147,11 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
         with recorder:
             one_step()
         rec = recorder.end_step(late_tensors(model, optimizer))
+        for h in hooks:
+            h.remove()
+        hooks = []
+        say(f"{what}: measuring a step with MemTracker")
+        memtracker = _memtracker_peak(model, optimizer, one_step, loop)
     finally:
         for h in hooks:
             h.remove()
@@ -163,10 +168,27 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
         "ops": measured.num_ops,
         "recompute_s": statistics.median(recompute_s) if recompute_s else 0.0,
         "recompute_ops": rt.recompute_ops if rt is not None else 0,
+        "memtracker_peak_bytes": memtracker,
         "params": [p.detach().clone() for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
     }
     return out
+
+
+def _memtracker_peak(model, optimizer, one_step, loop) -> int | None:
+    """One more step under PyTorch's own ``MemTracker`` (an accounting independent of the
+    recorder's): its peak, or None where it cannot follow the loop (MemTracker refuses a model
+    called more than once per step)."""
+    if loop.micro_batches * loop.forwards != 1:
+        return None
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        one_step()
+    snap = tracker.get_tracker_snapshot("peak")
+    return int(sum(v["Total"] for v in snap.values()))
 
 
 def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, seed: int = 0, *,
@@ -203,6 +225,8 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "within_budget": plan.budget_bytes is None or planned["peak_bytes"] <= plan.budget_bytes,
         "baseline_predicted_peak_bytes": pred["baseline_peak_bytes"],
         "baseline_measured_peak_bytes": base["peak_bytes"],
+        "memtracker_peak_bytes": planned["memtracker_peak_bytes"],
+        "baseline_memtracker_peak_bytes": base["memtracker_peak_bytes"],
         "step_s_unplanned": base["step_s"],
         "step_s_planned": planned["step_s"],
         "step_time_ratio": planned["step_s"] / base["step_s"] if base["step_s"] else None,
