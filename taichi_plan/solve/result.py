@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..allocator import AllocatorResult, replay_schedule
 from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
@@ -45,6 +46,9 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         gap = 0.0 if sim.extra_cost <= 1e-12 else (sim.extra_cost - lb) / sim.extra_cost
     unit = problem.trace.cost_unit
     trace = problem.trace
+    schedule = build_schedule(parted, dec.drops)
+    planned_al = replay_schedule(schedule)
+    base_al = baseline_allocator(problem)
     return Plan(
         trace={
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
@@ -80,11 +84,25 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "cost_unit": unit,
             "recompute_ops": sim.recompute_ops,
             "partition_compute": sim.partition_cost,
+            # The allocator model's verdict (taichi_plan/allocator.py): what a CUDA step reserves.
+            "baseline_reserved_peak_bytes": base_al.reserved_peak_bytes,
+            "planned_reserved_peak_bytes": planned_al.reserved_peak_bytes,
+            "allocator": {"model": "cuda-caching", "baseline_allocated_peak_bytes": base_al.allocated_peak_bytes,
+                          "planned_allocated_peak_bytes": planned_al.allocated_peak_bytes,
+                          "planned_segments": planned_al.segments, **planned_al.config.to_dict()},
         },
         recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
-        schedule=build_schedule(parted, dec.drops) if with_schedule else None,
+        schedule=schedule if with_schedule else None,
     )
+
+
+def baseline_allocator(problem: Problem) -> AllocatorResult:
+    """The allocator model's verdict on the unplanned step (cached on the problem)."""
+    cached = getattr(problem, "_baseline_allocator", None)
+    if cached is None:
+        cached = problem._baseline_allocator = replay_schedule(build_schedule(problem, []))
+    return cached
 
 
 def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recompute:
