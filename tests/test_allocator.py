@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.allocator import AllocatorConfig, CachingAllocator, replay_schedule, round_size, segment_size
+from taichi_plan.allocator import (
+    AllocatorConfig,
+    CachingAllocator,
+    replay_schedule,
+    round_size,
+    segment_size,
+)
 
 KIB, MIB = 1 << 10, 1 << 20
 

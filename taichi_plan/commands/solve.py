@@ -30,6 +30,8 @@ def render_solve_summary(plan, units: str = "auto") -> str:
         f"Baseline   peak {b(p['baseline_peak_bytes'])} at op {p['baseline_peak_op']}",
         f"Planned    peak {b(p['planned_peak_bytes'])} at op {p['planned_peak_op']}"
         + (" (while recomputing)" if p.get("planned_peak_in_recompute") else ""),
+        f"Reserved   peak {b(p['planned_reserved_peak_bytes'])} (unplanned {b(p['baseline_reserved_peak_bytes'])}), "
+        f"budget on {s.get('budget_on') or 'allocated'} bytes",
         f"Extra      {format_cost(p['extra_compute'], unit)} of compute, {p['extra_compute_pct']:.2f}% of the step "
         f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)",
     ]
@@ -51,6 +53,9 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--budget", "-b", required=True, help="Memory budget: 16GB, 16GiB, 512MB or 60% (of the baseline peak).")
 @click.option("--method", "-m", default="auto", show_default=True,
               help="auto, ilp, heuristic, or a baseline: none, full, sqrt-n, dtr, selective-mm.")
+@click.option("--on", "budget_on", type=click.Choice(["allocated", "reserved"]), default="allocated",
+              show_default=True, help="What the budget holds: allocated tensor bytes, or the bytes the CUDA "
+              "caching allocator reserves (predicted by its model; docs/allocator.md).")
 @click.option("--time-limit", default=60.0, show_default=True, type=float, help="Seconds the solver may search.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed (same seed, same plan).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
@@ -58,7 +63,7 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--force", is_flag=True, help="Replace the plan file if it exists (only a plan, never other files).")
 @units_option
 @handle_errors
-def command(trace_dir, budget, method, time_limit, seed, output, force, units) -> None:
+def command(trace_dir, budget, method, budget_on, time_limit, seed, output, force, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     if method not in methods():
         from ..errors import UsageError
@@ -70,13 +75,13 @@ def command(trace_dir, budget, method, time_limit, seed, output, force, units) -
     check_plan_output(output, force, option="-o")
     problem = build_problem(trace)
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
-    plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed)
+    plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
 
 
-def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed):
+def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated"):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -85,4 +90,4 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed)
             status.update(f"{method}: best {incumbent:.4g}{unit}, bound {bound:.4g}{unit}")
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
-                     problem=problem)
+                     problem=problem, on=on)

@@ -93,8 +93,19 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
-          problem: Problem | None = None) -> Plan:
-    """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits."""
+          problem: Problem | None = None, on: str = "allocated") -> Plan:
+    """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
+    ``on``: the budget holds allocated bytes (the simulator's peak) or ``"reserved"`` bytes (the
+    allocator model's reserved peak; see :mod:`taichi_plan.solve.reserved`)."""
+    if on == "reserved":
+        from .reserved import solve_on_reserved
+
+        problem = problem or build_problem(trace)
+        return solve_on_reserved(
+            lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
+                                 problem=problem), budget_bytes, method)
+    if on != "allocated":
+        raise UsageError(f"--on must be allocated or reserved, not {on!r}.")
     if method not in methods():
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
