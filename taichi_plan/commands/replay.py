@@ -33,6 +33,13 @@ def render(r: dict) -> str:
         f"  extra compute      predicted {format_cost(r['predicted_extra_s']) if r['predicted_extra_s'] is not None else '-'}"
         f", measured in rebuilds {format_cost(r['measured_recompute_s'])} ({r['recompute_ops']} ops re-run)",
     ]
+    for run, c in (r.get("cuda") or {}).items():
+        def b(x):
+            return "-" if x is None else format_bytes(x)
+
+        lines.append(f"  CUDA {run:<13} allocated {b(c['measured_allocated_bytes'])} measured / "
+                     f"{b(c['predicted_allocated_bytes'])} predicted (x{pct(c['allocated_ratio'])}); reserved "
+                     f"{b(c['measured_reserved_bytes'])} / {b(c['predicted_reserved_bytes'])} (x{pct(c['reserved_ratio'])})")
     mem = r.get("memory")
     if mem:
         lines.append(f"  memory             needs about {format_bytes(mem['needed_bytes'])}, "

@@ -164,6 +164,7 @@ def record_workload(
     with mode:
         say(f"building {workload.name}")
         model, batch, loss_fn, optimizer = workload.build(fake)
+        device = next((p.device.type for p in model.parameters()), "cpu")  # where the kernels ran
         loop = loop or Loop()
         step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
         for w in range(warmup):
@@ -195,6 +196,7 @@ def record_workload(
     meta = {
         "torch_version": torch.__version__,
         "torch_build": "cuda" if torch.version.cuda else "cpu",
+        "device": device,
         "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
         "mode": "fake" if fake else "real",
         "device_profile": device_profile,

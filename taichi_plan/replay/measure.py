@@ -11,6 +11,15 @@ Before building anything, the larger of the two predicted peaks (the unplanned r
 trace's own peak) is compared with the memory this machine has for it (free CUDA memory, or
 available RAM on CPU); a replay that cannot fit is refused with both numbers unless
 ``force``. A fake-recorded trace costs no memory to record but replays on real tensors.
+
+On CUDA (:func:`replay_device`: a GPU is here and the trace was recorded on one), the workload
+is moved to the GPU (:func:`move_workload`), the cache the warm-up step left is emptied
+(``torch.cuda.empty_cache`` after ``zero_grad``: the step starts from the tensors that outlive
+it, as the allocator model assumes), every timed step is bracketed by
+``torch.cuda.synchronize``, and the last timed step runs between
+``torch.cuda.reset_peak_memory_stats`` and ``torch.cuda.max_memory_allocated`` /
+``max_memory_reserved``: the caching allocator's own peaks, reported beside the plan's
+predicted allocated and reserved peaks (docs/allocator.md).
 """
 
 from __future__ import annotations
@@ -92,13 +101,62 @@ def check_memory(plan: Plan, trace, device: str, force: bool = False) -> dict:
         needed_bytes=needed, available_bytes=available)
 
 
+def replay_device(trace, cuda_available: bool | None = None) -> str:
+    """``cuda`` when a GPU is here and the trace was recorded on one (``meta.device``; traces
+    from before it was recorded: a CUDA build of torch), else ``cpu``."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    recorded = trace.meta.get("device") or ("cuda" if trace.meta.get("torch_build") == "cuda" else "cpu")
+    return "cuda" if cuda_available and recorded == "cuda" else "cpu"
+
+
+def move_workload(model, batch, loss_fn, optimizer, device: str):
+    """The workload's parts on ``device``: the model (``Module.to``), the optimizer's parameter
+    groups (pointed at the moved parameters where ``to`` made new ones), every tensor of the
+    batch, and the tensors a loss function lists in ``inputs`` (the built-in workloads'
+    targets). The optimizer must not have state yet."""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from ..errors import WorkloadError
+
+    if any(optimizer.state.values()):
+        raise WorkloadError("move_workload: the optimizer already has state; move the workload before its first step.")
+    before = list(model.parameters())
+    model.to(device)
+    moved = {id(a): b for a, b in zip(before, model.parameters(), strict=True)}
+    for group in optimizer.param_groups:
+        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    batch = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+    inputs = getattr(loss_fn, "inputs", None)
+    if isinstance(inputs, tuple):
+        loss_fn.inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+    target = torch.device(device)
+    stray = [p for g in optimizer.param_groups for p in g["params"] if p.device.type != target.type]
+    if stray:
+        raise WorkloadError(f"move_workload: {len(stray)} of the optimizer's parameters stayed on {stray[0].device} "
+                            f"when the model moved to {device}; its parameters must be the model's.")
+    return model, batch, loss_fn, optimizer
+
+
+def cuda_peaks(torch) -> dict:
+    """The caching allocator's peaks since the last ``reset_peak_memory_stats``."""
+    return {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+
+
 def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, device: str,
                     say: Callable[[str], None] = lambda msg: None, what: str = "run") -> dict:
     """Build ``workload`` from ``seed``, run an unplanned warm-up step, then ``steps`` timed
     steps under ``plan`` (None: unplanned) and one more under the recorder. Returns
     ``step_s`` (median), ``peak_bytes`` and ``peak_op`` (the recorded step's), ``ops``,
     ``recompute_s``, ``recompute_ops``, and the ``params`` and ``grads`` after the last step.
-    Shared by ``replay`` and the replay benchmark, so both measure the same way."""
+    Shared by ``replay`` and the replay benchmark, so both measure the same way. On CUDA also
+    ``cuda_max_allocated_bytes``/``cuda_max_reserved_bytes`` (the last timed step's peaks) and
+    ``cuda_start_allocated_bytes`` (allocated when it starts: parameters, optimizer state, batch
+    and anything outside the trace, such as cuBLAS workspaces)."""
     import torch
 
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
@@ -110,10 +168,17 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
     torch.manual_seed(seed)
     say(f"{what}: building {workload.name}")
     model, batch, loss_fn, optimizer = workload.build(False)
+    cuda = device == "cuda"
+    if cuda:
+        model, batch, loss_fn, optimizer = move_workload(model, batch, loss_fn, optimizer, "cuda")
     loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
     step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
     optimizer.zero_grad(set_to_none=loop.set_to_none)
     step()  # warm-up, unplanned
+    if cuda:  # start from what outlives a step, not from the unplanned step's cache
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
     rt, handles, undo = None, [], (lambda: None)
     if plan is not None:
         rt = runtime_for(plan, trace)
@@ -126,15 +191,21 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
             rt.reset_counters()
         step()
 
-    times, recompute_s = [], []
+    times, recompute_s, peaks = [], [], {}
     for k in range(steps):
         say(f"{what}: step {k + 1}/{steps}")
-        if device == "cuda":
+        last = k == steps - 1
+        if cuda:
             torch.cuda.synchronize()
+            if last:  # the measured step: the cache of the earlier ones is there, as in training
+                torch.cuda.reset_peak_memory_stats()
+                peaks["cuda_start_allocated_bytes"] = int(torch.cuda.memory_allocated())
         t0 = time.perf_counter()
         one_step()
-        if device == "cuda":
+        if cuda:
             torch.cuda.synchronize()
+            if last:
+                peaks.update(cuda_peaks(torch))
         times.append(time.perf_counter() - t0)
         if rt is not None:
             recompute_s.append(rt.recompute_s)
@@ -169,9 +240,36 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
         "recompute_s": statistics.median(recompute_s) if recompute_s else 0.0,
         "recompute_ops": rt.recompute_ops if rt is not None else 0,
         "memtracker_peak_bytes": memtracker,
+        **peaks,
         "params": [p.detach().clone() for p in model.parameters()],
         "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
     }
+    return out
+
+
+def cuda_report(predicted: dict, base: dict, planned: dict) -> dict:
+    """The caching allocator's measured peaks beside the plan's predictions: allocated (the
+    simulator's tensor bytes, and the allocator model's blocks) and reserved (the allocator
+    model), for the planned and the unplanned run, with measured / predicted ratios. Plans
+    older than format v3 predict no reserved peak (None)."""
+    al = predicted.get("allocator") or {}
+
+    def ratio(measured, pred):
+        return measured / pred if measured is not None and pred else None
+
+    out = {}
+    for run, got, alloc_key, blocks_key, reserved_key in (
+            ("planned", planned, "planned_peak_bytes", "planned_allocated_peak_bytes", "planned_reserved_peak_bytes"),
+            ("unplanned", base, "baseline_peak_bytes", "baseline_allocated_peak_bytes", "baseline_reserved_peak_bytes")):
+        m_alloc, m_res = got.get("cuda_max_allocated_bytes"), got.get("cuda_max_reserved_bytes")
+        p_alloc, p_res = predicted.get(alloc_key), predicted.get(reserved_key)
+        out[run] = {
+            "measured_allocated_bytes": m_alloc, "measured_reserved_bytes": m_res,
+            "start_allocated_bytes": got.get("cuda_start_allocated_bytes"),
+            "predicted_allocated_bytes": p_alloc, "predicted_allocator_allocated_bytes": al.get(blocks_key),
+            "predicted_reserved_bytes": p_res,
+            "allocated_ratio": ratio(m_alloc, p_alloc), "reserved_ratio": ratio(m_res, p_res),
+        }
     return out
 
 
@@ -207,7 +305,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         raise PlanError(f"--steps must be at least 1, got {steps}.")
     say = progress or (lambda msg: None)
     plan, trace = plan_and_trace(plan, trace)
-    device = "cuda" if torch.cuda.is_available() and trace.meta.get("torch_build") == "cuda" else "cpu"
+    device = replay_device(trace)
     workload = _workload(trace)
     memory = check_memory(plan, trace, device, force)
     base = run_and_measure(workload, None, trace, steps, seed, device, say, "unplanned run")
@@ -237,6 +335,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "steps": steps,
         "trace_mode": trace.meta.get("mode"),
         "memory": memory,
+        "cuda": cuda_report(pred, base, planned) if device == "cuda" else None,
         "mechanism": "per model call: saved-tensor hooks and per-tensor rebuild from recorded op recipes; "
                      "partitions: chunked non-reentrant checkpoint",
     }
