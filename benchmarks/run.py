@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from benchmarks import bench_graphs, bench_record, bench_replay
+from benchmarks import bench_graphs, bench_record, bench_replay, gpu_check
 from taichi_plan.atomic import write_text_atomic
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -197,6 +197,9 @@ def main() -> None:
         # 6. Max batch under a budget.
         progress.update(task, description="maxbatch")
         sections.append(_guarded("Max batch", maxbatch_section))
+
+    # 7. The GPU check's results, where a GPU machine has written them (never run here).
+    sections.append(_guarded("GPU check", lambda: gpu_check.section(gpu_check.DEFAULT_OUT)))
 
     sections.append(f"Whole run: {time.perf_counter() - started:.0f} s.")
     write_text_atomic(OUT, "\n\n".join(sections) + "\n")

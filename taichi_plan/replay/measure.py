@@ -113,10 +113,12 @@ def replay_device(trace, cuda_available: bool | None = None) -> str:
 
 
 def move_workload(model, batch, loss_fn, optimizer, device: str):
-    """The workload's parts on ``device``: the model (``Module.to``), the optimizer's parameter
-    groups (pointed at the moved parameters where ``to`` made new ones), every tensor of the
-    batch, and the tensors a loss function lists in ``inputs`` (the built-in workloads'
-    targets). The optimizer must not have state yet."""
+    """The workload's parts on ``device``: every parameter and buffer of the model (replaced by
+    a copy on ``device``, tied ones staying tied), the optimizer's parameter groups pointed at
+    the moved parameters, every tensor of the batch, and the tensors a loss function lists in
+    ``inputs`` (the built-in workloads' targets). The optimizer must not have state yet. Parts
+    already on ``device`` are left as they are. (Not ``Module.to``: it swaps tensors it cannot
+    change in place, which fails for fake tensors the optimizer still refers to.)"""
     import torch
     from torch.utils._pytree import tree_map
 
@@ -124,17 +126,32 @@ def move_workload(model, batch, loss_fn, optimizer, device: str):
 
     if any(optimizer.state.values()):
         raise WorkloadError("move_workload: the optimizer already has state; move the workload before its first step.")
-    before = list(model.parameters())
-    model.to(device)
-    moved = {id(a): b for a, b in zip(before, model.parameters(), strict=True)}
+    target = torch.device(device)
+
+    def there(t) -> bool:
+        return t.device.type == target.type and (target.index is None or t.device.index == target.index)
+
+    def move(t):
+        return t if there(t) else t.to(target)
+
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or there(p):
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = torch.nn.Parameter(p.detach().to(target), requires_grad=p.requires_grad)
+            module._parameters[name] = moved[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = move(b)
     for group in optimizer.param_groups:
         group["params"] = [moved.get(id(p), p) for p in group["params"]]
-    batch = tree_map(lambda x: x.to(device) if isinstance(x, torch.Tensor) else x, batch)
+    batch = tree_map(lambda x: move(x) if isinstance(x, torch.Tensor) else x, batch)
     inputs = getattr(loss_fn, "inputs", None)
     if isinstance(inputs, tuple):
-        loss_fn.inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-    target = torch.device(device)
-    stray = [p for g in optimizer.param_groups for p in g["params"] if p.device.type != target.type]
+        loss_fn.inputs = tuple(move(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+    stray = [p for g in optimizer.param_groups for p in g["params"] if not there(p)]
     if stray:
         raise WorkloadError(f"move_workload: {len(stray)} of the optimizer's parameters stayed on {stray[0].device} "
                             f"when the model moved to {device}; its parameters must be the model's.")
