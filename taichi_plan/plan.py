@@ -67,8 +67,10 @@ class Plan:
         """The file's JSON; with ``plan_dir`` (where the file goes) the trace path is written
         relative to it, so plan and traces can move together, with the absolute path beside
         (without ``plan_dir`` both are absolute)."""
+        # A v1/v2 plan saved again has no reserved peaks, which v3 requires: it stays v2.
+        version = FORMAT_VERSION if self.predicted.get("planned_reserved_peak_bytes") is not None else 2
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
             "trace": self._trace_json(plan_dir),
             "budget_bytes": self.budget_bytes,
             "solver": self.solver,

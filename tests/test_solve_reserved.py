@@ -12,7 +12,7 @@ from synthetic import chain_trace, random_training_trace
 
 from taichi_plan.cli import main
 from taichi_plan.errors import InfeasibleBudgetError, PlanError
-from taichi_plan.plan import load_plan
+from taichi_plan.plan import load_plan, save_plan
 from taichi_plan.problem import build_problem
 from taichi_plan.solve import solve
 from taichi_plan.trace import write_trace
@@ -122,3 +122,5 @@ def test_older_plans_are_read_and_say_they_have_no_reserved_peak(tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(out)])
     assert r.exit_code == 0, r.output
     assert "not predicted (plan format v2" in r.output
+    again = save_plan(load_plan(out), tmp_path / "again.plan.json")  # saved again: still v2, still readable
+    assert json.loads(again.read_text())["format_version"] == 2 and load_plan(again).format_version == 2
