@@ -58,16 +58,23 @@ TINY = {
 
 
 def _stand_in_ortools() -> bool:
-    """Install a stand-in ``ortools.sat.python.cp_model`` when OR-Tools is missing; True if so."""
+    """Install a stand-in ``ortools.sat.python.cp_model`` when OR-Tools is missing; True if so.
+    It has what ``taichi_plan.solve.ilp`` touches when imported (a base class) and refuses
+    anything else, so ``--method ilp``/``auto`` fail with a clear message."""
     if importlib.util.find_spec("ortools") is not None:
         return False
+    why = "OR-Tools is not installed here: the GPU check solves with --method heuristic only."
 
-    class _Missing:
-        def __getattr__(self, name):
-            raise RuntimeError("OR-Tools is not installed here: the GPU check solves with --method heuristic only.")
+    class CpSolverSolutionCallback:
+        def __init__(self, *args, **kwargs):
+            raise RuntimeError(why)
+
+    def refuse(name):
+        raise RuntimeError(f"{why} (ortools.sat.python.cp_model.{name})")
 
     cp_model = types.ModuleType("ortools.sat.python.cp_model")
-    cp_model.__getattr__ = _Missing().__getattr__  # type: ignore[attr-defined]
+    cp_model.CpSolverSolutionCallback = CpSolverSolutionCallback  # type: ignore[attr-defined]
+    cp_model.__getattr__ = refuse  # type: ignore[attr-defined]
     for name in ("ortools", "ortools.sat", "ortools.sat.python"):
         sys.modules[name] = types.ModuleType(name)
     sys.modules["ortools.sat.python.cp_model"] = cp_model
