@@ -11,6 +11,7 @@ allocator model; nothing here estimates a peak of its own.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from ..errors import InfeasibleBudgetError
@@ -28,6 +29,7 @@ def solve_on_reserved(solve_allocated: Callable[[int], Plan], budget_bytes: int,
     :class:`InfeasibleBudgetError`). Raises :class:`InfeasibleBudgetError` when no round's plan
     fits, naming the lowest reserved peak reached.
     """
+    t0 = time.perf_counter()
     target = budget_bytes
     met = None  # the lowest target a plan met (its reserved peak was over)
     unmet = 0  # the highest target no plan met
@@ -54,8 +56,10 @@ def solve_on_reserved(solve_allocated: Callable[[int], Plan], budget_bytes: int,
         if best is None or reserved < best.predicted["planned_reserved_peak_bytes"]:
             best = plan
         if reserved <= budget_bytes:
+            plan.solver["wall_s"] = time.perf_counter() - t0  # every round's solve
             return _on_reserved(plan, budget_bytes, target, rounds)
-        target -= reserved - budget_bytes
+        # Lower what the plan really allocates (it may sit well under its target) by the excess.
+        target = min(target, int(plan.predicted["planned_peak_bytes"])) - (reserved - budget_bytes)
         if target <= unmet:
             target = (met + unmet) // 2
         if target <= 0 or target >= met:
