@@ -32,7 +32,7 @@ No torch here.
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
@@ -60,6 +60,30 @@ class AllocatorConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def parse(cls, text: str | None, strict: bool = True) -> AllocatorConfig:
+        """The settings of a ``PYTORCH_CUDA_ALLOC_CONF`` string (``expandable_segments:True,
+        max_split_size_mb:128``); options the model does not follow are refused by name, or
+        passed over when not ``strict`` (the environment of a training run may hold any)."""
+        out = cls()
+        for item in filter(None, (part.strip() for part in (text or "").split(","))):
+            key, sep, value = item.partition(":")
+            key, value = key.strip(), value.strip()
+            if not sep:
+                raise ValueError(f"PYTORCH_CUDA_ALLOC_CONF entry {item!r} is not of the form key:value")
+            if key == "expandable_segments":
+                if value not in ("True", "False"):
+                    raise ValueError(f"expandable_segments must be True or False, not {value!r}")
+                out = replace(out, expandable_segments=value == "True")
+            elif key == "max_split_size_mb":
+                if not value.isdigit() or int(value) <= 20:
+                    raise ValueError(f"max_split_size_mb must be an integer above 20 (MiB), not {value!r}")
+                out = replace(out, max_split_size_bytes=int(value) * MIB)
+            elif strict:
+                raise ValueError(f"the allocator model does not follow PYTORCH_CUDA_ALLOC_CONF option {key!r}; "
+                                 "it follows expandable_segments and max_split_size_mb")
+        return out
 
 
 def round_size(nbytes: int) -> int:

@@ -124,3 +124,31 @@ def test_older_plans_are_read_and_say_they_have_no_reserved_peak(tmp_path):
     assert "not predicted (plan format v2" in r.output
     again = save_plan(load_plan(out), tmp_path / "again.plan.json")  # saved again: still v2, still readable
     assert json.loads(again.read_text())["format_version"] == 2 and load_plan(again).format_version == 2
+
+
+def test_allocator_settings_parse_and_reach_the_plan(tmp_path, monkeypatch):
+    from taichi_plan.allocator import AllocatorConfig, replay_schedule
+
+    assert AllocatorConfig.parse("expandable_segments:True") == AllocatorConfig(expandable_segments=True)
+    assert AllocatorConfig.parse(" max_split_size_mb:128 ").max_split_size_bytes == 128 * MIB
+    assert AllocatorConfig.parse("") == AllocatorConfig()
+    with pytest.raises(ValueError, match="does not follow"):
+        AllocatorConfig.parse("garbage_collection_threshold:0.6")
+    assert AllocatorConfig.parse("garbage_collection_threshold:0.6,expandable_segments:True",
+                                 strict=False).expandable_segments
+    trace = big_chain()
+    problem = build_problem(trace)
+    cfg = AllocatorConfig(expandable_segments=True)
+    plan = solve(trace, int(problem.baseline_peak[0] * 0.9), "heuristic", problem=problem, allocator=cfg)
+    assert plan.predicted["allocator"]["expandable_segments"] is True
+    assert plan.predicted["planned_reserved_peak_bytes"] == replay_schedule(plan.schedule, cfg).reserved_peak_bytes
+    write_trace(trace, tmp_path / "big")
+    out = tmp_path / "p.plan.json"
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,garbage_collection_threshold:0.6")
+    r = CliRunner().invoke(main, ["solve", str(tmp_path / "big"), "--budget", "90%", "--method", "heuristic",
+                                  "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert json.loads(out.read_text())["predicted"]["allocator"]["expandable_segments"] is True
+    r = CliRunner().invoke(main, ["solve", str(tmp_path / "big"), "--budget", "90%", "--alloc-conf", "nonsense",
+                                  "-o", str(out), "--force"])
+    assert r.exit_code == 2 and "--alloc-conf" in r.output

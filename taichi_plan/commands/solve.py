@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 
+from ..allocator import AllocatorConfig
 from ..plan import check_plan_output, save_plan
 from ..problem import build_problem
 from ..solve import methods, solve
@@ -56,6 +57,9 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--on", "budget_on", type=click.Choice(["allocated", "reserved"]), default="allocated",
               show_default=True, help="What the budget holds: allocated tensor bytes, or the bytes the CUDA "
               "caching allocator reserves (predicted by its model; docs/allocator.md).")
+@click.option("--alloc-conf", default=None, metavar="CONF",
+              help="The caching allocator settings the reserved peak is predicted for (expandable_segments:True, "
+              "max_split_size_mb:N) [default: those of $PYTORCH_CUDA_ALLOC_CONF, else PyTorch's defaults].")
 @click.option("--time-limit", default=60.0, show_default=True, type=float, help="Seconds the solver may search.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed (same seed, same plan).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
@@ -63,25 +67,34 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--force", is_flag=True, help="Replace the plan file if it exists (only a plan, never other files).")
 @units_option
 @handle_errors
-def command(trace_dir, budget, method, budget_on, time_limit, seed, output, force, units) -> None:
+def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, seed, output, force, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     if method not in methods():
         from ..errors import UsageError
 
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
+    try:
+        allocator = (AllocatorConfig.parse(alloc_conf) if alloc_conf is not None
+                     else AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), strict=False))
+    except ValueError as e:
+        from ..errors import UsageError
+
+        where = "--alloc-conf" if alloc_conf is not None else "PYTORCH_CUDA_ALLOC_CONF"
+        raise UsageError(f"{where}: {e}.") from e
     trace = read_trace(trace_dir)
     if output is None:
         output = default_plan_path(trace_dir)
     check_plan_output(output, force, option="-o")
     problem = build_problem(trace)
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
-    plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on)
+    plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on,
+                                allocator=allocator)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
 
 
-def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated"):
+def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated", allocator=None):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -90,4 +103,4 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
             status.update(f"{method}: best {incumbent:.4g}{unit}, bound {bound:.4g}{unit}")
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
-                     problem=problem, on=on)
+                     problem=problem, on=on, allocator=allocator)

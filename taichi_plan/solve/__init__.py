@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..allocator import AllocatorConfig
 from ..errors import InfeasibleBudgetError, UsageError
 from ..partition import floor_bytes
 from ..plan import Plan
@@ -93,17 +94,18 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
-          problem: Problem | None = None, on: str = "allocated") -> Plan:
+          problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
     ``on``: the budget holds allocated bytes (the simulator's peak) or ``"reserved"`` bytes (the
-    allocator model's reserved peak; see :mod:`taichi_plan.solve.reserved`)."""
+    allocator model's reserved peak; see :mod:`taichi_plan.solve.reserved`); ``allocator``: the
+    model's settings (PyTorch's defaults when None)."""
     if on == "reserved":
         from .reserved import solve_on_reserved
 
         problem = problem or build_problem(trace)
         return solve_on_reserved(
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
-                                 problem=problem), budget_bytes, method)
+                                 problem=problem, allocator=allocator), budget_bytes, method)
     if on != "allocated":
         raise UsageError(f"--on must be allocated or reserved, not {on!r}.")
     if method not in methods():
@@ -115,11 +117,11 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     base_peak, _ = problem.baseline_peak
     if budget_bytes >= base_peak:
         dec = Decisions(status="optimal", lower_bound=0.0, notes=["the budget does not bind: no change needed"])
-        return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+        return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         raise infeasible_error(problem, budget_bytes, method)
     dec = run_method(problem, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress)
-    plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+    plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if plan.solver["status"] == "infeasible" and method in OURS:
         # The greedy sweep is not monotone in the budget: asked for less, it may find a plan
         # that fits this budget, or at least peaks lower. Of the two, the simulator's better
@@ -129,7 +131,8 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         lower.notes.append(f"the heuristic's plan for a budget of {format_bytes(asked)}: its plan for "
                            f"{format_bytes(budget_bytes)} did not fit")
         if best_by_simulator(problem, budget_bytes, [dec, lower]) is lower:
-            plan = make_plan(problem, budget_bytes, method, lower, time.perf_counter() - t0, seed)
+            plan = make_plan(problem, budget_bytes, method, lower, time.perf_counter() - t0, seed,
+                             allocator=allocator)
     if plan.solver["status"] == "infeasible":
         raise infeasible_error(problem, budget_bytes, method, plan)
     return plan

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..allocator import AllocatorResult, replay_schedule
+from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
 from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
@@ -32,7 +32,10 @@ class Decisions:
 
 
 def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Decisions,
-              wall_s: float, seed: int, with_schedule: bool = True) -> Plan:
+              wall_s: float, seed: int, with_schedule: bool = True, *,
+              allocator: AllocatorConfig | None = None) -> Plan:
+    """The plan of ``dec``, with the simulator's numbers and the allocator model's reserved
+    peaks (``allocator``: its settings; PyTorch's defaults when None)."""
     sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
     base_peak, base_op = problem.baseline_peak
     fits = budget_bytes is None or sim.peak_bytes <= budget_bytes
@@ -47,8 +50,8 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     unit = problem.trace.cost_unit
     trace = problem.trace
     schedule = build_schedule(parted, dec.drops)
-    planned_al = replay_schedule(schedule)
-    base_al = baseline_allocator(problem)
+    planned_al = replay_schedule(schedule, allocator)
+    base_al = baseline_allocator(problem, allocator)
     return Plan(
         trace={
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
@@ -97,12 +100,13 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     )
 
 
-def baseline_allocator(problem: Problem) -> AllocatorResult:
-    """The allocator model's verdict on the unplanned step (cached on the problem)."""
-    cached = getattr(problem, "_baseline_allocator", None)
-    if cached is None:
-        cached = problem._baseline_allocator = replay_schedule(build_schedule(problem, []))
-    return cached
+def baseline_allocator(problem: Problem, allocator: AllocatorConfig | None = None) -> AllocatorResult:
+    """The allocator model's verdict on the unplanned step (cached on the problem per setting)."""
+    config = allocator or AllocatorConfig()
+    cache = problem.__dict__.setdefault("_baseline_allocator", {})
+    if config not in cache:
+        cache[config] = replay_schedule(build_schedule(problem, []), config)
+    return cache[config]
 
 
 def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recompute:
