@@ -50,7 +50,7 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("maxbatch --model gpt2 --seq 1024 --budget 16GB",
      "maxbatch --model gpt2 --seq 1024 --layers 2 --budget 3GB --time-limit 2",
      "each batch size tried is a fake step: 2 layers, and a budget that 4 batch sizes settle"),
-    ("--steps 5", "--steps 2", "replay: fewer timed steps"),
+    ("--steps 5", "--steps 1", "replay: one timed step per run"),
 ]
 PYTHON_SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("time_limit=60", "time_limit=10", "the snippet's solve, bounded"),
