@@ -51,17 +51,15 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
      "maxbatch --model gpt2 --seq 1024 --layers 2 --budget 3GB --time-limit 2",
      "each batch size tried is a fake step: 2 layers, and a budget that 4 batch sizes settle"),
     ("--steps 5", "--steps 1", "replay: one timed step per run"),
+    ("--steps 3", "--steps 1", "replay of the accumulation loop: one timed step per run"),
+    ("tiny-gpt2-accum --budget 80%", "tiny-gpt2-accum --budget 80% --time-limit 5", "a bounded search"),
 ]
 PYTHON_SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("time_limit=60", "time_limit=10", "the snippet's solve, bounded"),
 ]
 
 # README command -> the change on another branch it needs (xfail until that change is merged).
-PENDING: dict[str, str] = {
-    "taichi-plan inspect plans/resnet50-mlsys.plan.json --html resnet50.html":
-        "issue 12 (a): solve without -o writes plans/<trace directory name>.plan.json; here it "
-        "still writes plans/<recorded trace name>.plan.json (ResNet50_256_224x224_train_nx)",
-}
+PENDING: dict[str, str] = {}
 
 # Commands that write something and must say so with a `Wrote PATH` line.
 WRITERS = {"record", "import-graph", "solve", "replay"}
