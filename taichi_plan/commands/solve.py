@@ -31,7 +31,9 @@ def render_solve_summary(plan, units: str = "auto") -> str:
         f"Planned    peak {b(p['planned_peak_bytes'])} at op {p['planned_peak_op']}"
         + (" (while recomputing)" if p.get("planned_peak_in_recompute") else ""),
         f"Extra      {format_cost(p['extra_compute'], unit)} of compute, {p['extra_compute_pct']:.2f}% of the step "
-        f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)",
+        f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)"
+        + (f"; the replay runtime adds about {format_cost(p['runtime_overhead'], unit)}"
+           if p.get("runtime_overhead") else ""),
     ]
     lb, gap = s.get("lower_bound"), s.get("gap")
     bound = (f"lower bound {format_cost(lb, unit)}, gap {100 * gap:.2f}%" if lb is not None and gap is not None

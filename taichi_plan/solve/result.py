@@ -10,10 +10,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..overhead import runtime_overhead_s
 from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
-from ..simulate import Drop, SimResult, build_schedule, simulate_plan
+from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
 from ..units import format_bytes, format_cost
 
 
@@ -45,6 +46,8 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         gap = 0.0 if sim.extra_cost <= 1e-12 else (sim.extra_cost - lb) / sim.extra_cost
     unit = problem.trace.cost_unit
     trace = problem.trace
+    overhead = runtime_overhead_s(problem, dec.drops, dec.partitions,
+                                  rerun_ops(parted, dec.drops) if dec.drops else set(), sim.recompute_ops)
     return Plan(
         trace={
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
@@ -80,6 +83,10 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "cost_unit": unit,
             "recompute_ops": sim.recompute_ops,
             "partition_compute": sim.partition_cost,
+            # The replay runtime's own bookkeeping (taichi_plan.overhead), and the two together:
+            # what the step is predicted to take longer.
+            "runtime_overhead": overhead,
+            "extra_time": None if overhead is None else sim.extra_cost + overhead,
         },
         recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
