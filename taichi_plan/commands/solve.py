@@ -34,7 +34,9 @@ def render_solve_summary(plan, units: str = "auto") -> str:
         f"Reserved   peak {b(p['planned_reserved_peak_bytes'])} (unplanned {b(p['baseline_reserved_peak_bytes'])}), "
         f"budget on {s.get('budget_on') or 'allocated'} bytes",
         f"Extra      {format_cost(p['extra_compute'], unit)} of compute, {p['extra_compute_pct']:.2f}% of the step "
-        f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)",
+        f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)"
+        + (f"; the replay runtime adds about {format_cost(p['runtime_overhead'], unit)}"
+           if p.get("runtime_overhead") else ""),
     ]
     lb, gap = s.get("lower_bound"), s.get("gap")
     bound = (f"lower bound {format_cost(lb, unit)}, gap {100 * gap:.2f}%" if lb is not None and gap is not None

@@ -188,6 +188,7 @@ def record_workload(
             recorder.close()
         del model, batch, loss_fn, optimizer, step, recorder
     say("building tables")
+    from ..replay.runtime import calibrate_overhead
 
     step_indices = list(range(warmup, warmup + steps))
     signatures = [op_signature(r.ops["op"], r.shapes) for r in records]
@@ -213,6 +214,7 @@ def record_workload(
         "filtered_ops": ["prim.*", "profiler.*"],
         "model_calls": kept.calls,
         "loop": loop.to_json(),
+        "runtime_overhead": calibrate_overhead(),
     }
     return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", meta)
 

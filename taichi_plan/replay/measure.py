@@ -346,6 +346,10 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "step_s_planned": planned["step_s"],
         "step_time_ratio": planned["step_s"] / base["step_s"] if base["step_s"] else None,
         "predicted_extra_s": pred["extra_compute"] if pred.get("cost_unit") == "s" else None,
+        "predicted_runtime_overhead_s": pred.get("runtime_overhead"),
+        "predicted_extra_time_s": pred.get("extra_time"),
+        "measured_extra_time_s": (planned["step_s"] - base["step_s"]) if base["step_s"] and planned["step_s"]
+        else None,
         "measured_recompute_s": planned["recompute_s"],
         "recompute_ops": planned["recompute_ops"],
         "partitions": len(plan.partitions),

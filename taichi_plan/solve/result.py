@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
+from ..overhead import runtime_overhead_s
 from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
-from ..simulate import Drop, SimResult, build_schedule, simulate_plan
+from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
 from ..units import format_bytes, format_cost
 
 
@@ -52,6 +53,8 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     schedule = build_schedule(parted, dec.drops)
     planned_al = replay_schedule(schedule, allocator)
     base_al = baseline_allocator(problem, allocator)
+    overhead = runtime_overhead_s(problem, dec.drops, dec.partitions,
+                                  rerun_ops(parted, dec.drops) if dec.drops else set(), sim.recompute_ops)
     return Plan(
         trace={
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
@@ -93,6 +96,10 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "allocator": {"model": "cuda-caching", "baseline_allocated_peak_bytes": base_al.allocated_peak_bytes,
                           "planned_allocated_peak_bytes": planned_al.allocated_peak_bytes,
                           "planned_segments": planned_al.segments, **planned_al.config.to_dict()},
+            # The replay runtime's own bookkeeping (taichi_plan.overhead), and the two together:
+            # what the step is predicted to take longer.
+            "runtime_overhead": overhead,
+            "extra_time": None if overhead is None else sim.extra_cost + overhead,
         },
         recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
