@@ -330,7 +330,7 @@ def record(model, batch, loss_fn, optimizer, *, name: str = "python", steps: int
     def build(fake: bool):
         return parts
 
-    workload = Workload(name, {}, build, _dtype_name(parts[0]), "python", {})
+    workload = Workload(name, {}, build, dtype_name(parts[0]), "python", {})
     return record_workload(workload, fake=False, device_profile=device_profile, steps=steps,
                            warmup=warmup, loop=loop, progress=progress)
 
@@ -373,7 +373,7 @@ def record_step(model, optimizer, step_fn: Callable[[], None], *, inputs=(), loo
         "device": device_type(model),
         "workload": {"name": name, "kind": "python", "args": dict(args or {})},
         "device_profile": device_profile,
-        "dtype": _dtype_name(model),
+        "dtype": dtype_name(model),
         "step_definition": CALLER_STEP_DEFINITION,
     })
 
@@ -395,6 +395,6 @@ def device_type(model) -> str:
     return next((p.device.type for p in model.parameters()), "cpu")
 
 
-def _dtype_name(model) -> str:
+def dtype_name(model) -> str:
     p = next(iter(model.parameters()), None)
     return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(getattr(p, "dtype", "")), "fp32")
