@@ -105,6 +105,10 @@ def test_trainer_trains_planned_bitwise_within_budget(planned_example):
     assert len(evals) == STEPS // EVAL_EVERY
     assert getattr(trainer.model, "_taichi_plan", None) is None  # finished at on_train_end
     assert peak <= plan.budget_bytes < base_peak, (peak, plan.budget_bytes, base_peak)
+    # The counter agrees with the trace on the step the Trainer runs, unplanned and planned
+    # (here to the byte and to 4 bytes; 1% allows for a reference cycle collected late).
+    assert base_peak == pytest.approx(plan.predicted["baseline_peak_bytes"], rel=0.01)
+    assert peak == pytest.approx(plan.predicted["planned_peak_bytes"], rel=0.01)
 
 
 def test_the_trace_is_the_step_the_trainer_runs(planned_example):
