@@ -22,7 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from transformers import Trainer, TrainerCallback
+try:
+    from transformers import Trainer, TrainerCallback
+except ImportError as e:  # transformers' Trainer imports accelerate
+    raise ImportError(f"taichi_plan.integrations.hf needs transformers and accelerate ({e}): "
+                      "pip install 'taichi-plan[hf]'.") from e
 
 from ..errors import PlanError, UsageError, WorkloadError
 from ..plan import Plan
