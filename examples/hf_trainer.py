@@ -1,6 +1,6 @@
 """Train with a taichi-plan plan in the Hugging Face Trainer.
 
-    python examples/hf_trainer.py --steps 6 --eval-every 2 --budget 0.75 -o runs/hf-trainer
+    python examples/hf_trainer.py --steps 6 --eval-every 2 --budget 0.75
 
 A tiny GPT-2 (built from a config, no download) learns a small synthetic dataset with
 ``gradient_accumulation_steps=2`` and an evaluation every ``--eval-every`` steps. Three parts:
@@ -8,7 +8,9 @@ A tiny GPT-2 (built from a config, no download) learns a small synthetic dataset
 1. record: ``record_trainer(trainer)`` runs a few steps of ``trainer.train()`` and records one
    optimizer step exactly as the Trainer runs it (its ``training_step`` passing
    ``num_items_in_batch`` to the model, its accumulation and clipping, the optimizer it makes);
-2. solve: a plan under ``--budget`` (a fraction of the recorded step's peak);
+2. solve: a plan under ``--budget`` (a fraction of the recorded step's peak); the trace and the
+   plan are written to ``--trace`` (``traces/hf-trainer``) and ``--plan``
+   (``plans/hf-trainer.plan.json``);
 3. train: a fresh Trainer with ``callbacks=[PlanCallback(plan)]`` trains planned; evaluation
    runs unplanned. Needs ``pip install taichi-plan[hf]`` (transformers and accelerate).
 """
@@ -16,6 +18,7 @@ A tiny GPT-2 (built from a config, no download) learns a small synthetic dataset
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 import torch
@@ -67,11 +70,14 @@ def make_trainer(out_dir: Path, *, steps: int, eval_every: int, seed: int = 0, c
                    callbacks=list(callbacks))
 
 
-def record_and_solve(out_dir: Path, budget: float, time_limit_s: float = 5.0):
+def record_and_solve(work_dir: Path, trace_dir: Path, plan_path: Path, budget: float,
+                     time_limit_s: float = 5.0):
     """Record the Trainer's step, solve a plan at ``budget`` x its peak (the smallest reachable
-    budget if that is lower than the planner can go, said so), write both under ``out_dir``."""
-    trace = record_trainer(make_trainer(out_dir, steps=3, eval_every=3, seed=1), steps=2, warmup=1)
-    taichi_plan.write_trace(trace, out_dir / "trace", force=True)
+    budget if that is lower than the planner can go, said so), write the trace to
+    ``trace_dir`` and the plan to ``plan_path`` (replacing them); ``work_dir``: the recording
+    Trainer's ``output_dir`` (nothing is saved there)."""
+    trace = record_trainer(make_trainer(work_dir, steps=3, eval_every=3, seed=1), steps=2, warmup=1)
+    taichi_plan.write_trace(trace, trace_dir, force=True)
     problem = build_problem(trace)
     peak = int(problem.baseline_peak[0])
     budget_bytes = int(peak * budget)
@@ -81,13 +87,12 @@ def record_and_solve(out_dir: Path, budget: float, time_limit_s: float = 5.0):
         print(f"{format_bytes(budget_bytes)} is out of reach; the smallest budget the planner reaches is "
               f"{format_bytes(e.min_budget_bytes)}: solving for that.")
         plan = solve(trace, int(e.min_budget_bytes), "heuristic", time_limit=time_limit_s, problem=problem)
-    plan.trace["path"] = str((out_dir / "trace").resolve())
-    path = out_dir / "trainer.plan.json"
-    save_plan(plan, path, force=True)
+    plan.trace["path"] = str(Path(trace_dir).resolve())
+    save_plan(plan, plan_path, force=True)
     print(f"Recorded the Trainer's step: peak {format_bytes(peak)}; plan for {format_bytes(plan.budget_bytes)} "
           f"drops {len(plan.recompute)} tensors, predicted peak "
-          f"{format_bytes(plan.predicted['planned_peak_bytes'])}. Wrote {path}")
-    return plan, path
+          f"{format_bytes(plan.predicted['planned_peak_bytes'])}.\nWrote {trace_dir}\nWrote {plan_path}")
+    return plan, plan_path
 
 
 def main(argv: list[str] | None = None) -> Trainer:
@@ -95,14 +100,16 @@ def main(argv: list[str] | None = None) -> Trainer:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--eval-every", type=int, default=2)
     ap.add_argument("--budget", type=float, default=0.75, help="fraction of the recorded step's peak")
-    ap.add_argument("-o", "--out", type=Path, default=Path("runs/hf-trainer"))
+    ap.add_argument("--trace", type=Path, default=Path("traces/hf-trainer"))
+    ap.add_argument("--plan", type=Path, default=Path("plans/hf-trainer.plan.json"))
     args = ap.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
 
-    _plan, path = record_and_solve(args.out, args.budget)
-    plan_callback = PlanCallback(path)  # <- the only addition to a Trainer
-    trainer = make_trainer(args.out, steps=args.steps, eval_every=args.eval_every, callbacks=[plan_callback])
-    trainer.train()
+    with tempfile.TemporaryDirectory(prefix="hf-trainer-") as work:  # the Trainers' output_dir
+        _plan, path = record_and_solve(Path(work), args.trace, args.plan, args.budget)
+        plan_callback = PlanCallback(path)  # <- the only addition to a Trainer
+        trainer = make_trainer(Path(work), steps=args.steps, eval_every=args.eval_every,
+                               callbacks=[plan_callback])
+        trainer.train()
     rt = plan_callback.runtime
     print(f"Trained {args.steps} steps with the plan: {rt.planned_calls} planned model calls, "
           f"{rt.dropped_storages} activations dropped and rebuilt, {rt.mismatches} mismatches.")

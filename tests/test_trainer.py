@@ -85,7 +85,7 @@ def train(out: Path, plan_path=None):
 @pytest.fixture(scope="module")
 def planned_example(tmp_path_factory):
     out = tmp_path_factory.mktemp("hf")
-    plan, path = example.record_and_solve(out, budget=0.75)
+    plan, path = example.record_and_solve(out, out / "trace", out / "trainer.plan.json", budget=0.75)
     return out, plan, path
 
 
