@@ -98,81 +98,120 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
     steps under ``plan`` (None: unplanned) and one more under the recorder. Returns
     ``step_s`` (median), ``peak_bytes`` and ``peak_op`` (the recorded step's), ``ops``,
     ``recompute_s``, ``recompute_ops``, and the ``params`` and ``grads`` after the last step.
-    Shared by ``replay`` and the replay benchmark, so both measure the same way."""
-    import torch
+    Shared by ``replay`` and the replay benchmark (which interleaves several
+    :class:`MeasuredRun` itself), so both measure the same way."""
+    run = MeasuredRun(workload, plan, trace, seed, device, say, what)
+    try:
+        for k in range(steps):
+            say(f"{what}: step {k + 1}/{steps}")
+            run.timed_step()
+        peak = run.measure_peak()
+    finally:
+        run.close()
+    return {**run.timings(), **peak,
+            "params": [p.detach().clone() for p in run.model.parameters()],
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in run.model.parameters()]}
 
-    from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
-    from ..record.recorder import Recorder
-    from ..trace import baseline_peak
-    from . import install, runtime_for
-    from .partition import install_partitions
 
-    torch.manual_seed(seed)
-    say(f"{what}: building {workload.name}")
-    model, batch, loss_fn, optimizer = workload.build(False)
-    loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
-    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
-    optimizer.zero_grad(set_to_none=loop.set_to_none)
-    step()  # warm-up, unplanned
-    rt, handles, undo = None, [], (lambda: None)
-    if plan is not None:
-        rt = runtime_for(plan, trace)
-        handles = install(model, rt, optimizer)
-        undo = install_partitions(model, plan.partitions, rt)
+class MeasuredRun:
+    """One workload built from ``seed`` and warmed up with one unplanned step, then with
+    ``plan`` installed (None: unplanned). :meth:`timed_step` runs and times one step;
+    :meth:`measure_peak` runs one step under the recorder (the measured peak) and one under
+    MemTracker; :meth:`close` removes what was installed. Several runs may be alive at once and
+    stepped in turn: a plan is installed on its own model's calls only."""
 
-    def one_step():
-        optimizer.zero_grad(set_to_none=loop.set_to_none)
-        if rt is not None:
-            rt.reset_counters()
-        step()
+    def __init__(self, workload, plan: Plan | None, trace, seed: int, device: str,
+                 say: Callable[[str], None] = lambda msg: None, what: str = "run"):
+        import torch
 
-    times, recompute_s = [], []
-    for k in range(steps):
-        say(f"{what}: step {k + 1}/{steps}")
-        if device == "cuda":
+        from ..record.api import Loop, make_step_fn
+        from . import install, runtime_for
+        from .partition import install_partitions
+
+        self.device, self.say, self.what = device, say, what
+        torch.manual_seed(seed)
+        say(f"{what}: building {workload.name}")
+        self.model, self.batch, self.loss_fn, self.optimizer = workload.build(False)
+        self.loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
+        self._step = make_step_fn(self.model, self.batch, self.loss_fn, self.optimizer, where=workload.name,
+                                  loop=self.loop)
+        self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+        self._step()  # warm-up, unplanned
+        self.rt, self._handles, self._undo = None, [], (lambda: None)
+        self.step_s: list[float] = []
+        self.recompute_s: list[float] = []
+        if plan is not None:
+            self.rt = runtime_for(plan, trace)
+            self._handles = install(self.model, self.rt, self.optimizer)
+            self._undo = install_partitions(self.model, plan.partitions, self.rt)
+
+    def one_step(self) -> None:
+        """One step of the loop (zero_grad first), planned when a plan is installed."""
+        self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+        if self.rt is not None:
+            self.rt.reset_counters()
+        self._step()
+
+    def timed_step(self) -> float:
+        """Run and time one step; its seconds are kept in ``step_s`` (and the runtime's
+        recompute seconds in ``recompute_s``)."""
+        import torch
+
+        if self.device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        one_step()
-        if device == "cuda":
+        self.one_step()
+        if self.device == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if rt is not None:
-            recompute_s.append(rt.recompute_s)
-    say(f"{what}: measuring a step")
-    recorder = Recorder(None, model)
-    hooks = recorder.optimizer_hooks(optimizer)
-    try:
-        optimizer.zero_grad(set_to_none=loop.set_to_none)
-        recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
-        with recorder:
-            one_step()
-        rec = recorder.end_step(late_tensors(model, optimizer))
-        for h in hooks:
+        self.step_s.append(time.perf_counter() - t0)
+        if self.rt is not None:
+            self.recompute_s.append(self.rt.recompute_s)
+        return self.step_s[-1]
+
+    def timings(self) -> dict:
+        """``step_s`` and ``recompute_s`` (medians of the timed steps so far), ``recompute_ops``."""
+        return {"step_s": statistics.median(self.step_s) if self.step_s else None,
+                "recompute_s": statistics.median(self.recompute_s) if self.recompute_s else 0.0,
+                "recompute_ops": self.rt.recompute_ops if self.rt is not None else 0}
+
+    def measure_peak(self) -> dict:
+        """One step under the recorder, then one under MemTracker: ``peak_bytes``, ``peak_op``,
+        ``ops`` (the recorded step's) and ``memtracker_peak_bytes``."""
+        from ..record.api import late_tensors, registered_tensors, step_to_trace
+        from ..record.recorder import Recorder
+        from ..trace import baseline_peak
+
+        model, optimizer = self.model, self.optimizer
+        self.say(f"{self.what}: measuring a step")
+        recorder = Recorder(None, model)
+        hooks = recorder.optimizer_hooks(optimizer)
+        try:
+            optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+            recorder.begin_step(registered_tensors(model, self.batch, self.loss_fn, optimizer))
+            with recorder:
+                self.one_step()
+            rec = recorder.end_step(late_tensors(model, optimizer))
+            for h in hooks:
+                h.remove()
+            hooks = []
+            self.say(f"{self.what}: measuring a step with MemTracker")
+            memtracker = _memtracker_peak(model, optimizer, self.one_step, self.loop)
+        finally:
+            for h in hooks:
+                h.remove()
+            recorder.close()
+        measured = step_to_trace(rec, 0, "measured", {})
+        peak, peak_op = baseline_peak(measured)
+        return {"peak_bytes": peak, "peak_op": peak_op, "ops": measured.num_ops,
+                "memtracker_peak_bytes": memtracker}
+
+    def close(self) -> None:
+        """Remove the plan's hooks and partitions (the model stays usable, unplanned)."""
+        for h in self._handles:
             h.remove()
-        hooks = []
-        say(f"{what}: measuring a step with MemTracker")
-        memtracker = _memtracker_peak(model, optimizer, one_step, loop)
-    finally:
-        for h in hooks:
-            h.remove()
-        recorder.close()
-        for h in handles:
-            h.remove()
-        undo()
-    measured = step_to_trace(rec, 0, "measured", {})
-    peak, peak_op = baseline_peak(measured)
-    out = {
-        "step_s": statistics.median(times) if times else None,
-        "peak_bytes": peak,
-        "peak_op": peak_op,
-        "ops": measured.num_ops,
-        "recompute_s": statistics.median(recompute_s) if recompute_s else 0.0,
-        "recompute_ops": rt.recompute_ops if rt is not None else 0,
-        "memtracker_peak_bytes": memtracker,
-        "params": [p.detach().clone() for p in model.parameters()],
-        "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
-    }
-    return out
+        self._handles = []
+        self._undo()
+        self._undo = lambda: None
 
 
 def _memtracker_peak(model, optimizer, one_step, loop) -> int | None:
