@@ -38,6 +38,15 @@ def test_resnet_stages_and_layers():
                for i in range(4))
 
 
+def test_mlp_segments():
+    model = _model("mlp", **TINY_MLP)
+    assert br.sequential_segments(model) == [["0", "1"], ["2", "3"]]  # (Linear, ReLU) pairs; head apart
+    x = torch.randn(TINY_MLP["batch"], TINY_MLP["hidden"])
+    want = model(x)
+    assert br.wrap_blocks(model, "sac-save-matmuls", "segments") == ["0-1", "2-3"]
+    assert torch.equal(model(x), want)  # the same forward, checkpointed
+
+
 def test_hf_checkpointing_is_transformers_own():
     model = _model("llama", **TINY)
     br.hf_checkpointing(model, "transformers")
@@ -74,7 +83,7 @@ def test_extra_within():
 
 def test_run_tiny():
     result = br.run([("tiny gpt2", br.BenchModel("gpt2", TINY, None, "transformers")),
-                     ("tiny mlp", br.BenchModel("mlp", TINY_MLP, None, None))], reps=2, time_limit=5)
+                     ("tiny mlp", br.BenchModel("mlp", TINY_MLP, "segments", None))], reps=2, time_limit=5)
     assert result["reps"] == 2 and result["threads"] == 1 and len(result["models"]) == 2
     gpt2, mlp = result["models"]
     for r, baselines in ((gpt2, br.BASELINES), (mlp, br.BLOCK_BASELINES)):
