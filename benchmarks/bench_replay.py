@@ -25,7 +25,8 @@ is the trace's op durations). Every method is measured by
 from the seed, one unplanned warm-up step, the plan installed, one step under the recorder
 (the measured peak) and one under MemTracker, then the timed steps. The timed steps are
 interleaved: each repetition runs one step of every method, round-robin, starting one method
-later each repetition; the step time of a method is the median of its repetitions.
+later each repetition (the A/A copy of plain half a round away from plain); the step time of a
+method is the median of its repetitions.
 """
 
 from __future__ import annotations
@@ -316,7 +317,10 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
                     rows[name] = info
                     continue
                 start(name, workload, plan, ptrace, info)
-        for r, order in enumerate(interleaved(list(runs), reps)):
+        names = [n for n in runs if n != "plain-again"]  # the A/A copy half a round away from plain, so
+        if "plain-again" in runs:  # that a burst of load on the machine does not hit both copies alike
+            names.insert(len(names) // 2 + 1, "plain-again")
+        for r, order in enumerate(interleaved(names, reps)):
             say(f"{label}: repetition {r + 1}/{reps}")
             for name in order:
                 runs[name].timed_step()
@@ -481,7 +485,8 @@ def markdown(result: dict) -> str:
     lines = ["## Replay: ours against one-line checkpointing, at the same measured peak", "",
              f"Real CPU runs in one process: {result['machine']}; run {result['date']}; {threads} torch "
              f"thread{'s' if threads != 1 else ''}; {reps} repetitions, interleaved (each repetition steps every "
-             "method once, round-robin, starting one method later each time); every step time is the median "
+             "method once, round-robin, starting one method later each time; the A/A copy of plain half a round "
+             "away from it); every step time is the median "
              "of its repetitions. Each method is measured by `taichi_plan.replay.measure.MeasuredRun` (the "
              "runner of `taichi-plan replay`): built from one seed, one unplanned warm-up step, its plan or "
              "checkpointing installed, one step under the recorder (the peak shown: every live storage, "
