@@ -170,98 +170,140 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
     steps under ``plan`` (None: unplanned) and one more under the recorder. Returns
     ``step_s`` (median), ``peak_bytes`` and ``peak_op`` (the recorded step's), ``ops``,
     ``recompute_s``, ``recompute_ops``, and the ``params`` and ``grads`` after the last step.
-    Shared by ``replay`` and the replay benchmark, so both measure the same way. On CUDA also
+    Shared by ``replay`` and the replay benchmark (which interleaves several
+    :class:`MeasuredRun` itself), so both measure the same way. On CUDA also
     ``cuda_max_allocated_bytes``/``cuda_max_reserved_bytes`` (the last timed step's peaks) and
     ``cuda_start_allocated_bytes`` (allocated when it starts: parameters, optimizer state, batch
     and anything outside the trace, such as cuBLAS workspaces)."""
-    import torch
-
-    from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
-    from ..record.recorder import Recorder
-    from ..trace import baseline_peak
-    from . import install, runtime_for
-    from .partition import install_partitions
-
-    torch.manual_seed(seed)
-    say(f"{what}: building {workload.name}")
-    model, batch, loss_fn, optimizer = workload.build(False)
-    cuda = device == "cuda"
-    if cuda:
-        model, batch, loss_fn, optimizer = move_workload(model, batch, loss_fn, optimizer, "cuda")
-    loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
-    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
-    optimizer.zero_grad(set_to_none=loop.set_to_none)
-    step()  # warm-up, unplanned
-    if cuda:  # start from what outlives a step, not from the unplanned step's cache
-        optimizer.zero_grad(set_to_none=loop.set_to_none)
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    rt, handles, undo = None, [], (lambda: None)
-    if plan is not None:
-        rt = runtime_for(plan, trace)
-        handles = install(model, rt, optimizer)
-        undo = install_partitions(model, plan.partitions, rt)
-
-    def one_step():
-        optimizer.zero_grad(set_to_none=loop.set_to_none)
-        if rt is not None:
-            rt.reset_counters()
-        step()
-
-    times, recompute_s, peaks = [], [], {}
-    for k in range(steps):
-        say(f"{what}: step {k + 1}/{steps}")
-        last = k == steps - 1
-        if cuda:
-            torch.cuda.synchronize()
-            if last:  # the measured step: the cache of the earlier ones is there, as in training
-                torch.cuda.reset_peak_memory_stats()
-                peaks["cuda_start_allocated_bytes"] = int(torch.cuda.memory_allocated())
-        t0 = time.perf_counter()
-        one_step()
-        if cuda:
-            torch.cuda.synchronize()
-            if last:
-                peaks.update(cuda_peaks(torch))
-        times.append(time.perf_counter() - t0)
-        if rt is not None:
-            recompute_s.append(rt.recompute_s)
-    say(f"{what}: measuring a step")
-    recorder = Recorder(None, model)
-    hooks = recorder.optimizer_hooks(optimizer)
+    run = MeasuredRun(workload, plan, trace, seed, device, say, what)
     try:
-        optimizer.zero_grad(set_to_none=loop.set_to_none)
-        recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
-        with recorder:
-            one_step()
-        rec = recorder.end_step(late_tensors(model, optimizer))
-        for h in hooks:
-            h.remove()
-        hooks = []
-        say(f"{what}: measuring a step with MemTracker")
-        memtracker = _memtracker_peak(model, optimizer, one_step, loop)
+        for k in range(steps):
+            say(f"{what}: step {k + 1}/{steps}")
+            run.timed_step(read_cuda_peaks=k == steps - 1)
+        peak = run.measure_peak()
     finally:
-        for h in hooks:
+        run.close()
+    return {**run.timings(), **peak, **run.cuda_peaks,
+            "params": [p.detach().clone() for p in run.model.parameters()],
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in run.model.parameters()]}
+
+
+class MeasuredRun:
+    """One workload built from ``seed`` (moved to the GPU when ``device`` is ``cuda``) and
+    warmed up with one unplanned step, then with ``plan`` installed (None: unplanned).
+    :meth:`timed_step` runs and times one step; :meth:`measure_peak` runs one step under the
+    recorder (the measured peak) and one under MemTracker; :meth:`close` removes what was
+    installed. Several runs may be alive at once and stepped in turn: a plan is installed on its
+    own model's calls only."""
+
+    def __init__(self, workload, plan: Plan | None, trace, seed: int, device: str,
+                 say: Callable[[str], None] = lambda msg: None, what: str = "run"):
+        import torch
+
+        from ..record.api import Loop, make_step_fn
+        from . import install, runtime_for
+        from .partition import install_partitions
+
+        self.device, self.say, self.what = device, say, what
+        torch.manual_seed(seed)
+        say(f"{what}: building {workload.name}")
+        self.model, self.batch, self.loss_fn, self.optimizer = workload.build(False)
+        if device == "cuda":
+            self.model, self.batch, self.loss_fn, self.optimizer = move_workload(
+                self.model, self.batch, self.loss_fn, self.optimizer, "cuda")
+        self.loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
+        self._step = make_step_fn(self.model, self.batch, self.loss_fn, self.optimizer, where=workload.name,
+                                  loop=self.loop)
+        self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+        self._step()  # warm-up, unplanned
+        if device == "cuda":  # start from what outlives a step, not from the unplanned step's cache
+            self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.rt, self._handles, self._undo = None, [], (lambda: None)
+        self.step_s: list[float] = []
+        self.recompute_s: list[float] = []
+        self.cuda_peaks: dict = {}
+        if plan is not None:
+            self.rt = runtime_for(plan, trace)
+            self._handles = install(self.model, self.rt, self.optimizer)
+            self._undo = install_partitions(self.model, plan.partitions, self.rt)
+
+    def one_step(self) -> None:
+        """One step of the loop (zero_grad first), planned when a plan is installed."""
+        self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+        if self.rt is not None:
+            self.rt.reset_counters()
+        self._step()
+
+    def timed_step(self, read_cuda_peaks: bool = False) -> float:
+        """Run and time one step; its seconds are kept in ``step_s`` (and the runtime's
+        recompute seconds in ``recompute_s``). On CUDA with ``read_cuda_peaks``: the caching
+        allocator's peaks of this step go to ``cuda_peaks`` (the cache of earlier steps is
+        there, as in training)."""
+        import torch
+
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            if read_cuda_peaks:
+                torch.cuda.reset_peak_memory_stats()
+                self.cuda_peaks = {"cuda_start_allocated_bytes": int(torch.cuda.memory_allocated())}
+        t0 = time.perf_counter()
+        self.one_step()
+        if cuda:
+            torch.cuda.synchronize()
+            if read_cuda_peaks:
+                self.cuda_peaks.update(cuda_peaks(torch))
+        self.step_s.append(time.perf_counter() - t0)
+        if self.rt is not None:
+            self.recompute_s.append(self.rt.recompute_s)
+        return self.step_s[-1]
+
+    def timings(self) -> dict:
+        """``step_s`` and ``recompute_s`` (medians of the timed steps so far), ``recompute_ops``."""
+        return {"step_s": statistics.median(self.step_s) if self.step_s else None,
+                "recompute_s": statistics.median(self.recompute_s) if self.recompute_s else 0.0,
+                "recompute_ops": self.rt.recompute_ops if self.rt is not None else 0}
+
+    def measure_peak(self) -> dict:
+        """One step under the recorder, then one under MemTracker: ``peak_bytes``, ``peak_op``,
+        ``ops`` (the recorded step's) and ``memtracker_peak_bytes``."""
+        from ..record.api import late_tensors, registered_tensors, step_to_trace
+        from ..record.recorder import Recorder
+        from ..trace import baseline_peak
+
+        model, optimizer = self.model, self.optimizer
+        self.say(f"{self.what}: measuring a step")
+        recorder = Recorder(None, model)
+        hooks = recorder.optimizer_hooks(optimizer)
+        try:
+            optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+            recorder.begin_step(registered_tensors(model, self.batch, self.loss_fn, optimizer))
+            with recorder:
+                self.one_step()
+            rec = recorder.end_step(late_tensors(model, optimizer))
+            for h in hooks:
+                h.remove()
+            hooks = []
+            self.say(f"{self.what}: measuring a step with MemTracker")
+            memtracker = _memtracker_peak(model, optimizer, self.one_step, self.loop)
+        finally:
+            for h in hooks:
+                h.remove()
+            recorder.close()
+        measured = step_to_trace(rec, 0, "measured", {})
+        peak, peak_op = baseline_peak(measured)
+        return {"peak_bytes": peak, "peak_op": peak_op, "ops": measured.num_ops,
+                "memtracker_peak_bytes": memtracker}
+
+    def close(self) -> None:
+        """Remove the plan's hooks and partitions (the model stays usable, unplanned)."""
+        for h in self._handles:
             h.remove()
-        recorder.close()
-        for h in handles:
-            h.remove()
-        undo()
-    measured = step_to_trace(rec, 0, "measured", {})
-    peak, peak_op = baseline_peak(measured)
-    out = {
-        "step_s": statistics.median(times) if times else None,
-        "peak_bytes": peak,
-        "peak_op": peak_op,
-        "ops": measured.num_ops,
-        "recompute_s": statistics.median(recompute_s) if recompute_s else 0.0,
-        "recompute_ops": rt.recompute_ops if rt is not None else 0,
-        "memtracker_peak_bytes": memtracker,
-        **peaks,
-        "params": [p.detach().clone() for p in model.parameters()],
-        "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
-    }
-    return out
+        self._handles = []
+        self._undo()
+        self._undo = lambda: None
 
 
 def cuda_report(predicted: dict, base: dict, planned: dict) -> dict:
