@@ -183,13 +183,81 @@ def test_same_inputs_and_seed_give_the_same_plan(seed, method):
 
     def once():
         try:
-            plan = solve(trace, budget, method, time_limit=5, seed=3, problem=p).to_json()
+            plan = solve(trace, budget, method, time_limit=600, work_limit=5, seed=3, problem=p).to_json()
         except InfeasibleBudgetError as e:
             return str(e)
         plan["solver"].pop("wall_s")
         return plan
 
     assert once() == once()
+
+
+def _n100(graphs_dir):
+    from taichi_plan.import_graph import import_graph
+
+    (path,) = sorted(graphs_dir.glob("random_layered_n100_*.json"))
+    return import_graph(path)
+
+
+def test_work_limit_gives_the_same_plan_where_the_search_is_cut(graphs_dir):
+    """random_layered n100 at 0.9: the search never proves optimality, so it is the work limit
+    (CP-SAT's deterministic time) that stops it; twice the same plan, bound and rounds."""
+    trace = _n100(graphs_dir)
+    p = build_problem(trace)
+    budget = int(p.baseline_peak[0] * 0.9)
+
+    def once():
+        plan = solve(trace, budget, "auto", time_limit=600, work_limit=1.5, seed=1, problem=p)
+        assert plan.solver["stats"]["timed_out"], plan.solver["stats"]
+        out = plan.to_json()
+        out["solver"].pop("wall_s")
+        return out
+
+    assert once() == once()
+
+
+def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
+    """--time-limit 5 counts loading, warm start and every CP-SAT round, and the best plan so
+    far is written with its bound when it runs out (n100 at 0.9 is never proven optimal)."""
+    import time
+
+    tdir = write_trace(_n100(graphs_dir), tmp_path / "n100")
+    out = tmp_path / "n100.plan.json"
+    t0 = time.perf_counter()
+    r = CliRunner().invoke(main, ["solve", str(tdir), "--budget", "90%", "--time-limit", "5", "-o", str(out)])
+    wall = time.perf_counter() - t0
+    assert r.exit_code == 0, r.output
+    assert wall <= 5 * 1.1, wall
+    plan = load_plan(out)
+    s = plan.solver
+    assert s["status"] == "feasible" and s["stats"]["timed_out"]
+    assert s["lower_bound"] is not None and 0 <= s["lower_bound"] <= plan.predicted["extra_compute"]
+    assert any("time limit" in n for n in s["notes"])
+
+
+def test_no_plan_at_the_limit_says_so_and_what_was_reached():
+    """A trace where the warm start misses the budget and CP-SAT needs a few rounds: cut at
+    once by the work limit, the error says the search stopped (not that no plan exists) and
+    names the peak reached; given the work, a plan is found (the exhaustive optimum, 17)."""
+    trace = random_training_trace(random.Random(83))
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(trace, 432, "auto", time_limit=600, work_limit=1e-9)
+    msg = " ".join(str(e.value).split())
+    assert "within the time limit of 600 s or the work limit of 1e-09" in msg
+    assert "does not prove that none exists" in msg and "No plan file was written" in msg
+    assert e.value.min_budget_bytes == 464 and "peaks at 464 B" in msg
+    plan = solve(trace, 432, "auto", time_limit=600, work_limit=30)
+    assert plan.predicted["planned_peak_bytes"] <= 432
+    assert plan.predicted["extra_compute"] == pytest.approx(17.0)
+
+
+def test_a_bound_above_the_cost_is_a_bug_not_clamped():
+    trace, _ = golden_trace()
+    p = build_problem(trace)
+    dec = run_method(p, 300, "heuristic")
+    dec.lower_bound = 2.0  # the plan costs 1.0
+    with pytest.raises(AssertionError, match="lower bound"):
+        make_plan(p, 300, "heuristic", dec, 0.0, 0)
 
 
 def test_chain_sqrt_budget_reached_by_ours():
