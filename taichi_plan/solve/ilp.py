@@ -1,23 +1,27 @@
 """CP-SAT planner: minimize extra compute so that no op exceeds the budget.
 
-The model (one boolean per candidate, so O(n) decisions, plus per-op chain variables
-only at the ops the budget binds) is a *relaxation* of the simulator: every plan the
-simulator accepts satisfies it, so CP-SAT's best bound is a lower bound on the extra
-compute of any plan (within the candidate gaps). Its plans are then judged by the
-simulator; ops it finds over budget are added to the model (lazy constraints) and, where
-the excess comes from effects the model leaves out (transients of a rebuild), that op's
-requirement is tightened for the following rounds (those rounds no longer give bounds).
+The model (one boolean per option, so O(n) decisions, plus per-op chain variables only at
+the ops modelled) is a *relaxation* of the simulator: every plan the simulator accepts
+satisfies it, so CP-SAT's best bound is a lower bound on the extra compute of any plan of
+the space (the candidate gaps and their options). Rounds on one growing model: each
+assignment CP-SAT proposes is simulated and then cut off by a no-good cut (that exact
+assignment, never anything else); ops and recompute groups the simulator finds over budget
+get constraints valid for every plan; a plan that fits becomes the incumbent, which later
+rounds must beat. Nothing the simulator would accept is ever cut, so the search is complete
+(given time) and its bound, min(incumbent, CP-SAT's bound), stays valid. Plan finders that
+may cut plans (a greedy repair, one tightened model) only feed incumbents.
 
 Variables and constraints:
-* ``x[t]``: candidate ``t`` is dropped over its gap (free_after, remat_before).
-* ``rerun[p] >= x[t]`` for ``t`` produced by op ``p``; ``redo[u] >= x[t]`` for each forward
-  temporary ``u`` that is gone before ``t`` is freed and that rebuilding ``t`` needs.
-  Objective: sum of their op costs (each op counted once: a lower bound).
+* ``x[k]``: option ``k`` is dropped over its gap (free_after, remat_before).
+* ``rerun[p] >= x[k]`` for ``p`` one of ``k``'s rebuild ops or of the transients its
+  rebuild certainly needs (gone before it is freed); a tensor dropped over several gaps
+  pays its rebuild ops once per gap. Objective: sum of their op costs (a lower bound).
 * Chains: rebuilding a dropped ``c`` that reads ``t`` brings ``t`` back (the simulator's
   "rebuilt early"). ``forced[t,i]`` says this happened by op ``i``; ``away[t,i]`` says ``t``
-  is really absent at ``i``. Only pairs with ``free_after[c] >= free_after[t]`` are used,
-  where the forcing is certain, so the model stays a relaxation.
-* Memory at each modelled op ``i``: sum of ``nbytes[t] * away[t,i]`` >= baseline[i] - budget.
+  is really absent at ``i``. Only pairs where the forcing is certain are used, so the
+  model stays a relaxation.
+* Memory at each modelled op ``i``: sum of ``nbytes[t] * away[t,i]`` >= baseline[i] - budget;
+  at each modelled recompute group, see :meth:`_Model.add_group`.
 Byte coefficients are divided by their GCD (and, if still huge, rounded up to a unit, which
 keeps the relaxation); costs are rounded down to a unit of step_cost / 1e7.
 """
@@ -43,7 +47,7 @@ from ..partition import (
     span_tensors,
 )
 from ..plan import Partition
-from ..problem import Problem, coverage_delta, gap_bytes, options, rebuild_closure
+from ..problem import Problem, coverage_delta, gap_bytes, options, rebuild_closure, rebuild_inputs
 from ..simulate import Drop, SimResult, rebuild_overhead, simulate_plan
 from .heuristic import plan_remat, sim_over
 from .result import Decisions
@@ -274,6 +278,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             if new and model.terms < MAX_TERMS:
                 for i in sorted(new, key=lambda i: -over[i])[:64]:
                     model.add_op(i)
+            for r in sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes):
+                model.add_group(r, budget_bytes)
             # A plan for now: complete the rejected one greedily (never a bound, never a cut).
             fixed = _repair(problem, dec, budget_bytes)
             if fixed is not None:
@@ -384,6 +390,11 @@ class _Model:
         self.x = x = [model.NewBoolVar(f"x{k}") for k in range(C)]
         self.y = y = [model.NewBoolVar(f"y{j}") for j in range(len(parts))]
         self.ops: set[int] = set()
+        self.groups: set[int] = set()
+        self._gaps: dict[int, list[tuple[int, int]]] = {}
+        for t, a, b in zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True):
+            self._gaps.setdefault(t, []).append((a, b))
+        self.cand_set = set(st.tensor.tolist())
         self.terms = 0
         self.cuts = 0
         # [Constraint] partitions: one chunk count per module, never a module and one inside it,
@@ -409,12 +420,24 @@ class _Model:
                 model.AddAtMostOne([x[k] for k in ks])
 
         # [Constraint] an op re-runs if any output it produced is dropped; temporaries likewise.
+        # A tensor dropped over several gaps is rebuilt in as many groups (its gaps are
+        # disjoint), so its rebuild ops run at least that many times.
         rerun: dict[int, cp_model.IntVar] = {}
+        gaps_of: dict[tuple[int, int], list[int]] = {}  # (op, tensor) -> options of distinct gaps
+        for k in range(C):
+            for p in st.own_ops[k]:
+                gaps_of.setdefault((p, int(st.tensor[k])), []).append(k)
+        most = {}  # op -> the most gaps one of its outputs has
+        for (p, _t), ks in gaps_of.items():
+            most[p] = max(most.get(p, 1), len({int(st.a[k]) for k in ks}))
         for k in range(C):
             for p in [*st.own_ops[k], *st.temporaries[k]]:
                 if p not in rerun:
-                    rerun[p] = model.NewBoolVar(f"r{p}")
-                model.AddImplication(x[k], rerun[p])
+                    rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
+                model.Add(rerun[p] >= x[k])
+        for (p, _t), ks in gaps_of.items():
+            if most[p] > 1:
+                model.Add(rerun[p] >= sum(x[k] for k in ks))
         costs = {p: int(math.floor(problem.op_cost[p] / cost_unit)) for p in rerun}
         self.objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0) + sum(
             int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts))
@@ -457,6 +480,60 @@ class _Model:
         ys = [part_key.get((p.module, p.chunks)) for p in dec.partitions]
         if None not in xs and None not in ys:
             self.forbid(xs, ys)
+
+    def _may_need(self, c: int, t: int, lo: int, hi: int) -> bool:
+        """Can a rebuild of option ``c`` in a group before an op in ``lo..hi`` need tensor
+        ``t``? The simulator follows a rebuild's inputs only through tensors gone then: dead
+        (``end`` before the group) or inside a gap of theirs. A superset of what it can need."""
+        problem = self.problem
+        seen = {int(self.st.tensor[c])}
+        stack = list(seen)
+        while stack:
+            for u in rebuild_inputs(problem, stack.pop()):
+                if u == t:
+                    return True
+                if u in seen or not problem.rematerializable[u]:
+                    continue
+                seen.add(u)
+                if problem.end[u] < hi or any(a < hi and b > lo for a, b in self._gaps.get(u, ())):
+                    stack.append(u)
+        return False
+
+    def add_group(self, r: int, budget: int) -> None:
+        """[Constraint] the recompute group before op ``r``, for each option ``k`` rebuilt
+        there (``b[k] == r``), valid for every plan: if ``k`` is dropped and no other chosen
+        option can move its rebuild earlier (none whose rebuild may need it runs inside its
+        gap) and no module is partitioned, the group holds what crosses from op r-1 to op r
+        (less what is away then, counted as if every option covering it were away) plus at
+        least what a rebuild of ``k`` alone allocates at its worst moment (its tensor and the
+        transients its chain needs: those are gone whatever the plan, and more rebuilds in
+        the group only add to it). So those bytes away must cover the excess; a candidate
+        ``k``'s rebuild reads is never away there (it is brought back into the group)."""
+        if r in self.groups:
+            return
+        self.groups.add(r)
+        problem, st, model, x = self.problem, self.st, self.model, self.x
+        crossing = int(problem.nbytes[(problem.start <= r - 1) & (problem.end >= r)].sum())
+        for k in np.nonzero(st.b == r)[0].tolist():
+            t = int(st.tensor[k])
+            excess = crossing - int(st.sizes[k]) + rebuild_overhead(problem, Drop(t, int(st.a[k]), r)) - budget
+            if excess <= 0:
+                continue
+            a = int(st.a[k])
+            movers = [c for c in np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
+                      if self._may_need(c, t, max(a, int(st.a[c])) + 1, min(r - 1, int(st.b[c])))]
+            cond = [x[k], *(x[c].Not() for c in movers), *(v.Not() for v in self.y)]
+            # What k's rebuild reads is brought back into this group if it is away: not away.
+            _ops, deps = rebuild_closure(problem, t, a, self.cand_set)
+            held = set(deps)
+            cover = [j for j in np.nonzero((st.a < r) & (st.b >= r))[0].tolist()
+                     if j != k and int(st.tensor[j]) not in held]
+            unit = self.byte_unit
+            if int(st.sizes[cover].sum()) < excess:
+                model.AddBoolOr([v.Not() for v in cond])
+            else:
+                model.Add(sum(self.sizes[j] * x[j] for j in cover) >= -(-excess // unit)).OnlyEnforceIf(cond)
+            self.terms += len(cover) + len(movers)
 
     def add_rebuild_constraints(self, budget: int, overheads: dict[int, int]) -> None:
         """[Constraint] (a tightening, not valid for every plan: plan-finding model only) a

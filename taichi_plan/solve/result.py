@@ -99,7 +99,7 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
     t = d.tensor
     p = int(problem.producer[t])
     nb = int(problem.nbytes[t])
-    r = sim.remat_at.get(t, d.remat_before)
+    r = sim.remat_at_drop.get((t, d.free_after), d.remat_before)
     held = r - d.free_after - 1
     ops = problem.rebuild_ops[t].tolist()
     names = problem.op_name[p] + (f" and {len(ops) - 1} in-place op(s)" if len(ops) > 1 else "")
