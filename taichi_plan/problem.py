@@ -357,14 +357,16 @@ def options(problem: Problem, early: bool = True) -> Options:
     )
 
 
-def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: set[int]) -> tuple[list[int], list[int]]:
+def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: set[int],
+                    dead_candidates: bool = True) -> tuple[list[int], list[int]]:
     """The ops a rebuild of ``t`` certainly re-runs, and the candidates it reads.
 
     Walks ``t``'s rebuild inputs: an input already gone when ``t`` is freed (``end <=
     free_after``) is gone at any later rebuild, whatever the plan (a rebuilt copy lives no
     longer than the original), so it must be rebuilt too and its rebuild ops join,
     recursively; any other candidate input is reported (whether it must be rebuilt depends
-    on its own decision).
+    on its own decision). With ``dead_candidates=False`` every candidate input is reported,
+    gone or not (a weaker answer, both are true).
     """
     ops: list[int] = []
     deps: list[int] = []
@@ -377,7 +379,9 @@ def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: se
             if u in seen:
                 continue
             seen.add(u)
-            if problem.end[u] <= free_after and problem.rematerializable[u]:
+            if u in candidate_set and not dead_candidates:
+                deps.append(u)
+            elif problem.end[u] <= free_after and problem.rematerializable[u]:
                 stack.append(u)
             elif u in candidate_set:
                 deps.append(u)
