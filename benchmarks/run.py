@@ -17,10 +17,11 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from benchmarks import bench_graphs, bench_record, bench_replay
+from benchmarks import bench_graphs, bench_record, bench_replay, gpu_check
 from taichi_plan.atomic import write_text_atomic
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
+REPLAY_JSON = OUT.with_name("bench_replay.json")
 TIME_LIMIT = float(os.environ.get("BENCH_TIME_LIMIT", "30"))
 
 RECORDED = [  # (label, model, flags) recorded with --fake on the a100-40gb profile
@@ -124,6 +125,14 @@ def table(rows, with_parts=False):
     return "\n".join(lines)
 
 
+def replay_section() -> str:
+    """Issue 8's benchmark (``bench_replay``): its markdown, and its raw numbers written to
+    ``docs/bench_replay.json``."""
+    result = bench_replay.run(progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    write_text_atomic(REPLAY_JSON, bench_replay.to_json(result))
+    return bench_replay.markdown(result)
+
+
 def _guarded(title: str, make) -> str:
     """A section, or what went wrong making it (the rest of the run still lands)."""
     try:
@@ -191,12 +200,14 @@ def main() -> None:
 
         # 5. Replay: measured against predicted, and against PyTorch's own checkpointing.
         progress.update(task, description="replay")
-        sections.append(_guarded("Replay", lambda: "## Replay: measured peaks and step times (real CPU runs)\n\n" +
-                                 bench_replay.markdown(bench_replay.run(steps=3)).split("\n", 1)[1]))
+        sections.append(_guarded("Replay", replay_section))
 
         # 6. Max batch under a budget.
         progress.update(task, description="maxbatch")
         sections.append(_guarded("Max batch", maxbatch_section))
+
+    # 7. The GPU check's results, where a GPU machine has written them (never run here).
+    sections.append(_guarded("GPU check", lambda: gpu_check.section(gpu_check.DEFAULT_OUT)))
 
     sections.append(f"Whole run: {time.perf_counter() - started:.0f} s.")
     write_text_atomic(OUT, "\n\n".join(sections) + "\n")

@@ -119,6 +119,21 @@ PROFILES: dict[str, DeviceProfile] = {
             "NVIDIA H100 Tensor Core GPU datasheet (SXM)", "80 GB HBM3",
         ),
         _profile(
+            "h200-141gb", "NVIDIA H200 SXM 141GB", 141,
+            {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}, 4800,
+            "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+            "141 GB HBM3e, taken as 141 GiB like the other profiles' nominal capacities (the device "
+            "itself reports a little less to the allocator)",
+            {"peak_flops.tf32": "NVIDIA H200 Tensor Core GPU datasheet (SXM): 989 TFLOPS TF32 tensor core "
+                                "with sparsity, halved to the dense 494.7",
+             "peak_flops.fp16": "NVIDIA H200 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS FP16 tensor core "
+                                "with sparsity, halved to the dense 989.4",
+             "peak_flops.bf16": "NVIDIA H200 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS BF16 tensor core "
+                                "with sparsity, halved to the dense 989.4",
+             "interconnect": "NVIDIA H200 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s, PCIe Gen5 128 GB/s "
+                             "(not used by the roofline estimate)"},
+        ),
+        _profile(
             "rtx-4090-24gb", "NVIDIA GeForce RTX 4090 24GB", 24,
             {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2}, 1008,
             "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090)", "24 GB GDDR6X",

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import PlanError
-from .problem import Problem
+from .problem import Problem, rebuild_set
 
 MIXES_BATCH = ("batch_norm", "native_batch_norm", "_batch_norm", "cudnn_batch_norm", "group_norm_backward")
 # Random ops draw different numbers per chunk than for the whole batch: such a module's
@@ -216,6 +216,7 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 raise PlanError(f"The plan partitions both {x!r} and {y!r}, which is inside it; keep one.")
     spans = {s.module: s for s in module_spans(problem)}
     nbytes = problem.nbytes.copy()
+    start = problem.start.copy()
     end = problem.end.copy()
     new_t, new_id, new_nb, new_s, new_e = [], [], [], [], []
     cost = 0.0
@@ -243,6 +244,17 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
             new_nb.append(int(nbytes[t]))
             new_s.append(span.bwd[0])
             new_e.append(int(min(problem.end[t], span.bwd[1])))
+        # Gradients of the module's parameters: the first chunk's backward makes all of them,
+        # so they are live from the start of the module's backward, and every later chunk's
+        # gradient is added to them out of place (old, new piece and sum live at once).
+        b0, b1 = span.bwd
+        for t in np.nonzero((problem.kind == "gradient") & (problem.producer >= b0) & (problem.producer <= b1))[0]:
+            start[t] = min(int(start[t]), b0)
+            new_t.append(-1)
+            new_id.append(_SYNTHETIC_ID - len(new_id))
+            new_nb.append(2 * int(problem.nbytes[t]))
+            new_s.append(int(problem.producer[t]))
+            new_e.append(int(problem.producer[t]))
         # The checkpointed chunks keep the module's inputs until its backward is done.
         for t in module_inputs(problem, span):
             if not problem.persists[t]:
@@ -267,8 +279,10 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     extra = np.asarray(new_t, dtype=np.int64)
     like = np.where(extra >= 0, extra, 0)
     kinds_new = np.where(extra >= 0, problem.kind[like], "temporary") if len(extra) else problem.kind[:0]
-    keep = np.fromiter((int(t) not in internal for t in problem.candidates.tolist()), dtype=bool,
-                       count=len(problem.candidates))
+    # Candidates left: outside every partition, and whose lone rebuild re-makes nothing of one.
+    keep = np.fromiter((int(t) not in internal and internal.isdisjoint(rebuild_set(problem, int(t), int(b)) or ())
+                        for t, b in zip(problem.candidates.tolist(), problem.cand_remat_before.tolist(), strict=True)),
+                       dtype=bool, count=len(problem.candidates))
     empty = np.zeros(0, dtype=np.int64)
     out = dataclasses.replace(
         problem,
@@ -276,10 +290,13 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
         nbytes=np.concatenate([nbytes, np.asarray(new_nb, dtype=np.int64)]),
         kind=np.concatenate([problem.kind, kinds_new]),
         producer=np.concatenate([problem.producer, np.full(len(extra), -1, dtype=np.int64)]),
-        start=np.concatenate([problem.start, np.asarray(new_s, dtype=np.int64)]),
+        start=np.concatenate([start, np.asarray(new_s, dtype=np.int64)]),
         end=np.concatenate([end, np.asarray(new_e, dtype=np.int64)]),
         uses=problem.uses + [empty] * len(extra),
-        rematerializable=np.concatenate([problem.rematerializable, np.zeros(len(extra), dtype=bool)]),
+        # Replay runs a partitioned module's forward on chunks: none of the tensors it reads or
+        # makes exists as the trace's op made it, so no rebuild can re-run one of those ops.
+        rematerializable=np.concatenate([_without(problem.rematerializable, internal),
+                                         np.zeros(len(extra), dtype=bool)]),
         rebuild_ops=problem.rebuild_ops + [empty] * len(extra),
         remat_deadline=np.concatenate([problem.remat_deadline, np.zeros(len(extra), dtype=np.int64)]),
         initial=np.concatenate([problem.initial, np.zeros(len(extra), dtype=bool)]),
@@ -291,6 +308,13 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     )
     out.baseline_live = _live(out)
     return out, cost
+
+
+def _without(mask: np.ndarray, tensors: set[int]) -> np.ndarray:
+    out = mask.copy()
+    if tensors:
+        out[np.fromiter(tensors, dtype=np.int64, count=len(tensors))] = False
+    return out
 
 
 def _live(problem: Problem) -> np.ndarray:

@@ -1,10 +1,11 @@
-"""Plan format v2: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v3: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
 bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
-schedule from which anyone can recompute the peak. Version 1 files (trace path relative to
-the directory ``solve`` ran in) are still read.
+schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
+reserved peaks (``predicted.*_reserved_peak_bytes``). Version 2 files (no reserved peaks) and
+version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 
@@ -66,8 +67,10 @@ class Plan:
         """The file's JSON; with ``plan_dir`` (where the file goes) the trace path is written
         relative to it, so plan and traces can move together, with the absolute path beside
         (without ``plan_dir`` both are absolute)."""
+        # A v1/v2 plan saved again has no reserved peaks, which v3 requires: it stays v2.
+        version = FORMAT_VERSION if self.predicted.get("planned_reserved_peak_bytes") is not None else 2
         return {
-            "format_version": FORMAT_VERSION,
+            "format_version": version,
             "trace": self._trace_json(plan_dir),
             "budget_bytes": self.budget_bytes,
             "solver": self.solver,

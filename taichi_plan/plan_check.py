@@ -73,7 +73,7 @@ def _kind(where, field, v, typ: type, name: str, none: bool = False):
 
 
 def check_plan_json(obj: dict, where: str) -> None:
-    """Types and ranges of every field of a plan file's JSON (format v1 or v2)."""
+    """Types and ranges of every field of a plan file's JSON (format v1, v2 or v3)."""
     for key, typ, name in (("trace", dict, "an object"), ("solver", dict, "an object"),
                            ("predicted", dict, "an object"), ("decisions", dict, "an object")):
         if key not in obj:
@@ -118,6 +118,12 @@ def check_plan_json(obj: dict, where: str) -> None:
         _num(where, f"predicted.{key}", p.get(key), lo=0, none=True)
     _str(where, "predicted.cost_unit", p.get("cost_unit", "s"), choices=COST_UNITS)
     _int(where, "predicted.recompute_ops", p.get("recompute_ops"), lo=0, none=True)
+    # v3: the allocator model's reserved peaks (docs/allocator.md); older plans have none.
+    v3 = _is_int(obj.get("format_version")) and obj["format_version"] >= 3
+    for key in ("baseline_reserved_peak_bytes", "planned_reserved_peak_bytes"):
+        _int(where, f"predicted.{key}", p.get(key), lo=0, none=not v3)
+    _kind(where, "predicted.allocator", p.get("allocator"), dict, "an object", none=True)
+    _str(where, "solver.budget_on", s.get("budget_on"), none=True, choices=("allocated", "reserved"))
 
     d = obj["decisions"]
     rec, parts = d.get("recompute", []), d.get("partitions", [])

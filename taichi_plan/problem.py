@@ -291,18 +291,24 @@ def rebuild_inputs(problem: Problem, t: int) -> list[int]:
 
 def rebuildable(problem: Problem, t: int, r: int) -> bool:
     """Can ``t`` alone be rebuilt right before op ``r``, rebuilding gone inputs as needed?"""
+    return rebuild_set(problem, t, r) is not None
+
+
+def rebuild_set(problem: Problem, t: int, r: int) -> set[int] | None:
+    """The tensors a lone rebuild of ``t`` right before op ``r`` re-makes (``t`` and its gone
+    inputs, recursively), or None when one of them cannot be rebuilt."""
     seen = {t}
     stack = [t]
     while stack:
         x = stack.pop()
         if not problem.rematerializable[x] or r > problem.remat_deadline[x]:
-            return False
+            return None
         for u in rebuild_inputs(problem, x):
             if u in seen or (problem.start[u] <= r - 1 and problem.end[u] >= r):
                 continue
             seen.add(u)
             stack.append(u)
-    return True
+    return seen
 
 
 def gap_bytes(n: int, free_after: np.ndarray, remat_before: np.ndarray, sizes: np.ndarray) -> np.ndarray:

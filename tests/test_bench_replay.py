@@ -1,6 +1,8 @@
-"""Smoke test of benchmarks/bench_replay.py on a tiny GPT-2 (counts and shapes, never times)."""
+"""Smoke test of benchmarks/bench_replay.py at tiny sizes (counts and shapes, never times)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -10,6 +12,7 @@ pytest.importorskip("transformers")
 from benchmarks import bench_replay as br  # noqa: E402
 
 TINY = {"layers": 1, "hidden": 64, "heads": 2, "vocab": 256, "seq": 32, "batch": 4}
+TINY_MLP = {"layers": 2, "hidden": 32, "batch": 8}
 
 
 def _model(name, **sizes):
@@ -26,6 +29,33 @@ def test_find_blocks():
     assert mlp == [str(i) for i in range(5)]  # Linear, ReLU, Linear, ReLU, Linear
 
 
+def test_resnet_stages_and_layers():
+    model = _model("resnet50", batch=1, image_size=32)
+    assert br.find_blocks(model, "stages") == [f"resnet.encoder.stages.{i}" for i in range(4)]
+    assert len(br.find_blocks(model, "layers")) == 3 + 4 + 6 + 3  # the bottlenecks of ResNet-50
+    br.hf_checkpointing(model, "stages")
+    assert all(model.get_submodule(f"resnet.encoder.stages.{i}").forward.__name__ == "checkpointed"
+               for i in range(4))
+
+
+def test_mlp_segments():
+    model = _model("mlp", **TINY_MLP)
+    assert br.sequential_segments(model) == [["0", "1"], ["2", "3"]]  # (Linear, ReLU) pairs; head apart
+    x = torch.randn(TINY_MLP["batch"], TINY_MLP["hidden"])
+    want = model(x)
+    assert br.wrap_blocks(model, "sac-save-matmuls", "segments") == ["0-1", "2-3"]
+    assert torch.equal(model(x), want)  # the same forward, checkpointed
+
+
+def test_hf_checkpointing_is_transformers_own():
+    model = _model("llama", **TINY)
+    br.hf_checkpointing(model, "transformers")
+    on = getattr(type(model), "is_activation_checkpointing", None)  # the new name; the old one warns
+    assert (model.is_activation_checkpointing if on is not None else model.is_gradient_checkpointing)
+    with pytest.raises(ValueError, match="unknown hf checkpointing"):
+        br.hf_checkpointing(model, "everything")
+
+
 def test_matmul_policy():
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -37,19 +67,52 @@ def test_matmul_policy():
         assert br.matmul_policy(None, op) == CheckpointPolicy.PREFER_RECOMPUTE, op
 
 
-def test_run_tiny_gpt2():
-    result = br.run([("tiny gpt2", "gpt2", TINY, None)], steps=1, time_limit=5)
-    assert result["steps"] == 1 and len(result["models"]) == 1
-    r = result["models"][0]
-    assert set(r["methods"]) == {"plain", "ours-no-drops", *br.BASELINES, *(f"ours@{m}" for m in br.BASELINES)}
-    for name, row in r["methods"].items():
-        if name.startswith("ours@") and not row["feasible"]:
-            assert row["min_budget_bytes"] > 0, name
-            continue
-        assert row["peak_bytes"] > 0 and row["step_s"] > 0, name
-        assert row["peak_ratio"] > 0 and row["time_ratio"] > 0, name
-    assert set(r["claims"]) == set(br.BASELINES)
-    for method in br.BASELINES:  # the budget is the baseline's measured peak
-        assert r["methods"][f"ours@{method}"]["budget_bytes"] == r["methods"][method]["peak_bytes"]
+def test_interleaved_round_robin():
+    names = ["a", "b", "c"]
+    order = br.interleaved(names, 7)
+    assert len(order) == 7 and all(sorted(rep) == names for rep in order)  # each method once per repetition
+    assert [rep[0] for rep in order] == ["a", "b", "c", "a", "b", "c", "a"]  # one method later each time
+    assert order[1] == ["b", "c", "a"]
+
+
+def test_aa_spread():
+    assert br.aa_spread([1.0] * 7, [1.0] * 7) == 0.0
+    assert br.aa_spread([1.0], [2.0]) == 0.0  # one repetition: no spread to tell
+    again = [0.9, 0.95, 1.0, 1.0, 1.0, 1.05, 1.1]  # ratios, plain = 1: quartiles 0.95 and 1.05
+    assert br.aa_spread([1.0] * 7, again) == pytest.approx(0.05)
+
+
+def test_extra_within():
+    assert br.extra_within(0.100, 0.119) and not br.extra_within(0.100, 0.130)  # 20% of measured
+    assert br.extra_within(0.0, 0.004) and not br.extra_within(0.0, 0.006)  # or 5 ms
+    assert br.extra_within(None, 0.1) is None
+
+
+def test_run_tiny():
+    result = br.run([("tiny gpt2", br.BenchModel("gpt2", TINY, None, "transformers")),
+                     ("tiny mlp", br.BenchModel("mlp", TINY_MLP, "segments", None))], reps=2, time_limit=5)
+    assert result["reps"] == 2 and result["threads"] == 1 and len(result["models"]) == 2
+    gpt2, mlp = result["models"]
+    for r, baselines in ((gpt2, br.BASELINES), (mlp, br.BLOCK_BASELINES)):
+        expected = {"plain", "plain-again", "ours-no-drops", *baselines, *(f"ours@{m}" for m in baselines)}
+        assert set(r["methods"]) == expected, r["label"]
+        for name, row in r["methods"].items():
+            assert "error" not in row, (name, row.get("error"))
+            if name.startswith("ours@") and not row["feasible"]:
+                assert row["min_budget_bytes"] > 0, name
+                continue
+            assert row["peak_bytes"] > 0 and row["peak_ratio"] > 0, name
+            assert len(row["step_times_s"]) == 2 and row["step_s"] > 0 and row["time_ratio"] > 0, name
+        for method in baselines:  # the budget is the baseline's measured peak
+            assert r["methods"][f"ours@{method}"]["budget_bytes"] == r["methods"][method]["peak_bytes"]
+        assert set(r["claims"]) == set(baselines)
+        assert all(c["verdict"] in ("win", "tie", "loss") for c in r["claims"].values())
+        assert r["aa_margin"] == max(abs(r["aa_ratio"] - 1), r["aa_spread"])
+        assert r["methods"]["ours-no-drops"]["drops"] == 0  # 100% of the plain peak: nothing to drop
+        assert r["no_drops"]["tolerance"] >= br.NO_DROP_TOLERANCE
+    assert gpt2["methods"]["hf-checkpointing"]["peak_bytes"] < gpt2["methods"]["plain"]["peak_bytes"]
     text = br.markdown(result)
-    assert "### tiny gpt2" in text and "| ours@ckpt-every-block |" in text and "claim holds" in text and "| ours-no-drops |" in text
+    assert "| tiny gpt2 | hf-checkpointing |" in text and "| tiny mlp | sac-save-matmuls |" in text
+    assert "A/A margin" in text and "2 repetitions, interleaved" in text and "1 torch thread;" in text
+    raw = json.loads(br.to_json(result))
+    assert raw["models"][0]["methods"]["plain"]["step_times_s"] == gpt2["methods"]["plain"]["step_times_s"]

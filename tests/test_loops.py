@@ -3,19 +3,17 @@
 Each loop is recorded with its shape (``Loop``), solved at half of its peak, then trained for
 a few steps planned and unplanned from the same seed: parameters must be bitwise equal (the
 runtime rebuilds with the RNG state each op ran with, so dropout and ``randn_like`` match), and
-the planned step's peak, measured by a live-storage counter of this file (independent of the
-recorder and the simulator), must stay within the budget.
+the planned step's peak, measured by a live-storage counter (``tests/live_peak.py``,
+independent of the recorder and the simulator), must stay within the budget.
 """
 
 from __future__ import annotations
 
 import warnings
-import weakref
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from live_peak import LivePeak
 
 import taichi_plan
 from taichi_plan.errors import InfeasibleBudgetError, MismatchError
@@ -27,33 +25,6 @@ from taichi_plan.solve import solve
 from taichi_plan.solve.result import Decisions, make_plan
 
 GPT2 = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=512, seq=32, batch=4)
-
-
-class LivePeak(TorchDispatchMode):
-    """Peak bytes of the storages alive while it is active: those of ``tensors`` given up front
-    and every storage an op creates, until it is freed."""
-
-    def __init__(self, tensors):
-        super().__init__()
-        self.live: dict[int, int] = {}
-        self.keep = []
-        for t in tensors:
-            self._add(t.untyped_storage())
-        self.peak = sum(self.live.values())
-
-    def _add(self, st):
-        key = st._cdata
-        if key not in self.live and st.nbytes():
-            self.live[key] = st.nbytes()
-            self.keep.append(weakref.ref(st, lambda _r, key=key: self.live.pop(key, None)))
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor):
-                self._add(x.untyped_storage())
-        self.peak = max(self.peak, sum(self.live.values()))
-        return out
 
 
 def state_tensors(model, opt, batch):

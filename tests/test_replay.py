@@ -184,3 +184,25 @@ def test_replay_and_apply_take_the_trace_when_it_moved(traces, tmp_path):
     model = taichi_plan.apply(model, plan_path, optimizer=opt, trace=moved)
     assert model._taichi_plan["plan"].predicted == plan.predicted
     taichi_plan.finish(model)
+
+
+def test_partitioned_blocks_replay_within_budget(tmp_path):
+    """The --entry example at batch 512: plans that partition whole residual blocks (and drop
+    the block outputs' readers) used to measure 13% over their prediction (every chunk adds
+    its piece of each weight gradient) or fail in backward ("no recipe": a rebuild needed a
+    tensor that only a partitioned module makes)."""
+    trace = record_workload(get_workload(entry="examples.my_workload:make_step", batch=512), fake=False)
+    write_trace(trace, tmp_path / "mine")
+    p = build_problem(trace)
+    replayed = 0
+    for frac in (0.75, 0.8, 0.85):
+        try:
+            plan = solve(trace, int(p.baseline_peak[0] * frac), "auto", time_limit=10, problem=p)
+        except InfeasibleBudgetError:
+            continue
+        path = tmp_path / f"mine-{int(frac * 100)}.plan.json"
+        save_plan(plan, path)
+        r = replay(path, steps=1)
+        assert r["within_budget"] and abs(r["peak_ratio"] - 1) <= 0.02 and r["grads_match"], r
+        replayed += 1
+    assert replayed >= 2

@@ -32,7 +32,19 @@ def render(r: dict) -> str:
         f"{format_cost(r['step_s_planned'])} (x{pct(r['step_time_ratio'])})",
         f"  extra compute      predicted {format_cost(r['predicted_extra_s']) if r['predicted_extra_s'] is not None else '-'}"
         f", measured in rebuilds {format_cost(r['measured_recompute_s'])} ({r['recompute_ops']} ops re-run)",
+        "  extra time         predicted " + (
+            "-" if r.get("predicted_extra_time_s") is None else
+            f"{format_cost(r['predicted_extra_time_s'])} (runtime {format_cost(r['predicted_runtime_overhead_s'])})")
+        + ", measured " + ("-" if r.get("measured_extra_time_s") is None else format_cost(r["measured_extra_time_s"]))
+        + " (step time planned - unplanned)",
     ]
+    for run, c in (r.get("cuda") or {}).items():
+        def b(x):
+            return "-" if x is None else format_bytes(x)
+
+        lines.append(f"  CUDA {run:<13} allocated {b(c['measured_allocated_bytes'])} measured / "
+                     f"{b(c['predicted_allocated_bytes'])} predicted (x{pct(c['allocated_ratio'])}); reserved "
+                     f"{b(c['measured_reserved_bytes'])} / {b(c['predicted_reserved_bytes'])} (x{pct(c['reserved_ratio'])})")
     mem = r.get("memory")
     if mem:
         lines.append(f"  memory             needs about {format_bytes(mem['needed_bytes'])}, "

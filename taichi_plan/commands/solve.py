@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from ..allocator import AllocatorConfig
 from ..plan import check_plan_output, save_plan
 from ..problem import build_problem
 from ..solve import MIN_TIME_LIMIT_S, methods, solve
@@ -32,8 +33,12 @@ def render_solve_summary(plan, units: str = "auto") -> str:
         f"Baseline   peak {b(p['baseline_peak_bytes'])} at op {p['baseline_peak_op']}",
         f"Planned    peak {b(p['planned_peak_bytes'])} at op {p['planned_peak_op']}"
         + (" (while recomputing)" if p.get("planned_peak_in_recompute") else ""),
+        f"Reserved   peak {b(p['planned_reserved_peak_bytes'])} (unplanned {b(p['baseline_reserved_peak_bytes'])}), "
+        f"budget on {s.get('budget_on') or 'allocated'} bytes",
         f"Extra      {format_cost(p['extra_compute'], unit)} of compute, {p['extra_compute_pct']:.2f}% of the step "
-        f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)",
+        f"({p['recompute_ops']} recomputed ops, {len(plan.recompute)} tensors dropped)"
+        + (f"; the replay runtime adds about {format_cost(p['runtime_overhead'], unit)}"
+           if p.get("runtime_overhead") else ""),
     ]
     lb, gap = s.get("lower_bound"), s.get("gap")
     bound = (f"lower bound {format_cost(lb, unit)}, gap {100 * gap:.2f}%" if lb is not None and gap is not None
@@ -70,6 +75,12 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--budget", "-b", required=True, help="Memory budget: 16GB, 16GiB, 512MB or 60% (of the baseline peak).")
 @click.option("--method", "-m", default="auto", show_default=True,
               help="auto, ilp, heuristic, or a baseline: none, full, sqrt-n, dtr, selective-mm.")
+@click.option("--on", "budget_on", type=click.Choice(["allocated", "reserved"]), default="allocated",
+              show_default=True, help="What the budget holds: allocated tensor bytes, or the bytes the CUDA "
+              "caching allocator reserves (predicted by its model; docs/allocator.md).")
+@click.option("--alloc-conf", default=None, metavar="CONF",
+              help="The caching allocator settings the reserved peak is predicted for (expandable_segments:True, "
+              "max_split_size_mb:N) [default: those of $PYTORCH_CUDA_ALLOC_CONF, else PyTorch's defaults].")
 @click.option("--time-limit", default=60.0, show_default=True, type=float,
               help="Wall-clock seconds for the whole command (loading, warm start and search included); the best "
                    f"plan so far is written when it runs out. Honoured within 10% for limits of "
@@ -83,26 +94,37 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--force", is_flag=True, help="Replace the plan file if it exists (only a plan, never other files).")
 @units_option
 @handle_errors
-def command(trace_dir, budget, method, time_limit, work_limit, seed, output, force, units) -> None:
+def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, seed, output, force,
+            units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     started = command_started()
     if method not in methods():
         from ..errors import UsageError
 
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
+    try:
+        allocator = (AllocatorConfig.parse(alloc_conf) if alloc_conf is not None
+                     else AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), strict=False))
+    except ValueError as e:
+        from ..errors import UsageError
+
+        where = "--alloc-conf" if alloc_conf is not None else "PYTORCH_CUDA_ALLOC_CONF"
+        raise UsageError(f"{where}: {e}.") from e
     trace = read_trace(trace_dir)
     if output is None:
         output = default_plan_path(trace_dir)
     check_plan_output(output, force, option="-o")
     problem = build_problem(trace)
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
-    plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, work_limit, started)
+    plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on,
+                                allocator=allocator, work_limit=work_limit, started=started)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
 
 
-def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, work_limit=None, started=None):
+def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated", allocator=None,
+                         work_limit=None, started=None):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -111,4 +133,4 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
             status.update(f"{method}: best {incumbent:.4g}{unit}, bound {bound:.4g}{unit}")
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
-                     problem=problem, work_limit=work_limit, started=started)
+                     problem=problem, on=on, allocator=allocator, work_limit=work_limit, started=started)

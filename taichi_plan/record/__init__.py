@@ -18,6 +18,7 @@ __all__ = [
     "get_workload",
     "load_entry",
     "record",
+    "record_step",
     "record_workload",
 ]
 
@@ -34,3 +35,10 @@ def record(*args, **kwargs):
     from .api import record as _record
 
     return _record(*args, **kwargs)
+
+
+def record_step(*args, **kwargs):
+    """See :func:`taichi_plan.record.api.record_step`."""
+    from .api import record_step as _record_step
+
+    return _record_step(*args, **kwargs)

@@ -3,6 +3,9 @@
 ``record_workload`` builds the workload (inside a ``FakeTensorMode`` for ``fake=True``), runs
 ``warmup`` unrecorded steps so gradients' and optimizer state's shapes settle and the state
 exists, then records ``steps`` steps, checks their op sequences match and keeps the last one.
+``record`` does the same for objects already built, ``record_step`` for a step function the
+caller writes; all three run :func:`run_and_record`, and the Hugging Face Trainer integration
+drives the same :class:`StepRecording` from the Trainer's callbacks.
 See :mod:`taichi_plan.record.recorder` for what a step is and how each column is decided.
 """
 
@@ -11,7 +14,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from ..devices import get_profile
+from ..devices import DeviceProfile, get_profile
 from ..errors import UsageError, WorkloadError
 from ..trace import Trace, frame, op_signature
 from .loop import AUTOCAST_DTYPES, Loop
@@ -23,6 +26,11 @@ STEP_DEFINITION = (
     "zero_grad before the step (outside it); the step is forward + loss, backward (repeated per "
     "micro-batch, see meta.loop), optimizer.step(); the model output is dropped once the loss is computed"
 )
+CALLER_STEP_DEFINITION = (
+    "zero_grad before the step (outside it); the step is the caller's step_fn() (record_step): its forwards, "
+    "backwards and optimizer.step(), with the loop's shape as the caller declared it in meta.loop"
+)
+
 
 
 def _call_model(model, batch):
@@ -91,16 +99,23 @@ def _optimizer_state(optimizer) -> list:
     return [v for state in optimizer.state.values() for v in _tensors(list(state.values()))]
 
 
-def registered_tensors(model, batch, loss_fn, optimizer) -> list[tuple[str, list]]:
-    """The tensors a step starts with, by kind, for :meth:`Recorder.begin_step`."""
+def step_tensors(model, optimizer, inputs=()) -> list[tuple[str, list]]:
+    """The tensors a step starts with, by kind, for :meth:`Recorder.begin_step`: the model's
+    parameters, buffers and gradients, the optimizer's state, and every tensor in ``inputs``
+    (any nesting of lists, tuples and dicts)."""
     params = list(model.parameters())
     return [
         ("parameter", params),
         ("buffer", list(model.buffers())),
         ("gradient", [p.grad for p in params if p.grad is not None]),
         ("optimizer_state", _optimizer_state(optimizer)),
-        ("input", _tensors(batch) + _tensors(list(getattr(loss_fn, "inputs", ())))),
+        ("input", _tensors(inputs)),
     ]
+
+
+def registered_tensors(model, batch, loss_fn, optimizer) -> list[tuple[str, list]]:
+    """:func:`step_tensors` of a workload: its batch and its loss function's ``inputs``."""
+    return step_tensors(model, optimizer, [batch, list(getattr(loss_fn, "inputs", ()))])
 
 
 def late_tensors(model, optimizer) -> list[tuple[str, list]]:
@@ -110,6 +125,77 @@ def late_tensors(model, optimizer) -> list[tuple[str, list]]:
         ("gradient", [p.grad for p in model.parameters() if p.grad is not None]),
         ("optimizer_state", _optimizer_state(optimizer)),
     ]
+
+
+class StepRecording:
+    """Records the steps of a live model and optimizer, however the loop around them is
+    driven: :meth:`begin` before a step (after its ``zero_grad``), :meth:`end` after its
+    ``optimizer.step()``; the records collect in :attr:`records`. The one path under
+    :func:`record_workload`, :func:`record_step` and the Trainer integration
+    (:mod:`taichi_plan.integrations.hf`), whose callbacks call :meth:`begin` and :meth:`end`.
+    Close it (or use it as a context manager) to remove its hooks."""
+
+    def __init__(self, model, optimizer, profile: DeviceProfile | None = None):
+        self.model, self.optimizer = model, optimizer
+        self.recorder = Recorder(profile, model)
+        self.records: list[StepRecord] = []
+        self.active = False
+        self._hooks = self.recorder.optimizer_hooks(optimizer) + self.recorder.model_hooks(model)
+
+    def begin(self, inputs=()) -> None:
+        """Start recording a step; ``inputs``: the tensors the step reads that exist before it
+        (the batch, or every micro-batch of the step), registered as ``input``."""
+        if self.active:
+            raise UsageError("StepRecording.begin() called twice without end(): a step is already being recorded.")
+        self.recorder.begin_step(step_tensors(self.model, self.optimizer, inputs))
+        self.recorder.__enter__()
+        self.active = True
+
+    def end(self) -> StepRecord:
+        """Stop recording the step (call it once the step's own locals died) and keep its record."""
+        if not self.active:
+            raise UsageError("StepRecording.end() called without begin().")
+        self.active = False
+        self.recorder.__exit__(None, None, None)
+        rec = self.recorder.end_step(late_tensors(self.model, self.optimizer))
+        self.records.append(rec)
+        return rec
+
+    def close(self) -> None:
+        """Stop a step still being recorded (an exception in it), remove the hooks, and drop
+        the recorder's references."""
+        if self.active:
+            self.active = False
+            self.recorder.__exit__(None, None, None)
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        self.recorder.close()
+
+    def __enter__(self) -> StepRecording:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def run_and_record(model, optimizer, step_fn: Callable[[], None], inputs=(), *, loop: Loop, steps: int,
+                   warmup: int, profile: DeviceProfile | None = None,
+                   say: Callable[[str], None] = lambda msg: None) -> list[StepRecord]:
+    """Run ``warmup`` unrecorded steps, then record ``steps`` steps; each step is
+    ``optimizer.zero_grad(set_to_none=loop.set_to_none)`` (not recorded), then ``step_fn()``."""
+    for w in range(warmup):
+        say(f"warm-up step {w + 1}/{warmup}")
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
+        step_fn()
+    with StepRecording(model, optimizer, profile) as session:
+        for s in range(steps):
+            say(f"recording step {s + 1}/{steps}")
+            optimizer.zero_grad(set_to_none=loop.set_to_none)
+            session.begin(inputs)
+            step_fn()
+            session.end()
+    return session.records
 
 
 def _describe(rec: StepRecord, i: int) -> str:
@@ -148,71 +234,77 @@ def record_workload(
     estimates on ``device_profile`` (default ``a100-40gb``). Real runs measure durations and
     keep ``device_profile`` as metadata only.
     """
-    if steps < 1:
-        raise UsageError(f"--steps must be at least 1, got {steps}.")
-    if warmup < 0:
-        raise UsageError(f"warmup must be >= 0, got {warmup}.")
+    _check_counts(steps, warmup)
     if fake:
         device_profile = device_profile or DEFAULT_FAKE_PROFILE
     profile = get_profile(device_profile) if device_profile else None
     say = progress or (lambda msg: None)
 
-    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         say(f"building {workload.name}")
         model, batch, loss_fn, optimizer = workload.build(fake)
+        device = device_type(model)
         loop = loop or Loop()
         step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
-        for w in range(warmup):
-            say(f"warm-up step {w + 1}/{warmup}")
-            optimizer.zero_grad(set_to_none=loop.set_to_none)
-            step()
-        recorder = Recorder(profile if fake else None, model)
-        hooks = recorder.optimizer_hooks(optimizer) + recorder.model_hooks(model)
-        records: list[StepRecord] = []
-        try:
-            for s in range(steps):
-                say(f"recording step {s + 1}/{steps}")
-                optimizer.zero_grad(set_to_none=loop.set_to_none)
-                recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
-                with recorder:
-                    step()
-                records.append(recorder.end_step(late_tensors(model, optimizer)))
-        finally:
-            for h in hooks:
-                h.remove()
-            recorder.close()
-        del model, batch, loss_fn, optimizer, step, recorder
+        records = run_and_record(model, optimizer, step, [batch, list(getattr(loss_fn, "inputs", ()))],
+                                 loop=loop, steps=steps, warmup=warmup, profile=profile if fake else None, say=say)
+        del model, batch, loss_fn, optimizer, step
     say("building tables")
+    return trace_from_records(records, warmup=warmup, fake=fake, loop=loop, meta={
+        "device": device,
+        "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
+        "device_profile": device_profile,
+        "dtype": workload.dtype,
+        "step_definition": STEP_DEFINITION,
+    })
 
-    step_indices = list(range(warmup, warmup + steps))
+
+def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, loop: Loop, meta: dict) -> Trace:
+    """The trace of the last of ``records`` (steps ``warmup`` .. ``warmup + len(records) - 1``),
+    with the recording's own facts in ``meta`` (signatures, whether the steps matched, the
+    model's calls, ``loop``) added to the caller's (``device``, ``workload``, ``device_profile``,
+    ``dtype``, ``step_definition``), and what the replay runtime costs per op here (``runtime_overhead``)."""
+    import torch
+
+    from ..replay.runtime import calibrate_overhead
+
+    step_indices = list(range(warmup, warmup + len(records)))
     signatures = [op_signature(r.ops["op"], r.shapes) for r in records]
     mismatch = first_mismatch(records, step_indices)
     kept = records[-1]
-    meta = {
+    full = {
         "torch_version": torch.__version__,
         "torch_build": "cuda" if torch.version.cuda else "cpu",
-        "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
+        "device": meta["device"],
+        "workload": meta["workload"],
         "mode": "fake" if fake else "real",
-        "device_profile": device_profile,
-        "dtype": workload.dtype,
+        "device_profile": meta.get("device_profile"),
+        "dtype": meta["dtype"],
         "warmup_steps": warmup,
-        "steps_recorded": steps,
+        "steps_recorded": len(records),
         "kept_step": step_indices[-1],
         "signatures": signatures,
         "signature": signatures[-1],
         "steps_match": mismatch is None,
         "first_mismatch": mismatch,
         "cost_unit": "s",
-        "step_definition": STEP_DEFINITION,
+        "step_definition": meta["step_definition"],
         "filtered_ops": ["prim.*", "profiler.*"],
         "model_calls": kept.calls,
         "loop": loop.to_json(),
+        "runtime_overhead": calibrate_overhead(),
     }
-    return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", meta)
+    return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)
+
+
+def _check_counts(steps: int, warmup: int) -> None:
+    if steps < 1:
+        raise UsageError(f"--steps must be at least 1, got {steps}.")
+    if warmup < 0:
+        raise UsageError(f"warmup must be >= 0, got {warmup}.")
 
 
 def step_to_trace(rec: StepRecord, step: int, cost_source: str, meta: dict) -> Trace:
@@ -238,11 +330,71 @@ def record(model, batch, loss_fn, optimizer, *, name: str = "python", steps: int
     def build(fake: bool):
         return parts
 
-    workload = Workload(name, {}, build, _dtype_name(parts[0]), "python", {})
+    workload = Workload(name, {}, build, dtype_name(parts[0]), "python", {})
     return record_workload(workload, fake=False, device_profile=device_profile, steps=steps,
                            warmup=warmup, loop=loop, progress=progress)
 
 
-def _dtype_name(model) -> str:
+def record_step(model, optimizer, step_fn: Callable[[], None], *, inputs=(), loop: Loop | None = None,
+                name: str = "step", args: dict | None = None, steps: int = 2, warmup: int = 1,
+                device_profile: str | None = None, progress: Callable[[str], None] | None = None) -> Trace:
+    """Record a step you write yourself: ``step_fn()`` runs one whole optimizer step (every
+    micro-batch's forward and backward, clipping, ``optimizer.step()``) on ``model`` and
+    ``optimizer``, keeping nothing afterwards; ``optimizer.zero_grad(set_to_none=loop.set_to_none)``
+    runs before each step, outside it. ``warmup`` unrecorded steps, then ``steps`` recorded
+    ones (the model's weights change), whose op sequences must match; the last one is kept.
+
+    ``inputs``: the tensors the step reads that exist before it (its batches), recorded as
+    ``input``. ``loop``: what you know of the loop's shape (micro-batches per step, forwards
+    per backward, autocast, clipping, ``zero_grad``), stored as ``meta.loop``; the step must
+    call the model with grad ``loop.micro_batches * loop.forwards`` times. ``args``: the
+    workload's arguments for ``meta.workload.args`` (``batch`` lets the planner partition).
+    """
+    import torch
+
+    _check_counts(steps, warmup)
+    loop = loop or Loop()
+    where = f"record_step({name!r})"
+    problems = []
+    if not isinstance(model, torch.nn.Module):
+        problems.append(f"model is a {type(model).__name__}, not an nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        problems.append(f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    if not callable(step_fn):
+        problems.append(f"step_fn is a {type(step_fn).__name__}, not a function that runs one optimizer step")
+    if problems:
+        raise WorkloadError(f"{where}: {'; '.join(problems)}.")
+    if device_profile:
+        get_profile(device_profile)  # a real run measures durations: the profile is metadata, checked
+    records = run_and_record(model, optimizer, step_fn, inputs, loop=loop, steps=steps, warmup=warmup,
+                             say=progress or (lambda msg: None))
+    check_calls(records[-1], loop, where)
+    return trace_from_records(records, warmup=warmup, fake=False, loop=loop, meta={
+        "device": device_type(model),
+        "workload": {"name": name, "kind": "python", "args": dict(args or {})},
+        "device_profile": device_profile,
+        "dtype": dtype_name(model),
+        "step_definition": CALLER_STEP_DEFINITION,
+    })
+
+
+def check_calls(rec: StepRecord, loop: Loop, where: str) -> None:
+    """Refuse a recorded step whose grad-enabled model calls do not number
+    ``loop.micro_batches * loop.forwards``: the trace would describe another loop than ran."""
+    grad_calls = sum(1 for c in rec.calls if c.get("grad"))
+    want = loop.micro_batches * loop.forwards
+    if grad_calls != want:
+        raise UsageError(
+            f"{where}: the step called the model {grad_calls} time(s) with grad, but the loop given says "
+            f"{loop.micro_batches} micro-batch(es) x {loop.forwards} forward(s) = {want}. Pass the Loop your "
+            "step runs (Loop(micro_batches=..., forwards=...)), so that the trace says what the step does.")
+
+
+def device_type(model) -> str:
+    """Where the model's kernels run (``meta.device``): its parameters' device type."""
+    return next((p.device.type for p in model.parameters()), "cpu")
+
+
+def dtype_name(model) -> str:
     p = next(iter(model.parameters()), None)
     return {"torch.bfloat16": "bf16", "torch.float16": "fp16"}.get(str(getattr(p, "dtype", "")), "fp32")

@@ -84,6 +84,7 @@ def call_plans(plan: Plan, trace) -> list:
             raise PlanError(f"The plan partitions {module!r}, whose ops do not all run in one call of the model.")
         spans[a[0]][module] = (a[1], b[1] + (names[f1] not in IGNORED_OPS) - 1)
 
+    group_of = rebuild_groups(plan, trace)
     kinds = tensors["kind"].tolist()
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
     grads = [(a, f) for k, a, f in zip(kinds, alloc, free, strict=True) if k == "gradient"]
@@ -93,8 +94,22 @@ def call_plans(plan: Plan, trace) -> list:
         ops = [(names[o], modules[o], made.get(o, {})) for o in range(s0, s1 + 1) if names[o] not in IGNORED_OPS]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
-                            bool(call.get("training", True))))
+                            bool(call.get("training", True)), group_of))
     return out
+
+
+def rebuild_groups(plan: Plan, trace) -> dict[int, int]:
+    """Dropped tensor id -> the op before which the simulator rebuilds it (its group)."""
+    from ..problem import build_problem
+    from ..simulate import simulate_plan
+    from ..solve.result import drops_from_plan
+
+    problem = build_problem(trace)
+    drops = drops_from_plan(problem, plan)
+    if not drops:
+        return {}
+    sim, parted = simulate_plan(problem, drops, plan.partitions)
+    return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}
 
 
 def recipe_ops(plan: Plan, trace) -> set[int]:

@@ -11,6 +11,15 @@ Before building anything, the larger of the two predicted peaks (the unplanned r
 trace's own peak) is compared with the memory this machine has for it (free CUDA memory, or
 available RAM on CPU); a replay that cannot fit is refused with both numbers unless
 ``force``. A fake-recorded trace costs no memory to record but replays on real tensors.
+
+On CUDA (:func:`replay_device`: a GPU is here and the trace was recorded on one), the workload
+is moved to the GPU (:func:`move_workload`), the cache the warm-up step left is emptied
+(``torch.cuda.empty_cache`` after ``zero_grad``: the step starts from the tensors that outlive
+it, as the allocator model assumes), every timed step is bracketed by
+``torch.cuda.synchronize``, and the last timed step runs between
+``torch.cuda.reset_peak_memory_stats`` and ``torch.cuda.max_memory_allocated`` /
+``max_memory_reserved``: the caching allocator's own peaks, reported beside the plan's
+predicted allocated and reserved peaks (docs/allocator.md).
 """
 
 from __future__ import annotations
@@ -92,86 +101,234 @@ def check_memory(plan: Plan, trace, device: str, force: bool = False) -> dict:
         needed_bytes=needed, available_bytes=available)
 
 
+def replay_device(trace, cuda_available: bool | None = None) -> str:
+    """``cuda`` when a GPU is here and the trace was recorded on one (``meta.device``; traces
+    from before it was recorded: a CUDA build of torch), else ``cpu``."""
+    if cuda_available is None:
+        import torch
+
+        cuda_available = torch.cuda.is_available()
+    recorded = trace.meta.get("device") or ("cuda" if trace.meta.get("torch_build") == "cuda" else "cpu")
+    return "cuda" if cuda_available and recorded == "cuda" else "cpu"
+
+
+def move_workload(model, batch, loss_fn, optimizer, device: str):
+    """The workload's parts on ``device``: every parameter and buffer of the model (replaced by
+    a copy on ``device``, tied ones staying tied), the optimizer's parameter groups pointed at
+    the moved parameters, every tensor of the batch, and the tensors a loss function lists in
+    ``inputs`` (the built-in workloads' targets). The optimizer must not have state yet. Parts
+    already on ``device`` are left as they are. (Not ``Module.to``: it swaps tensors it cannot
+    change in place, which fails for fake tensors the optimizer still refers to.)"""
+    import torch
+    from torch.utils._pytree import tree_map
+
+    from ..errors import WorkloadError
+
+    if any(optimizer.state.values()):
+        raise WorkloadError("move_workload: the optimizer already has state; move the workload before its first step.")
+    target = torch.device(device)
+
+    def there(t) -> bool:
+        return t.device.type == target.type and (target.index is None or t.device.index == target.index)
+
+    def move(t):
+        return t if there(t) else t.to(target)
+
+    moved: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or there(p):
+                continue
+            if id(p) not in moved:
+                moved[id(p)] = torch.nn.Parameter(p.detach().to(target), requires_grad=p.requires_grad)
+            module._parameters[name] = moved[id(p)]
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = move(b)
+    for group in optimizer.param_groups:
+        group["params"] = [moved.get(id(p), p) for p in group["params"]]
+    batch = tree_map(lambda x: move(x) if isinstance(x, torch.Tensor) else x, batch)
+    inputs = getattr(loss_fn, "inputs", None)
+    if isinstance(inputs, tuple):
+        loss_fn.inputs = tuple(move(x) if isinstance(x, torch.Tensor) else x for x in inputs)
+    stray = [p for g in optimizer.param_groups for p in g["params"] if not there(p)]
+    if stray:
+        raise WorkloadError(f"move_workload: {len(stray)} of the optimizer's parameters stayed on {stray[0].device} "
+                            f"when the model moved to {device}; its parameters must be the model's.")
+    return model, batch, loss_fn, optimizer
+
+
+def cuda_peaks(torch) -> dict:
+    """The caching allocator's peaks since the last ``reset_peak_memory_stats``."""
+    return {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
+            "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved())}
+
+
 def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, device: str,
                     say: Callable[[str], None] = lambda msg: None, what: str = "run") -> dict:
     """Build ``workload`` from ``seed``, run an unplanned warm-up step, then ``steps`` timed
     steps under ``plan`` (None: unplanned) and one more under the recorder. Returns
     ``step_s`` (median), ``peak_bytes`` and ``peak_op`` (the recorded step's), ``ops``,
     ``recompute_s``, ``recompute_ops``, and the ``params`` and ``grads`` after the last step.
-    Shared by ``replay`` and the replay benchmark, so both measure the same way."""
-    import torch
-
-    from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
-    from ..record.recorder import Recorder
-    from ..trace import baseline_peak
-    from . import install, runtime_for
-    from .partition import install_partitions
-
-    torch.manual_seed(seed)
-    say(f"{what}: building {workload.name}")
-    model, batch, loss_fn, optimizer = workload.build(False)
-    loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
-    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
-    optimizer.zero_grad(set_to_none=loop.set_to_none)
-    step()  # warm-up, unplanned
-    rt, handles, undo = None, [], (lambda: None)
-    if plan is not None:
-        rt = runtime_for(plan, trace)
-        handles = install(model, rt, optimizer)
-        undo = install_partitions(model, plan.partitions, rt)
-
-    def one_step():
-        optimizer.zero_grad(set_to_none=loop.set_to_none)
-        if rt is not None:
-            rt.reset_counters()
-        step()
-
-    times, recompute_s = [], []
-    for k in range(steps):
-        say(f"{what}: step {k + 1}/{steps}")
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        one_step()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        if rt is not None:
-            recompute_s.append(rt.recompute_s)
-    say(f"{what}: measuring a step")
-    recorder = Recorder(None, model)
-    hooks = recorder.optimizer_hooks(optimizer)
+    Shared by ``replay`` and the replay benchmark (which interleaves several
+    :class:`MeasuredRun` itself), so both measure the same way. On CUDA also
+    ``cuda_max_allocated_bytes``/``cuda_max_reserved_bytes`` (the last timed step's peaks) and
+    ``cuda_start_allocated_bytes`` (allocated when it starts: parameters, optimizer state, batch
+    and anything outside the trace, such as cuBLAS workspaces)."""
+    run = MeasuredRun(workload, plan, trace, seed, device, say, what)
     try:
-        optimizer.zero_grad(set_to_none=loop.set_to_none)
-        recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
-        with recorder:
-            one_step()
-        rec = recorder.end_step(late_tensors(model, optimizer))
-        for h in hooks:
-            h.remove()
-        hooks = []
-        say(f"{what}: measuring a step with MemTracker")
-        memtracker = _memtracker_peak(model, optimizer, one_step, loop)
+        for k in range(steps):
+            say(f"{what}: step {k + 1}/{steps}")
+            run.timed_step(read_cuda_peaks=k == steps - 1)
+        peak = run.measure_peak()
     finally:
-        for h in hooks:
+        run.close()
+    return {**run.timings(), **peak, **run.cuda_peaks,
+            "params": [p.detach().clone() for p in run.model.parameters()],
+            "grads": [None if p.grad is None else p.grad.detach().clone() for p in run.model.parameters()]}
+
+
+class MeasuredRun:
+    """One workload built from ``seed`` (moved to the GPU when ``device`` is ``cuda``) and
+    warmed up with one unplanned step, then with ``plan`` installed (None: unplanned).
+    :meth:`timed_step` runs and times one step; :meth:`measure_peak` runs one step under the
+    recorder (the measured peak) and one under MemTracker; :meth:`close` removes what was
+    installed. Several runs may be alive at once and stepped in turn: a plan is installed on its
+    own model's calls only."""
+
+    def __init__(self, workload, plan: Plan | None, trace, seed: int, device: str,
+                 say: Callable[[str], None] = lambda msg: None, what: str = "run"):
+        import torch
+
+        from ..record.api import Loop, make_step_fn
+        from . import install, runtime_for
+        from .partition import install_partitions
+
+        self.device, self.say, self.what = device, say, what
+        torch.manual_seed(seed)
+        say(f"{what}: building {workload.name}")
+        self.model, self.batch, self.loss_fn, self.optimizer = workload.build(False)
+        if device == "cuda":
+            self.model, self.batch, self.loss_fn, self.optimizer = move_workload(
+                self.model, self.batch, self.loss_fn, self.optimizer, "cuda")
+        self.loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
+        self._step = make_step_fn(self.model, self.batch, self.loss_fn, self.optimizer, where=workload.name,
+                                  loop=self.loop)
+        self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+        self._step()  # warm-up, unplanned
+        if device == "cuda":  # start from what outlives a step, not from the unplanned step's cache
+            self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        self.rt, self._handles, self._undo = None, [], (lambda: None)
+        self.step_s: list[float] = []
+        self.recompute_s: list[float] = []
+        self.cuda_peaks: dict = {}
+        if plan is not None:
+            self.rt = runtime_for(plan, trace)
+            self._handles = install(self.model, self.rt, self.optimizer)
+            self._undo = install_partitions(self.model, plan.partitions, self.rt)
+
+    def one_step(self) -> None:
+        """One step of the loop (zero_grad first), planned when a plan is installed."""
+        self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+        if self.rt is not None:
+            self.rt.reset_counters()
+        self._step()
+
+    def timed_step(self, read_cuda_peaks: bool = False) -> float:
+        """Run and time one step; its seconds are kept in ``step_s`` (and the runtime's
+        recompute seconds in ``recompute_s``). On CUDA with ``read_cuda_peaks``: the caching
+        allocator's peaks of this step go to ``cuda_peaks`` (the cache of earlier steps is
+        there, as in training)."""
+        import torch
+
+        cuda = self.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+            if read_cuda_peaks:
+                torch.cuda.reset_peak_memory_stats()
+                self.cuda_peaks = {"cuda_start_allocated_bytes": int(torch.cuda.memory_allocated())}
+        t0 = time.perf_counter()
+        self.one_step()
+        if cuda:
+            torch.cuda.synchronize()
+            if read_cuda_peaks:
+                self.cuda_peaks.update(cuda_peaks(torch))
+        self.step_s.append(time.perf_counter() - t0)
+        if self.rt is not None:
+            self.recompute_s.append(self.rt.recompute_s)
+        return self.step_s[-1]
+
+    def timings(self) -> dict:
+        """``step_s`` and ``recompute_s`` (medians of the timed steps so far), ``recompute_ops``."""
+        return {"step_s": statistics.median(self.step_s) if self.step_s else None,
+                "recompute_s": statistics.median(self.recompute_s) if self.recompute_s else 0.0,
+                "recompute_ops": self.rt.recompute_ops if self.rt is not None else 0}
+
+    def measure_peak(self) -> dict:
+        """One step under the recorder, then one under MemTracker: ``peak_bytes``, ``peak_op``,
+        ``ops`` (the recorded step's) and ``memtracker_peak_bytes``."""
+        from ..record.api import late_tensors, registered_tensors, step_to_trace
+        from ..record.recorder import Recorder
+        from ..trace import baseline_peak
+
+        model, optimizer = self.model, self.optimizer
+        self.say(f"{self.what}: measuring a step")
+        recorder = Recorder(None, model)
+        hooks = recorder.optimizer_hooks(optimizer)
+        try:
+            optimizer.zero_grad(set_to_none=self.loop.set_to_none)
+            recorder.begin_step(registered_tensors(model, self.batch, self.loss_fn, optimizer))
+            with recorder:
+                self.one_step()
+            rec = recorder.end_step(late_tensors(model, optimizer))
+            for h in hooks:
+                h.remove()
+            hooks = []
+            self.say(f"{self.what}: measuring a step with MemTracker")
+            memtracker = _memtracker_peak(model, optimizer, self.one_step, self.loop)
+        finally:
+            for h in hooks:
+                h.remove()
+            recorder.close()
+        measured = step_to_trace(rec, 0, "measured", {})
+        peak, peak_op = baseline_peak(measured)
+        return {"peak_bytes": peak, "peak_op": peak_op, "ops": measured.num_ops,
+                "memtracker_peak_bytes": memtracker}
+
+    def close(self) -> None:
+        """Remove the plan's hooks and partitions (the model stays usable, unplanned)."""
+        for h in self._handles:
             h.remove()
-        recorder.close()
-        for h in handles:
-            h.remove()
-        undo()
-    measured = step_to_trace(rec, 0, "measured", {})
-    peak, peak_op = baseline_peak(measured)
-    out = {
-        "step_s": statistics.median(times) if times else None,
-        "peak_bytes": peak,
-        "peak_op": peak_op,
-        "ops": measured.num_ops,
-        "recompute_s": statistics.median(recompute_s) if recompute_s else 0.0,
-        "recompute_ops": rt.recompute_ops if rt is not None else 0,
-        "memtracker_peak_bytes": memtracker,
-        "params": [p.detach().clone() for p in model.parameters()],
-        "grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()],
-    }
+        self._handles = []
+        self._undo()
+        self._undo = lambda: None
+
+
+def cuda_report(predicted: dict, base: dict, planned: dict) -> dict:
+    """The caching allocator's measured peaks beside the plan's predictions: allocated (the
+    simulator's tensor bytes, and the allocator model's blocks) and reserved (the allocator
+    model), for the planned and the unplanned run, with measured / predicted ratios. Plans
+    older than format v3 predict no reserved peak (None)."""
+    al = predicted.get("allocator") or {}
+
+    def ratio(measured, pred):
+        return measured / pred if measured is not None and pred else None
+
+    out = {}
+    for run, got, alloc_key, blocks_key, reserved_key in (
+            ("planned", planned, "planned_peak_bytes", "planned_allocated_peak_bytes", "planned_reserved_peak_bytes"),
+            ("unplanned", base, "baseline_peak_bytes", "baseline_allocated_peak_bytes", "baseline_reserved_peak_bytes")):
+        m_alloc, m_res = got.get("cuda_max_allocated_bytes"), got.get("cuda_max_reserved_bytes")
+        p_alloc, p_res = predicted.get(alloc_key), predicted.get(reserved_key)
+        out[run] = {
+            "measured_allocated_bytes": m_alloc, "measured_reserved_bytes": m_res,
+            "start_allocated_bytes": got.get("cuda_start_allocated_bytes"),
+            "predicted_allocated_bytes": p_alloc, "predicted_allocator_allocated_bytes": al.get(blocks_key),
+            "predicted_reserved_bytes": p_res,
+            "allocated_ratio": ratio(m_alloc, p_alloc), "reserved_ratio": ratio(m_res, p_res),
+        }
     return out
 
 
@@ -207,7 +364,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         raise PlanError(f"--steps must be at least 1, got {steps}.")
     say = progress or (lambda msg: None)
     plan, trace = plan_and_trace(plan, trace)
-    device = "cuda" if torch.cuda.is_available() and trace.meta.get("torch_build") == "cuda" else "cpu"
+    device = replay_device(trace)
     workload = _workload(trace)
     memory = check_memory(plan, trace, device, force)
     base = run_and_measure(workload, None, trace, steps, seed, device, say, "unplanned run")
@@ -231,12 +388,17 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "step_s_planned": planned["step_s"],
         "step_time_ratio": planned["step_s"] / base["step_s"] if base["step_s"] else None,
         "predicted_extra_s": pred["extra_compute"] if pred.get("cost_unit") == "s" else None,
+        "predicted_runtime_overhead_s": pred.get("runtime_overhead"),
+        "predicted_extra_time_s": pred.get("extra_time"),
+        "measured_extra_time_s": (planned["step_s"] - base["step_s"]) if base["step_s"] and planned["step_s"]
+        else None,
         "measured_recompute_s": planned["recompute_s"],
         "recompute_ops": planned["recompute_ops"],
         "partitions": len(plan.partitions),
         "steps": steps,
         "trace_mode": trace.meta.get("mode"),
         "memory": memory,
+        "cuda": cuda_report(pred, base, planned) if device == "cuda" else None,
         "mechanism": "per model call: saved-tensor hooks and per-tensor rebuild from recorded op recipes; "
                      "partitions: chunked non-reentrant checkpoint",
     }

@@ -75,6 +75,7 @@ class Step:
     leaves: list  # leaves with tensors replaced by TRef
     out_pos: int | None  # flattened output index that is this storage (None: in-place write)
     rng: tuple | None  # (cpu state, {device: cuda state}) for random ops
+    op: int = 0  # the op's index in its model call (rebuild groups run in this order)
 
 
 @dataclass
@@ -121,6 +122,9 @@ class CallPlan:
     inputs: list  # [name, shape, dtype] per tensor input (the input-signature guard)
     grads_alive: bool | None  # whether gradients existed when the recorded call started
     training: bool = True
+    # tensor id -> the simulator's rebuild group (the op before which it is rebuilt): a group's
+    # dropped tensors are rebuilt together, their gone inputs re-made once for all of them.
+    group_of: dict[int, int] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -145,6 +149,7 @@ class Frame:
     cache: dict = field(default_factory=dict)  # sid -> rebuilt storage held for later handles
     building: dict = field(default_factory=dict)
     depth: int = 0  # rebuilds in progress (a rebuild rebuilds its gone inputs first)
+    shared: dict | None = None  # while a group is rebuilt: its transients, re-made once
     next_sid: int = 0
 
 
@@ -374,7 +379,7 @@ class PlanRuntime(TorchDispatchMode):
             sid = self._sid(frame, st)
             outs.append(sid)
             if fresh and sid not in in_sids:
-                frame.recipes[sid] = [Step(func, spec, refs, j, rng)]
+                frame.recipes[sid] = [Step(func, spec, refs, j, rng, i)]
                 want = sizes.get(j)
                 if want is not None and want != st.nbytes():
                     self._size_mismatch(frame, i, info.name, j, st.nbytes(), want)
@@ -386,7 +391,7 @@ class PlanRuntime(TorchDispatchMode):
                     if isinstance(w, _Tensor):
                         sid = self._sid(frame, w.untyped_storage())
                         if sid in frame.recipes:
-                            frame.recipes[sid].append(Step(func, spec, refs, None, rng))
+                            frame.recipes[sid].append(Step(func, spec, refs, None, rng, i))
         for j, tid in call.drops.get(i, ()):
             if j < len(outs) and outs[j] in frame.recipes:
                 frame.dropped[outs[j]] = tid
@@ -445,15 +450,32 @@ class PlanRuntime(TorchDispatchMode):
         st = self._storage(frame, ref.sid)
         return torch.empty(0, dtype=ref.dtype, device=ref.device).set_(st, ref.offset, ref.size, ref.stride)
 
+    def _alive(self, frame: Frame, sid: int):
+        w = frame.alive.get(sid)
+        return w() if w is not None else None
+
     def _storage(self, frame: Frame, sid: int) -> torch.UntypedStorage:
         if sid in frame.building:
             return frame.building[sid]
         if sid in frame.cache:
             return frame.cache[sid]
-        w = frame.alive.get(sid)
-        st = w() if w is not None else None
+        st = self._alive(frame, sid)
         if st is not None:  # still alive (its value cannot have changed: see remat_deadline)
             return st
+        if frame.shared is not None and sid in frame.shared:
+            return frame.shared[sid]
+        if frame.depth == 0 and sid in frame.dropped and frame.call.group_of:
+            return self._rebuild_group(frame, sid)
+        return self._build(frame, sid)
+
+    def _build(self, frame: Frame, sid: int) -> torch.UntypedStorage:
+        st = self._run_recipe(frame, sid)
+        if sid in frame.dropped and frame.pending.get(sid, 0) > 0:
+            frame.cache[sid] = st
+        return st
+
+    def _run_recipe(self, frame: Frame, sid: int) -> torch.UntypedStorage:
+        """Re-run the recipe of ``sid`` (its inputs: alive, cached, shared, or rebuilt first)."""
         steps = frame.recipes.get(sid)
         if not steps:
             raise MismatchError(f"A storage the plan needs back (id {sid}) has no recipe; the plan does not "
@@ -478,9 +500,57 @@ class PlanRuntime(TorchDispatchMode):
             frame.depth -= 1
         if frame.depth == 0:
             self.recompute_s += time.perf_counter() - t0
-        if sid in frame.dropped and frame.pending.get(sid, 0) > 0:
-            frame.cache[sid] = st
         return st
+
+    def _rebuild_group(self, frame: Frame, sid: int) -> torch.UntypedStorage:
+        """Rebuild ``sid`` together with the other dropped tensors of its simulator group that a
+        handle still awaits, exactly as the simulator's group runs: each storage the group needs
+        (its members and their gone inputs, recursively) is re-made once, in op order; a member
+        is held until its handles unpack, any other storage is freed after its last use in the
+        group."""
+        call = frame.call
+        group = call.group_of.get(frame.dropped[sid])
+        targets = [sid] + [s for s, tid in frame.dropped.items()
+                           if s != sid and call.group_of.get(tid) == group and frame.pending.get(s, 0) > 0
+                           and s not in frame.cache and self._alive(frame, s) is None]
+        first_op: dict[int, int] = {}
+        reads: dict[int, set[int]] = {}
+        stack = list(targets)
+        while stack:
+            x = stack.pop()
+            if x in first_op:
+                continue
+            steps = frame.recipes.get(x)
+            if not steps:
+                raise MismatchError(f"A storage the plan needs back (id {x}) has no recipe; the plan does not "
+                                    "match this model. Record and solve again.")
+            first_op[x] = steps[0].op
+            reads[x] = {r.sid for st in steps for r in st.leaves
+                        if isinstance(r, TRef) and r.sid != x and 0 not in r.size}
+            stack.extend(u for u in reads[x] if u not in first_op and u not in frame.cache
+                         and self._alive(frame, u) is None)
+        order = sorted(first_op, key=lambda x: (first_op[x], x))
+        left: dict[int, int] = {}
+        for x in order:
+            for u in reads[x]:
+                if u in first_op:
+                    left[u] = left.get(u, 0) + 1
+        frame.shared = {}
+        try:
+            for x in order:
+                st = self._run_recipe(frame, x)
+                if x in frame.dropped and frame.pending.get(x, 0) > 0:
+                    frame.cache[x] = st
+                else:
+                    frame.shared[x] = st
+                for u in reads[x]:
+                    if u in left:
+                        left[u] -= 1
+                        if left[u] == 0:
+                            frame.shared.pop(u, None)
+            return frame.cache.get(sid) or frame.shared[sid]
+        finally:
+            frame.shared = None
 
 
 def _rng_state(args, kwargs):
@@ -500,3 +570,61 @@ def _run(step: Step, args, kwargs):
         for d, s in cuda.items():
             torch.cuda.set_rng_state(s, d)
         return step.func(*args, **kwargs)
+
+
+def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
+    """What this runtime costs per op on this machine, in seconds (medians of ``repeats``):
+    ``check_op_s``, an op of a planned call it only counts and checks; ``recipe_op_s``, one
+    it also keeps a recipe for; ``rebuild_op_s``, the bookkeeping of re-running one op in a
+    rebuild (beyond the op's own time). Measured on ``n`` one-element additions, so the ops'
+    own time is nothing; the recorder stores it in the trace (``meta.runtime_overhead``) and
+    the planner adds it to a plan's predicted extra time."""
+    import statistics
+
+    x = torch.ones(1)
+    name = str(torch.ops.aten.add.Tensor)
+    ops = [(name, "", {0: x.untyped_storage().nbytes()})] * n
+
+    def chain(steps: int) -> _Tensor:
+        y = x
+        for _ in range(steps):
+            y = y + 1
+        return y
+
+    def timed(recipes: set | None) -> float:
+        rt = PlanRuntime([CallPlan(0, ops, {}, recipes, {}, [], None)])
+        frame = rt._frame = Frame(rt.calls[0])
+        t0 = time.perf_counter()
+        with rt:
+            chain(n)
+        dt = time.perf_counter() - t0
+        assert frame.n == n and frame.enabled
+        return dt
+
+    def rebuild(steps: int) -> float:
+        rt = PlanRuntime([CallPlan(0, ops[:steps], {}, None, {}, [], None)])
+        frame = rt._frame = Frame(rt.calls[0])
+        with rt:
+            sid = rt._sid(frame, chain(steps).untyped_storage())  # the chain's storages are gone now
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            rt._storage(frame, sid)
+        return time.perf_counter() - t0
+
+    plain, check, recipe, rebuilt = [], [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            chain(n)
+        plain.append(time.perf_counter() - t0)
+        check.append(timed(set()))
+        recipe.append(timed(None))
+        rebuilt.append(rebuild(min(n, 100)))
+    base = statistics.median(plain) / n
+    return {
+        "check_op_s": max(statistics.median(check) / n - base, 0.0),
+        "recipe_op_s": max(statistics.median(recipe) / n - base, 0.0),
+        "rebuild_op_s": max(statistics.median(rebuilt) / min(n, 100) - base, 0.0),
+        "ops": n,
+        "repeats": repeats,
+    }

@@ -134,6 +134,16 @@ def timeline_blob(timeline: dict, problem: Problem | None = None, points: int = 
     }
 
 
+def _reserved_card(rs: dict, version, size) -> tuple[str, str, str]:
+    """The allocator model's reserved peak (docs/allocator.md), or why the plan has none."""
+    if not rs.get("predicted"):
+        return ("Reserved peak", "-", f"not predicted (plan format v{version}); solve again")
+    fits = {True: "within the budget; ", False: "over the budget; ", None: ""}[rs.get("fits_budget")]
+    return ("Reserved peak", size(rs["planned_nbytes"]),
+            f"{fits}{size(rs['baseline_nbytes'])} unplanned; budget on {rs.get('budget_on')} bytes; "
+            "CUDA caching allocator model" + (", expandable segments" if rs.get("expandable_segments") else ""))
+
+
 def plan_data(plan: Plan, summary: dict, timeline: dict | None, problem: Problem | None = None,
               units: str | None = None, rebuilt_before: dict[int, int] | None = None) -> dict:
     """The JSON blob the page renders from (see the module docstring). ``rebuilt_before``:
@@ -227,6 +237,7 @@ def _header(s: dict, units: str) -> str:
         ("Budget", size(budget), budget_pct + (f"{budget:,} bytes" if budget is not None else "no budget")),
         ("Baseline peak", size(b["nbytes"]), _where(b) or "unplanned step"),
         ("Planned peak", size(p["nbytes"]), pct + _where(p)),
+        _reserved_card(s.get("reserved_peak") or {}, s.get("format_version"), size),
         ("Extra compute", xp + " of the step",
          f"{cost(x['cost'])} of the step's {cost(x['step'])}; {x['ops_rerun']} ops re-run, "
          f"{s['decisions']['tensors_dropped']} tensors dropped, {size(s['decisions']['nbytes_freed'])} freed"),

@@ -234,6 +234,7 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
         "solver": {k: solver.get(k) for k in ("method", "status", "objective", "lower_bound", "gap",
                                               "wall_s", "seed", "notes")},
     }
+    summary["reserved_peak"] = reserved_summary(plan)
     base, planned = summary["baseline_peak"]["nbytes"], summary["planned_peak"]["nbytes"]
     summary["planned_peak"]["pct_of_baseline"] = 100.0 * planned / base if base and planned is not None else None
 
@@ -258,6 +259,24 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
                        <= 1e-9 * max(1.0, abs(sim.extra_cost))),
         }
     return summary
+
+
+def reserved_summary(plan: Plan) -> dict:
+    """The allocator model's verdict as the plan records it (docs/allocator.md): reserved peaks
+    of the unplanned and planned step, the blocks handed out at most, and which bytes the budget
+    was stated on. Plans of format v1/v2 have no reserved peaks (``predicted`` is false)."""
+    pred, al = plan.predicted, plan.predicted.get("allocator") or {}
+    planned = pred.get("planned_reserved_peak_bytes")
+    on = plan.solver.get("budget_on") or "allocated"
+    return {
+        "predicted": planned is not None,
+        "baseline_nbytes": pred.get("baseline_reserved_peak_bytes"),
+        "planned_nbytes": planned,
+        "planned_allocated_blocks_nbytes": al.get("planned_allocated_peak_bytes"),
+        "expandable_segments": al.get("expandable_segments"),
+        "budget_on": on,
+        "fits_budget": (None if planned is None or plan.budget_bytes is None else planned <= plan.budget_bytes),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -316,12 +335,23 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
     else:
         lines += wrap(f"{t['path'] or '-'} ({t['state']})", f"  {'trace':<10} ")
     lines.append(f"  {'ops':<10} {t['num_ops']}    signature {t['signature']}")
+    rs = s.get("reserved_peak") or {}
     lines.append(f"  {'budget':<10} {size(s['budget_bytes'])}" +
-                 (f" ({s['budget_bytes']:,} bytes)" if s["budget_bytes"] is not None else " (none)"))
+                 (f" ({s['budget_bytes']:,} bytes, on {rs.get('budget_on') or 'allocated'} bytes)"
+                  if s["budget_bytes"] is not None else " (none)"))
     b, p = s["baseline_peak"], s["planned_peak"]
     lines += wrap(f"peak {size(b['nbytes'])} {_where(b)}", f"  {'baseline':<10} ")
     pct = f", {p['pct_of_baseline']:.1f}% of baseline" if p.get("pct_of_baseline") is not None else ""
     lines += wrap(f"peak {size(p['nbytes'])}{pct} {_where(p)}", f"  {'planned':<10} ")
+    if rs.get("predicted"):
+        fits = {True: ", within the budget", False: ", over the budget", None: ""}[rs.get("fits_budget")]
+        lines += wrap(f"peak {size(rs['planned_nbytes'])} planned{fits}, {size(rs['baseline_nbytes'])} unplanned "
+                      "(CUDA caching allocator model" +
+                      (", expandable segments" if rs.get("expandable_segments") else "") + ")",
+                      f"  {'reserved':<10} ")
+    else:
+        lines += wrap(f"not predicted (plan format v{s.get('format_version')}; solve again for the allocator "
+                      "model's reserved peak)", f"  {'reserved':<10} ")
     xp = f"{x['pct_of_step']:.2f}%" if x["pct_of_step"] is not None else "-"
     lines += wrap(f"{cost(x['cost'])} of compute, {xp} of the step's {cost(x['step'])} "
                    f"({x['ops_rerun']} ops re-run, {s['decisions']['tensors_dropped']} tensors dropped)",

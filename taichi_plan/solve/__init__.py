@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..allocator import AllocatorConfig
 from ..errors import InfeasibleBudgetError, UsageError
 from ..partition import floor_bytes
 from ..plan import Plan
@@ -106,17 +107,33 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
-          problem: Problem | None = None, work_limit: float | None = None,
-          started: float | None = None) -> Plan:
+          problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
+          work_limit: float | None = None, started: float | None = None) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
+
+    ``on``: the budget holds allocated bytes (the simulator's peak) or ``"reserved"`` bytes (the
+    allocator model's reserved peak; see :mod:`taichi_plan.solve.reserved`); ``allocator``: the
+    model's settings (PyTorch's defaults when None).
 
     ``time_limit`` is wall seconds for the whole solve, counted from ``started`` (a
     ``time.perf_counter()`` value: the CLI passes the moment it started loading) or from this
-    call; limits of at least :data:`MIN_TIME_LIMIT_S` are honoured within 10%. When it runs
-    out, the best plan found so far is returned with its bound. ``work_limit`` bounds CP-SAT's
-    deterministic time instead (summed over its rounds): the same trace, budget, seed and work
-    limit give the same plan, provided the time limit is not reached first.
+    call; limits of at least :data:`MIN_TIME_LIMIT_S` are honoured within 10% (with
+    ``on="reserved"``, for all its rounds together). When it runs out, the best plan found so
+    far is returned with its bound. ``work_limit`` bounds CP-SAT's deterministic time instead
+    (summed over its rounds): the same trace, budget, seed and work limit give the same plan,
+    provided the time limit is not reached first.
     """
+    if on == "reserved":
+        from .reserved import solve_on_reserved
+
+        began = time.perf_counter() if started is None else started
+        problem = problem or build_problem(trace)
+        return solve_on_reserved(
+            lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
+                                 problem=problem, allocator=allocator, work_limit=work_limit, started=began),
+            budget_bytes, method)
+    if on != "allocated":
+        raise UsageError(f"--on must be allocated or reserved, not {on!r}.")
     if method not in methods():
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
@@ -130,12 +147,12 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     base_peak, _ = problem.baseline_peak
     if budget_bytes >= base_peak:
         dec = Decisions(status="optimal", lower_bound=0.0, notes=["the budget does not bind: no change needed"])
-        return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+        return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         raise infeasible_error(problem, budget_bytes, method)
     dec = run_method(problem, budget_bytes, method, time_limit=max(end - time.perf_counter(), 0.0), seed=seed,
                      progress=progress, work_limit=work_limit)
-    plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed)
+    plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if plan.solver["status"] == "infeasible" and method in OURS and time.perf_counter() < end:
         # The greedy sweep is not monotone in the budget: asked for less, it may find a plan
         # that fits this budget, or at least peaks lower. Of the two, the simulator's better
@@ -147,7 +164,8 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         lower.timed_out = dec.timed_out
         if best_by_simulator(problem, budget_bytes, [dec, lower]) is lower:
             dec = lower
-            plan = make_plan(problem, budget_bytes, method, lower, time.perf_counter() - t0, seed)
+            plan = make_plan(problem, budget_bytes, method, lower, time.perf_counter() - t0, seed,
+                             allocator=allocator)
     if plan.solver["status"] == "infeasible":
         if dec.timed_out:
             raise timed_out_error(problem, budget_bytes, method, plan, time_limit, work_limit)

@@ -47,7 +47,15 @@ from ..partition import (
     span_tensors,
 )
 from ..plan import Partition
-from ..problem import Problem, coverage_delta, gap_bytes, options, rebuild_closure, rebuild_inputs
+from ..problem import (
+    Problem,
+    coverage_delta,
+    gap_bytes,
+    options,
+    rebuild_closure,
+    rebuild_inputs,
+    rebuild_set,
+)
 from ..simulate import Drop, SimResult, rebuild_overhead, simulate_plan
 from .heuristic import plan_remat, sim_over
 from .result import Decisions
@@ -163,7 +171,12 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
     out = []
     for span in spans:
         inner = span_tensors(problem, span)
-        internal = np.asarray(sorted(k for t in inner for k in opt_of.get(t, [])), dtype=np.int64)
+        # Options the partition rules out: its own tensors, and those whose rebuild would
+        # re-make one of them (replay cannot re-run a partitioned module's ops one by one).
+        blocked = {k for t in inner for k in opt_of.get(t, [])}
+        blocked.update(k for k, (t, b) in enumerate(zip(st.tensor.tolist(), st.b.tolist(), strict=True))
+                       if k not in blocked and not inner.isdisjoint(rebuild_set(problem, t, b) or ()))
+        internal = np.asarray(sorted(blocked), dtype=np.int64)
         for chunks in sorted({c for c in CHUNK_CHOICES if c <= span.batch}):
             sav = partition_savings(problem, span, chunks)
             if not np.any(sav[over] > 0):

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
+from ..overhead import runtime_overhead_s
 from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
-from ..simulate import Drop, SimResult, build_schedule, simulate_plan
+from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
 from ..units import format_bytes, format_cost
 
 
@@ -37,7 +39,10 @@ BOUND_TOLERANCE = 1e-9
 
 
 def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Decisions,
-              wall_s: float, seed: int, with_schedule: bool = True) -> Plan:
+              wall_s: float, seed: int, with_schedule: bool = True, *,
+              allocator: AllocatorConfig | None = None) -> Plan:
+    """The plan of ``dec``, with the simulator's numbers and the allocator model's reserved
+    peaks (``allocator``: its settings; PyTorch's defaults when None)."""
     sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
     base_peak, base_op = problem.baseline_peak
     fits = budget_bytes is None or sim.peak_bytes <= budget_bytes
@@ -53,6 +58,11 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         gap = 0.0 if sim.extra_cost <= 1e-12 else max(sim.extra_cost - lb, 0.0) / sim.extra_cost
     unit = problem.trace.cost_unit
     trace = problem.trace
+    schedule = build_schedule(parted, dec.drops)
+    planned_al = replay_schedule(schedule, allocator)
+    base_al = baseline_allocator(problem, allocator)
+    overhead = runtime_overhead_s(problem, dec.drops, dec.partitions,
+                                  rerun_ops(parted, dec.drops) if dec.drops else set(), sim.recompute_ops)
     return Plan(
         trace={
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
@@ -88,11 +98,30 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "cost_unit": unit,
             "recompute_ops": sim.recompute_ops,
             "partition_compute": sim.partition_cost,
+            # The allocator model's verdict (taichi_plan/allocator.py): what a CUDA step reserves.
+            "baseline_reserved_peak_bytes": base_al.reserved_peak_bytes,
+            "planned_reserved_peak_bytes": planned_al.reserved_peak_bytes,
+            "allocator": {"model": "cuda-caching", "baseline_allocated_peak_bytes": base_al.allocated_peak_bytes,
+                          "planned_allocated_peak_bytes": planned_al.allocated_peak_bytes,
+                          "planned_segments": planned_al.segments, **planned_al.config.to_dict()},
+            # The replay runtime's own bookkeeping (taichi_plan.overhead), and the two together:
+            # what the step is predicted to take longer.
+            "runtime_overhead": overhead,
+            "extra_time": None if overhead is None else sim.extra_cost + overhead,
         },
         recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
-        schedule=build_schedule(parted, dec.drops) if with_schedule else None,
+        schedule=schedule if with_schedule else None,
     )
+
+
+def baseline_allocator(problem: Problem, allocator: AllocatorConfig | None = None) -> AllocatorResult:
+    """The allocator model's verdict on the unplanned step (cached on the problem per setting)."""
+    config = allocator or AllocatorConfig()
+    cache = problem.__dict__.setdefault("_baseline_allocator", {})
+    if config not in cache:
+        cache[config] = replay_schedule(build_schedule(problem, []), config)
+    return cache[config]
 
 
 def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recompute:

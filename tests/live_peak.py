@@ -1,0 +1,38 @@
+"""An independent live-storage counter for the tests that train with a plan: it shares no
+code with the recorder or the simulator, so a peak it measures within the plan's budget is
+evidence, not a restatement."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+class LivePeak(TorchDispatchMode):
+    """Peak bytes of the storages alive while it is active: those of ``tensors`` given up front
+    and every storage an op creates, until it is freed."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self.live: dict[int, int] = {}
+        self.keep = []
+        for t in tensors:
+            self._add(t.untyped_storage())
+        self.peak = sum(self.live.values())
+
+    def _add(self, st):
+        key = st._cdata
+        if key not in self.live and st.nbytes():
+            self.live[key] = st.nbytes()
+            self.keep.append(weakref.ref(st, lambda _r, key=key: self.live.pop(key, None)))
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                self._add(x.untyped_storage())
+        self.peak = max(self.peak, sum(self.live.values()))
+        return out

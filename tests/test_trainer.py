@@ -1,0 +1,144 @@
+"""The Hugging Face Trainer with a plan: examples/hf_trainer.py, run as CI runs it.
+
+The example's Trainer (tiny GPT-2, gradient_accumulation_steps=2, clipping, AdamW, evaluation
+every 2 steps) is recorded inside ``trainer.train()``, solved, then trained for 4 steps planned
+and unplanned from the same seed. Parameters must be bitwise equal: the runtime rebuilds each
+dropped tensor by re-running its ops with the RNG state they first ran with (GPT-2's dropout
+included), and the plan has no partitions (which would only promise allclose). The last
+planned step's peak, counted by ``tests/live_peak.py`` (independent of the recorder and the
+simulator), must stay within the plan's budget.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+from live_peak import LivePeak  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+from taichi_plan.errors import PlanError, UsageError  # noqa: E402
+from taichi_plan.integrations.hf import PlanCallback, record_trainer  # noqa: E402
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+STEPS, EVAL_EVERY = 4, 2
+
+
+def load_example():
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+example = load_example()
+
+
+class PeakOfLastStep(TrainerCallback):
+    """Counts live storages over the last optimizer step (``on_step_begin`` .. ``on_optimizer_step``),
+    starting from everything the step starts with: parameters, buffers, optimizer state and the
+    step's micro-batches (seen through the Trainer's ``get_batch_samples``)."""
+
+    def __init__(self, trainer, last_step: int):
+        self.last_step, self.tracker, self.peak, self.batches = last_step, None, None, []
+        fetch = trainer.get_batch_samples
+
+        def get_batch_samples(*a):
+            self.batches = fetch(*a)
+            return self.batches
+
+        trainer.get_batch_samples = get_batch_samples
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == self.last_step:
+            samples, num_items = self.batches
+            start = [*model.parameters(), *model.buffers(), num_items]
+            start += [p.grad for p in model.parameters() if p.grad is not None]
+            start += [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+            start += [v for b in samples for v in b.values() if isinstance(v, torch.Tensor)]
+            self.tracker = LivePeak(start)
+            self.tracker.__enter__()
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.tracker is not None:
+            self.tracker.__exit__(None, None, None)
+            self.peak, self.tracker = self.tracker.peak, None
+
+
+def train(out: Path, plan_path=None):
+    plan_cb = PlanCallback(plan_path) if plan_path is not None else None
+    trainer = example.make_trainer(out, steps=STEPS, eval_every=EVAL_EVERY, callbacks=[plan_cb] if plan_cb else [])
+    peak = PeakOfLastStep(trainer, STEPS - 1)
+    trainer.add_callback(peak)
+    trainer.train()
+    params = [p.detach().clone() for p in trainer.model.parameters()]
+    return trainer, params, peak.peak, plan_cb
+
+
+@pytest.fixture(scope="module")
+def planned_example(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf")
+    plan, path = example.record_and_solve(out, out / "trace", out / "trainer.plan.json", budget=0.75)
+    return out, plan, path
+
+
+def test_trainer_trains_planned_bitwise_within_budget(planned_example):
+    out, plan, path = planned_example
+    assert plan.recompute and not plan.partitions, "the plan must drop tensors, and promise bitwise"
+    assert plan.budget_bytes < plan.predicted["baseline_peak_bytes"]
+    _, base, base_peak, _ = train(out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mismatch may be reported
+        trainer, planned, peak, cb = train(out, path)
+    assert all(torch.equal(a, b) for a, b in zip(base, planned, strict=True))
+    rt = cb.runtime
+    assert rt.planned_calls == 2 * STEPS  # every micro-batch's forward; the evaluations none
+    assert rt.dropped_storages > 0 and rt.mismatches == 0
+    evals = [h for h in trainer.state.log_history if "eval_loss" in h]
+    assert len(evals) == STEPS // EVAL_EVERY
+    assert getattr(trainer.model, "_taichi_plan", None) is None  # finished at on_train_end
+    assert peak <= plan.budget_bytes < base_peak, (peak, plan.budget_bytes, base_peak)
+    # The counter agrees with the trace on the step the Trainer runs, unplanned and planned
+    # (here to the byte and to 4 bytes; 1% allows for a reference cycle collected late).
+    assert base_peak == pytest.approx(plan.predicted["baseline_peak_bytes"], rel=0.01)
+    assert peak == pytest.approx(plan.predicted["planned_peak_bytes"], rel=0.01)
+
+
+def test_the_trace_is_the_step_the_trainer_runs(planned_example):
+    from taichi_plan.plan import load_plan  # noqa: F401  (the plan loads)
+    from taichi_plan.trace import read_trace
+
+    out, plan, _ = planned_example
+    trace = read_trace(out / "trace")
+    meta = trace.meta
+    assert meta["steps_match"] and meta["workload"]["kind"] == "hf_trainer"
+    assert meta["device"] == "cpu" and "runtime_overhead" in meta
+    assert meta["loop"]["micro_batches"] == 2 and meta["loop"]["clip_grad_norm"] == 1.0
+    calls = [c for c in meta["model_calls"] if c["grad"]]
+    assert len(calls) == 2
+    # The Trainer passes num_items_in_batch: the model's loss sums and divides by it (a plain
+    # model(**batch) call averages instead), so the loss ops are inside the model's calls.
+    ops = trace.ops["op"].tolist()
+    for c in calls:
+        inside = ops[c["start"]: c["end"] + 1]
+        assert "aten.nll_loss_forward.default" in inside and "aten.div.Tensor" in inside
+    kinds = trace.tensors["kind"].tolist()
+    # Both micro-batches (input_ids, labels) and num_items_in_batch exist before the step.
+    assert kinds.count("input") >= 5
+
+
+def test_plan_for_another_accumulation_is_refused(planned_example, tmp_path):
+    out, _, path = planned_example
+    trainer = example.make_trainer(tmp_path, steps=1, eval_every=1, callbacks=[PlanCallback(path)])
+    trainer.args.gradient_accumulation_steps = 1
+    with pytest.raises(PlanError, match="gradient_accumulation_steps=1"):
+        trainer.train()
+    with pytest.raises(UsageError, match="PlanCallback"):
+        record_trainer(trainer)
