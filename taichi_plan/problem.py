@@ -61,6 +61,15 @@ class Problem:
         keeps: one made in forward and used next in backward. Imported graphs have no such limit."""
         return self.trace.meta.get("mode") != "imported"
 
+    @property
+    def every_gap(self) -> bool:
+        """Is every gap between two uses a candidate (a tensor freed and rebuilt once per
+        gap), rather than the longest one only? On imported graphs without a backward
+        (forward-only graphs, where tensors have many uses and no long gap): there, several
+        rebuilds are what reaches a budget. Training graphs keep their forward -> backward
+        gap, and recorded steps must (replay rebuilds a tensor once)."""
+        return not self.replayable_only and "backward" not in self._phase_array
+
     def gap_allowed(self, producer: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
         """Which (producer, free_after, remat_before) gaps a plan may use (see replayable_only)."""
         if not self.replayable_only:
@@ -233,9 +242,12 @@ def _grouped(keys: np.ndarray, values: np.ndarray, n: int) -> list[np.ndarray]:
 
 
 def _find_candidates(prob: Problem) -> None:
-    """Pick each rematerializable tensor's longest gap between consecutive uses after its
-    last write, keeping those whose lone rebuild is executable."""
+    """Pick each rematerializable tensor's gaps between consecutive uses after its last
+    write, keeping those whose lone rebuild is executable: the longest gap only, or, where
+    ``prob.every_gap``, every gap (a tensor may be freed and rebuilt once per gap, as in
+    Checkmate and Moccasin). A tensor with several gaps is listed once per gap, in gap order."""
     cands, frees, remats, early = [], [], [], []
+    every_gap = prob.every_gap
     for t in np.nonzero(prob.rematerializable & (prob.nbytes > 0))[0].tolist():
         last_write = int(prob.rebuild_ops[t][-1])
         u = prob.uses[t]
@@ -243,26 +255,28 @@ def _find_candidates(prob: Problem) -> None:
         if len(u) < 2:
             continue
         gaps = np.diff(u)
-        k = int(np.argmax(gaps))
-        if gaps[k] < 2:
-            continue
-        a, b = int(u[k]), int(u[k + 1])
-        if b > prob.end[t] or b > prob.remat_deadline[t] or not rebuildable(prob, t, b):
-            continue
-        if not prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]), np.asarray([b]))[0]:
-            continue
-        cands.append(t)
-        frees.append(a)
-        remats.append(b)
-        reads = rebuild_inputs(prob, t)
-        r = int(min(int(prob.end[reads].min()), b)) if reads else b
-        early_ok = a + 2 <= r < b and prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]),
-                                                        np.asarray([r]))[0]
-        early.append(r if early_ok else -1)
+        for k in (range(len(gaps)) if every_gap else [int(np.argmax(gaps))]):
+            _add_gap(prob, t, int(u[k]), int(u[k + 1]), cands, frees, remats, early)
     prob.candidates = np.asarray(cands, dtype=np.int64)
     prob.cand_early_remat = np.asarray(early, dtype=np.int64)
     prob.cand_free_after = np.asarray(frees, dtype=np.int64)
     prob.cand_remat_before = np.asarray(remats, dtype=np.int64)
+
+
+def _add_gap(prob: Problem, t: int, a: int, b: int, cands, frees, remats, early) -> None:
+    """List gap (a, b) of ``t`` if a lone rebuild there is allowed and executable."""
+    if b - a < 2 or b > prob.end[t] or b > prob.remat_deadline[t] or not rebuildable(prob, t, b):
+        return
+    if not prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]), np.asarray([b]))[0]:
+        return
+    cands.append(t)
+    frees.append(a)
+    remats.append(b)
+    reads = rebuild_inputs(prob, t)
+    r = int(min(int(prob.end[reads].min()), b)) if reads else b
+    early_ok = a + 2 <= r < b and prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]),
+                                                    np.asarray([r]))[0]
+    early.append(r if early_ok else -1)
 
 
 def rebuild_inputs(problem: Problem, t: int) -> list[int]:
@@ -349,12 +363,16 @@ def options(problem: Problem, early: bool = True) -> Options:
     )
 
 
-def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: set[int]) -> tuple[list[int], list[int]]:
+def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: set[int],
+                    dead_candidates: bool = True) -> tuple[list[int], list[int]]:
     """The ops a rebuild of ``t`` certainly re-runs, and the candidates it reads.
 
-    Walks ``t``'s rebuild inputs: a candidate input is reported (whether it must be rebuilt
-    depends on its own decision); a non-candidate input already gone when ``t`` is freed
-    (``end <= free_after``) must be rebuilt too, so its rebuild ops join, recursively.
+    Walks ``t``'s rebuild inputs: an input already gone when ``t`` is freed (``end <=
+    free_after``) is gone at any later rebuild, whatever the plan (a rebuilt copy lives no
+    longer than the original), so it must be rebuilt too and its rebuild ops join,
+    recursively; any other candidate input is reported (whether it must be rebuilt depends
+    on its own decision). With ``dead_candidates=False`` every candidate input is reported,
+    gone or not (a weaker answer, both are true).
     """
     ops: list[int] = []
     deps: list[int] = []
@@ -367,10 +385,12 @@ def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: se
             if u in seen:
                 continue
             seen.add(u)
-            if u in candidate_set:
+            if u in candidate_set and not dead_candidates:
                 deps.append(u)
             elif problem.end[u] <= free_after and problem.rematerializable[u]:
                 stack.append(u)
+            elif u in candidate_set:
+                deps.append(u)
     return sorted(set(ops)), deps
 
 

@@ -4,7 +4,9 @@ Semantics (per-tensor rematerialization, the mechanism replay executes):
 
 * A dropped tensor ``t`` with gap ``(free_after, remat_before)`` is freed right after op
   ``free_after`` and rebuilt by re-running its producer in the *recompute group* that runs
-  just before op ``remat_before``. The rebuilt copy then lives until its original last use.
+  just before op ``remat_before``. The rebuilt copy then lives until its original last use,
+  or, when ``t`` has another gap later (imported graphs only: a recorded tensor has at most
+  one), until that gap's ``free_after``: a tensor may be freed and rebuilt once per gap.
 * Re-running a producer needs its inputs. An input that is live is used as is. A dropped
   input still inside its gap is rebuilt in the same, earlier group (its own rebuild moves
   up, and it then lives until its own last use). Any other input that is gone (a forward
@@ -60,7 +62,9 @@ class SimResult:
     peak_in_recompute: bool  # the peak happens in the recompute group before ``peak_op``
     extra_cost: float
     step_cost: float
-    remat_at: dict[int, int] = field(default_factory=dict)  # dropped tensor -> group it is rebuilt in
+    remat_at: dict[int, int] = field(default_factory=dict)  # dropped tensor -> group of its first rebuild
+    # (tensor, free_after) of each drop -> the group it is rebuilt in
+    remat_at_drop: dict[tuple[int, int], int] = field(default_factory=dict)
     partition_cost: float = 0.0  # included in extra_cost
 
     @property
@@ -72,16 +76,18 @@ class SimResult:
         return sum(len(g.ops) for g in self.groups.values())
 
 
-def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, Drop]:
-    """Validate drops against the problem; return them keyed by tensor index."""
-    out: dict[int, Drop] = {}
+def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, list[Drop]]:
+    """Validate drops against the problem; return them keyed by tensor index, each tensor's
+    in gap order. Several gaps of one tensor are allowed on imported graphs only (replay
+    rebuilds a recorded tensor once), and never overlapping ones."""
+    out: dict[int, list[Drop]] = {}
     for d in drops:
         t = int(d.tensor)
         tid = int(problem.tensor_id[t]) if 0 <= t < len(problem.tensor_id) else t
         if not (0 <= t < len(problem.nbytes)):
             raise PlanError(f"The plan drops tensor index {t}, which the trace does not have.")
-        if t in out:
-            raise PlanError(f"The plan drops tensor {tid} twice; a tensor has at most one gap.")
+        if t in out and problem.replayable_only:
+            raise PlanError(f"The plan drops tensor {tid} twice; a recorded tensor has at most one gap.")
         if not problem.rematerializable[t]:
             raise PlanError(
                 f"The plan drops tensor {tid}, but it cannot be rebuilt (its producer is not "
@@ -97,7 +103,15 @@ def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, Drop]:
                 "is not a use of it followed by a gap of at least two ops reaching op "
                 f"{b}. The plan was made for another trace."
             )
-        out[t] = d
+        out.setdefault(t, []).append(d)
+    for t, ds in out.items():
+        if len(ds) > 1:
+            ds.sort(key=lambda d: d.free_after)
+            for p, q in zip(ds, ds[1:]):
+                if q.free_after < p.remat_before:
+                    raise PlanError(
+                        f"The plan drops tensor {int(problem.tensor_id[t])} over two overlapping gaps (after ops "
+                        f"{p.free_after} and {q.free_after}); its gaps must be disjoint.")
     return out
 
 
@@ -112,11 +126,12 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
     starts = problem.start.copy()
     ends = problem.end.copy()
     extra_t, extra_s, extra_e = [], [], []
-    for t, d in D.items():
-        ends[t] = d.free_after
-        extra_t.append(t)
-        extra_s.append(remat_at[t])
-        extra_e.append(problem.end[t])
+    for t, ds in D.items():
+        ends[t] = ds[0].free_after
+        for j in range(len(ds)):
+            extra_t.append(t)
+            extra_s.append(remat_at[(t, j)])
+            extra_e.append(_piece_end(problem, ds, j, t))
     pt = np.concatenate([np.arange(len(nbytes)), np.asarray(extra_t, dtype=np.int64)])
     ps = np.concatenate([starts, np.asarray(extra_s, dtype=np.int64)])
     pe = np.concatenate([ends, np.asarray(extra_e, dtype=np.int64)])
@@ -153,22 +168,38 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
         peak_in_recompute=in_group,
         extra_cost=extra,
         step_cost=problem.step_cost,
-        remat_at=remat_at,
+        remat_at={t: remat_at[(t, 0)] for t in D},
+        remat_at_drop={(t, ds[j].free_after): remat_at[(t, j)] for t, ds in D.items() for j in range(len(ds))},
     )
 
 
-def _available(problem: Problem, D: dict[int, Drop], remat_at: dict[int, int], u: int, r: int) -> bool:
+def _piece_end(problem: Problem, ds: list[Drop], j: int, t: int) -> int:
+    """Last op the copy rebuilt for gap ``j`` of ``t`` is held: the next gap's free_after, or its end."""
+    return ds[j + 1].free_after if j + 1 < len(ds) else int(problem.end[t])
+
+
+def _available(problem: Problem, D: dict[int, list[Drop]], remat_at: dict[tuple[int, int], int], u: int,
+               r: int) -> bool:
     """Is tensor ``u`` in memory when the group before op ``r`` runs (or rebuilt in it)?"""
     s, e = problem.start[u], problem.end[u]
     if u in D:
-        if s <= r - 1 and D[u].free_after >= r:
+        ds = D[u]
+        if s <= r - 1 and ds[0].free_after >= r:
             return True
-        return remat_at[u] <= r <= e
+        return any(remat_at[(u, j)] <= r <= _piece_end(problem, ds, j, u) for j in range(len(ds)))
     return s <= r - 1 and e >= r
 
 
-def _closure(problem: Problem, D: dict[int, Drop], failures: set[int] | None = None
-             ) -> tuple[dict[int, int], dict[int, set[int]]]:
+def _gap_holding(D: dict[int, list[Drop]], remat_at: dict[tuple[int, int], int], u: int, r: int) -> int | None:
+    """The gap of ``u`` during which the group before op ``r`` runs (u freed, not yet back)."""
+    for j, d in enumerate(D.get(u, ())):
+        if d.free_after < r < remat_at[(u, j)]:
+            return j
+    return None
+
+
+def _closure(problem: Problem, D: dict[int, list[Drop]], failures: set[int] | None = None
+             ) -> tuple[dict[tuple[int, int], int], dict[int, set[int]]]:
     """When each dropped tensor is rebuilt, and which transients each group needs.
 
     Groups are resolved earliest first, so a rebuild that moves up (because an earlier
@@ -176,13 +207,13 @@ def _closure(problem: Problem, D: dict[int, Drop], failures: set[int] | None = N
     needs a tensor that is gone and cannot be rebuilt raises :class:`PlanError`, or, with
     ``failures``, adds the dropped tensor whose rebuild started the chain to it.
     """
-    remat_at = {t: d.remat_before for t, d in D.items()}
+    remat_at = {(t, j): d.remat_before for t, ds in D.items() for j, d in enumerate(ds)}
     transients: dict[int, set[int]] = defaultdict(set)
-    heap = [(d.remat_before, t, t) for t, d in D.items()]
+    heap = [(d.remat_before, t, j, t) for t, ds in D.items() for j, d in enumerate(ds)]  # j = -1: a transient
     heapq.heapify(heap)
     while heap:
-        r, t, root = heapq.heappop(heap)
-        if t in D and remat_at[t] != r and t not in transients[r]:
+        r, t, j, root = heapq.heappop(heap)
+        if j >= 0 and remat_at[(t, j)] != r:
             continue  # superseded: rebuilt in an earlier group
         if r > problem.remat_deadline[t]:
             _fail(problem, failures, root, t, r, f"an input of its rebuild is overwritten at op {int(problem.remat_deadline[t])}")
@@ -190,16 +221,17 @@ def _closure(problem: Problem, D: dict[int, Drop], failures: set[int] | None = N
         for u in rebuild_inputs(problem, t):
             if _available(problem, D, remat_at, u, r):
                 continue
-            if u in D and D[u].free_after < r < remat_at[u]:
-                remat_at[u] = r
-                heapq.heappush(heap, (r, u, root))
+            gap = _gap_holding(D, remat_at, u, r)
+            if gap is not None:
+                remat_at[(u, gap)] = r
+                heapq.heappush(heap, (r, u, gap, root))
             elif u not in transients[r]:
                 if not problem.rematerializable[u]:
                     _fail(problem, failures, root, t, r, f"it needs tensor {int(problem.tensor_id[u])}, "
                           "which is gone by then and cannot be rebuilt")
                     continue
                 transients[r].add(u)
-                heapq.heappush(heap, (r, u, root))
+                heapq.heappush(heap, (r, u, -1, root))
     return remat_at, {r: s for r, s in transients.items() if s}
 
 
@@ -217,10 +249,11 @@ def unexecutable(problem: Problem, drops: list[Drop]) -> set[int]:
     return failures
 
 
-def _groups(remat_at: dict[int, int], transients: dict[int, set[int]]) -> dict[int, tuple[set[int], set[int]]]:
+def _groups(remat_at: dict[tuple[int, int], int], transients: dict[int, set[int]]
+            ) -> dict[int, tuple[set[int], set[int]]]:
     """Group time -> (dropped tensors rebuilt there, transients rebuilt there)."""
     out: dict[int, tuple[set[int], set[int]]] = {}
-    for t, r in remat_at.items():
+    for (t, _j), r in remat_at.items():
         out.setdefault(r, (set(), set()))[0].add(t)
     for r, ts in transients.items():
         out.setdefault(r, (set(), set()))[1].update(ts)
@@ -279,8 +312,8 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
             initial.append(int(tid[t]))
         else:
             allocs[problem.start[t]].append(int(tid[t]))
-        if t in D:
-            frees[D[t].free_after].append(int(tid[t]))
+        for d in D.get(t, ()):
+            frees[d.free_after].append(int(tid[t]))
         if not problem.persists[t]:
             frees[problem.end[t]].append(int(tid[t]))
     grouped = _groups(remat_at, transients)
@@ -298,9 +331,9 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
 def rebuild_overhead(problem: Problem, drop: Drop) -> int:
     """Bytes a lone rebuild of ``drop`` adds on top of what is carried into its group:
     its rebuilt tensor plus every transient its rebuild chain holds at the worst moment."""
-    D = {drop.tensor: drop}
+    D = {drop.tensor: [drop]}
     remat_at, transients = _closure(problem, D)
-    r = remat_at[drop.tensor]
+    r = remat_at[(drop.tensor, 0)]
     members = _groups(remat_at, transients)[r]
     live = peak = 0
     for _p, allocs, frees in group_events(problem, members):

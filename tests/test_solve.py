@@ -12,13 +12,13 @@ from hypothesis import strategies as st
 from synthetic import TraceBuilder, chain_trace, random_training_trace
 
 from taichi_plan.cli import main
-from taichi_plan.errors import InfeasibleBudgetError, UsageError
+from taichi_plan.errors import InfeasibleBudgetError, PlanError, UsageError
 from taichi_plan.plan import load_plan, peak_from_schedule
 from taichi_plan.problem import build_problem
 from taichi_plan.simulate import Drop, simulate, simulate_plan
 from taichi_plan.solve import methods, run_method, solve
 from taichi_plan.solve.heuristic import plan_heuristic
-from taichi_plan.solve.result import make_plan
+from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace import baseline_peak, write_trace
 
 # ---------------------------------------------------------------------------------------------
@@ -183,13 +183,91 @@ def test_same_inputs_and_seed_give_the_same_plan(seed, method):
 
     def once():
         try:
-            plan = solve(trace, budget, method, time_limit=5, seed=3, problem=p).to_json()
+            plan = solve(trace, budget, method, time_limit=600, work_limit=5, seed=3, problem=p).to_json()
         except InfeasibleBudgetError as e:
             return str(e)
         plan["solver"].pop("wall_s")
         return plan
 
     assert once() == once()
+
+
+def _public(graphs_dir, prefix):
+    from taichi_plan.import_graph import import_graph
+
+    (path,) = sorted(graphs_dir.glob(f"{prefix}*.json"))
+    return import_graph(path)
+
+
+def test_work_limit_gives_the_same_plan_where_the_search_is_cut(graphs_dir):
+    """MobileNet at 0.4: CP-SAT needs more than a work limit of 1 to prove optimality, so it
+    is the work limit (deterministic time) that stops it; twice the same plan and bound."""
+    trace = _public(graphs_dir, "MobileNet")
+    p = build_problem(trace)
+    budget = int(p.baseline_peak[0] * 0.4)
+
+    def once():
+        plan = solve(trace, budget, "auto", time_limit=600, work_limit=1.0, seed=1, problem=p)
+        assert plan.solver["stats"]["timed_out"], plan.solver["stats"]
+        out = plan.to_json()
+        out["solver"].pop("wall_s")
+        return out
+
+    assert once() == once()
+
+
+def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
+    """--time-limit 5 counts loading, warm start and every CP-SAT round. ResNet-50 at 0.3 is
+    not proven optimal in 5 s: the best plan so far is written with its bound. random_layered
+    n100 at 0.8 has no plan found in 5 s: the error says the search stopped, not that none
+    exists, and what the best plan found reaches."""
+    import time
+
+    def run(prefix, budget):
+        tdir = write_trace(_public(graphs_dir, prefix), tmp_path / prefix)
+        out = tmp_path / f"{prefix}.plan.json"
+        t0 = time.perf_counter()
+        r = CliRunner().invoke(main, ["solve", str(tdir), "--budget", budget, "--time-limit", "5", "-o", str(out)])
+        wall = time.perf_counter() - t0
+        assert wall <= 5 * 1.1, (prefix, wall)
+        return r, out
+
+    r, out = run("ResNet50", "30%")
+    assert r.exit_code == 0, r.output
+    s = load_plan(out).solver
+    assert s["status"] == "feasible" and s["stats"]["timed_out"]
+    assert s["lower_bound"] is not None and 0 <= s["lower_bound"] <= s["extra_compute"]
+    assert any("time limit" in n for n in s["notes"])
+    r, out = run("random_layered_n100", "80%")
+    assert r.exit_code == InfeasibleBudgetError.exit_code, r.output
+    msg = " ".join(r.output.split())
+    assert "within the time limit of 5 s" in msg and "does not prove that none exists" in msg
+    assert "peaks at" in msg and not out.exists()
+
+
+def test_no_plan_at_the_limit_says_so_and_what_was_reached():
+    """A trace where the warm start misses the budget and CP-SAT needs a few rounds: cut at
+    once by the work limit, the error says the search stopped (not that no plan exists) and
+    names the peak reached; given the work, a plan is found (the exhaustive optimum, 17)."""
+    trace = random_training_trace(random.Random(83))
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(trace, 432, "auto", time_limit=600, work_limit=1e-9)
+    msg = " ".join(str(e.value).split())
+    assert "within the time limit of 600 s or the work limit of 1e-09" in msg
+    assert "does not prove that none exists" in msg and "No plan file was written" in msg
+    assert e.value.min_budget_bytes == 464 and "peaks at 464 B" in msg
+    plan = solve(trace, 432, "auto", time_limit=600, work_limit=30)
+    assert plan.predicted["planned_peak_bytes"] <= 432
+    assert plan.predicted["extra_compute"] == pytest.approx(17.0)
+
+
+def test_a_bound_above_the_cost_is_a_bug_not_clamped():
+    trace, _ = golden_trace()
+    p = build_problem(trace)
+    dec = run_method(p, 300, "heuristic")
+    dec.lower_bound = 2.0  # the plan costs 1.0
+    with pytest.raises(AssertionError, match="lower bound"):
+        make_plan(p, 300, "heuristic", dec, 0.0, 0)
 
 
 def test_chain_sqrt_budget_reached_by_ours():
@@ -271,3 +349,61 @@ def test_cli_every_method_runs(golden_dir, tmp_path, method):
     else:
         assert r.exit_code == InfeasibleBudgetError.exit_code, r.output
         assert f"No {method} plan fits" in " ".join(r.output.split()) and not out.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Several gaps per tensor (imported graphs): freed and rebuilt once per gap.
+# ---------------------------------------------------------------------------------------------
+
+
+def many_use_trace(mode: str):
+    """x -> a (cost 2), then a is read at ops 3 and 6 with fillers between: a has two gaps,
+    (0, 3) and (3, 6); each filler makes 50 bytes that live one op."""
+    b = TraceBuilder()
+    x = b.tensor(10, "input")
+    (a,) = b.op("f", [x], [100], cost=2.0)  # op 0
+    prev = x
+    for i in range(1, 7):
+        reads = [prev] + ([a] if i in (3, 6) else [])
+        (prev,) = b.op("g", reads, [50], cost=1.0, kind="temporary")  # forward ops only
+    trace = b.build("many-use")
+    trace.meta["mode"] = mode
+    return trace, a
+
+
+def test_a_tensor_rebuilt_once_per_gap_on_imported_graphs():
+    trace, a = many_use_trace("imported")
+    p = build_problem(trace)
+    ia = p.index_of(a)
+    gaps = sorted((int(f), int(r)) for t, f, r in zip(p.candidates, p.cand_free_after, p.cand_remat_before,
+                                                      strict=True) if t == ia)
+    assert gaps == [(0, 3), (3, 6)]
+    sim = simulate(p, [Drop(ia, 0, 3), Drop(ia, 3, 6)])
+    assert sim.extra_cost == pytest.approx(4.0)  # its producer, once per gap
+    assert sim.remat_at_drop == {(ia, 0): 3, (ia, 3): 6}
+    # Unplanned: x 10 + a 100 + one or two 50-byte fillers. a is away during ops 1-2 and 4-5.
+    assert p.baseline_live.tolist() == [110, 160, 210, 210, 210, 210, 210]
+    assert sim.live_bytes.tolist() == [110, 60, 110, 210, 110, 110, 210]
+    plan = make_plan(p, 210, "heuristic", Decisions(drops=[Drop(ia, 0, 3), Drop(ia, 3, 6)]), 0.0, 0)
+    assert peak_from_schedule(plan.schedule)[0] == plan.predicted["planned_peak_bytes"] == 210
+    with pytest.raises(PlanError, match="overlapping"):
+        simulate(p, [Drop(ia, 3, 6), Drop(ia, 3, 5)])
+
+
+def test_a_recorded_tensor_keeps_one_gap():
+    trace, a = many_use_trace("synthetic")
+    p = build_problem(trace)
+    ia = p.index_of(a)
+    assert (p.candidates == ia).sum() <= 1
+    with pytest.raises(PlanError, match="at most one gap"):
+        simulate(p, [Drop(ia, 0, 3), Drop(ia, 3, 6)])
+
+
+def test_cli_work_limit(golden_dir, tmp_path):
+    out = tmp_path / "w.plan.json"
+    r = CliRunner().invoke(main, ["solve", str(golden_dir), "--budget", "300", "--work-limit", "5", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert load_plan(out).solver["status"] == "optimal"
+    r = CliRunner().invoke(main, ["solve", str(golden_dir), "--budget", "300", "--work-limit", "0", "-o",
+                                  str(tmp_path / "x.plan.json")])
+    assert r.exit_code == UsageError.exit_code and "--work-limit must be a positive number" in r.output

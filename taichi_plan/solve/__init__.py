@@ -37,16 +37,24 @@ def methods() -> list[str]:
     return [*OURS, *baseline_table()]
 
 
+MIN_TIME_LIMIT_S = 5.0  # the time limit is honoured within 10% for limits at least this long
+FINISH_SHARE = 0.05  # of the time limit, kept for simulating the chosen plan and writing it
+
+
 def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: float = 60.0,
-               seed: int = 0, progress: Callable[[float, float], None] | None = None) -> Decisions:
-    """Decisions of one planner (no simulation of the result, no errors for infeasible)."""
+               seed: int = 0, progress: Callable[[float, float], None] | None = None,
+               work_limit: float | None = None) -> Decisions:
+    """Decisions of one planner (no simulation of the result, no errors for infeasible).
+    ``time_limit``: wall seconds from this call, everything included; ``work_limit``: CP-SAT's
+    deterministic time (``auto`` and ``ilp`` only)."""
+    t0 = time.perf_counter()
     if method == "heuristic":
         return plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
     if method in ("auto", "ilp"):
-        t0 = time.perf_counter()
-        warm, warm_name = _warm_start(problem, budget_bytes, seed, time_limit)
-        left = max(time_limit - (time.perf_counter() - t0), 0.1)
-        dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm, progress=progress)
+        warm, warm_name = _warm_start(problem, budget_bytes, seed, t0 + time_limit)
+        left = time_limit - (time.perf_counter() - t0)
+        dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm, progress=progress,
+                       work_limit=work_limit)
         ilp_found = dec.status != "infeasible" and bool(dec.drops or dec.partitions)
         if ilp_found and best_by_simulator(problem, budget_bytes, [dec, warm]) is dec:
             if dec.drops == warm.drops and dec.partitions == warm.partitions:
@@ -55,12 +63,14 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
                 dec.notes = [f"CP-SAT's plan, cheaper than the {warm_name}'s", *dec.notes]
             dec.stats["warm_start"] = warm_name
             return dec
-        # The ILP found nothing better that the simulator accepts: keep the warm start (make_plan
-        # judges it), with the ILP's bound if the ILP proved one.
-        warm.lower_bound = dec.lower_bound if dec.status != "infeasible" else None
+        # The ILP found nothing the simulator accepts: keep the warm start (make_plan judges
+        # it, and it does not fit: a warm start that fits is the ILP's incumbent).
+        warm.lower_bound = None
         warm.status = None
+        warm.timed_out = dec.timed_out
         warm.notes = [f"the {warm_name}'s plan: CP-SAT found nothing better", *dec.notes]
         warm.stats["ilp"] = dec.stats
+        warm.stats["warm_start"] = warm_name
         return warm
     table = baseline_table()
     if method not in table:
@@ -68,14 +78,17 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
     return table[method](problem, budget_bytes, seed=seed, time_limit=time_limit)
 
 
-def _warm_start(problem: Problem, budget_bytes: int, seed: int, time_limit: float) -> tuple[Decisions, str]:
+def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[Decisions, str]:
     """The best plan by the simulator among our heuristic and every baseline (they are fast,
     and ours must never do worse than one of them), and its name ("heuristic", "dtr
-    baseline", ...)."""
-    tried = {"heuristic": plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)}
+    baseline", ...). Baselines not started by a third of the time left are skipped."""
+    t0 = time.perf_counter()
+    tried = {"heuristic": plan_heuristic(problem, budget_bytes, seed=seed, time_limit=(deadline - t0) / 2)}
+    cut = t0 + (deadline - t0) / 3
     for name, fn in baseline_table().items():
-        if name != "none":
-            tried[f"{name} baseline"] = fn(problem, budget_bytes, seed=seed, time_limit=time_limit / 4)
+        now = time.perf_counter()
+        if name != "none" and now < cut:
+            tried[f"{name} baseline"] = fn(problem, budget_bytes, seed=seed, time_limit=(deadline - now) / 4)
     best = best_by_simulator(problem, budget_bytes, list(tried.values()))
     return best, next(name for name, dec in tried.items() if dec is best)
 
@@ -94,25 +107,42 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
-          problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None) -> Plan:
+          problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
+          work_limit: float | None = None, started: float | None = None) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
+
     ``on``: the budget holds allocated bytes (the simulator's peak) or ``"reserved"`` bytes (the
     allocator model's reserved peak; see :mod:`taichi_plan.solve.reserved`); ``allocator``: the
-    model's settings (PyTorch's defaults when None)."""
+    model's settings (PyTorch's defaults when None).
+
+    ``time_limit`` is wall seconds for the whole solve, counted from ``started`` (a
+    ``time.perf_counter()`` value: the CLI passes the moment it started loading) or from this
+    call; limits of at least :data:`MIN_TIME_LIMIT_S` are honoured within 10% (with
+    ``on="reserved"``, for all its rounds together). When it runs out, the best plan found so
+    far is returned with its bound. ``work_limit`` bounds CP-SAT's deterministic time instead
+    (summed over its rounds): the same trace, budget, seed and work limit give the same plan,
+    provided the time limit is not reached first.
+    """
     if on == "reserved":
         from .reserved import solve_on_reserved
 
+        began = time.perf_counter() if started is None else started
         problem = problem or build_problem(trace)
         return solve_on_reserved(
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
-                                 problem=problem, allocator=allocator), budget_bytes, method)
+                                 problem=problem, allocator=allocator, work_limit=work_limit, started=began),
+            budget_bytes, method)
     if on != "allocated":
         raise UsageError(f"--on must be allocated or reserved, not {on!r}.")
     if method not in methods():
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
     if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
         raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
-    t0 = time.perf_counter()
+    if work_limit is not None and not (isinstance(work_limit, (int, float)) and math.isfinite(work_limit)
+                                       and work_limit > 0):
+        raise UsageError(f"--work-limit must be a positive number, not {work_limit!r}.")
+    t0 = time.perf_counter() if started is None else started
+    end = t0 + time_limit * (1 - FINISH_SHARE)
     problem = problem or build_problem(trace)
     base_peak, _ = problem.baseline_peak
     if budget_bytes >= base_peak:
@@ -120,21 +150,26 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         raise infeasible_error(problem, budget_bytes, method)
-    dec = run_method(problem, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress)
+    dec = run_method(problem, budget_bytes, method, time_limit=max(end - time.perf_counter(), 0.0), seed=seed,
+                     progress=progress, work_limit=work_limit)
     plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
-    if plan.solver["status"] == "infeasible" and method in OURS:
+    if plan.solver["status"] == "infeasible" and method in OURS and time.perf_counter() < end:
         # The greedy sweep is not monotone in the budget: asked for less, it may find a plan
         # that fits this budget, or at least peaks lower. Of the two, the simulator's better
         # one stands (so auto never ends above its own heuristic, even when nothing fits).
-        _reach, _op, asked = lowest_reachable(problem)
-        lower = plan_heuristic(problem, asked, seed=seed)
+        _reach, _op, asked = lowest_reachable(problem, deadline=end)
+        lower = plan_heuristic(problem, asked, seed=seed, time_limit=max(end - time.perf_counter(), 0.0))
         lower.notes.append(f"the heuristic's plan for a budget of {format_bytes(asked)}: its plan for "
                            f"{format_bytes(budget_bytes)} did not fit")
+        lower.timed_out = dec.timed_out
         if best_by_simulator(problem, budget_bytes, [dec, lower]) is lower:
+            dec = lower
             plan = make_plan(problem, budget_bytes, method, lower, time.perf_counter() - t0, seed,
                              allocator=allocator)
     if plan.solver["status"] == "infeasible":
-        raise infeasible_error(problem, budget_bytes, method, plan)
+        if dec.timed_out:
+            raise timed_out_error(problem, budget_bytes, method, plan, time_limit, work_limit)
+        raise infeasible_error(problem, budget_bytes, method, plan, deadline=end)
     return plan
 
 
@@ -144,22 +179,28 @@ def lowest_reachable_peak(problem: Problem) -> tuple[int, int]:
     return peak, op
 
 
-def lowest_reachable(problem: Problem, steps: int = 7) -> tuple[int, int, int]:
+def lowest_reachable(problem: Problem, steps: int = 7, deadline: float | None = None) -> tuple[int, int, int]:
     """(peak, op, budget asked) of the best plan the heuristic finds when bisecting between the
-    floor no plan can pass and the baseline peak. Cached on the problem."""
+    floor no plan can pass and the baseline peak; no new step starts past ``deadline``
+    (perf_counter). Cached on the problem when complete."""
     cached = getattr(problem, "_lowest_reachable", None)
     if cached is None:
-        cached = problem._lowest_reachable = _bisect_heuristic(problem, steps)
+        found, complete = _bisect_heuristic(problem, steps, deadline)
+        if not complete:
+            return found
+        cached = problem._lowest_reachable = found
     return cached
 
 
-def _bisect_heuristic(problem: Problem, steps: int) -> tuple[int, int, int]:
+def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None) -> tuple[tuple[int, int, int], bool]:
     lo = int(floor_bytes(problem).max())
     hi, hi_op = problem.baseline_peak
     best = (hi, hi_op, hi)
     for _ in range(steps):
         if hi - lo <= max(1, hi // 1000):
             break
+        if deadline is not None and time.perf_counter() > deadline:
+            return best, False
         mid = (lo + hi) // 2
         dec = plan_heuristic(problem, mid)
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
@@ -167,13 +208,33 @@ def _bisect_heuristic(problem: Problem, steps: int) -> tuple[int, int, int]:
             hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op, mid)
         else:
             lo = mid + 1
-    return best
+    return best, True
 
 
-def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Plan | None = None):
+def timed_out_error(problem: Problem, budget_bytes: int, method: str, plan: Plan, time_limit: float,
+                    work_limit: float | None) -> InfeasibleBudgetError:
+    """No plan yet when the limit ran out (not a proof that none exists): say so, and what
+    the best plan found reaches."""
+    peak = plan.predicted["planned_peak_bytes"]
+    op = plan.predicted["planned_peak_op"]
+    limit = f"the time limit of {time_limit:g} s" + ("" if work_limit is None else f" or the work limit of {work_limit:g}")
+    at = f", during {describe_op(problem, op)}" if op >= 0 else ""
+    msg = (f"No {method} plan found for a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) within "
+           f"{limit}: the search stopped before any plan fit, which does not prove that none exists. The best "
+           f"plan found so far (the heuristic's and the baselines' included) peaks at {format_bytes(peak)}{at}. "
+           f"Give it more time (--time-limit), or ask for at least that (--budget {_suggest(peak)}). "
+           "No plan file was written.")
+    err = InfeasibleBudgetError(msg, min_budget_bytes=peak, op_id=op)
+    err.planned_peak_bytes = peak
+    err.timed_out = True
+    return err
+
+
+def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Plan | None = None,
+                     deadline: float | None = None):
     floor = floor_bytes(problem)
     i = int(np.argmax(floor))
-    reach, reach_op = lowest_reachable_peak(problem)
+    reach, reach_op, _asked = lowest_reachable(problem, deadline=deadline)
     peak = plan.predicted["planned_peak_bytes"] if plan is not None else None
     if peak is not None and peak <= budget_bytes:
         reach = min(reach, peak)

@@ -11,6 +11,7 @@ runs again, keeping what was dropped.
 from __future__ import annotations
 
 import heapq
+import time
 
 import numpy as np
 
@@ -52,8 +53,10 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
                    time_limit: float = 60.0, partitions: bool = True) -> Decisions:
     """Rematerialization alone first; if that cannot meet the budget, partition modules one
     at a time (the one freeing most at the worst op per unit of cost, at the most chunks)
-    and plan rematerialization again around them."""
-    dec = plan_remat(problem, budget_bytes)
+    and plan rematerialization again around them. Past ``time_limit`` seconds it stops adding
+    rounds and returns the best plan so far (the simulator still judges it)."""
+    deadline = time.perf_counter() + time_limit
+    dec = plan_remat(problem, budget_bytes, deadline=deadline)
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
         return dec
     # Each module's savings at its most chunks, once; then rounds that add the best-scoring
@@ -82,10 +85,10 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
             break
         options = [o for o in options if not any(o[0].module == c.module for c in chosen)]
         parted, _ = apply_partitions(problem, chosen)
-        dec = plan_remat(parted, budget_bytes)
+        dec = plan_remat(parted, budget_bytes, deadline=deadline)
         dec.partitions = list(chosen)
         best = dec
-        if _fits(problem, dec, budget_bytes):
+        if _fits(problem, dec, budget_bytes) or time.perf_counter() > deadline:
             break
         take *= 2
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
@@ -97,8 +100,10 @@ def _fits(problem: Problem, dec: Decisions, budget_bytes: int) -> bool:
     return sim.peak_bytes <= budget_bytes
 
 
-def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] | None = None) -> Decisions:
-    """The greedy rematerialization sweep (no partitions)."""
+def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] | None = None,
+               deadline: float | None = None) -> Decisions:
+    """The greedy rematerialization sweep (no partitions), starting from the ``initial`` drops
+    that are options of ``problem``; no new round starts past ``deadline`` (perf_counter)."""
     if budget_bytes is None or problem.num_ops == 0:
         return Decisions(notes=["no budget: nothing to do"])
     n = problem.num_ops
@@ -110,7 +115,9 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
     chosen = np.zeros(len(sizes), dtype=bool)
     key = {(int(t), int(b)): k for k, (t, b) in enumerate(zip(opts.tensor.tolist(), b_arr.tolist(), strict=True))}
     for d in initial or []:
-        chosen[key[(d.tensor, d.remat_before)]] = True
+        k = key.get((d.tensor, d.remat_before))
+        if k is not None and opts.free_after[k] == d.free_after and not chosen[group == group[k]].any():
+            chosen[k] = True
 
     target = np.full(n, budget_bytes, dtype=np.int64)
     est = problem.baseline_live.astype(np.int64)
@@ -128,6 +135,8 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
             break
         if rounds > 1 and int(chosen.sum()) == before:
             break  # nothing left to drop where it is over: the heuristic cannot reach the budget
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         # The simulator found more than the sweep's estimate (rebuilt inputs, transients):
         # lower the target by the excess where it is over, and sweep again.
         over = sim_over(problem, sim) - budget_bytes

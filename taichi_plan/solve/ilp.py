@@ -1,23 +1,27 @@
 """CP-SAT planner: minimize extra compute so that no op exceeds the budget.
 
-The model (one boolean per candidate, so O(n) decisions, plus per-op chain variables
-only at the ops the budget binds) is a *relaxation* of the simulator: every plan the
-simulator accepts satisfies it, so CP-SAT's best bound is a lower bound on the extra
-compute of any plan (within the candidate gaps). Its plans are then judged by the
-simulator; ops it finds over budget are added to the model (lazy constraints) and, where
-the excess comes from effects the model leaves out (transients of a rebuild), that op's
-requirement is tightened for the following rounds (those rounds no longer give bounds).
+The model (one boolean per option, so O(n) decisions, plus per-op chain variables only at
+the ops modelled) is a *relaxation* of the simulator: every plan the simulator accepts
+satisfies it, so CP-SAT's best bound is a lower bound on the extra compute of any plan of
+the space (the candidate gaps and their options). Rounds on one growing model: each
+assignment CP-SAT proposes is simulated and then cut off by a no-good cut (that exact
+assignment, never anything else); ops and recompute groups the simulator finds over budget
+get constraints valid for every plan; a plan that fits becomes the incumbent, which later
+rounds must beat. Nothing the simulator would accept is ever cut, so the search is complete
+(given time) and its bound, min(incumbent, CP-SAT's bound), stays valid. Plan finders that
+may cut plans (a greedy repair, one tightened model) only feed incumbents.
 
 Variables and constraints:
-* ``x[t]``: candidate ``t`` is dropped over its gap (free_after, remat_before).
-* ``rerun[p] >= x[t]`` for ``t`` produced by op ``p``; ``redo[u] >= x[t]`` for each forward
-  temporary ``u`` that is gone before ``t`` is freed and that rebuilding ``t`` needs.
-  Objective: sum of their op costs (each op counted once: a lower bound).
+* ``x[k]``: option ``k`` is dropped over its gap (free_after, remat_before).
+* ``rerun[p] >= x[k]`` for ``p`` one of ``k``'s rebuild ops or of the transients its
+  rebuild certainly needs (gone before it is freed); a tensor dropped over several gaps
+  pays its rebuild ops once per gap. Objective: sum of their op costs (a lower bound).
 * Chains: rebuilding a dropped ``c`` that reads ``t`` brings ``t`` back (the simulator's
   "rebuilt early"). ``forced[t,i]`` says this happened by op ``i``; ``away[t,i]`` says ``t``
-  is really absent at ``i``. Only pairs with ``free_after[c] >= free_after[t]`` are used,
-  where the forcing is certain, so the model stays a relaxation.
-* Memory at each modelled op ``i``: sum of ``nbytes[t] * away[t,i]`` >= baseline[i] - budget.
+  is really absent at ``i``. Only pairs where the forcing is certain are used, so the
+  model stays a relaxation.
+* Memory at each modelled op ``i``: sum of ``nbytes[t] * away[t,i]`` >= baseline[i] - budget;
+  at each modelled recompute group, see :meth:`_Model.add_group`.
 Byte coefficients are divided by their GCD (and, if still huge, rounded up to a unit, which
 keeps the relaxation); costs are rounded down to a unit of step_cost / 1e7.
 """
@@ -32,18 +36,28 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
+from ..errors import PlanError
 from ..partition import (
     CHUNK_CHOICES,
     Span,
+    apply_partitions,
     module_spans,
     partition_cost,
     partition_savings,
     span_tensors,
 )
 from ..plan import Partition
-from ..problem import Problem, coverage_delta, gap_bytes, options, rebuild_closure, rebuild_set
+from ..problem import (
+    Problem,
+    coverage_delta,
+    gap_bytes,
+    options,
+    rebuild_closure,
+    rebuild_inputs,
+    rebuild_set,
+)
 from ..simulate import Drop, SimResult, rebuild_overhead, simulate_plan
-from .heuristic import sim_over
+from .heuristic import plan_remat, sim_over
 from .result import Decisions
 
 INITIAL_OPS = 24  # budget-binding ops modelled in the first round
@@ -77,7 +91,10 @@ def structure(problem: Problem) -> Structure:
     cand_set = set(k_of)
     broad: list[list[int]] = [[] for _ in cands]  # option -> options whose rebuild may need it
     for k, t in enumerate(cands):
-        ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set)
+        # Gone candidates count as transients (their cost certain) on forward-only graphs,
+        # where long transient chains are what a late rebuild costs; elsewhere the weaker
+        # model solved faster (ResNet-50 at 0.4: optimal in 11 s against a 2.5% gap at 30 s).
+        ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set, dead_candidates=problem.every_gap)
         own = problem.rebuild_ops[t].tolist()
         own_ops.append(own)
         temporaries.append([q for q in ops if q not in own])
@@ -170,7 +187,13 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
 
 def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_limit: float = 60.0,
              hint: Decisions | None = None, progress: Callable[[float, float], None] | None = None,
-             workers: int = 2, partitions: bool = True) -> Decisions:
+             workers: int = 2, partitions: bool = True, work_limit: float | None = None) -> Decisions:
+    """Search the plan space for the cheapest plan the simulator accepts.
+
+    ``time_limit``: wall seconds from this call, model building included. ``work_limit``:
+    CP-SAT's deterministic time summed over the rounds; with it, the same inputs and seed
+    give the same plan (as long as the wall limit is not reached first).
+    """
     t0 = time.perf_counter()
     if budget_bytes is None:
         return Decisions(status="optimal", lower_bound=0.0, notes=["no budget"])
@@ -184,182 +207,377 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     for po in parts:
         most = most + np.maximum(po.savings, 0)
     if np.any(most[ops_all] < req[ops_all]):
-        return Decisions(status="infeasible", lower_bound=None,
+        return Decisions(status="infeasible", lower_bound=None, stats={"proven": True},
                          notes=["even dropping every candidate and partitioning every module cannot meet the budget"])
 
     cost_unit = max(problem.step_cost / 1e7, 1e-12)
-    active: list[int] = list(ops_all[:INITIAL_OPS])
-    extra_req: dict[int, int] = {}
+    model = _Model(problem, st, parts, req, ops_all, cost_unit)
+    for i in ops_all[:INITIAL_OPS].tolist():
+        model.add_op(i)
     incumbent: tuple[Decisions, SimResult] | None = None
-    lower_bound = None
-    relaxed = True
-    rounds = 0
+    lower_bound: float | None = None
     notes: list[str] = []  # for people (inspect shows them)
     log: list[str] = []  # for the record: the plan's solver.stats["log"]
     status_final = None
-    overheads: dict[int, int] = {}
-    cutoff = None
-    scale_note = ""
-    if hint is not None:
-        hint_sim, _ = simulate_plan(problem, hint.drops, hint.partitions)
-        if hint_sim.peak_bytes <= budget_bytes:
-            incumbent = (hint, hint_sim)
-            cutoff = hint_sim.extra_cost
-    while True:
-        rounds += 1
-        remaining = time_limit - (time.perf_counter() - t0)
-        if remaining <= 0.05:
-            notes.append("CP-SAT stopped at the time limit: a longer --time-limit may find a cheaper plan")
-            break
-        model, x, y, model_cost, scale_note, terms = _build(problem, st, parts, active, req, extra_req,
-                                                            budget_bytes, cost_unit)
-        if not relaxed:
-            _add_rebuild_constraints(problem, st, model, x, budget_bytes, overheads)
-        if relaxed and cutoff is not None:
-            # Warm start: the heuristic's plan is the incumbent to beat. (Solution hints
-            # with interleaved search abort inside CP-SAT 9.15 on some infeasible models,
-            # so the heuristic enters as an objective cutoff instead.)
-            model.Add(model_cost <= int(math.floor(cutoff / cost_unit)))
-        solver = cp_model.CpSolver()
+    proven_none = False
+    timed_out = False
+    work_used = 0.0
+    rounds = rejected = repaired = 0
+    slack = cost_unit * (len(st.sizes) + len(parts) + 1)  # rounding of costs to the unit
+    tightened_tried = False
+
+    def params(solver: cp_model.CpSolver, seconds: float, work: float | None) -> None:
         prm = solver.parameters
         prm.random_seed = seed
         prm.num_workers = workers
         prm.interleave_search = workers > 1
-        prm.max_deterministic_time = remaining
-        prm.max_time_in_seconds = remaining * 1.5 + 1
-        code = solver.Solve(model, _Progress(progress, cost_unit))
-        if code == cp_model.INFEASIBLE and relaxed and cutoff is not None:
-            # Nothing beats the heuristic even in the relaxation: the heuristic is optimal.
-            lower_bound = cutoff
-            status_final = "optimal"
+        prm.max_time_in_seconds = max(seconds, 0.01)
+        if work is not None:
+            prm.max_deterministic_time = max(work, 1e-3)
+
+    def offer(dec: Decisions, sim: SimResult) -> None:
+        nonlocal incumbent
+        if sim.peak_bytes <= budget_bytes and (incumbent is None or sim.extra_cost < incumbent[1].extra_cost):
+            incumbent = (dec, sim)
+            model.cutoff(sim.extra_cost)
+
+    if hint is not None:
+        hint_sim, _ = simulate_plan(problem, hint.drops, hint.partitions)
+        offer(hint, hint_sim)
+        model.forbid_plan(hint)
+    while True:
+        remaining = time_limit - (time.perf_counter() - t0)
+        if remaining <= 0.05 or (work_limit is not None and work_used >= work_limit):
+            timed_out = True
             break
+        rounds += 1
+        solver = cp_model.CpSolver()
+        params(solver, remaining, None if work_limit is None else work_limit - work_used)
+        code = solver.Solve(model.model, _Progress(progress, cost_unit))
+        work_used += solver.deterministic_time
         if code == cp_model.INFEASIBLE:
-            if relaxed:
-                return Decisions(status="infeasible", notes=["CP-SAT proved that no plan fits"],
-                                 stats={"rounds": rounds, "log": ["the relaxation is infeasible"]})
-            log.append(f"round {rounds}: the tightened model has no solution")
+            # Every plan not yet simulated either breaks a constraint every accepted plan
+            # meets, or costs more than the incumbent: the incumbent is optimal, or no plan exists.
+            if incumbent is not None:
+                lower_bound = incumbent[1].extra_cost
+                status_final = "optimal"
+            else:
+                proven_none = True
+                log.append(f"round {rounds}: no plan of this space is left to try")
             break
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            log.append(f"round {rounds}: no solution within the time limit")
+            timed_out = True
+            log.append(f"round {rounds}: no model solution within the limit")
             break
-        if relaxed:
-            lower_bound = solver.BestObjectiveBound() * cost_unit
-        chosen = np.array([solver.Value(v) for v in x], dtype=bool)
+        # Valid for every plan not yet simulated; the incumbent covers the simulated ones.
+        bound = solver.BestObjectiveBound() * cost_unit
+        if incumbent is not None:
+            bound = min(bound, incumbent[1].extra_cost)
+        lower_bound = bound if lower_bound is None else max(lower_bound, bound)
+        chosen = [k for k, v in enumerate(model.x) if solver.Value(v)]
+        parted_y = [j for j, v in enumerate(model.y) if solver.Value(v)]
         dec = Decisions(
-            drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in np.nonzero(chosen)[0]],
-            partitions=[Partition(parts[j].span.module, 0, parts[j].chunks) for j, v in enumerate(y)
-                        if solver.Value(v)],
+            drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in chosen],
+            partitions=[Partition(parts[j].span.module, 0, parts[j].chunks) for j in parted_y],
         )
-        sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
-        if sim.peak_bytes <= budget_bytes:
-            if incumbent is None or sim.extra_cost < incumbent[1].extra_cost:
-                incumbent = (dec, sim)
-            slack = cost_unit * (len(st.sizes) + len(parts) + 1)  # rounding of costs to the unit
-            if code == cp_model.OPTIMAL and relaxed and sim.extra_cost <= lower_bound + slack:
-                status_final = "optimal"
+        model.forbid(chosen, parted_y)
+        try:
+            sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
+        except PlanError:  # a rebuild chain that cannot run: rejected, and cut
+            rejected += 1
+            continue
+        offer(dec, sim)
+        if sim.peak_bytes > budget_bytes:
+            rejected += 1
+            over = sim_over(parted, sim) - budget_bytes
+            new = [int(i) for i in np.nonzero(over > 0)[0] if int(i) not in model.ops and req[i] > 0]
+            if new and model.terms < MAX_TERMS:
+                for i in sorted(new, key=lambda i: -over[i])[:64]:
+                    model.add_op(i)
+            for r in sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes):
+                model.add_group(r, budget_bytes)
+            # A plan for now: complete the rejected one greedily (never a bound, never a cut).
+            fixed = _repair(problem, dec, budget_bytes)
+            if fixed is not None:
+                repaired += 1
+                offer(*fixed)
+            elif incumbent is None and not new and not tightened_tried:
+                # The excess comes from what the relaxation leaves out (transients, groups):
+                # look for a plan in a tightened model, with half of what is left.
+                tightened_tried = True
+                share = (time_limit - (time.perf_counter() - t0)) / 2
+                found, work = _tightened_search(problem, st, parts, req, ops_all, model.ops, budget_bytes, cost_unit,
+                                          dec, None, params, share,
+                                          None if work_limit is None else (work_limit - work_used) / 2)
+                work_used += work
+                log.append(f"round {rounds}: tightened search " + ("found a plan" if found else "found none"))
+                if found is not None:
+                    offer(*found)
+        if incumbent is not None and code == cp_model.OPTIMAL and incumbent[1].extra_cost <= lower_bound + slack:
+            status_final = "optimal"
             break
-        over = sim_over(parted, sim) - budget_bytes
-        bad = np.nonzero(over > 0)[0]
-        new = [int(i) for i in bad if i not in set(active) and req[i] > 0]
-        if new and terms < MAX_TERMS:
-            active.extend(sorted(new, key=lambda i: -over[i])[:64])
-        else:
-            relaxed = False
-            # Ask for more bytes away at each op still over: what this solution frees there
-            # (at most its coverage) plus the excess.
-            freed = gap_bytes(problem.num_ops, st.a[chosen], st.b[chosen], st.sizes[chosen]) + sum(
-                (parts[j].savings for j, v in enumerate(y) if solver.Value(v)), np.zeros(problem.num_ops, np.int64))
-            for i in bad.tolist():
-                want = int(freed[i]) + int(over[i])
-                extra_req[i] = max(extra_req.get(i, 0), want - int(req[i]))
-                if i not in active:
-                    active.append(i)
-    stats = {"rounds": rounds, "modelled_ops": len(active), "binding_ops": int(len(ops_all)),
-             "candidates": int(len(st.sizes)), "partition_options": len(parts), "scaling": scale_note, "log": log}
+    if timed_out:
+        notes.append("CP-SAT stopped at the " + ("work" if work_limit is not None and work_used >= work_limit
+                                                   else "time") + " limit: a longer limit may find a cheaper plan")
+    stats = {"rounds": rounds, "rejected": rejected, "repaired": repaired, "modelled_ops": len(model.ops),
+             "binding_ops": int(len(ops_all)), "candidates": int(len(st.sizes)), "partition_options": len(parts),
+             "no_good_cuts": model.cuts, "scaling": model.scale_note, "log": log,
+             "work": round(work_used, 3), "timed_out": timed_out, "proven": proven_none}
     if incumbent is None:
-        return Decisions(lower_bound=lower_bound, notes=notes + ["CP-SAT found no plan the simulator accepts"],
-                         stats=stats)
+        why = ("no plan of this plan space fits: CP-SAT ruled out every one the simulator did not reject"
+               if proven_none else "CP-SAT found no plan the simulator accepts within the limit")
+        return Decisions(status="infeasible" if proven_none else None, lower_bound=None,
+                         notes=notes + [why], stats=stats, timed_out=timed_out)
     dec, sim = incumbent
     return Decisions(drops=dec.drops, partitions=dec.partitions, status=status_final or "feasible",
-                     objective=sim.extra_cost, lower_bound=lower_bound, notes=notes, stats=stats)
+                     objective=sim.extra_cost, lower_bound=lower_bound, notes=notes, stats=stats,
+                     timed_out=timed_out)
 
 
-def _add_rebuild_constraints(problem, st: Structure, model, x, budget: int, overheads: dict[int, int]) -> None:
-    """[Constraint] (tightening, not a relaxation) a rebuild's own working set must fit:
-    the bytes dropped around its rebuild point cover what the rebuild adds over the budget."""
-    live = problem.baseline_live
-    for k in range(len(st.sizes)):
-        r = int(st.b[k])
-        if k not in overheads:
-            overheads[k] = rebuild_overhead(problem, Drop(int(st.tensor[k]), int(st.a[k]), r))
-        # Carried into the group: what was live during op r-1 minus what op r-1 freed is at
-        # most live[r-1]; the rebuilt tensor itself is part of the overhead.
-        excess = int(live[r - 1]) + overheads[k] - int(st.sizes[k]) - budget
-        if excess <= 0:
-            continue
-        cover = np.nonzero((st.a < r - 1) & (r - 1 < st.b))[0]
-        cover = cover[cover != k]
-        if int(st.sizes[cover].sum()) < excess:
-            model.Add(x[k] == 0)
-            continue
-        model.Add(sum(int(st.sizes[j]) * x[j] for j in cover.tolist()) >= excess).OnlyEnforceIf(x[k])
+def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], req: np.ndarray,
+                      ops_all: np.ndarray, ops: set[int], budget: int, cost_unit: float, first: Decisions,
+                      incumbent_cost: float | None, solver_params: Callable[[cp_model.CpSolver, float, float | None], None],
+                      time_limit: float, work_limit: float | None) -> tuple[tuple[Decisions, SimResult] | None, float]:
+    """Plan finding only (never a bound, never a proof): starting from a rejected solution,
+    raise the requirement at each op the simulator finds over budget by that op's excess and
+    constrain each rebuild's own working set, until a solution fits, the model has none, or
+    the limit runs out. These tightenings can cut off plans, so the main loop never trusts
+    this model's infeasibility. Returns the plan (or None) and CP-SAT's deterministic time."""
+    t0 = time.perf_counter()
+    work = 0.0
+    extra: dict[int, int] = {}
+    overheads: dict[int, int] = {}
+    dec = first
+    while True:
+        sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
+        if sim.peak_bytes <= budget:
+            return (dec, sim), work
+        chosen = np.zeros(len(st.sizes), dtype=bool)
+        key = {(int(t), int(b)): k for k, (t, b) in enumerate(zip(st.tensor.tolist(), st.b.tolist(), strict=True))}
+        for d in dec.drops:
+            chosen[key[(d.tensor, d.remat_before)]] = True
+        over = sim_over(parted, sim) - budget
+        freed = gap_bytes(problem.num_ops, st.a[chosen], st.b[chosen], st.sizes[chosen]) + sum(
+            (po.savings for po in parts if Partition(po.span.module, 0, po.chunks) in dec.partitions),
+            np.zeros(problem.num_ops, np.int64))
+        for i in np.nonzero(over > 0)[0].tolist():
+            extra[i] = max(extra.get(i, 0), int(freed[i]) + int(over[i]) - int(req[i]))
+        left = time_limit - (time.perf_counter() - t0)
+        if left <= 0.05 or (work_limit is not None and work >= work_limit):
+            return None, work
+        m = _Model(problem, st, parts, req, ops_all, cost_unit)
+        for i in sorted(ops | set(extra)):
+            m.add_op(i, extra.get(i, 0))
+        m.add_rebuild_constraints(budget, overheads)
+        if incumbent_cost is not None:
+            m.cutoff(incumbent_cost)
+        solver = cp_model.CpSolver()
+        solver_params(solver, left, None if work_limit is None else work_limit - work)
+        code = solver.Solve(m.model)
+        work += solver.deterministic_time
+        if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None, work
+        dec = Decisions(
+            drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k, v in enumerate(m.x) if solver.Value(v)],
+            partitions=[Partition(parts[j].span.module, 0, parts[j].chunks) for j, v in enumerate(m.y)
+                        if solver.Value(v)],
+        )
 
 
-def _build(problem, st: Structure, parts: list[PartOption], active, req, extra_req, budget, cost_unit):
-    model = cp_model.CpModel()
-    C = len(st.sizes)
-    x = [model.NewBoolVar(f"x{k}") for k in range(C)]
-    y = [model.NewBoolVar(f"y{j}") for j in range(len(parts))]
-    # [Constraint] partitions: one chunk count per module, never a module and one inside it,
-    # and a partitioned module's insides are not dropped on their own.
-    by_module: dict[str, list[int]] = {}
-    for j, po in enumerate(parts):
-        by_module.setdefault(po.span.module, []).append(j)
-    mods = sorted(by_module)
-    for i1, m1 in enumerate(mods):
-        for m2 in mods[i1 + 1:]:
-            if m2.startswith(m1 + "."):
-                model.AddAtMostOne([y[j] for j in by_module[m1] + by_module[m2]])
-        model.AddAtMostOne([y[j] for j in by_module[m1]])
-    for j, po in enumerate(parts):
-        for k in po.internal.tolist():
-            model.AddImplication(y[j], x[k].Not())
-    # [Constraint] at most one gap option per tensor.
-    alts: dict[int, list[int]] = {}
-    for k, c in enumerate(st.cand.tolist()):
-        alts.setdefault(c, []).append(k)
-    for ks in alts.values():
-        if len(ks) > 1:
-            model.AddAtMostOne([x[k] for k in ks])
+def _repair(problem: Problem, dec: Decisions, budget: int) -> tuple[Decisions, SimResult] | None:
+    """The greedy sweep started from ``dec``'s drops, around its partitions."""
+    parted, _ = apply_partitions(problem, dec.partitions)
+    fixed = plan_remat(parted, budget, initial=dec.drops)
+    fixed.partitions = list(dec.partitions)
+    sim, _ = simulate_plan(problem, fixed.drops, fixed.partitions)
+    return (fixed, sim) if sim.peak_bytes <= budget else None
 
-    # [Constraint] an op re-runs if any output it produced is dropped; temporaries likewise.
-    rerun: dict[int, cp_model.IntVar] = {}
-    for k in range(C):
-        for p in [*st.own_ops[k], *st.temporaries[k]]:
-            if p not in rerun:
-                rerun[p] = model.NewBoolVar(f"r{p}")
-            model.AddImplication(x[k], rerun[p])
-    costs = {p: int(math.floor(problem.op_cost[p] / cost_unit)) for p in rerun}
-    objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0) + sum(
-        int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts))
-    model.Minimize(objective)
 
-    # Byte scaling: divide by the GCD; if still large, round sizes up to a unit (relaxation).
-    reqs = {i: int(req[i]) + extra_req.get(i, 0) for i in active}
-    g = 0
-    for s in st.sizes.tolist():
-        g = math.gcd(g, int(s))
-    g = max(g, 1)
-    unit = g
-    biggest = max(int(st.sizes.max()) if len(st.sizes) else 1, max(reqs.values()))
-    if biggest // unit > 2**40:
-        unit = max(g, biggest >> 40)
-    sizes = [-(-int(s) // unit) for s in st.sizes.tolist()]
-    note = f"bytes divided by {unit} (GCD {g}{', sizes rounded up' if unit != g else ''})"
+class _Model:
+    """The CP-SAT relaxation, built once and grown between rounds: memory constraints at
+    more ops, no-good cuts on simulated plans, a cutoff at the incumbent's cost."""
 
-    # [Constraint] memory at each modelled op: the dropped-and-still-away bytes cover the excess.
-    terms = 0
-    for i in active:
+    def __init__(self, problem: Problem, st: Structure, parts: list[PartOption], req: np.ndarray,
+                 ops_all: np.ndarray, cost_unit: float):
+        self.problem, self.st, self.parts, self.req = problem, st, parts, req
+        self.cost_unit = cost_unit
+        self.model = model = cp_model.CpModel()
+        C = len(st.sizes)
+        self.x = x = [model.NewBoolVar(f"x{k}") for k in range(C)]
+        self.y = y = [model.NewBoolVar(f"y{j}") for j in range(len(parts))]
+        self.ops: set[int] = set()
+        self.groups: set[int] = set()
+        self._gaps: dict[int, list[tuple[int, int]]] = {}
+        for t, a, b in zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True):
+            self._gaps.setdefault(t, []).append((a, b))
+        self.cand_set = set(st.tensor.tolist())
+        self.terms = 0
+        self.cuts = 0
+        # [Constraint] partitions: one chunk count per module, never a module and one inside it,
+        # and a partitioned module's insides are not dropped on their own.
+        by_module: dict[str, list[int]] = {}
+        for j, po in enumerate(parts):
+            by_module.setdefault(po.span.module, []).append(j)
+        mods = sorted(by_module)
+        for i1, m1 in enumerate(mods):
+            for m2 in mods[i1 + 1:]:
+                if m2.startswith(m1 + "."):
+                    model.AddAtMostOne([y[j] for j in by_module[m1] + by_module[m2]])
+            model.AddAtMostOne([y[j] for j in by_module[m1]])
+        for j, po in enumerate(parts):
+            for k in po.internal.tolist():
+                model.AddImplication(y[j], x[k].Not())
+        # [Constraint] at most one gap option per tensor.
+        alts: dict[int, list[int]] = {}
+        for k, c in enumerate(st.cand.tolist()):
+            alts.setdefault(c, []).append(k)
+        for ks in alts.values():
+            if len(ks) > 1:
+                model.AddAtMostOne([x[k] for k in ks])
+
+        # [Constraint] an op re-runs if any output it produced is dropped; temporaries likewise.
+        # A tensor dropped over several gaps is rebuilt in as many groups (its gaps are
+        # disjoint), so its rebuild ops run at least that many times.
+        rerun: dict[int, cp_model.IntVar] = {}
+        gaps_of: dict[tuple[int, int], list[int]] = {}  # (op, tensor) -> options of distinct gaps
+        for k in range(C):
+            for p in st.own_ops[k]:
+                gaps_of.setdefault((p, int(st.tensor[k])), []).append(k)
+        most = {}  # op -> the most gaps one of its outputs has
+        for (p, _t), ks in gaps_of.items():
+            most[p] = max(most.get(p, 1), len({int(st.a[k]) for k in ks}))
+        for k in range(C):
+            for p in [*st.own_ops[k], *st.temporaries[k]]:
+                if p not in rerun:
+                    rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
+                model.Add(rerun[p] >= x[k])
+        for (p, _t), ks in gaps_of.items():
+            if most[p] > 1:
+                model.Add(rerun[p] >= sum(x[k] for k in ks))
+        costs = {p: int(math.floor(problem.op_cost[p] / cost_unit)) for p in rerun}
+        self.objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0) + sum(
+            int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts))
+        model.Minimize(self.objective)
+
+        # Byte scaling: divide by the GCD; if still large, round sizes up to a unit (relaxation).
+        g = 0
+        for s in st.sizes.tolist():
+            g = math.gcd(g, int(s))
+        g = max(g, 1)
+        unit = g
+        biggest = max(int(st.sizes.max()) if len(st.sizes) else 1, int(req[ops_all].max()))
+        if biggest // unit > 2**40:
+            unit = max(g, biggest >> 40)
+        self.byte_unit = unit
+        self.sizes = [-(-int(s) // unit) for s in st.sizes.tolist()]
+        self.scale_note = f"bytes divided by {unit} (GCD {g}{', sizes rounded up' if unit != g else ''})"
+
+    def cutoff(self, cost: float) -> None:
+        """[Constraint] (warm start) beat the incumbent: no plan of the space costing at most
+        ``cost`` is lost, as the model's cost of a plan never exceeds its simulated cost."""
+        self.model.Add(self.objective <= int(math.floor(cost / self.cost_unit)))
+
+    def forbid(self, chosen_x: list[int], chosen_y: list[int]) -> None:
+        """[Constraint] no-good cut: not exactly this assignment (already simulated)."""
+        on_x, on_y = set(chosen_x), set(chosen_y)
+        lits = [v.Not() if k in on_x else v for k, v in enumerate(self.x)]
+        lits += [v.Not() if j in on_y else v for j, v in enumerate(self.y)]
+        if lits:
+            self.model.AddBoolOr(lits)
+            self.cuts += 1
+
+    def forbid_plan(self, dec: Decisions) -> None:
+        """The no-good cut of ``dec`` if it is an assignment of this model (a warm start)."""
+        st = self.st
+        key = {(int(t), int(a), int(b)): k for k, (t, a, b) in
+               enumerate(zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True))}
+        xs = [key.get((d.tensor, d.free_after, d.remat_before)) for d in dec.drops]
+        part_key = {(po.span.module, po.chunks): j for j, po in enumerate(self.parts)}
+        ys = [part_key.get((p.module, p.chunks)) for p in dec.partitions]
+        if None not in xs and None not in ys:
+            self.forbid(xs, ys)
+
+    def _may_need(self, c: int, t: int, lo: int, hi: int) -> bool:
+        """Can a rebuild of option ``c`` in a group before an op in ``lo..hi`` need tensor
+        ``t``? The simulator follows a rebuild's inputs only through tensors gone then: dead
+        (``end`` before the group) or inside a gap of theirs. A superset of what it can need."""
+        problem = self.problem
+        seen = {int(self.st.tensor[c])}
+        stack = list(seen)
+        while stack:
+            for u in rebuild_inputs(problem, stack.pop()):
+                if u == t:
+                    return True
+                if u in seen or not problem.rematerializable[u]:
+                    continue
+                seen.add(u)
+                if problem.end[u] < hi or any(a < hi and b > lo for a, b in self._gaps.get(u, ())):
+                    stack.append(u)
+        return False
+
+    def add_group(self, r: int, budget: int) -> None:
+        """[Constraint] the recompute group before op ``r``, for each option ``k`` rebuilt
+        there (``b[k] == r``), valid for every plan: if ``k`` is dropped and no other chosen
+        option can move its rebuild earlier (none whose rebuild may need it runs inside its
+        gap) and no module is partitioned, the group holds what crosses from op r-1 to op r
+        (less what is away then, counted as if every option covering it were away) plus at
+        least what a rebuild of ``k`` alone allocates at its worst moment (its tensor and the
+        transients its chain needs: those are gone whatever the plan, and more rebuilds in
+        the group only add to it). So those bytes away must cover the excess; a candidate
+        ``k``'s rebuild reads is never away there (it is brought back into the group)."""
+        if r in self.groups:
+            return
+        self.groups.add(r)
+        problem, st, model, x = self.problem, self.st, self.model, self.x
+        crossing = int(problem.nbytes[(problem.start <= r - 1) & (problem.end >= r)].sum())
+        for k in np.nonzero(st.b == r)[0].tolist():
+            t = int(st.tensor[k])
+            excess = crossing - int(st.sizes[k]) + rebuild_overhead(problem, Drop(t, int(st.a[k]), r)) - budget
+            if excess <= 0:
+                continue
+            a = int(st.a[k])
+            movers = [c for c in np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
+                      if self._may_need(c, t, max(a, int(st.a[c])) + 1, min(r - 1, int(st.b[c])))]
+            cond = [x[k], *(x[c].Not() for c in movers), *(v.Not() for v in self.y)]
+            # What k's rebuild reads is brought back into this group if it is away: not away.
+            _ops, deps = rebuild_closure(problem, t, a, self.cand_set)
+            held = set(deps)
+            cover = [j for j in np.nonzero((st.a < r) & (st.b >= r))[0].tolist()
+                     if j != k and int(st.tensor[j]) not in held]
+            unit = self.byte_unit
+            if int(st.sizes[cover].sum()) < excess:
+                model.AddBoolOr([v.Not() for v in cond])
+            else:
+                model.Add(sum(self.sizes[j] * x[j] for j in cover) >= -(-excess // unit)).OnlyEnforceIf(cond)
+            self.terms += len(cover) + len(movers)
+
+    def add_rebuild_constraints(self, budget: int, overheads: dict[int, int]) -> None:
+        """[Constraint] (a tightening, not valid for every plan: plan-finding model only) a
+        rebuild's own working set must fit: the bytes dropped around its rebuild point cover
+        what the rebuild adds over the budget."""
+        problem, st, model, x = self.problem, self.st, self.model, self.x
+        live = problem.baseline_live
+        for k in range(len(st.sizes)):
+            r = int(st.b[k])
+            if k not in overheads:
+                overheads[k] = rebuild_overhead(problem, Drop(int(st.tensor[k]), int(st.a[k]), r))
+            # Carried into the group: what was live during op r-1 minus what op r-1 freed is at
+            # most live[r-1]; the rebuilt tensor itself is part of the overhead.
+            excess = int(live[r - 1]) + overheads[k] - int(st.sizes[k]) - budget
+            if excess <= 0:
+                continue
+            cover = np.nonzero((st.a < r - 1) & (r - 1 < st.b))[0]
+            cover = cover[cover != k]
+            if int(st.sizes[cover].sum()) < excess:
+                model.Add(x[k] == 0)
+                continue
+            model.Add(sum(int(st.sizes[j]) * x[j] for j in cover.tolist()) >= excess).OnlyEnforceIf(x[k])
+
+    def add_op(self, i: int, extra: int = 0) -> None:
+        """[Constraint] memory at op ``i``: the dropped-and-still-away bytes cover the excess
+        (plus ``extra`` bytes: a tightening, in the plan-finding model only)."""
+        st, model, x, y = self.st, self.model, self.x, self.y
+        self.ops.add(i)
         cover = np.nonzero((st.a < i) & (i < st.b))[0].tolist()
         cov_set = set(cover)
         away = {}
@@ -384,11 +602,9 @@ def _build(problem, st: Structure, parts: list[PartOption], active, req, extra_r
                     if c in cov_set and c in forced:
                         # [Constraint] c dropped and brought back by op i brings k back too.
                         model.AddBoolOr([x[c].Not(), forced[c].Not(), forced[k]])
-                        terms += 1
-                    elif c in cov_set:
-                        pass  # c is never brought back early, so rebuilding it happens after i
-        need = -(-reqs[i] // unit)
-        part_terms = [(-(-int(po.savings[i]) // unit)) * y[j] for j, po in enumerate(parts) if po.savings[i] > 0]
-        model.Add(sum(sizes[k] * away[k] for k in cover) + sum(part_terms) >= need)
-        terms += len(cover)
-    return model, x, y, objective, note, terms
+                        self.terms += 1
+        unit = self.byte_unit
+        need = -(-(int(self.req[i]) + extra) // unit)
+        part_terms = [(-(-int(po.savings[i]) // unit)) * y[j] for j, po in enumerate(self.parts) if po.savings[i] > 0]
+        model.Add(sum(self.sizes[k] * away[k] for k in cover) + sum(part_terms) >= need)
+        self.terms += len(cover)

@@ -30,6 +30,12 @@ class Decisions:
     lower_bound: float | None = None  # a proven lower bound on extra compute, if any
     notes: list[str] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    timed_out: bool = False  # the search stopped at its time or work limit (not a proof of anything)
+
+
+# A lower bound may exceed the simulated cost by float rounding only: this share of the step's
+# compute (bounds come from integer costs in units of step_cost / 1e7, rounded down).
+BOUND_TOLERANCE = 1e-9
 
 
 def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Decisions,
@@ -46,8 +52,10 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         lb = sim.extra_cost
     gap = None
     if lb is not None and fits:
-        lb = min(lb, sim.extra_cost)
-        gap = 0.0 if sim.extra_cost <= 1e-12 else (sim.extra_cost - lb) / sim.extra_cost
+        tol = BOUND_TOLERANCE * max(sim.step_cost, 1e-12)
+        assert lb <= sim.extra_cost + tol, (
+            f"{method}: lower bound {lb!r} above the simulated cost {sim.extra_cost!r} of its own plan")
+        gap = 0.0 if sim.extra_cost <= 1e-12 else max(sim.extra_cost - lb, 0.0) / sim.extra_cost
     unit = problem.trace.cost_unit
     trace = problem.trace
     schedule = build_schedule(parted, dec.drops)
@@ -120,7 +128,7 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
     t = d.tensor
     p = int(problem.producer[t])
     nb = int(problem.nbytes[t])
-    r = sim.remat_at.get(t, d.remat_before)
+    r = sim.remat_at_drop.get((t, d.free_after), d.remat_before)
     held = r - d.free_after - 1
     ops = problem.rebuild_ops[t].tolist()
     names = problem.op_name[p] + (f" and {len(ops) - 1} in-place op(s)" if len(ops) > 1 else "")
