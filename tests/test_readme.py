@@ -53,6 +53,8 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("--steps 5", "--steps 1", "replay: one timed step per run"),
     ("--steps 3", "--steps 1", "replay of the accumulation loop: one timed step per run"),
     ("tiny-gpt2-accum --budget 80%", "tiny-gpt2-accum --budget 80% --time-limit 5", "a bounded search"),
+    ("traces/tiny-gpt2 --budget 70%", "traces/tiny-gpt2 --budget 70% --time-limit 5",
+     "auto searches its whole default 60 s when it cannot prove optimality"),
 ]
 PYTHON_SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("time_limit=60", "time_limit=10", "the snippet's solve, bounded"),
