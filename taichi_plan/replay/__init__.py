@@ -31,10 +31,13 @@ def _counted_index(trace) -> list[int]:
     return out
 
 
-def call_plans(plan: Plan, trace) -> list:
-    """The :class:`~taichi_plan.replay.runtime.CallPlan` of each grad-enabled model call."""
+def call_plans(plan: Plan, trace, problem=None) -> list:
+    """The :class:`~taichi_plan.replay.runtime.CallPlan` of each grad-enabled model call
+    (``problem``: the trace's, when the caller has it built already)."""
+    from ..problem import build_problem
     from .runtime import IGNORED_OPS, CallPlan
 
+    problem = problem or build_problem(trace)
     calls = model_calls(trace)
     names = trace.ops["op"].tolist()
     modules = trace.ops["module"].tolist()
@@ -71,20 +74,20 @@ def call_plans(plan: Plan, trace) -> list:
                             "such output: the plan was made for another trace.")
         drops[where[0]].setdefault(where[1], []).append((j, r.tensor))
     recipes: list[set] = [set() for _ in calls]
-    for op in recipe_ops(plan, trace):
+    for op in recipe_ops(plan, trace, problem):
         where = locate(op)
         if where is None:
             raise PlanError(f"A rebuild in this plan re-runs op {op} ({names[op]}), which ran outside the model's "
                             "forward; replay cannot re-run it. Solve again with this version.")
         recipes[where[0]].add(where[1])
     spans: list[dict] = [{} for _ in calls]
-    for module, (f0, f1) in partition_spans(plan, trace).items():
+    for module, (f0, f1) in partition_spans(plan, trace, problem).items():
         a, b = locate(f0), locate(f1)
         if a is None or b is None or a[0] != b[0]:
             raise PlanError(f"The plan partitions {module!r}, whose ops do not all run in one call of the model.")
         spans[a[0]][module] = (a[1], b[1] + (names[f1] not in IGNORED_OPS) - 1)
 
-    group_of = rebuild_groups(plan, trace)
+    group_of = rebuild_groups(plan, trace, problem)
     kinds = tensors["kind"].tolist()
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
     grads = [(a, f) for k, a, f in zip(kinds, alloc, free, strict=True) if k == "gradient"]
@@ -98,13 +101,13 @@ def call_plans(plan: Plan, trace) -> list:
     return out
 
 
-def rebuild_groups(plan: Plan, trace) -> dict[int, int]:
+def rebuild_groups(plan: Plan, trace, problem=None) -> dict[int, int]:
     """Dropped tensor id -> the op before which the simulator rebuilds it (its group)."""
     from ..problem import build_problem
     from ..simulate import simulate_plan
     from ..solve.result import drops_from_plan
 
-    problem = build_problem(trace)
+    problem = problem or build_problem(trace)
     drops = drops_from_plan(problem, plan)
     if not drops:
         return {}
@@ -112,14 +115,14 @@ def rebuild_groups(plan: Plan, trace) -> dict[int, int]:
     return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}
 
 
-def recipe_ops(plan: Plan, trace) -> set[int]:
+def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     """Op ids whose recipes a rebuild may need: every op the simulator re-runs for this plan,
     and the rebuild ops of every dropped tensor."""
     from ..problem import build_problem
     from ..simulate import rerun_ops
     from ..solve.result import drops_from_plan
 
-    problem = build_problem(trace)
+    problem = problem or build_problem(trace)
     return {int(i) for i in rerun_ops(problem, drops_from_plan(problem, plan))}
 
 
@@ -130,14 +133,14 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
     return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}))
 
 
-def partition_spans(plan: Plan, trace) -> dict[str, tuple[int, int]]:
+def partition_spans(plan: Plan, trace, problem=None) -> dict[str, tuple[int, int]]:
     """Forward op span (op ids) of each partitioned module in the trace."""
     if not plan.partitions:
         return {}
     from ..partition import module_spans
     from ..problem import build_problem
 
-    spans = {s.module: s.fwd for s in module_spans(build_problem(trace))}
+    spans = {s.module: s.fwd for s in module_spans(problem or build_problem(trace))}
     missing = [p.module for p in plan.partitions if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "
