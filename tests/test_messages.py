@@ -118,3 +118,20 @@ def test_infeasible_message_names_the_forward_module(swin):
     assert describe_op(p, i) in msg, msg
     if p.op_phase[i] == "backward":
         assert "backward of" in msg
+
+
+def test_an_optimizer_step_floor_says_what_takes_it_not_reduce_the_batch():
+    """The mlp's peak is its AdamW step: parameters, gradients and optimizer state make most
+    of it, so "reduce the batch size" would not help; the message says what they weigh."""
+    from taichi_plan.errors import InfeasibleBudgetError
+    from taichi_plan.problem import build_problem
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.solve import solve
+
+    trace = record_workload(get_workload(model="mlp", hidden=256, layers=3, batch=8), fake=False)
+    p = build_problem(trace)
+    with pytest.raises(InfeasibleBudgetError) as e:
+        solve(trace, int(p.baseline_peak[0] * 0.5), "heuristic", problem=p)
+    msg = str(e.value)
+    assert "in the optimizer step" in msg and "optimizer state" in msg and "parameters" in msg, msg
+    assert "reduce the batch size" not in msg

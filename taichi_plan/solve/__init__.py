@@ -253,11 +253,31 @@ def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Pla
             meet = f"taichi-plan's own planner (--method auto) meets {format_bytes(reach)}"
         msg = (f"{head} No plan of this trace can go below {format_bytes(int(floor[i]))}: {describe_op(problem, i)} "
                "needs that much live at once even with every droppable tensor dropped and every module "
-               f"partitioned. {meet}: ask for at least that (--budget {_suggest(reach)}), or reduce the batch "
-               "size. No plan file was written.")
+               f"partitioned. {meet}: ask for at least that (--budget {_suggest(reach)})"
+               f"{_what_helps(problem, i, int(floor[i]))} No plan file was written.")
     err = InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)
     err.planned_peak_bytes = peak
     return err
+
+
+STATE_KINDS = ("parameter", "gradient", "optimizer_state")
+
+
+def _what_helps(problem: Problem, op: int, floor: int) -> str:
+    """The advice that fits the floor at ``op``: when parameters, gradients and optimizer state
+    make most of it, a smaller batch cannot help, so say what they weigh and what would."""
+    live = (problem.start <= op) & (problem.end >= op)
+    by_kind = {k: int(problem.nbytes[live & (problem.kind == k)].sum()) for k in STATE_KINDS}
+    state = sum(by_kind.values())
+    if floor <= 0 or state < floor / 2:
+        return ", or reduce the batch size."
+    parts = ", ".join(f"{'optimizer state' if k == 'optimizer_state' else k + 's'} {format_bytes(v)}"
+                      for k, v in by_kind.items() if v)
+    where = " (in the optimizer step)" if problem.op_phase[op] == "optimizer" else ""
+    return (f". At op {op}{where}, {parts} are {format_bytes(state)} of it ({100 * state / floor:.0f}%): no "
+            "activation plan and no smaller batch frees them; sharding them across devices (FSDP), an optimizer "
+            "with less state, or lower-precision parameters and state would (taichi-plan does not plan the "
+            "optimizer step itself yet).")
 
 
 def _suggest(nbytes: int) -> str:
