@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .problem import Problem, model_call_of_ops
+from .problem import Problem
 
 
 def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], recompute_ops: int) -> float | None:
@@ -23,7 +23,7 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rec
         return None
     if not drops and not partitions:
         return 0.0
-    call = model_call_of_ops(problem.trace)
+    call = problem.op_call
     planned = {int(call[int(problem.producer[d.tensor])]) for d in drops}
     if partitions:
         from .partition import module_spans

@@ -76,7 +76,7 @@ class Problem:
             return np.ones(np.shape(a), dtype=bool)
         phase = self._phase_array
         p = np.maximum(producer, 0)
-        call = self._call_array
+        call = self.op_call
         return ((producer >= 0) & (phase[p] == "forward") & (phase[a] == "forward") & (phase[b] == "backward")
                 & (call[p] >= 0) & (call[a] == call[p]))
 
@@ -117,7 +117,16 @@ class Problem:
     def __post_init__(self):
         self._index = {int(t): i for i, t in enumerate(self.tensor_id.tolist())}
         self._phase_array = np.asarray(self.op_phase)
-        self._call_array = model_call_of_ops(self.trace)
+        self.op_call = model_call_of_ops(self.trace)  # per op: its grad model call, or -1
+
+
+def grad_model_calls(meta: dict) -> list[dict] | None:
+    """The grad-enabled, finished model calls of a recorded step (``meta.model_calls``), in
+    order; None when the trace does not list them (imported graphs, older recordings)."""
+    calls = meta.get("model_calls")
+    if calls is None:
+        return None
+    return [c for c in calls if c.get("grad") and c.get("end") is not None]
 
 
 def model_call_of_ops(trace: Trace) -> np.ndarray:
@@ -127,15 +136,12 @@ def model_call_of_ops(trace: Trace) -> np.ndarray:
     only if its producer and its last forward use ran in the same call. Traces that do not
     list the calls (imported graphs, older recordings) put every op in call 0."""
     n = len(trace.ops)
-    calls = trace.meta.get("model_calls")
+    calls = grad_model_calls(trace.meta)
     if calls is None:
         return np.zeros(n, dtype=np.int64)
     out = np.full(n, -1, dtype=np.int64)
-    k = 0
-    for c in calls:
-        if c.get("grad") and c.get("end") is not None:
-            out[int(c["start"]):int(c["end"]) + 1] = k
-            k += 1
+    for k, c in enumerate(calls):
+        out[int(c["start"]):int(c["end"]) + 1] = k
     return out
 
 

@@ -295,7 +295,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "filtered_ops": ["prim.*", "profiler.*"],
         "model_calls": kept.calls,
         "loop": loop.to_json(),
-        "runtime_overhead": calibrate_overhead(),
+        "runtime_overhead": dict(calibrate_overhead()),
     }
     return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)
 

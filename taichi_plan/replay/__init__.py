@@ -13,11 +13,13 @@ from ..plan import Plan, load_plan
 
 def model_calls(trace) -> list[dict]:
     """The grad-enabled model calls of the trace's step (``meta.model_calls``), in order."""
-    calls = trace.meta.get("model_calls")
+    from ..problem import grad_model_calls
+
+    calls = grad_model_calls(trace.meta)
     if calls is None:
         raise PlanError("The plan's trace does not say which ops ran inside the model (it was recorded by an "
                         "older taichi-plan): record it again and solve again.")
-    return [c for c in calls if c.get("grad") and c.get("end") is not None]
+    return calls
 
 
 def _counted_index(trace) -> list[int]:

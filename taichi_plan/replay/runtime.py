@@ -37,6 +37,7 @@ bitwise those of the unplanned run.
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 import weakref
@@ -572,13 +573,15 @@ def _run(step: Step, args, kwargs):
         return step.func(*args, **kwargs)
 
 
+@functools.cache
 def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
     """What this runtime costs per op on this machine, in seconds (medians of ``repeats``):
     ``check_op_s``, an op of a planned call it only counts and checks; ``recipe_op_s``, one
     it also keeps a recipe for; ``rebuild_op_s``, the bookkeeping of re-running one op in a
     rebuild (beyond the op's own time). Measured on ``n`` one-element additions, so the ops'
     own time is nothing; the recorder stores it in the trace (``meta.runtime_overhead``) and
-    the planner adds it to a plan's predicted extra time."""
+    the planner adds it to a plan's predicted extra time. Measured once per process (a
+    property of the machine and this code, not of the trace: ``maxbatch`` records many)."""
     import statistics
 
     x = torch.ones(1)
