@@ -1,10 +1,12 @@
-"""Plan format v3: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v4: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
 bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
 schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
-reserved peaks (``predicted.*_reserved_peak_bytes``). Version 2 files (no reserved peaks) and
+reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 partitions over tokens
+(``decisions.partitions[].over``). Version 3 files (no ``over``: every partition is along the
+batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
 
@@ -19,8 +21,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 
@@ -41,12 +43,15 @@ class Recompute:
 
 @dataclass
 class Partition:
-    """Run ``module`` on ``chunks`` pieces of its input along ``dim``."""
+    """Run ``module`` on ``chunks`` pieces of its input along ``dim`` (``over="batch"``), or,
+    ``over="tokens"``, the head ``module`` and the cross-entropy on its logits on ``chunks``
+    pieces of the tokens (v4)."""
 
     module: str
     dim: int
     chunks: int
     why: str = ""
+    over: str = "batch"
 
 
 @dataclass

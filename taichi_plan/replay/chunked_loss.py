@@ -383,13 +383,30 @@ def _identity(self, *a, **k):
     return self if not a and not k else NotImplemented
 
 
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _no_storage(self):
+    """Lazy logits hold no memory (memory trackers ask every module output for its storage)."""
+    return torch.UntypedStorage(0, device=self.device)
+
+
+def _register_hook(self, hook):
+    """A gradient hook on the logits (PyTorch's ModTracker puts one on every module output to
+    see the module's backward start) never fires: no gradient of the full logits ever exists."""
+    return _NoHook()
+
+
 _HANDLERS = {
     _Tensor.view: _view, _Tensor.reshape: _reshape, torch.reshape: _reshape, _Tensor.flatten: _flatten,
     torch.flatten: _flatten, _Tensor.__getitem__: _getitem, _Tensor.contiguous: _identity,
     _Tensor.to: _to, _Tensor.float: _as(torch.float32), _Tensor.double: _as(torch.float64),
     _Tensor.half: _as(torch.float16), _Tensor.bfloat16: _as(torch.bfloat16),
     _Tensor.log_softmax: _log_softmax, torch.log_softmax: _log_softmax, F.log_softmax: _log_softmax,
-    F.cross_entropy: _loss(False), F.nll_loss: _loss(True),
+    F.cross_entropy: _loss(False), F.nll_loss: _loss(True), _Tensor.register_hook: _register_hook,
+    _Tensor.untyped_storage: _no_storage,
 }
 
 
