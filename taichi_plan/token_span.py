@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .problem import Problem, _stem
+from .problem import Problem, op_stem
 
 HEAD_OPS = ("aten.mm.default", "aten.addmm.default")
 HEAD_MODULE_STEMS = {"t", "view", "mm", "addmm", "_unsafe_view", "reshape", "expand", "alias"}
@@ -99,7 +99,7 @@ def token_spans(problem: Problem) -> list[TokenSpan]:
     out = []
     if problem.replayable_only:
         by_module: dict[str, list[int]] = {}
-        for q in np.nonzero(problem._phase_array == "forward")[0].tolist():
+        for q in np.nonzero(np.asarray(problem.op_phase) == "forward")[0].tolist():
             by_module.setdefault(problem.op_module[q], []).append(q)
         for i in range(problem.num_ops):
             if problem.op_name[i] in HEAD_OPS and problem.op_phase[i] == "forward":
@@ -117,7 +117,7 @@ def _module_ops(problem: Problem, i: int, by_module: dict[str, list[int]]) -> li
     ops = by_module.get(m, []) if m else []
     if not ops or ops[-1] - ops[0] + 1 != len(ops):
         return None
-    if any(_stem(problem.op_name[q]) not in HEAD_MODULE_STEMS for q in ops):
+    if any(op_stem(problem.op_name[q]) not in HEAD_MODULE_STEMS for q in ops):
         return None
     return ops
 
@@ -134,7 +134,7 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
     if len(shapes[logits]) < 2 or int(shapes[logits][-1]) != vocab:
         return None
     inputs = [t for t in problem.op_reads[i].tolist() if t != w and problem.kind[t] != "parameter"]
-    phase = problem._phase_array
+    phase = problem.op_phase
     # Forward: follow the logits through position-wise ops to the loss.
     chain = {logits}
     fwd = {i}
@@ -146,7 +146,7 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
         for u in problem.uses[t].tolist():
             if u in fwd or phase[u] != "forward" or u < i:
                 continue
-            stem = _stem(problem.op_name[u])
+            stem = op_stem(problem.op_name[u])
             made = problem.op_outputs[u].tolist()
             if stem in REDUCE_STEMS:
                 reduce_ops.append(u)
@@ -256,7 +256,7 @@ def span_tensors(problem: Problem, span: TokenSpan) -> set[int]:
 def cost(problem: Problem, span: TokenSpan, chunks: int, launch_s: float) -> float:
     """The head's matmul and the log-softmax again (backward recomputes each chunk's logits),
     and a launch overhead per op per chunk."""
-    redo = [q for q in span.fwd_ops if _stem(problem.op_name[q]) in ("mm", "addmm", "_log_softmax")]
+    redo = [q for q in span.fwd_ops if op_stem(problem.op_name[q]) in ("mm", "addmm", "_log_softmax")]
     n_ops = len(span.fwd_ops) + len(span.bwd_ops)
     return float(problem.op_cost[redo].sum()) + chunks * n_ops * launch_s
 

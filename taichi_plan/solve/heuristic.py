@@ -16,9 +16,9 @@ import time
 import numpy as np
 
 from ..partition import (
-    as_partition,
     _under,
     apply_partitions,
+    as_partition,
     module_spans,
     partition_cost,
     partition_savings,

@@ -38,16 +38,15 @@ from ortools.sat.python import cp_model
 
 from ..errors import PlanError
 from ..partition import (
-    as_partition,
     Span,
     apply_partitions,
+    as_partition,
     module_spans,
     partition_cost,
     partition_savings,
     span_key,
     span_tensors,
 )
-from ..plan import Partition
 from ..problem import (
     Problem,
     coverage_delta,
