@@ -63,6 +63,8 @@ class TokenSpan:
     compute_elem: int  # bytes per element the softmax runs in
     copies_hidden: bool  # the chain copied (sliced) the logits: the runtime copies the hidden rows
     head_rows: int  # rows of the head's output (more than ``rows`` when the chain slices them)
+    logits: int  # the head's output (tensor index)
+    copy_op: int  # where the chain copies the logits (the runtime copies the hidden rows there)
     over: str = "tokens"
 
     @property
@@ -139,7 +141,7 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
     chain = {logits}
     fwd = {i}
     reduce_ops = []
-    copies = False
+    copies: list[int] = []
     frontier = [logits]
     while frontier:
         t = frontier.pop()
@@ -157,7 +159,8 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
             if any(r not in chain for r in problem.op_reads[u].tolist()):
                 return None
             fwd.add(u)
-            copies |= stem in ("clone", "contiguous")
+            if stem in ("clone", "contiguous"):
+                copies.append(u)
             for x in made:
                 if x not in chain:
                     chain.add(x)
@@ -176,7 +179,7 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
     head_elem = int(problem.nbytes[logits]) // max(_numel(shapes[logits]), 1)
     compute_elem = int(problem.nbytes[red_in[0]]) // max(_numel(shapes[red_in[0]]), 1)
     head_rows = _numel(shapes[logits]) // vocab
-    copies = copies or rows != head_rows
+    copy_op = min(copies) if copies else red
     # Backward: what reads the chain's storages, and the vocabulary-wide gradients made from them.
     fwd_made = set(chain)
     red_out = set(problem.op_outputs[red].tolist())
@@ -204,7 +207,7 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
     if not bwd or not red_out:
         return None
     return TokenSpan(problem.op_module[i], tuple(sorted(fwd)), tuple(bwd), red, rows, vocab, hidden, head_elem,
-                     compute_elem, copies, head_rows)
+                     compute_elem, bool(copies) or rows != head_rows, head_rows, logits, copy_op)
 
 
 def internal(problem: Problem, span: TokenSpan) -> set[int]:
@@ -271,17 +274,39 @@ def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, st
         nbytes[t] = 0
     b0 = span.bwd_ops[0]
     _, handed = _bwd_made(problem, span)
+    boundary = _boundary(problem, span)
+    row_bytes = span.hidden * span.head_elem
     for t in handed:
         start[t] = min(int(start[t]), b0)
+        if span.copies_hidden and _grad_of_hidden(problem, span, t):
+            nbytes[t] = span.rows * row_bytes  # the function's gradient of the copied rows
+    ops = set(span.fwd_ops) | set(span.bwd_ops)
     for t in span_inputs(problem, span):
-        if not problem.persists[t]:
+        if problem.persists[t]:
+            continue
+        if span.copies_hidden and t in boundary:
+            # The function holds its copy of the rows; the hidden states themselves live as long
+            # as the (lazy) logits that hold them, and their other uses.
+            outside = [int(u) for u in problem.uses[t].tolist() if int(u) not in ops]
+            end[t] = max([*outside, int(problem.start[t]), int(problem.end[span.logits])])
+        else:
             end[t] = max(int(end[t]), b0)
     work = span.chunk_bytes(chunks)
     new.append((-1, work, span.reduce_op, span.reduce_op))
     new.append((-1, work, b0, b0))
     if span.copies_hidden:
-        new.append((-1, span.rows * span.hidden * span.head_elem, span.reduce_op, b0))
+        new.append((-1, span.rows * row_bytes, span.copy_op, b0))
+        # After the function, autograd scatters the rows' gradient back into all the rows.
+        new.append((-1, span.head_rows * row_bytes, span.bwd_ops[-1], span.bwd_ops[-1]))
     return span_tensors(problem, span)
+
+
+def _grad_of_hidden(problem: Problem, span: TokenSpan, t: int) -> bool:
+    """Whether span-made ``t`` is the gradient of the hidden states (made by an op that reads
+    the head's weight: ``grad @ W``)."""
+    w = {x for x in _boundary(problem, span) if problem.kind[x] == "parameter"}
+    return int(problem.producer[t]) in span.bwd_ops and bool(set(problem.op_reads[int(problem.producer[t])].tolist()) & w) \
+        and int(problem.nbytes[t]) == span.head_rows * span.hidden * span.head_elem
 
 
 __all__ = ["TOKEN_CHUNK_CHOICES", "TokenSpan", "apply", "cost", "span_inputs", "span_tensors", "token_spans"]

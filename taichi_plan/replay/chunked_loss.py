@@ -207,9 +207,10 @@ class LazyLogits(_Tensor):
         autocast = autocast if autocast is not None else _autocast_state(hidden.device.type)
         head_dtype = autocast[1] if autocast[0] else torch.result_type(hidden, weight)
         shape = (*hidden.shape[:-1], weight.shape[0])
-        r = _Tensor._make_wrapper_subclass(cls, shape, dtype=cdtype or head_dtype, device=hidden.device,
-                                           requires_grad=hidden.requires_grad or weight.requires_grad
-                                           or (bias is not None and bias.requires_grad))
+        # requires_grad stays False: no gradient of the full logits ever exists, and hooks that
+        # look for one (PyTorch's ModTracker on a loss module's inputs) must not try to find it.
+        # The loss computed from them requires grad as the real one does.
+        r = _Tensor._make_wrapper_subclass(cls, shape, dtype=cdtype or head_dtype, device=hidden.device)
         r._hidden, r._weight, r._bias = hidden, weight, bias
         r._chunks, r._owner, r._log_probs, r._autocast = int(chunks), owner, bool(log_probs), autocast
         r._cdtype = cdtype or head_dtype
@@ -394,8 +395,7 @@ def _no_storage(self):
 
 
 def _register_hook(self, hook):
-    """A gradient hook on the logits (PyTorch's ModTracker puts one on every module output to
-    see the module's backward start) never fires: no gradient of the full logits ever exists."""
+    """A gradient hook on the logits never fires: no gradient of the full logits ever exists."""
     return _NoHook()
 
 
