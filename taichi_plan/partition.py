@@ -12,7 +12,8 @@ contiguous forward span and a contiguous backward span in the trace):
 * the module's outputs (read outside it) and everything else keep their size; its inputs
   are held by the checkpointed chunks until its backward is done;
 * joining the chunks' outputs (forward) and input gradients (backward) holds both the pieces
-  and the joined tensor for a moment;
+  and the joined tensor for a moment; in backward the ``k - 1`` input-gradient pieces before
+  the last chunk's are held through the module's backward span;
 * extra compute: the module's forward once more, plus a launch overhead per op per chunk.
 
 A module qualifies along dim 0 (the batch) when none of its ops mixes samples (no batch
@@ -323,6 +324,15 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 new_nb.append(nb)
                 new_s.append(at)
                 new_e.append(at)
+        # Each chunk's input gradient waits for the others (autograd joins them once all have
+        # arrived): while the last chunk's backward runs, the k - 1 pieces before it are live.
+        held = in_bytes - -(-in_bytes // k)
+        if held > 0 and span.bwd[1] > span.bwd[0]:
+            new_t.append(-1)
+            new_id.append(_SYNTHETIC_ID - len(new_id))
+            new_nb.append(held)
+            new_s.append(span.bwd[0])
+            new_e.append(span.bwd[1] - 1)
         cost += partition_cost(problem, span, k)
     clash = [d.tensor for d in drops if d.tensor in internal]
     if clash:
