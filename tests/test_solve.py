@@ -219,7 +219,7 @@ def test_work_limit_gives_the_same_plan_where_the_search_is_cut(graphs_dir):
 def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
     """--time-limit 5 counts loading, warm start and every CP-SAT round. ResNet-50 at 0.3 is
     not proven optimal in 5 s: the best plan so far is written with its bound. random_layered
-    n100 at 0.8 has no plan found in 5 s: the error says the search stopped, not that none
+    n100 at 0.6 has no plan found in 5 s: the error says the search stopped, not that none
     exists, and what the best plan found reaches."""
     import time
 
@@ -238,7 +238,7 @@ def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
     assert s["status"] == "feasible" and s["stats"]["timed_out"]
     assert s["lower_bound"] is not None and 0 <= s["lower_bound"] <= s["extra_compute"]
     assert any("time limit" in n for n in s["notes"])
-    r, out = run("random_layered_n100", "80%")
+    r, out = run("random_layered_n100", "60%")
     assert r.exit_code == InfeasibleBudgetError.exit_code, r.output
     msg = " ".join(r.output.split())
     assert "within the time limit of 5 s" in msg and "does not prove that none exists" in msg

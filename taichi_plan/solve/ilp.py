@@ -62,6 +62,10 @@ from .result import Decisions
 
 INITIAL_OPS = 24  # budget-binding ops modelled in the first round
 MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain terms
+# Chain constraints (a dropped tensor brought back early by a rebuild that needs it) grow with
+# the square of the options per gap; past this many options the model leaves them out, which
+# keeps it a relaxation (a tensor counts as away over its whole gap), only a weaker one.
+CHAIN_MAX_OPTIONS = 2_000
 
 
 @dataclass
@@ -90,14 +94,23 @@ def structure(problem: Problem) -> Structure:
     needers: list[list[int]] = [[] for _ in cands]
     cand_set = set(k_of)
     broad: list[list[int]] = [[] for _ in cands]  # option -> options whose rebuild may need it
+    chains = len(cands) <= CHAIN_MAX_OPTIONS
+    closures: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
     for k, t in enumerate(cands):
         # Gone candidates count as transients (their cost certain) on forward-only graphs,
         # where long transient chains are what a late rebuild costs; elsewhere the weaker
         # model solved faster (ResNet-50 at 0.4: optimal in 11 s against a 2.5% gap at 30 s).
-        ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set, dead_candidates=problem.every_gap)
-        own = problem.rebuild_ops[t].tolist()
+        # The closure depends on the tensor and where it is freed only (not on the rebuild
+        # point): the options of one gap share it.
+        if (t, int(a[k])) not in closures:
+            ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set, dead_candidates=problem.every_gap)
+            own = problem.rebuild_ops[t].tolist()
+            closures[(t, int(a[k]))] = (own, [q for q in ops if q not in own], deps)
+        own, temps, deps = closures[(t, int(a[k]))]
         own_ops.append(own)
-        temporaries.append([q for q in ops if q not in own])
+        temporaries.append(temps)
+        if not chains:
+            continue
         for u in deps:
             for j in k_of[u]:
                 if j != k:
@@ -224,7 +237,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     work_used = 0.0
     rounds = rejected = repaired = 0
     slack = cost_unit * (len(st.sizes) + len(parts) + 1)  # rounding of costs to the unit
-    tightened_tried = False
+    # The tightened model constrains every option's rebuild: too slow to build past
+    # CHAIN_MAX_OPTIONS options (forward-only graphs, where the local search finds plans).
+    tightened_tried = len(st.sizes) > CHAIN_MAX_OPTIONS
 
     def params(solver: cp_model.CpSolver, seconds: float, work: float | None) -> None:
         prm = solver.parameters
@@ -407,8 +422,12 @@ class _Model:
         self.y = y = [model.NewBoolVar(f"y{j}") for j in range(len(parts))]
         self.ops: set[int] = set()
         self.groups: set[int] = set()
-        self._gaps: dict[int, list[tuple[int, int]]] = {}
+        # Per tensor, its candidate gaps (free_after, latest rebuild point).
+        widest: dict[tuple[int, int], int] = {}
         for t, a, b in zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True):
+            widest[(t, a)] = max(widest.get((t, a), b), b)
+        self._gaps: dict[int, list[tuple[int, int]]] = {}
+        for (t, a), b in widest.items():
             self._gaps.setdefault(t, []).append((a, b))
         self.cand_set = set(st.tensor.tolist())
         self.terms = 0
@@ -434,6 +453,7 @@ class _Model:
         for ks in alts.values():
             if len(ks) > 1:
                 model.AddAtMostOne([x[k] for k in ks])
+        self.alts = alts
 
         # [Constraint] an op re-runs if any output it produced is dropped; temporaries likewise.
         # A tensor dropped over several gaps is rebuilt in as many groups (its gaps are
@@ -446,11 +466,11 @@ class _Model:
         most = {}  # op -> the most gaps one of its outputs has
         for (p, _t), ks in gaps_of.items():
             most[p] = max(most.get(p, 1), len({int(st.a[k]) for k in ks}))
-        for k in range(C):
-            for p in [*st.own_ops[k], *st.temporaries[k]]:
+        for ks in alts.values():  # the options of one gap: at most one is chosen
+            for p in {*st.own_ops[ks[0]], *st.temporaries[ks[0]]}:
                 if p not in rerun:
                     rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
-                model.Add(rerun[p] >= x[k])
+                model.Add(rerun[p] >= sum(x[k] for k in ks))
         for (p, _t), ks in gaps_of.items():
             if most[p] > 1:
                 model.Add(rerun[p] >= sum(x[k] for k in ks))
@@ -497,23 +517,29 @@ class _Model:
         if None not in xs and None not in ys:
             self.forbid(xs, ys)
 
-    def _may_need(self, c: int, t: int, lo: int, hi: int) -> bool:
-        """Can a rebuild of option ``c`` in a group before an op in ``lo..hi`` need tensor
-        ``t``? The simulator follows a rebuild's inputs only through tensors gone then: dead
-        (``end`` before the group) or inside a gap of theirs. A superset of what it can need."""
+    def _may_need_tensor(self, t: int, lo: int, hi: int) -> set[int]:
+        """The tensors whose rebuild in a group before an op in ``lo..hi`` may need ``t``. The
+        simulator follows a rebuild's inputs only through tensors gone then: dead (``end``
+        before the group) or inside a gap of theirs. A superset of what can need it, found by
+        one walk from ``t`` to the rebuilds that read it."""
         problem = self.problem
-        seen = {int(self.st.tensor[c])}
-        stack = list(seen)
+        if not hasattr(self, "_read_by"):
+            self._read_by: dict[int, list[int]] = {}
+            for x in np.nonzero(problem.rematerializable)[0].tolist():
+                for u in rebuild_inputs(problem, x):
+                    self._read_by.setdefault(u, []).append(x)
+        out: set[int] = set()
+        walked = {t}
+        stack = [t]
         while stack:
-            for u in rebuild_inputs(problem, stack.pop()):
-                if u == t:
-                    return True
-                if u in seen or not problem.rematerializable[u]:
+            for x in self._read_by.get(stack.pop(), ()):
+                out.add(x)
+                if x in walked:
                     continue
-                seen.add(u)
-                if problem.end[u] < hi or any(a < hi and b > lo for a, b in self._gaps.get(u, ())):
-                    stack.append(u)
-        return False
+                if problem.end[x] < hi or any(a < hi and b > lo for a, b in self._gaps.get(x, ())):
+                    walked.add(x)
+                    stack.append(x)
+        return out
 
     def add_group(self, r: int, budget: int) -> None:
         """[Constraint] the recompute group before op ``r``, for each option ``k`` rebuilt
@@ -536,8 +562,10 @@ class _Model:
             if excess <= 0:
                 continue
             a = int(st.a[k])
+            # One walk over the widest window, a..r-1, for every option (a superset).
+            may = self._may_need_tensor(t, a + 1, r - 1)
             movers = [c for c in np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
-                      if self._may_need(c, t, max(a, int(st.a[c])) + 1, min(r - 1, int(st.b[c])))]
+                      if int(st.tensor[c]) in may]
             cond = [x[k], *(x[c].Not() for c in movers), *(v.Not() for v in self.y)]
             # What k's rebuild reads is brought back into this group if it is away: not away.
             _ops, deps = rebuild_closure(problem, t, a, self.cand_set)
