@@ -202,7 +202,7 @@ def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None) -> t
         if deadline is not None and time.perf_counter() > deadline:
             return best, False
         mid = (lo + hi) // 2
-        dec = plan_heuristic(problem, mid)
+        dec = plan_heuristic(problem, mid, time_limit=60.0 if deadline is None else deadline - time.perf_counter())
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
         if sim.peak_bytes <= mid:
             hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op, mid)

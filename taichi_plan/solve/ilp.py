@@ -309,10 +309,11 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             if new and model.terms < MAX_TERMS:
                 for i in sorted(new, key=lambda i: -over[i])[:64]:
                     model.add_op(i)
+            deadline = t0 + time_limit  # constraints left out past it only weaken the relaxation
             for r in sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes):
-                model.add_group(r, budget_bytes)
+                model.add_group(r, budget_bytes, deadline)
             # A plan for now: complete the rejected one greedily (never a bound, never a cut).
-            fixed = _repair(problem, dec, budget_bytes)
+            fixed = _repair(problem, dec, budget_bytes, deadline)
             if fixed is not None:
                 repaired += 1
                 offer(*fixed)
@@ -399,10 +400,13 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
         )
 
 
-def _repair(problem: Problem, dec: Decisions, budget: int) -> tuple[Decisions, SimResult] | None:
+def _repair(problem: Problem, dec: Decisions, budget: int, deadline: float | None = None
+            ) -> tuple[Decisions, SimResult] | None:
     """The greedy sweep started from ``dec``'s drops, around its partitions."""
+    if deadline is not None and time.perf_counter() > deadline:
+        return None
     parted, _ = apply_partitions(problem, dec.partitions)
-    fixed = plan_remat(parted, budget, initial=dec.drops)
+    fixed = plan_remat(parted, budget, initial=dec.drops, deadline=deadline)
     fixed.partitions = list(dec.partitions)
     sim, _ = simulate_plan(problem, fixed.drops, fixed.partitions)
     return (fixed, sim) if sim.peak_bytes <= budget else None
@@ -466,8 +470,12 @@ class _Model:
         most = {}  # op -> the most gaps one of its outputs has
         for (p, _t), ks in gaps_of.items():
             most[p] = max(most.get(p, 1), len({int(st.a[k]) for k in ks}))
-        for ks in alts.values():  # the options of one gap: at most one is chosen
-            for p in {*st.own_ops[ks[0]], *st.temporaries[ks[0]]}:
+        # One constraint per option; past CHAIN_MAX_OPTIONS, one per gap over its options (they
+        # share their ops; at most one is chosen). The same plans, but the per-option form
+        # solved ResNet-50 at 0.4 to optimality where the per-gap one stalled at 30 s.
+        per = [[k] for k in range(C)] if C <= CHAIN_MAX_OPTIONS else list(alts.values())
+        for ks in per:
+            for p in [*st.own_ops[ks[0]], *st.temporaries[ks[0]]]:
                 if p not in rerun:
                     rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
                 model.Add(rerun[p] >= sum(x[k] for k in ks))
@@ -517,11 +525,32 @@ class _Model:
         if None not in xs and None not in ys:
             self.forbid(xs, ys)
 
+    def _gone(self, u: int, lo: int, hi: int) -> bool:
+        """Can tensor ``u`` be gone at a group before an op in ``lo..hi``: dead before then,
+        or inside one of its gaps?"""
+        return bool(self.problem.end[u] < hi) or any(a < hi and b > lo for a, b in self._gaps.get(u, ()))
+
+    def _may_need(self, c: int, t: int, lo: int, hi: int) -> bool:
+        """Can a rebuild of option ``c`` in a group before an op in ``lo..hi`` need tensor
+        ``t``? The simulator follows a rebuild's inputs only through tensors gone then
+        (:meth:`_gone`). A superset of what it can need."""
+        problem = self.problem
+        seen = {int(self.st.tensor[c])}
+        stack = list(seen)
+        while stack:
+            for u in rebuild_inputs(problem, stack.pop()):
+                if u == t:
+                    return True
+                if u in seen or not problem.rematerializable[u]:
+                    continue
+                seen.add(u)
+                if self._gone(u, lo, hi):
+                    stack.append(u)
+        return False
+
     def _may_need_tensor(self, t: int, lo: int, hi: int) -> set[int]:
-        """The tensors whose rebuild in a group before an op in ``lo..hi`` may need ``t``. The
-        simulator follows a rebuild's inputs only through tensors gone then: dead (``end``
-        before the group) or inside a gap of theirs. A superset of what can need it, found by
-        one walk from ``t`` to the rebuilds that read it."""
+        """The tensors whose rebuild in a group before an op in ``lo..hi`` may need ``t``
+        (:meth:`_may_need` for all at once): one walk from ``t`` to the rebuilds that read it."""
         problem = self.problem
         if not hasattr(self, "_read_by"):
             self._read_by: dict[int, list[int]] = {}
@@ -536,12 +565,12 @@ class _Model:
                 out.add(x)
                 if x in walked:
                     continue
-                if problem.end[x] < hi or any(a < hi and b > lo for a, b in self._gaps.get(x, ())):
+                if self._gone(x, lo, hi):
                     walked.add(x)
                     stack.append(x)
         return out
 
-    def add_group(self, r: int, budget: int) -> None:
+    def add_group(self, r: int, budget: int, deadline: float | None = None) -> None:
         """[Constraint] the recompute group before op ``r``, for each option ``k`` rebuilt
         there (``b[k] == r``), valid for every plan: if ``k`` is dropped and no other chosen
         option can move its rebuild earlier (none whose rebuild may need it runs inside its
@@ -557,15 +586,20 @@ class _Model:
         problem, st, model, x = self.problem, self.st, self.model, self.x
         crossing = int(problem.nbytes[(problem.start <= r - 1) & (problem.end >= r)].sum())
         for k in np.nonzero(st.b == r)[0].tolist():
+            if deadline is not None and time.perf_counter() > deadline:
+                return  # the constraints not added only weaken the relaxation
             t = int(st.tensor[k])
             excess = crossing - int(st.sizes[k]) + rebuild_overhead(problem, Drop(t, int(st.a[k]), r)) - budget
             if excess <= 0:
                 continue
             a = int(st.a[k])
-            # One walk over the widest window, a..r-1, for every option (a superset).
-            may = self._may_need_tensor(t, a + 1, r - 1)
-            movers = [c for c in np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
-                      if int(st.tensor[c]) in may]
+            maybe = np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
+            if len(st.sizes) <= CHAIN_MAX_OPTIONS:  # each option over its own window
+                movers = [c for c in maybe if self._may_need(c, t, max(a, int(st.a[c])) + 1,
+                                                             min(r - 1, int(st.b[c])))]
+            else:  # one walk over the widest window, a+1..r-1, for all (a superset)
+                may = self._may_need_tensor(t, a + 1, r - 1)
+                movers = [c for c in maybe if int(st.tensor[c]) in may]
             cond = [x[k], *(x[c].Not() for c in movers), *(v.Not() for v in self.y)]
             # What k's rebuild reads is brought back into this group if it is away: not away.
             _ops, deps = rebuild_closure(problem, t, a, self.cand_set)

@@ -124,6 +124,8 @@ def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None
                 trials.append({**chosen, c: j})
     best = None
     for trial in trials:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
         got = st.judge(trial)
         if got is None or got[0] >= excess:
             continue
