@@ -54,7 +54,7 @@ def sim_over(problem: Problem, sim: SimResult) -> np.ndarray:
 
 
 def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-                   time_limit: float = 60.0, partitions: bool = True) -> Decisions:
+                   time_limit: float = 60.0, partitions: bool = True, local_max_s: float = LOCAL_MAX_S) -> Decisions:
     """Rematerialization alone first; if that cannot meet the budget, partition modules one
     at a time (the one freeing most at the worst op per unit of cost, at the most chunks)
     and plan rematerialization again around them. Past ``time_limit`` seconds it stops adding
@@ -62,7 +62,7 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     deadline = time.perf_counter() + time_limit
     dec = plan_remat(problem, budget_bytes, deadline=deadline)
     if budget_bytes is not None and problem.every_gap:
-        dec = _with_local_search(problem, budget_bytes, dec, min(deadline, time.perf_counter() + LOCAL_MAX_S))
+        dec = _with_local_search(problem, budget_bytes, dec, min(deadline, time.perf_counter() + local_max_s))
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
         return dec
     # Each module's savings at its most chunks, once; then rounds that add the best-scoring
