@@ -12,7 +12,8 @@ plans peak in recompute groups and miss the budget. This search asks the simulat
   one with the least added cost per byte of excess removed (the excess summed over every op
   and group), until nothing is over budget or no move helps.
 * **Lower the cost**: undo drops, and move rebuilds to points of their gap that cost less,
-  while the plan still fits, most expensive drops first.
+  while the plan still fits, most expensive drops first; failing that, undo a drop and reach
+  the budget again without its gap (ruin and recreate).
 
 Every plan is simulated, so what it returns peaks and costs exactly what the simulator says.
 """
@@ -74,18 +75,27 @@ def local_search(problem: Problem, opts: Options, budget: int, deadline: float |
     st = _State(problem, opts, budget)
     chosen: dict[int, int] = {}
     cur = st.judge(chosen)
-    while cur[0] > 0:
-        if deadline is not None and time.perf_counter() > deadline:
-            return None
-        step = _best_move(st, chosen, cur, deadline)
-        if step is None:
-            return None
-        chosen, cur = step
+    chosen, cur = _reach(st, chosen, cur, deadline)
+    if cur[0] > 0:
+        return None
     chosen, cur = _lower_cost(st, chosen, cur, deadline)
     return st.drops(chosen), cur[2]
 
 
-def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None
+def _reach(st: _State, chosen: dict[int, int], cur, deadline: float | None, banned: frozenset[int] = frozenset()):
+    """Best moves (never an option of a ``banned`` gap) until nothing is over budget, no move
+    helps or the deadline passes; returns the last plan and its judgement."""
+    while cur[0] > 0:
+        if deadline is not None and time.perf_counter() > deadline:
+            break
+        step = _best_move(st, chosen, cur, deadline, banned)
+        if step is None:
+            break
+        chosen, cur = step
+    return chosen, cur
+
+
+def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None, banned: frozenset[int] = frozenset()
                ) -> tuple[dict[int, int], tuple] | None:
     o = st.opts
     excess, cost, sim, over = cur
@@ -101,7 +111,7 @@ def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None
         if k % 256 == 0 and deadline is not None and time.perf_counter() > deadline:
             return None
         c = int(o.cand[k])
-        if chosen.get(c) == k:
+        if chosen.get(c) == k or c in banned:
             continue
         a, b = int(o.free_after[k]), int(o.remat_before[k])
         if prefix[b] - prefix[a + 1] == 0:
@@ -136,26 +146,38 @@ def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None
 
 
 def _lower_cost(st: _State, chosen: dict[int, int], cur, deadline: float | None):
-    """Undo drops and move rebuilds to cheaper points while the plan fits, most expensive
-    drops first; one pass over the drops, repeated while it helps."""
-    o = st.opts
+    """While the plan fits, most expensive drops first: undo a drop or move its rebuild to a
+    cheaper point of its gap; failing that, undo it and reach the budget again without that
+    gap (ruin and recreate). Repeated while it helps."""
+
+    def late() -> bool:
+        return deadline is not None and time.perf_counter() > deadline
+
     improved = True
-    while improved:
+    while improved and not late():
         improved = False
-        cost_of = {c: float(st.problem.rebuild_cost[int(o.tensor[k])]) for c, k in chosen.items()}
-        for c in sorted(chosen, key=lambda c: -cost_of[c]):
-            if deadline is not None and time.perf_counter() > deadline:
-                return chosen, cur
-            if c not in chosen:
+        for c in sorted(chosen, key=lambda c: -st.cost[chosen[c]]):
+            if c not in chosen or late():
                 continue
             trials = [{x: y for x, y in chosen.items() if x != c}]
             trials += [{**chosen, c: j} for j in st.by_cand[c] if j != chosen[c]]
             for trial in trials:
-                if deadline is not None and time.perf_counter() > deadline:
+                if late():
                     return chosen, cur
                 got = st.judge(trial)
                 if got is not None and got[0] == 0 and got[1] < cur[1] - 1e-12:
                     chosen, cur = trial, got
                     improved = True
                     break
+            if improved:
+                break
+            trial = {x: y for x, y in chosen.items() if x != c}
+            got = st.judge(trial)
+            if got is None:
+                continue
+            trial, got = _reach(st, trial, got, deadline, banned=frozenset([c]))
+            if got[0] == 0 and got[1] < cur[1] - 1e-12:
+                chosen, cur = trial, got
+                improved = True
+                break
     return chosen, cur
