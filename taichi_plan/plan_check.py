@@ -156,6 +156,12 @@ def check_plan_json(obj: dict, where: str) -> None:
             raise _bad(where, f"{f}.module", q["module"], "a module no other partition names")
         mods.add(q["module"])
 
+    opt = d.get("optimizer")
+    if opt is not None:  # v4: how the optimizer step runs (taichi_plan/optimizer_plan.py)
+        _kind(where, "decisions.optimizer", opt, dict, "an object")
+        _str(where, "decisions.optimizer.mode", opt.get("mode"), choices=("in-backward", "groups"))
+        _str(where, "decisions.optimizer.why", opt.get("why", ""))
+
     if obj.get("schedule") is not None:
         _check_schedule(obj["schedule"], where, n)
 
