@@ -8,7 +8,12 @@ import torch
 
 import taichi_plan
 from taichi_plan.errors import InfeasibleBudgetError, PlanError, UsageError
-from taichi_plan.optimizer_plan import in_backward_refusal, optimizer_view, parameter_steps, view_problem
+from taichi_plan.optimizer_plan import (
+    in_backward_refusal,
+    optimizer_view,
+    parameter_steps,
+    view_problem,
+)
 from taichi_plan.partition import floor_bytes
 from taichi_plan.plan import load_plan, save_plan
 from taichi_plan.problem import build_problem

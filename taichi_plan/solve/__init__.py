@@ -14,8 +14,16 @@ import numpy as np
 
 from ..allocator import AllocatorConfig
 from ..errors import InfeasibleBudgetError, UsageError
-from ..optimizer_plan import (OPTION_ORDER, WORDS, check_choice, floor_parts, optimizer_note, recorded_problem,
-                              refusal, view_problem)
+from ..optimizer_plan import (
+    OPTION_ORDER,
+    WORDS,
+    check_choice,
+    floor_parts,
+    optimizer_note,
+    recorded_problem,
+    refusal,
+    view_problem,
+)
 from ..partition import floor_bytes
 from ..plan import Plan
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
