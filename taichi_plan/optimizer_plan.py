@@ -108,8 +108,9 @@ def parameter_steps(trace) -> list[ParamStep] | str:
         grads = [t for t in mine if kind[t] == "gradient"]
         op = group_ops[0]
         if len(params) != 1 or len(grads) != 1:
-            return (f"op {op} ({ops['op'].iat[op]}) of the optimizer step updates {len(params)} parameters with "
-                    f"{len(grads)} gradients at once (a foreach or fused step), so it cannot run per parameter")
+            return (f"its optimizer step updates {len(params)} parameters together in one op (a foreach or fused "
+                    f"step, PyTorch's default on GPU; op {op}, {ops['op'].iat[op]}, is part of it), so it cannot run "
+                    "per parameter")
         ready = _last_backward_access(trace, grads[0])
         if ready is None:
             return (f"the gradient of the parameter op {op} updates is not made in backward (it existed before "
@@ -148,12 +149,17 @@ def in_backward_refusal(trace) -> str | None:
 
 def groups_refusal(trace) -> str | None:
     """Why stepping in groups cannot help this trace (None: it can)."""
-    steps = parameter_steps(trace)
-    if isinstance(steps, str):
-        return (f"{steps}; taichi-plan does not split such a step into groups yet (record with a per-parameter "
-                "optimizer, foreach=False, to plan it)")
-    return ("its optimizer step already runs one parameter at a time (the per-parameter loop PyTorch runs on "
-            "CPU), so its temporaries are already the smallest any grouping gives")
+    from .optimizer_groups import foreach_step
+
+    if not isinstance(parameter_steps(trace), str):
+        return ("its optimizer step already runs one parameter at a time (the per-parameter loop PyTorch runs on "
+                "CPU), so its temporaries are already the smallest any grouping gives")
+    step = foreach_step(trace)
+    if isinstance(step, str):
+        return step
+    if len(step.params) < 2:
+        return "its optimizer step updates a single parameter"
+    return None
 
 
 def refusal(trace, mode: str) -> str | None:
@@ -177,24 +183,51 @@ def check_choice(trace, choice: str) -> None:
                          "(or auto, which uses what the trace allows).")
 
 
-def optimizer_view(trace, mode: str | None):
-    """The trace of the step as ``mode`` runs it (the trace itself for ``as-recorded``/None).
+def optimizer_view(trace, mode: str | None, groups: list[list[int]] | None = None):
+    """The trace of the step as ``mode`` runs it (the trace itself for ``as-recorded``/None);
+    ``groups``: for ``groups``, the parameters of each group (indices in the step's order).
 
     The view is a :class:`~taichi_plan.trace.Trace` with the same tensors, accesses and op
-    rows, reordered; ``view.recorded`` is the trace it was made from, and
+    rows, reordered (and, for groups, split); ``view.recorded`` is the trace it was made from,
+    ``view.position`` maps a recorded op id to its position in the view, and
     ``meta.optimizer_view`` names the mode. Cached on the trace."""
     if mode in (None, "as-recorded"):
         return recorded_trace(trace)
-    if (trace.meta.get("optimizer_view") or {}).get("mode") == mode:
+    key = (mode, None if groups is None else tuple(tuple(g) for g in groups))
+    if _view_key(trace) == key:
         return trace
     trace = recorded_trace(trace)
     cache = trace.__dict__.setdefault("_optimizer_views", {})
-    if mode not in cache:
+    if key not in cache:
         why = refusal(trace, mode)
         if why is not None:
             raise UsageError(f"The plan steps the optimizer {mode}, but its trace cannot: {why}.")
-        cache[mode] = _in_backward_view(trace, parameter_steps(trace))
-    return cache[mode]
+        if mode == "groups":
+            from .optimizer_groups import foreach_step, groups_view
+
+            step = foreach_step(trace)
+            if groups is None or sorted(u for g in groups for u in g) != list(range(len(step.params))):
+                raise UsageError(f"Stepping the optimizer in groups needs every one of its {len(step.params)} "
+                                 f"parameters in exactly one group; got {groups!r}.")
+            view = groups_view(trace, step, groups)
+            if view is None:
+                raise UsageError("The optimizer step cannot be split in these groups: an op that is not a foreach "
+                                 "op updates parameters of two groups.")
+            view.meta = {**view.meta, "optimizer_view": {"mode": "groups", "groups": [list(g) for g in groups],
+                                                         "parameters": len(step.params)}}
+        else:
+            view = _in_backward_view(trace, parameter_steps(trace))
+        view.recorded = trace
+        cache[key] = view
+    return cache[key]
+
+
+def _view_key(trace) -> tuple | None:
+    info = trace.meta.get("optimizer_view")
+    if info is None:
+        return None
+    groups = info.get("groups")
+    return info["mode"], None if groups is None else tuple(tuple(g) for g in groups)
 
 
 def recorded_trace(trace):
@@ -254,7 +287,6 @@ def _in_backward_view(trace, steps: list[ParamStep]):
                 call[key] = int(new[int(call[key])])
     meta["optimizer_view"] = {"mode": "in-backward", "parameters": len(steps)}
     view = Trace(ops=ops, tensors=tensors, accesses=acc, meta=meta, path=trace.path)
-    view.recorded = trace
     view.position = new  # recorded op id -> its position in the view
     return view
 
@@ -284,12 +316,12 @@ WORDS = {"in-backward": "stepped in backward (each parameter updated as soon as 
          "groups": "stepped in groups of parameters"}
 
 
-def view_problem(problem, mode: str | None):
+def view_problem(problem, mode: str | None, groups: list[list[int]] | None = None):
     """The problem of the step as ``mode`` runs it, from the recorded trace's ``problem``
     (cached on the view; the view keeps the recorded problem for the unplanned baseline)."""
     from .problem import build_problem
 
-    view = optimizer_view(problem.trace, mode)
+    view = optimizer_view(problem.trace, mode, groups)
     if view is problem.trace:
         return problem
     problem = recorded_problem(problem)
@@ -302,11 +334,31 @@ def view_problem(problem, mode: str | None):
     return cached
 
 
+def choose_groups(problem, budget_bytes: int) -> list[list[int]]:
+    """The fewest groups (2, 4, 8, 16, or one per parameter) whose step's floor is within
+    ``budget_bytes``; else those with the lowest floor."""
+    from .optimizer_groups import balanced_groups, foreach_step
+    from .partition import floor_bytes
+
+    rec = recorded_problem(problem)
+    step = foreach_step(rec.trace)
+    best = None
+    for k in sorted({k for k in (2, 4, 8, 16) if k < len(step.params)} | {len(step.params)}):
+        groups = balanced_groups(rec.trace, step, k)
+        floor = int(floor_bytes(view_problem(rec, "groups", groups)).max())
+        if floor <= budget_bytes:
+            return groups
+        if best is None or floor < best[0]:
+            best = (floor, groups)
+    return best[1]
+
+
 def problem_for_plan(plan, trace, problem=None):
     """The problem a plan's op ids refer to: the step as its optimizer option runs it."""
     from .problem import build_problem
 
-    return view_problem(problem or build_problem(trace), plan_mode(plan))
+    opt = getattr(plan, "optimizer", None) or {}
+    return view_problem(problem or build_problem(trace), plan_mode(plan), opt.get("groups"))
 
 
 def plan_mode(plan) -> str:
@@ -328,13 +380,20 @@ def describe(problem) -> dict | None:
     from .units import format_bytes
 
     rec = recorded_problem(problem)
-    grads = int(problem.nbytes[problem.kind == "gradient"].sum())
     before, _ = rec.baseline_peak
     after, after_op = problem.baseline_peak
+    peaks = (f"the unplanned step peaks at {format_bytes(after)} (op {after_op}) instead of "
+             f"{format_bytes(before)}")
+    if info["mode"] == "groups":
+        groups = info["groups"]
+        why = (f"the foreach step over {info['parameters']} parameters runs in {len(groups)} groups, one after the "
+               f"other, so only one group's temporaries are live at once; {peaks}")
+        return {"mode": "groups", "groups": groups, "parameters": info["parameters"], "num_ops": problem.num_ops,
+                "why": why}
+    grads = int(problem.nbytes[problem.kind == "gradient"].sum())
     why = (f"{info['parameters']} parameters each updated right after the backward op that completes its gradient, "
-           f"which is then freed (the {format_bytes(grads)} of gradients are never all live at once); the unplanned step peaks "
-           f"at {format_bytes(after)} (op {after_op}) instead of {format_bytes(before)}")
-    return {"mode": info["mode"], "parameters": info["parameters"], "why": why}
+           f"which is then freed (the {format_bytes(grads)} of gradients are never all live at once); {peaks}")
+    return {"mode": info["mode"], "parameters": info["parameters"], "num_ops": problem.num_ops, "why": why}
 
 
 def optimizer_note(optimizer: dict, auto: bool) -> str:

@@ -11,6 +11,12 @@ after backward then finds no gradient and updates nothing (PyTorch's optimizers 
 parameter whose ``.grad`` is None), so nothing is stepped twice, and ``zero_grad()`` has
 nothing left to free. Per-parameter, ``foreach`` and hook-driven AdamW updates are bitwise
 equal on CPU, so parameters after N steps equal the unplanned run's.
+
+``groups``: a step pre-hook runs the optimizer's step function once per group of parameters
+(the plan's groups: indices into the parameters that have a gradient, in the optimizer's
+order, as its ``foreach`` ops list them), each time with the parameter groups narrowed to that
+group; the step the user called then runs with no parameter left, and a post-hook puts the
+parameter groups back. Hooks and learning-rate schedulers see one step, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +37,8 @@ def install_optimizer(plan, optimizer) -> list:
             "taichi_plan.apply(model, plan, optimizer=optimizer). Or solve again with --optimizer as-recorded.")
     if mode == "in-backward":
         return step_in_backward(optimizer)
+    if mode == "groups":
+        return step_in_groups(optimizer, plan.optimizer["groups"])
     raise PlanError(f"This plan steps the optimizer {mode!r}, which this taichi-plan cannot run; solve again.")
 
 
@@ -71,3 +79,50 @@ def step_in_backward(optimizer) -> list:
                 seen.add(id(p))
                 handles.append(p.register_post_accumulate_grad_hook(hook))
     return handles
+
+
+def step_in_groups(optimizer, groups: list[list[int]]) -> list:
+    """Make ``optimizer.step()`` update its parameters group by group (see the module doc)."""
+    raw = _raw_step(optimizer)
+    saved: list = []
+
+    def pre(opt, _args, _kwargs):
+        params = [p for g in opt.param_groups for p in g["params"] if p.grad is not None]
+        want = sum(len(g) for g in groups)
+        if len(params) != want:
+            raise PlanError(
+                f"The plan steps the optimizer in groups of the {want} parameters that had a gradient when the trace "
+                f"was recorded, but {len(params)} have one now: the model or its frozen parameters changed. Record "
+                "and solve again.")
+        all_groups = opt.param_groups
+        originals = [(g, g["params"]) for g in all_groups]
+        try:
+            for members in groups:
+                chosen = {id(params[i]) for i in members}
+                narrowed = []
+                for g, ps in originals:
+                    g["params"] = [p for p in ps if id(p) in chosen]
+                    if g["params"]:
+                        narrowed.append(g)
+                opt.param_groups = narrowed
+                raw(opt)
+        except BaseException:
+            _restore(opt, all_groups, originals)
+            raise
+        for g, _ps in originals:
+            g["params"] = []  # the step the user called finds nothing left to update
+        opt.param_groups = all_groups
+        saved.append((all_groups, originals))
+
+    def post(opt, _args, _kwargs):
+        if saved:
+            _restore(opt, *saved.pop())
+
+    return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+
+def _restore(opt, all_groups, originals) -> None:
+    for g, ps in originals:
+        g["params"] = ps
+    opt.param_groups = all_groups
+

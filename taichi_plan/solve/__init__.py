@@ -18,6 +18,7 @@ from ..optimizer_plan import (
     OPTION_ORDER,
     WORDS,
     check_choice,
+    choose_groups,
     floor_parts,
     optimizer_note,
     recorded_problem,
@@ -154,7 +155,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     modes = [optimizer] if optimizer != "auto" else ["as-recorded", *(m for m in OPTION_ORDER if refusal(trace, m) is None)]
     for k, mode in enumerate(modes):
         last = k == len(modes) - 1
-        prob = view_problem(problem, mode)
+        prob = view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups" else None)
         if not last and budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0]:
             continue  # below what this step can reach at all: the next option
         try:
@@ -326,7 +327,7 @@ def _what_helps(problem: Problem, op: int, floor: int) -> str:
             if mode == "in-backward":  # (groups are refused only where they cannot help)
                 text += f" The optimizer cannot be stepped in backward here (--optimizer in-backward): {why}."
             continue
-        other = int(floor_bytes(view_problem(rec, mode)).max())
+        other = int(floor_bytes(view_problem(rec, mode, choose_groups(rec, 0) if mode == "groups" else None)).max())
         if other < floor:
             text += (f" With the optimizer {WORDS[mode]} (--optimizer {mode}, or auto), no plan can go below "
                      f"{format_bytes(other)} instead: {format_bytes(floor - other)} less.")

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
 from ..optimizer_plan import describe as describe_optimizer
-from ..optimizer_plan import recorded_problem
+from ..optimizer_plan import recorded_problem, recorded_trace
 from ..overhead import runtime_overhead_s
 from ..partition import module_spans, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
@@ -59,7 +59,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             f"{method}: lower bound {lb!r} above the simulated cost {sim.extra_cost!r} of its own plan")
         gap = 0.0 if sim.extra_cost <= 1e-12 else max(sim.extra_cost - lb, 0.0) / sim.extra_cost
     unit = problem.trace.cost_unit
-    trace = problem.trace
+    trace = recorded_trace(problem.trace)  # the plan names the trace as recorded
     schedule = build_schedule(parted, dec.drops)
     planned_al = replay_schedule(schedule, allocator)
     base_al = baseline_allocator(recorded_problem(problem), allocator)
@@ -72,7 +72,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "name": trace.name,
             "content_hash": trace.meta.get("content_hash") or trace.content_hash(),
             "signature": trace.signature(),
-            "num_ops": problem.num_ops,
+            "num_ops": trace.num_ops,
             "workload": trace.meta.get("workload"),
         },
         budget_bytes=budget_bytes,
