@@ -143,8 +143,26 @@ def in_backward_refusal(trace) -> str | None:
     bw = np.nonzero(phase == "backward")[0]
     if len(bw) and (bw[-1] - bw[0] + 1 != len(bw)):
         return "the step runs more than one backward pass"
+    found = _per_parameter(trace)
+    return None if isinstance(found, list) else found
+
+
+def _per_parameter(trace):
+    """(trace, its per-parameter steps) where the step runs one parameter at a time: the
+    trace itself, or for a ``foreach`` step its view in groups of one parameter (each
+    parameter's own foreach ops, as a hook stepping that parameter alone runs them); or a
+    sentence saying why neither is possible."""
     steps = parameter_steps(trace)
-    return steps if isinstance(steps, str) else None
+    if not isinstance(steps, str):
+        return [trace, steps]
+    from .optimizer_groups import foreach_step, groups_view
+
+    step = foreach_step(trace)
+    if isinstance(step, str):
+        return steps
+    single = groups_view(trace, step, [[i] for i in range(len(step.params))])
+    one = parameter_steps(single) if single is not None else steps
+    return steps if isinstance(one, str) else [single, one]
 
 
 def groups_refusal(trace) -> str | None:
@@ -216,7 +234,10 @@ def optimizer_view(trace, mode: str | None, groups: list[list[int]] | None = Non
             view.meta = {**view.meta, "optimizer_view": {"mode": "groups", "groups": [list(g) for g in groups],
                                                          "parameters": len(step.params)}}
         else:
-            view = _in_backward_view(trace, parameter_steps(trace))
+            base, steps = _per_parameter(trace)
+            view = _in_backward_view(base, steps)
+            if base is not trace:  # a foreach step, split per parameter first
+                view.position = view.position[base.position]
         view.recorded = trace
         cache[key] = view
     return cache[key]

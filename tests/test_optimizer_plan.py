@@ -177,7 +177,6 @@ def test_a_foreach_step_runs_in_groups_bitwise_and_measured_as_predicted():
     model, batch, loss_fn, opt, _sched = _foreach_mlp()
     trace = record(model, batch, loss_fn, opt)
     assert not isinstance(foreach_step(trace), str)
-    assert "foreach" in in_backward_refusal(trace)
     p = build_problem(trace)
     floor = int(floor_bytes(p).max())
     plan = solve(trace, floor - 1, problem=p)
@@ -190,5 +189,32 @@ def test_a_foreach_step_runs_in_groups_bitwise_and_measured_as_predicted():
     planned = _train(model, batch, loss_fn, opt, sched, steps=3)
     assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
     measured = record(model, batch, loss_fn, opt)  # the planned step, recorded: its peak is the measured one
+    taichi_plan.finish(model)
+    assert baseline_peak(measured)[0] == plan.predicted["planned_peak_bytes"]
+
+
+def test_a_foreach_step_can_be_stepped_in_backward_too():
+    """On GPU PyTorch steps AdamW with foreach ops by default: stepped in backward, each
+    parameter's hook runs those ops over that parameter alone. The simulator splits the
+    foreach step per parameter first, then moves each parameter's share into backward."""
+    from taichi_plan.record.api import record
+    from taichi_plan.trace import baseline_peak
+
+    model, batch, loss_fn, opt, _sched = _foreach_mlp()
+    trace = record(model, batch, loss_fn, opt)
+    assert in_backward_refusal(trace) is None
+    p = build_problem(trace)
+    v = view_problem(p, "in-backward")
+    validate(v.trace)
+    assert v.num_ops > p.num_ops  # each foreach op split per parameter
+    plan = solve(trace, int(v.baseline_peak[0]), problem=p, optimizer="in-backward")
+    assert plan.predicted["planned_peak_bytes"] < p.baseline_peak[0]
+
+    plain = _train(*_foreach_mlp(), steps=3)
+    model, batch, loss_fn, opt, sched = _foreach_mlp()
+    taichi_plan.apply(model, plan, optimizer=opt, trace=trace)
+    planned = _train(model, batch, loss_fn, opt, sched, steps=3)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+    measured = record(model, batch, loss_fn, opt)
     taichi_plan.finish(model)
     assert baseline_peak(measured)[0] == plan.predicted["planned_peak_bytes"]

@@ -153,6 +153,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     t0 = time.perf_counter() if started is None else started
     problem = problem or build_problem(trace)
     modes = [optimizer] if optimizer != "auto" else ["as-recorded", *(m for m in OPTION_ORDER if refusal(trace, m) is None)]
+    failed: list[InfeasibleBudgetError] = []
     for k, mode in enumerate(modes):
         last = k == len(modes) - 1
         prob = view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups" else None)
@@ -161,9 +162,11 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         try:
             plan = _solve_step(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
                                problem=prob, on=on, allocator=allocator, work_limit=work_limit, started=t0)
-        except InfeasibleBudgetError:
+        except InfeasibleBudgetError as e:
+            failed.append(e)
             if last or time.perf_counter() > t0 + time_limit * (1 - FINISH_SHARE):
-                raise
+                # the option that is known to reach the lowest budget says what to ask for
+                raise min(failed, key=lambda x: x.min_budget_bytes or 0) from None
             continue
         if mode != "as-recorded":
             plan.optimizer["chosen_by"] = "auto" if optimizer == "auto" else "asked"
@@ -189,7 +192,9 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
     end = t0 + time_limit * (1 - FINISH_SHARE)
     base_peak, _ = problem.baseline_peak
     if budget_bytes >= base_peak:
-        dec = Decisions(status="optimal", lower_bound=0.0, notes=["the budget does not bind: no change needed"])
+        note = ("the budget does not bind: no change needed" if problem.trace.meta.get("optimizer_view") is None
+                else "with the optimizer stepped so, the budget does not bind: no activation needs to be dropped")
+        dec = Decisions(status="optimal", lower_bound=0.0, notes=[note])
         return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         raise infeasible_error(problem, budget_bytes, method)
