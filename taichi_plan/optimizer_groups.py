@@ -173,6 +173,8 @@ def groups_view(trace, step: ForeachStep, groups: list[list[int]]):
     grown = len(emitted) - len(opt)
     new_pos = np.arange(n_old, dtype=np.int64)
     new_pos[last + 1:] += grown
+    for pos, (o, _g) in reversed(list(enumerate(emitted))):
+        new_pos[o] = first + pos  # a split op: its first group's part
     # op rows
     import pandas as pd
 

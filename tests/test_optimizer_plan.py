@@ -218,3 +218,12 @@ def test_a_foreach_step_can_be_stepped_in_backward_too():
     measured = record(model, batch, loss_fn, opt)
     taichi_plan.finish(model)
     assert baseline_peak(measured)[0] == plan.predicted["planned_peak_bytes"]
+
+
+def test_the_trainer_callback_refuses_a_plan_that_steps_the_optimizer(mlp):
+    pytest.importorskip("accelerate")
+    from taichi_plan.integrations.hf import PlanCallback
+
+    plan = solve(mlp, int(view_problem(build_problem(mlp), "in-backward").baseline_peak[0]), optimizer="in-backward")
+    with pytest.raises(PlanError, match="PlanCallback does not run"):
+        PlanCallback(plan, trace=mlp)

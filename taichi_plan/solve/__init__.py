@@ -154,18 +154,22 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     problem = problem or build_problem(trace)
     modes = [optimizer] if optimizer != "auto" else ["as-recorded", *(m for m in OPTION_ORDER if refusal(trace, m) is None)]
     failed: list[InfeasibleBudgetError] = []
+    skipped: list[Problem] = []  # options below whose floor the budget is (their error only if all fail)
     for k, mode in enumerate(modes):
         last = k == len(modes) - 1
         prob = view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups" else None)
         if not last and budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0]:
+            skipped.append(prob)
             continue  # below what this step can reach at all: the next option
         try:
             plan = _solve_step(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
                                problem=prob, on=on, allocator=allocator, work_limit=work_limit, started=t0)
         except InfeasibleBudgetError as e:
             failed.append(e)
-            if last or time.perf_counter() > t0 + time_limit * (1 - FINISH_SHARE):
+            end = t0 + time_limit * (1 - FINISH_SHARE)
+            if last or time.perf_counter() > end:
                 # the option that is known to reach the lowest budget says what to ask for
+                failed += [infeasible_error(q, budget_bytes, method, deadline=end) for q in skipped]
                 raise min(failed, key=lambda x: x.min_budget_bytes or 0) from None
             continue
         if mode != "as-recorded":
