@@ -113,7 +113,7 @@ def markdown(rows: list[dict]) -> str:
             plan, meas = ("-", "-") if r["least_opt"] >= r["least_rec"] else ("solved only", "-")
         lines.append(f"| {r['label']} ({format_bytes(p)}) | {b(r['floor_rec'], p)} | {b(r['least_rec'], p)} | "
                      f"{b(r['floor_opt'], p)} | {b(r['least_opt'], p)} | {plan} | {meas} |")
-    lines += ["", "By hand, the same for the mlp (`traces/mine32`: `--entry " + ENTRY + "`, default batch):", "",
+    lines += ["", "By hand, for the mlp (the example the same way, recorded with `--entry " + ENTRY + "`):", "",
               "```",
               "taichi-plan record --model mlp --batch 64 -o traces/mlp",
               "taichi-plan solve traces/mlp --budget 1MB --optimizer as-recorded   # error: floor, least, the floor's parts",

@@ -26,6 +26,24 @@ import numpy as np
 COPY_ID_BASE = -4 * 10**12  # tensor ids of a group's own copy of a tensor shared by all groups
 
 
+class Components:
+    """Union-find over tensor ids: which storages belong together."""
+
+    def __init__(self):
+        self.parent: dict[int, int] = {}
+
+    def find(self, x: int) -> int:
+        parent = self.parent
+        while parent.setdefault(x, x) != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    def union(self, ts: list[int]) -> None:
+        for t in ts[1:]:
+            self.parent[self.find(t)] = self.find(ts[0])
+
+
 @dataclass
 class ForeachStep:
     params: list[int]  # parameter tensor ids, in the step's order (elements of its foreach ops)
@@ -49,18 +67,8 @@ def foreach_step(trace) -> ForeachStep | str:
     for o, t, r, i in zip(sub["op_id"].tolist(), sub["tensor_id"].tolist(), sub["role"].tolist(),
                           sub["arg_index"].tolist(), strict=True):
         by_op.setdefault(o, []).append((t, r, i))
-    parent: dict[int, int] = {}
-
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
-    def union(ts: list[int]) -> None:
-        for t in ts[1:]:
-            parent[find(t)] = find(ts[0])
-
+    sets = Components()
+    parent, find, union = sets.parent, sets.find, sets.union
     order: list[int] = []  # parameters by first access
     for o in opt:
         entries = by_op.get(o, [])

@@ -62,20 +62,15 @@ def parameter_steps(trace) -> list[ParamStep] | str:
     a_op = acc["op_id"].to_numpy()
     a_t = acc["tensor_id"].to_numpy()
     in_opt = phase[a_op] == "optimizer"
-    parent: dict[int, int] = {}
+    from .optimizer_groups import Components
 
-    def find(x: int) -> int:
-        while parent.setdefault(x, x) != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    sets = Components()
+    find = sets.find
     touched: dict[int, list[int]] = {}
     for o, t in zip(a_op[in_opt].tolist(), a_t[in_opt].tolist(), strict=True):
         touched.setdefault(o, []).append(t)
     for ts in touched.values():
-        for t in ts[1:]:
-            parent[find(t)] = find(ts[0])
+        sets.union(ts)
     members: dict[int, list[int]] = {}
     for t in {t for ts in touched.values() for t in ts}:
         members.setdefault(find(t), []).append(t)
