@@ -227,3 +227,17 @@ def test_the_trainer_callback_refuses_a_plan_that_steps_the_optimizer(mlp):
     plan = solve(mlp, int(view_problem(build_problem(mlp), "in-backward").baseline_peak[0]), optimizer="in-backward")
     with pytest.raises(PlanError, match="PlanCallback does not run"):
         PlanCallback(plan, trace=mlp)
+
+
+def test_accumulating_with_a_plan_that_steps_in_backward_raises_instead_of_stepping_twice(mlp):
+    from taichi_plan.errors import MismatchError
+
+    plan = solve(mlp, int(view_problem(build_problem(mlp), "in-backward").baseline_peak[0]), optimizer="in-backward")
+    model, batch, loss_fn, opt, _sched = _build(MLP, foreach=False)
+    taichi_plan.apply(model, plan, optimizer=opt)
+    loss_fn(model(batch), batch).backward()
+    with pytest.raises(MismatchError, match="second backward"):
+        loss_fn(model(batch), batch).backward()
+    opt.step()  # a step boundary: the next backward updates again
+    loss_fn(model(batch), batch).backward()
+    taichi_plan.finish(model)

@@ -9,7 +9,9 @@ group's hyperparameters, its current learning rate included, and the parameter's
 the optimizer's own), without the optimizer's step hooks. The user's ``optimizer.step()``
 after backward then finds no gradient and updates nothing (PyTorch's optimizers skip a
 parameter whose ``.grad`` is None), so nothing is stepped twice, and ``zero_grad()`` has
-nothing left to free. Per-parameter, ``foreach`` and hook-driven AdamW updates are bitwise
+nothing left to free. A parameter whose gradient completes twice before ``optimizer.step()``
+(gradient accumulation the plan was not made for) raises :class:`MismatchError` instead of
+being updated twice. Per-parameter, ``foreach`` and hook-driven AdamW updates are bitwise
 equal on CPU, so parameters after N steps equal the unplanned run's.
 
 ``groups``: a step pre-hook runs the optimizer's step function once per group of parameters
@@ -21,7 +23,7 @@ parameter groups back. Hooks and learning-rate schedulers see one step, as befor
 
 from __future__ import annotations
 
-from ..errors import PlanError
+from ..errors import MismatchError, PlanError
 from ..optimizer_plan import plan_mode
 
 
@@ -55,11 +57,19 @@ def step_in_backward(optimizer) -> list:
     raw = _raw_step(optimizer)
     handles = []
     seen: set[int] = set()
+    stepped: set[int] = set()  # parameters updated since the last optimizer.step()
 
     def make_hook(group: dict):
         def hook(p) -> None:
             if p.grad is None:
                 return
+            if id(p) in stepped:
+                raise MismatchError(
+                    "A second backward ran before optimizer.step() (gradient accumulation, or another loss), but "
+                    "this plan steps the optimizer in backward: each parameter is updated as soon as its gradient "
+                    "is complete, which is right only when one backward makes the whole gradient. Solve the trace of "
+                    "this loop (record it with --micro-batches), or with --optimizer as-recorded.")
+            stepped.add(id(p))
             groups, params = optimizer.param_groups, group["params"]
             group["params"] = [p]
             optimizer.param_groups = [group]
@@ -72,6 +82,7 @@ def step_in_backward(optimizer) -> list:
 
         return hook
 
+    handles.append(optimizer.register_step_post_hook(lambda *_: stepped.clear()))
     for group in optimizer.param_groups:
         hook = make_hook(group)
         for p in group["params"]:
