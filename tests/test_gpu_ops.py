@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 from taichi_plan.devices import PROFILES
 from taichi_plan.record import gpu_ops
-from taichi_plan.record.gpu_ops import GpuTarget, choose_sdpa, dropout_keep, gpu_kernels
+from taichi_plan.record.fused_cpu import dropout_keep, register_cpu_kernels
+from taichi_plan.record.gpu_ops import GpuTarget, choose_sdpa, gpu_kernels
 
 pytest.importorskip("transformers")
 
@@ -86,7 +87,7 @@ def test_fused_dropout_backward_regenerates_the_forward_mask(flash):
     _, q, k, v = _qkv(dtype, d=8, s=24, heads=2)
     p = 0.3
     aten = torch.ops.aten
-    gpu_ops.register_cpu_kernels()
+    register_cpu_kernels()
     if flash:
         res = aten._scaled_dot_product_flash_attention(q, k, v, p, True, False, scale=None)
         out, seed = res[0], int(res[6].view(torch.int64)[0])
@@ -175,7 +176,7 @@ def test_attention_memory_drops_by_the_s_squared_term(traces):
 
 
 def test_cpu_recordings_are_unchanged(traces):
-    gpu_ops.register_cpu_kernels()  # the CPU stand-ins are registered: CPU dispatch must not use them
+    register_cpu_kernels()  # the CPU stand-ins are registered: CPU dispatch must not use them
     assert traces["cpu"].meta["gpu_kernels"] is None
     assert "aten.bernoulli_.float" in traces["cpu"].ops["op"].tolist()
     real = record_workload(builtin_workload("gpt2", **dict(GPT2, batch=1, seq=16)), fake=False,
