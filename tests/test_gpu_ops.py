@@ -144,6 +144,11 @@ def test_gpu_profile_trace_holds_the_gpu_kernels(traces):
     assert [list(s) for s in lse["shape"] if len(s) == 3] == [[B, H, math.ceil(S / 32) * 32]] * GPT2["layers"]
     assert set(lse[lse["shape"].apply(len) == 3]["kind"]) == {"activation"}
     assert _square(gpu) == [] and len(_square(cpu)) > 0
+    # FLOPs from torch's formulas for the fused ops: two S x S x D matmuls forward, four backward
+    d = GPT2["hidden"] // H
+    fwd = gpu.ops[gpu.ops["op"] == gpu_ops.EFFICIENT]["flops"].tolist()
+    bwd = gpu.ops[gpu.ops["op"] == "aten._scaled_dot_product_efficient_attention_backward.default"]["flops"]
+    assert fwd == [4 * B * H * S * S * d] * GPT2["layers"] and bwd.tolist() == [10 * B * H * S * S * d] * GPT2["layers"]
     meta = gpu.meta["gpu_kernels"]
     assert meta["profile"] == "a100-40gb" and meta["compute_capability"] == "8.0"
     assert meta["op_counts"][gpu_ops.EFFICIENT] == GPT2["layers"] and meta["not_mapped"]
