@@ -147,16 +147,19 @@ def trace_summary(trace: Trace) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
+_FUSED_SDPA = {"aten._scaled_dot_product_flash_attention.default": "flash",
+               "aten._scaled_dot_product_efficient_attention.default": "efficient"}
+
+
 def kernels_line(meta: dict) -> str | None:
     """Whose kernels the trace holds: a GPU's, mapped at record time (``meta.gpu_kernels``),
     or those of the torch build and device that recorded it."""
     g = meta.get("gpu_kernels")
     if isinstance(g, dict):
         counts = g.get("op_counts") or {}
-        fused = sorted({k.split(".")[1] for k in counts if "attention" in k and "backward" not in k})
-        return (f"{g.get('profile')} (sm{str(g.get('compute_capability', '')).replace('.', '')}) mapped at record "
-                f"time: native_dropout, {', '.join(fused) or 'no fused attention'}, foreach optimizer "
-                f"({len(g.get('not_mapped') or [])} differences not mapped)")
+        fused = [short for op, short in _FUSED_SDPA.items() if counts.get(op)]
+        return (f"{g.get('profile')} sm{str(g.get('compute_capability', '')).replace('.', '')} (mapped): "
+                f"native_dropout, {', '.join(f'{f} SDPA' for f in fused) or 'no fused SDPA'}, foreach")
     if meta.get("mode") == "imported":
         return None
     device, build = meta.get("device"), meta.get("torch_build")
