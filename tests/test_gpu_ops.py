@@ -55,6 +55,34 @@ def test_flash_head_dim_limits():
     assert choose_sdpa(q, k, v, None, 0.0, False, False, (8, 0))[0] == "math"  # efficient: head dim % 4
 
 
+def test_dropout_is_fused_only_where_cuda_fuses_it():
+    """native_dropout for training dropout with 0 < p < 1; in-place, eval and p = 0 stay as they are
+    (CUDA's at::dropout does not fuse them either)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    def ops(fn):
+        x = torch.randn(64, 8)
+        with gpu_kernels(GpuTarget("test", (8, 0))), Names() as seen:
+            fn(x)
+        return seen.names
+
+    assert ops(lambda x: F.dropout(x, 0.1)) == ["aten.native_dropout.default"]
+    assert ops(lambda x: torch.dropout(x, 0.1, True)) == ["aten.native_dropout.default"]
+    assert ops(lambda x: torch.nn.Dropout(0.2)(x)) == ["aten.native_dropout.default"]
+    assert ops(lambda x: F.dropout(x, 0.0)) == []
+    assert ops(lambda x: F.dropout(x, 0.1, training=False)) == []
+    assert "aten.bernoulli_.float" in ops(lambda x: F.dropout(x, 0.1, inplace=True))
+
+
 @pytest.mark.parametrize("dtype,cc,tol", [(torch.float32, (8, 0), 1e-5), (torch.bfloat16, (8, 0), 5e-2),
                                           (torch.bfloat16, (7, 0), 5e-2)])
 @pytest.mark.parametrize("mask,causal", [(None, False), (None, True), ("bool", False)])

@@ -28,10 +28,12 @@ def register_cpu_kernels() -> None:
     if _LIB is not None:
         return
     lib = torch.library.Library("aten", "IMPL")
-    lib.impl("_scaled_dot_product_flash_attention", _flash_cpu, "CPU")
-    lib.impl("_scaled_dot_product_flash_attention_backward", _flash_backward_cpu, "CPU")
-    lib.impl("_scaled_dot_product_efficient_attention", _efficient_cpu, "CPU")
-    lib.impl("_scaled_dot_product_efficient_attention_backward", _efficient_backward_cpu, "CPU")
+    for name, kernel in (("_scaled_dot_product_flash_attention", _flash_cpu),
+                         ("_scaled_dot_product_flash_attention_backward", _flash_backward_cpu),
+                         ("_scaled_dot_product_efficient_attention", _efficient_cpu),
+                         ("_scaled_dot_product_efficient_attention_backward", _efficient_backward_cpu)):
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(f"aten::{name}", "CPU"):  # a build may have one
+            lib.impl(name, kernel, "CPU")
     _LIB = lib
 
 

@@ -307,7 +307,8 @@ class GpuKernelMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.dropout or func is torch.dropout:
-            x, p, training, inplace = _bind(args, kwargs, _DROPOUT_ARGS if func is F.dropout else _TORCH_DROPOUT_ARGS)
+            x, p, training, *inplace = _bind(args, kwargs, _DROPOUT_ARGS if func is F.dropout else _TORCH_DROPOUT_ARGS)
+            inplace = bool(inplace and inplace[0])
             if not inplace and isinstance(x, torch.Tensor) and 0.0 <= p <= 1.0:  # in-place: CUDA decomposes too
                 return fused_dropout(x, p, training)
         elif func is F.scaled_dot_product_attention:
