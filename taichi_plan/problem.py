@@ -19,7 +19,10 @@ import numpy as np
 
 from .trace import Trace, baseline_live_bytes, live_intervals
 
-FIXED_KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "input")
+# Kinds no plan frees: model state, inputs, and what FSDP allocates and frees itself (its
+# unsharded parameters and gradients, its communication buffers).
+FIXED_KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "input", "unsharded_parameter",
+               "unsharded_gradient", "all_gather", "reduce_scatter")
 
 
 @dataclass

@@ -234,7 +234,7 @@ def record_workload(
     estimates on ``device_profile`` (default ``a100-40gb``). Real runs measure durations and
     keep ``device_profile`` as metadata only.
     """
-    _check_counts(steps, warmup)
+    check_counts(steps, warmup)
     if fake:
         device_profile = device_profile or DEFAULT_FAKE_PROFILE
     profile = get_profile(device_profile) if device_profile else None
@@ -300,7 +300,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
     return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)
 
 
-def _check_counts(steps: int, warmup: int) -> None:
+def check_counts(steps: int, warmup: int) -> None:
     if steps < 1:
         raise UsageError(f"--steps must be at least 1, got {steps}.")
     if warmup < 0:
@@ -352,7 +352,7 @@ def record_step(model, optimizer, step_fn: Callable[[], None], *, inputs=(), loo
     """
     import torch
 
-    _check_counts(steps, warmup)
+    check_counts(steps, warmup)
     loop = loop or Loop()
     where = f"record_step({name!r})"
     problems = []
