@@ -4,7 +4,8 @@ A plan names the trace it was solved for (its path relative to the plan file and
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
 bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
 schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
-reserved peaks (``predicted.*_reserved_peak_bytes``). Version 2 files (no reserved peaks) and
+reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 the FSDP layout of a sharded
+trace (``trace.layout``, null for one process). Version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
 
@@ -19,8 +20,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 

@@ -18,8 +18,8 @@ from taichi_plan.record.roofline import collective_duration_s
 from taichi_plan.sharding import incarnations, unit_of_ops
 from taichi_plan.trace import read_trace
 
-TINY_GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "1000",
-             "--seq", "32", "--batch", "2"]
+TINY_GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500",
+             "--seq", "128", "--batch", "4"]
 
 
 def _record(tmp_path, args, name="t"):
@@ -137,3 +137,59 @@ def test_fsdp_needs_fake_and_a_positive_world_size(tmp_path):
     r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fake", "--no-reshard-after-forward",
                                   "-o", str(tmp_path / "y")])
     assert r.exit_code != 0 and "--fsdp" in r.output
+
+
+def test_rank_plan_rebuilds_only_while_parameters_are_gathered(gpt2_fsdp4, tmp_path):
+    """Solve rank 0 at half its peak: rebuilds in backward re-run ops that read unsharded
+    parameters, and each such read finds a row of that parameter's storage live (gathered
+    again for backward), never the forward row FSDP resharded. Checked on the trace's own
+    tables, apart from the problem's ``held``."""
+    from taichi_plan.problem import build_problem, rebuildable
+    from taichi_plan.solve import solve
+    from taichi_plan.trace import baseline_peak
+
+    trace, _ = gpt2_fsdp4
+
+    peak, _ = baseline_peak(trace)
+    plan = solve(trace, budget_bytes=peak // 2, method="heuristic")
+    assert plan.predicted["planned_peak_bytes"] <= peak // 2
+    assert plan.trace["layout"]["world_size"] == 4
+
+    t = trace.tensors.set_index("tensor_id")
+    rows_of = {tid: rows for rows in incarnations(trace.meta) for tid in rows}
+    reads = trace.accesses[trace.accesses["role"] == "read"].groupby("op_id")["tensor_id"].apply(list).to_dict()
+    param_reads = 0
+    pending = []  # recompute events come right before the run event of the op they precede
+    for kind, op, _a, _f in plan.schedule["events"]:
+        if kind == "recompute":
+            pending.append(op)
+            continue
+        for q in pending:
+            for u in reads.get(q, []):
+                if t.loc[u, "kind"] != "unsharded_parameter":
+                    continue
+                param_reads += 1
+                live = [v for v in rows_of[u] if t.loc[v, "alloc_op"] <= op - 1 and t.loc[v, "free_op"] >= op]
+                assert live, f"a rebuild before op {op} reads parameter row {u} while it is resharded"
+        pending = []
+    assert param_reads > 0  # the plan does re-run ops that read gathered parameters
+
+    # Without the storage's other rows, those candidates would not exist at all.
+    prob = build_problem(trace)
+    with_rows = len(prob.candidates)
+    prob.same_storage.clear()
+    still = sum(rebuildable(prob, int(c), int(b)) for c, b in zip(prob.candidates, prob.cand_remat_before))
+    assert still < with_rows
+
+
+def test_plan_refuses_another_layout(gpt2_fsdp4, tmp_path):
+    from taichi_plan.errors import PlanError
+    from taichi_plan.plan_check import check_plan_against_trace
+    from taichi_plan.solve import solve
+
+    trace, _ = gpt2_fsdp4
+    plan = solve(trace, budget_bytes=10**12, method="none")
+    check_plan_against_trace(plan, trace)
+    plan.trace["layout"] = dict(plan.trace["layout"], world_size=8)
+    with pytest.raises(PlanError, match="solved for 8 ranks.*applied to 4 ranks"):
+        check_plan_against_trace(plan, trace)
