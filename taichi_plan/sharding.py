@@ -78,6 +78,17 @@ def unit_of_ops(meta: dict, op_module: list[str]) -> np.ndarray:
     return out
 
 
+def fsdp_internal_ops(meta: dict, n: int) -> np.ndarray:
+    """Per op, whether FSDP ran it inside its own machinery (``meta.fsdp.op_spans``: a param
+    group's unshard, wait, reshard, pre/post-forward): its all-gathers, copies, and the buffers
+    its first step allocates. Replay leaves them out of its op count, as the runtime leaves out
+    whatever runs inside those methods."""
+    out = np.zeros(n, dtype=bool)
+    for start, end, _unit in (fsdp_meta(meta) or {}).get("op_spans", []):
+        out[int(start):int(end) + 1] = True
+    return out
+
+
 def incarnations(meta: dict) -> list[list[int]]:
     """Tensor ids of the rows of each resized storage, in order (``meta.fsdp.incarnations``)."""
     f = fsdp_meta(meta)

@@ -119,9 +119,20 @@ def _group(module):
     return module._get_fsdp_state()._fsdp_param_group
 
 
+def live_layout(model) -> dict | None:
+    """:func:`taichi_plan.sharding.layout` of a live model: None when it is not sharded with
+    FSDP2, else its world size, mesh and units."""
+    from ..sharding import layout
+
+    units = fsdp_units(model)
+    if not units:
+        return None
+    mesh = _group(units[0][1]).mesh_info.mesh
+    return layout({"fsdp": describe_layout(model, mesh, mesh.size(), "live")})
+
+
 def describe_layout(model, mesh, world_size: int, backend: str) -> dict:
-    """``meta.fsdp`` without the per-step parts: the layout of the sharded model (call it
-    after one step, when FSDP's lazy init has decided which units reshard after forward)."""
+    """``meta.fsdp`` without the per-step parts: the layout of the sharded model."""
     units = []
     for fqn, m in fsdp_units(model):
         g = _group(m)
@@ -139,6 +150,36 @@ def describe_layout(model, mesh, world_size: int, backend: str) -> dict:
             "mesh_device": mesh.device_type, "units": units}
 
 
+# The param-group methods in which FSDP runs its own ops (gathering, copying, freeing).
+GROUP_METHODS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "unshard", "wait_for_unshard",
+                 "reshard")
+
+
+class _Undo:
+    def __init__(self, fn: Callable[[], None]):
+        self.remove = fn
+
+
+def patch_group_methods(model, wrap: Callable) -> _Undo:
+    """Replace each FSDP unit's param-group methods in :data:`GROUP_METHODS` by
+    ``wrap(unit_index, group, name, original)`` on the instance (as ``FSDPMemTracker`` does);
+    the returned handle's ``remove()`` restores them."""
+    patched = []
+    for k, (_fqn, m) in enumerate(fsdp_units(model)):
+        g = _group(m)
+        for name in GROUP_METHODS:
+            setattr(g, name, wrap(k, g, name, getattr(g, name)))
+            patched.append((g, name))
+
+    def undo() -> None:
+        for g, name in patched:
+            with contextlib.suppress(AttributeError):
+                delattr(g, name)
+        patched.clear()
+
+    return _Undo(undo)
+
+
 class FsdpInstrument:
     """Tells the recorder what FSDP does that it cannot see from ops alone: which storages are
     unsharded parameters (labelled before each step), which are unsharded gradients (at each
@@ -146,19 +187,11 @@ class FsdpInstrument:
     group's unshard, wait, reshard, pre- and post-forward/backward). Patches each param
     group's methods on the instance, as ``FSDPMemTracker`` does; :meth:`close` removes them."""
 
-    _METHODS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "unshard", "wait_for_unshard",
-                "reshard")
-
     def __init__(self, recording: StepRecording, model):
         self.recorder = recording.recorder
         self.units = fsdp_units(model)
         self.spans: list[list[int]] = []
-        self._patched = []
-        for k, (_fqn, m) in enumerate(self.units):
-            g = _group(m)
-            for name in self._METHODS:
-                setattr(g, name, self._wrap(k, g, name, getattr(g, name)))
-                self._patched.append((g, name))
+        self._patch = patch_group_methods(model, self._wrap)
 
     def _wrap(self, unit: int, group, name: str, orig: Callable):
         rec = self.recorder
@@ -192,10 +225,7 @@ class FsdpInstrument:
                     "unsharded_parameter", str(up.dtype).replace("torch.", ""), list(up.shape))
 
     def close(self) -> None:
-        for g, name in self._patched:
-            with contextlib.suppress(AttributeError):
-                delattr(g, name)
-        self._patched = []
+        self._patch.remove()
 
 
 def tracker_peak(model, optimizer, step_fn: Callable[[], None], inputs, set_to_none: bool = True) -> dict:
