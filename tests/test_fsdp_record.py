@@ -193,3 +193,28 @@ def test_plan_refuses_another_layout(gpt2_fsdp4, tmp_path):
     plan.trace["layout"] = dict(plan.trace["layout"], world_size=8)
     with pytest.raises(PlanError, match="solved for 8 ranks.*applied to 4 ranks"):
         check_plan_against_trace(plan, trace)
+
+
+def test_maxbatch_records_rank_zero_of_the_sharded_job():
+    """maxbatch --fsdp N searches the batch per rank on rank 0's sharded step: each probe is
+    such a trace, whose parameter bytes are a quarter of the unsharded step's at 4 ranks."""
+    from click.testing import CliRunner
+
+    from taichi_plan.cli import main
+    from taichi_plan.maxbatch import fake_recorder
+
+    sizes = dict(layers=2, hidden=64, heads=4, vocab=500, seq=128, dtype="fp32", optimizer="adamw")
+    sharded = fake_recorder("gpt2", fsdp=4, **sizes)(2)
+    plain = fake_recorder("gpt2", **sizes)(2)
+    assert sharded.meta["fsdp"]["world_size"] == 4 and "fsdp" not in plain.meta
+    assert sharded.meta["workload"]["args"]["batch"] == 2
+
+    def param_bytes(t):
+        return int(t.tensors.loc[t.tensors["kind"] == "parameter", "nbytes"].sum())
+
+    assert param_bytes(plain) / 4 <= param_bytes(sharded) <= param_bytes(plain) / 4 * 1.1
+    r = CliRunner().invoke(main, ["maxbatch", "--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4",
+                                  "--vocab", "500", "--seq", "128", "--budget", "8MB", "--limit", "1",
+                                  "--method", "heuristic", "--time-limit", "2", "--fsdp", "2"])
+    assert r.exit_code == 0, r.output
+    assert "rank 0 of 2 FSDP2 ranks (batch per rank)" in r.output
