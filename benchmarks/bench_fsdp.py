@@ -80,8 +80,8 @@ def section() -> str:
         f"| {r['workload']} | {r['ranks']} | {r['ops']} | {r['record_s']} | {r['solve_s']} | {_gb(r['peak_bytes'])} | "
         f"{_gb(r['tracker_peak_bytes'])} | {_gb(r['budget_bytes'])} | {_gb(r['planned_peak_bytes'])} "
         f"({r['planned_extra_pct']:.1f}, {r['status']}) | {_gb(r['full_peak_bytes'])} ({r['full_extra_pct']:.1f}) |"
-        for r in rows) + ("\n\nNot measured yet: the largest batch per rank on 80 GB (`maxbatch --fsdp` is not "
-                          "built).")
+        for r in rows) + ("\n\nNot measured here: the largest batch per rank on 80 GB. `maxbatch --fsdp N` "
+                          "searches it, but at these sizes each probe is a fake recording of minutes.")
 
 
 def main() -> None:

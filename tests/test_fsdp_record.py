@@ -127,13 +127,13 @@ def test_without_resize_the_trace_would_miss_unsharded_parameters(monkeypatch):
     assert "incarnations" in trace.meta["fsdp"] and not trace.meta["fsdp"]["incarnations"]
 
 
-def test_fsdp_needs_fake_and_a_positive_world_size(tmp_path):
+def test_fsdp_flags_are_checked(tmp_path):
     from click.testing import CliRunner
 
     from taichi_plan.cli import main
 
-    r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fsdp", "2", "-o", str(tmp_path / "x")])
-    assert r.exit_code != 0 and "--fake" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fake", "--fsdp", "0", "-o", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "at least 1 rank" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fake", "--no-reshard-after-forward",
                                   "-o", str(tmp_path / "y")])
     assert r.exit_code != 0 and "--fsdp" in r.output

@@ -79,3 +79,25 @@ def test_sharded_plan_refused_where_the_layout_differs(fsdp2_plan):
     assert r.exit_code != 0 and "--nproc 2" in r.output
     r = CliRunner().invoke(main, ["replay", str(fsdp2_plan), "--nproc", "4"])
     assert r.exit_code != 0 and "--nproc 2" in r.output and "Traceback" not in r.output
+
+
+def test_real_two_rank_recording_agrees_with_the_fake_one(fsdp2_plan, tmp_path):
+    """record --fsdp 2 without --fake: 2 gloo processes run the job, rank 0 records it. Its
+    peak agrees with FSDPMemTracker's on the real step and equals the fake recording's (the
+    plan's trace); the model's forward is the same op sequence (the backward differs by a
+    split and a copy per reduce-scatter that FSDP2 runs on gloo, not on the fake group)."""
+    from taichi_plan.trace import baseline_peak, read_trace
+
+    r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", *TINY, "--fsdp", "2", "--steps", "1",
+                        "-o", str(tmp_path / "real")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    real = read_trace(tmp_path / "real")
+    fake = read_trace(fsdp2_plan.parent.parent / "traces" / "t")
+    assert real.meta["mode"] == "real" and real.meta["fsdp"]["backend"] == "gloo"
+    assert (real.ops["cost_source"] == "measured").all()
+    assert "(+0.00%)" in r.stdout
+    assert baseline_peak(real) == baseline_peak(fake)
+    (c_real,), (c_fake,) = real.meta["model_calls"], fake.meta["model_calls"]
+    assert (c_real["start"], c_real["end"]) == (c_fake["start"], c_fake["end"])
+    span = slice(c_fake["start"], c_fake["end"] + 1)
+    assert real.ops["op"][span].tolist() == fake.ops["op"][span].tolist()

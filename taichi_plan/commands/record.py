@@ -32,7 +32,8 @@ from ._common import Status, handle_errors, size_options
               help="clip_grad_norm_(model.parameters(), X) before the optimizer step.")
 @click.option("--keep-grads", is_flag=True, help="zero_grad(set_to_none=False): gradients stay allocated between steps.")
 @click.option("--fsdp", "fsdp", type=int, default=None, metavar="N",
-              help="Rank 0 of an N-rank FSDP2 job (each block and the root sharded; with --fake). See docs/sharding.md.")
+              help="Rank 0 of an N-rank FSDP2 job, each block and the root sharded: with --fake on PyTorch's fake process "
+                   "group (any N), else N gloo processes here. See docs/sharding.md.")
 @click.option("--no-reshard-after-forward", is_flag=True,
               help="With --fsdp: fully_shard(..., reshard_after_forward=False): units keep their parameters "
                    "gathered from forward to backward.")
@@ -60,10 +61,6 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     )
     if no_reshard_after_forward and fsdp is None:
         raise UsageError("--no-reshard-after-forward applies to sharded recordings: add --fsdp N.")
-    if fsdp is not None and not fake:
-        raise UsageError(f"--fsdp {fsdp} needs --fake for now: a real sharded step needs one process per rank, "
-                         "which `record` does not start yet. Add --fake to trace rank 0 of the job on PyTorch's "
-                         "fake process group (any size, one CPU).")
     if output is None:
         output = Path("traces") / (workload.default_output_name() + (f"-fsdp{fsdp}" if fsdp else "")
                                    + ("-fake" if fake else ""))
@@ -73,7 +70,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         if fsdp is not None:
             from ..record.fsdp import record_fsdp_workload
 
-            trace = record_fsdp_workload(workload, fsdp, device_profile=device_profile, steps=steps, loop=loop,
+            trace = record_fsdp_workload(workload, fsdp, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                          reshard_after_forward=not no_reshard_after_forward,
                                          progress=status.update)
         else:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 from ..devices import get_profile
 from ..errors import UsageError
@@ -262,69 +263,121 @@ def record_fsdp_workload(
 ) -> Trace:
     """Record rank 0's step of ``workload`` sharded with FSDP2 over ``world_size`` ranks.
 
-    Only ``fake=True`` is built: the job runs on the fake process group (any size, any number
-    of ranks, one CPU). ``check_tracker``: run one more step under ``FSDPMemTracker`` and keep
-    its peak in ``meta.fsdp.mem_tracker`` (the reference the trace's peak is checked against).
+    ``fake=True``: the job runs in this process on the fake process group under
+    ``FakeTensorMode`` (any size, any number of ranks, one CPU); durations are estimates on
+    ``device_profile``. ``fake=False``: ``world_size`` processes here, joined with gloo on
+    loopback (CPU; :func:`taichi_plan.replay.distributed.spawn_ranks`), run the real job; rank 0
+    records it (measured durations) and the others run the same steps. ``check_tracker``: run
+    one more step under ``FSDPMemTracker`` and keep its peak in ``meta.fsdp.mem_tracker`` (the
+    reference the trace's peak is checked against).
     """
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     check_counts(steps, warmup)
-    if not fake:
-        raise UsageError("record --fsdp without --fake is not built yet: a real sharded step needs one process "
-                         "per rank. Add --fake to trace rank 0 of the job on the fake process group.")
     if warmup < 1:
         raise UsageError("record --fsdp needs at least one warm-up step (FSDP initializes lazily in its first).")
+    if world_size < 1:
+        raise UsageError(f"--fsdp must be at least 1 rank, got {world_size}.")
+    loop = loop or Loop()
+    if not fake:
+        if device_profile:
+            get_profile(device_profile)  # metadata only for a real run, but checked
+        return _record_real(workload, world_size, device_profile=device_profile, steps=steps, warmup=warmup,
+                            loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
+                            progress=progress)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     device_profile = device_profile or DEFAULT_FAKE_PROFILE
     profile = get_profile(device_profile)
-    say = progress or (lambda msg: None)
-    loop = loop or Loop()
-
     with fake_process_group(world_size) as mesh, FakeTensorMode():
-        say(f"building {workload.name}")
-        model, batch, loss_fn, optimizer = workload.build(True)
-        say(f"sharding over {world_size} ranks")
-        shard_model(model, mesh, reshard_after_forward)
-        optimizer = rebuild_optimizer(optimizer, model)
-        step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
-        inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
-        for w in range(warmup):
-            say(f"warm-up step {w + 1}/{warmup}")
-            optimizer.zero_grad(set_to_none=loop.set_to_none)
-            step()
-        fsdp = describe_layout(model, mesh, world_size, "fake")
-        records = []
-        with StepRecording(model, optimizer, profile) as session:
-            session.recorder.world_size = world_size
-            instrument = FsdpInstrument(session, model)
-            try:
-                for s in range(steps):
-                    say(f"recording step {s + 1}/{steps}")
-                    optimizer.zero_grad(set_to_none=loop.set_to_none)
-                    instrument.begin_step()
-                    session.begin(inputs)
+        return record_rank(workload, mesh, world_size, backend="fake", profile=profile, steps=steps, warmup=warmup,
+                           loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
+                           progress=progress)
+
+
+def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, profile, steps: int, warmup: int,
+                loop: Loop, reshard_after_forward: bool, check_tracker: bool, record: bool = True,
+                progress: Callable[[str], None] | None = None) -> Trace | None:
+    """This rank's part of a sharded recording, inside its process group: build (fake when
+    ``backend`` is ``fake``), shard, warm up, then ``steps`` steps, recorded when ``record``
+    (rank 0) and run alike otherwise (the other ranks take part in every collective), then
+    the ``FSDPMemTracker`` step. Returns rank 0's trace (None on other ranks)."""
+    fake = backend == "fake"
+    say = progress or (lambda msg: None)
+    say(f"building {workload.name}")
+    model, batch, loss_fn, optimizer = workload.build(fake)
+    say(f"sharding over {world_size} ranks")
+    shard_model(model, mesh, reshard_after_forward)
+    optimizer = rebuild_optimizer(optimizer, model)
+    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
+    inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
+    for w in range(warmup):
+        say(f"warm-up step {w + 1}/{warmup}")
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
+        step()
+    fsdp = describe_layout(model, mesh, world_size, backend)
+    records = []
+    with StepRecording(model, optimizer, profile if fake else None) as session:
+        session.recorder.world_size = world_size
+        instrument = FsdpInstrument(session, model)
+        try:
+            for s in range(steps):
+                say(f"recording step {s + 1}/{steps}")
+                optimizer.zero_grad(set_to_none=loop.set_to_none)
+                if not record:
                     step()
-                    rec = session.end()
-                    rec.extras["fsdp_spans"] = instrument.spans
-                    records.append(rec)
-            finally:
-                instrument.close()
-        if check_tracker:
-            say("checking against FSDPMemTracker")
-            fsdp["mem_tracker"] = tracker_peak(model, optimizer, step, inputs, loop.set_to_none)
-        del model, batch, loss_fn, optimizer, step, session
+                    continue
+                instrument.begin_step()
+                session.begin(inputs)
+                step()
+                rec = session.end()
+                rec.extras["fsdp_spans"] = instrument.spans
+                records.append(rec)
+        finally:
+            instrument.close()
+    if check_tracker:
+        say("checking against FSDPMemTracker")
+        fsdp["mem_tracker"] = tracker_peak(model, optimizer, step, inputs, loop.set_to_none)
+    del model, batch, loss_fn, optimizer, step, session
+    if not record:
+        return None
     kept = records[-1]
     fsdp["op_spans"] = kept.extras["fsdp_spans"]
     fsdp["incarnations"] = [rows for rows in kept.incarnations.values() if len(rows) > 1]
-    fsdp["collective_link_bytes_per_s"] = profile.link_bytes_per_s(world_size)
+    if profile is not None:
+        fsdp["collective_link_bytes_per_s"] = profile.link_bytes_per_s(world_size)
     say("building tables")
-    trace = trace_from_records(records, warmup=warmup, fake=True, loop=loop, meta={
+    trace = trace_from_records(records, warmup=warmup, fake=fake, loop=loop, meta={
         "device": "cpu",
         "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
-        "device_profile": device_profile,
+        "device_profile": profile.name if profile is not None else None,
         "dtype": workload.dtype,
         "step_definition": STEP_DEFINITION,
     })
     trace.meta["fsdp"] = fsdp
+    return trace
+
+
+def _record_real(workload: Workload, world_size: int, *, device_profile, steps, warmup, loop: Loop,
+                 reshard_after_forward, check_tracker, progress) -> Trace:
+    import tempfile
+
+    from ..replay.distributed import spawn_ranks
+    from ..trace import read_trace
+
+    if workload.kind not in ("builtin", "entry"):
+        raise UsageError("A real sharded recording rebuilds the workload in each rank's process: only a built-in "
+                         "model or an --entry can be recorded so.")
+    say = progress or (lambda msg: None)
+    say(f"running {world_size} gloo ranks")
+    with tempfile.TemporaryDirectory(prefix="taichi-fsdp-") as d:
+        out = Path(d) / "trace"
+        spawn_ranks(world_size, "record_rank", {
+            "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
+            "device_profile": device_profile, "steps": steps, "warmup": warmup, "loop": loop.to_json(),
+            "reshard_after_forward": reshard_after_forward, "check_tracker": check_tracker, "out": str(out)})
+        trace = read_trace(out)
+    trace.path = None
+    for key in ("name", "num_ops", "num_tensors", "content_hash", "format_version"):
+        trace.meta.pop(key, None)  # written again where the caller writes the trace
     return trace
 
 

@@ -248,11 +248,44 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
     }
 
 
+def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, device_profile, steps: int,
+                warmup: int, loop: dict, reshard_after_forward: bool, check_tracker: bool, out: str) -> None:
+    """One rank of a real sharded recording (:func:`taichi_plan.record.fsdp.record_fsdp_workload`
+    with ``fake=False``): rank 0 records and writes the trace to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from ..devices import get_profile
+    from ..record import Loop, get_workload
+    from ..record import fsdp as fsdp_record
+    from ..trace import write_trace
+
+    result: dict = {"rank": rank}
+    try:
+        mesh = init_gloo(rank, nproc, port)
+        try:
+            kw = dict(workload["args"])
+            wl = (get_workload(model=workload["name"], **kw) if workload["kind"] == "builtin"
+                  else get_workload(entry=workload["name"], **kw))
+            torch.manual_seed(0)
+            trace = fsdp_record.record_rank(
+                wl, mesh, nproc, backend="gloo", profile=None, steps=steps, warmup=warmup, loop=Loop(**loop),
+                reshard_after_forward=reshard_after_forward, check_tracker=check_tracker, record=rank == 0)
+            if trace is not None:
+                trace.meta["device_profile"] = get_profile(device_profile).name if device_profile else None
+                write_trace(trace, out)
+        finally:
+            dist.destroy_process_group()
+    except TaichiError as e:
+        result["error"] = f"rank {rank}: {e}"
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
 def _main(argv: list[str]) -> None:
     """One rank of :func:`spawn_ranks`: ``python -m taichi_plan.replay.distributed JOB RANK``."""
     job = json.loads(Path(argv[0]).read_text())
     rank = int(argv[1])
-    fn = {"replay_rank": replay_rank}[job["target"]]
+    fn = {"replay_rank": replay_rank, "record_rank": record_rank}[job["target"]]
     fn(rank, job["nproc"], job["port"], str(Path(argv[0]).parent), **job["spec"])
 
 
