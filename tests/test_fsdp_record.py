@@ -218,3 +218,14 @@ def test_maxbatch_records_rank_zero_of_the_sharded_job():
                                   "--method", "heuristic", "--time-limit", "2", "--fsdp", "2"])
     assert r.exit_code == 0, r.output
     assert "rank 0 of 2 FSDP2 ranks (batch per rank)" in r.output
+
+
+def test_timeline_stacks_every_kind_of_a_sharded_trace(gpt2_fsdp4):
+    """The timeline and the HTML report stack kinds in STACK_ORDER: every kind a trace can hold
+    must be there, or the drawn stack of a sharded trace falls short of its total."""
+    from taichi_plan.report.timeline import KIND_COLORS, STACK_ORDER
+    from taichi_plan.trace import KINDS
+
+    assert set(STACK_ORDER) == set(KINDS) <= set(KIND_COLORS)
+    trace, _ = gpt2_fsdp4
+    assert set(trace.tensors["kind"]) <= set(STACK_ORDER)
