@@ -47,7 +47,9 @@ def main(plan_path: str, steps: int = 3) -> None:
         loss = loss_fn(model(**batch), batch)
         loss.backward()
         optimizer.step()
-        print(f"rank {rank} step {step} loss {loss.item():.6f}", flush=True)
+        # one write per line: the ranks share the terminal
+        sys.stdout.write(f"rank {rank} step {step} loss {loss.item():.6f}\n")
+        sys.stdout.flush()
     taichi_plan.finish(model)
     dist.destroy_process_group()
 

@@ -63,8 +63,8 @@ def test_torchrun_script_applies_the_plan(fsdp2_plan):
                        capture_output=True, text=True, timeout=300, cwd=ROOT, env={**__import__("os").environ,
                                                                                     "OMP_NUM_THREADS": "1"})
     assert r.returncode == 0, r.stdout + r.stderr
-    losses = {int(m[0]): m[1] for m in re.findall(r"rank (\d) step 2 loss (\S+)", r.stdout)}
-    assert set(losses) == {0, 1} and losses[0] == losses[1]  # same batch on both ranks: same loss
+    losses = {int(m[0]): m[1] for m in re.findall(r"rank (\d) step 2 loss (-?[0-9]+\.[0-9]{6})", r.stdout)}
+    assert set(losses) == {0, 1} and losses[0] == losses[1], r.stdout  # same batch on both ranks: same loss
 
 
 def test_sharded_plan_refused_where_the_layout_differs(fsdp2_plan):
