@@ -28,6 +28,8 @@ class DeviceProfile:
     ``peak_flops`` maps a dtype (``fp32``, ``tf32``, ``fp16``, ``bf16``) to dense FLOP/s; a
     dtype the chip has no fast path for is absent (``flops_per_s`` falls back to fp32).
     ``sources`` maps each field name (and ``peak_flops.<dtype>``) to where the number is from.
+    ``compute_capability`` (``(8, 0)`` for sm80) decides which kernels a fake recording maps to
+    (``taichi_plan.record.gpu_ops``: flash attention needs sm80+, for instance).
     """
 
     name: str
@@ -48,6 +50,7 @@ class DeviceProfile:
         """The bandwidth a ring collective over ``world_size`` devices runs at: the slowest
         link it crosses (within one node up to ``devices_per_node`` devices, else between nodes)."""
         return self.intra_node_bytes_per_s if world_size <= self.devices_per_node else self.inter_node_bytes_per_s
+    compute_capability: tuple[int, int] | None = None  # CUDA sm version; None: not a CUDA GPU
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype`` (``fp32``/``bf16``/``fp16``/``tf32``; torch names too)."""
@@ -71,6 +74,8 @@ _DTYPE_ALIASES = {
 
 _LAUNCH_NOTE = "typical CUDA kernel launch latency (~5 us); an estimate, not a datasheet number"
 
+
+_CC_SOURCE = "NVIDIA CUDA GPUs compute capability table (developer.nvidia.com/cuda-gpus)"
 
 # Collective bandwidth (GB/s per device, each way) within a node and between nodes, with sources.
 _NVLINK = "NVLink {both} GB/s (both directions), {each} GB/s each way"
@@ -96,7 +101,7 @@ _LINKS = {
 }
 
 
-def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None):
+def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None, cc=None):
     intra_gbs, intra_note, inter_gbs, inter_note = _LINKS[name]
     sources = {
         "intra_node_bytes_per_s": intra_note,
@@ -107,6 +112,8 @@ def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None
     }
     for dt, tf in flops_tf.items():
         sources[f"peak_flops.{dt}"] = f"{sheet}: {tf} TFLOPS {_FLOP_NOTE[dt]}"
+    if cc is not None:
+        sources["compute_capability"] = f"{_CC_SOURCE}: {cc[0]}.{cc[1]}"
     sources.update(extra or {})
     return DeviceProfile(
         name=name,
@@ -118,6 +125,7 @@ def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None
         sources=sources,
         intra_node_bytes_per_s=intra_gbs * GIGA,
         inter_node_bytes_per_s=inter_gbs * GIGA,
+        compute_capability=cc,
     )
 
 
@@ -136,27 +144,32 @@ PROFILES: dict[str, DeviceProfile] = {
             {"fp32": 15.7, "fp16": 125.0}, 900,
             "NVIDIA Tesla V100 datasheet (SXM2)", "16 GB HBM2",
             {"peak_flops.bf16": "V100 has no BF16 tensor cores: bf16 uses the fp32 number"},
+            cc=(7, 0),
         ),
         _profile(
             "t4-16gb", "NVIDIA T4 16GB", 16,
             {"fp32": 8.1, "fp16": 65.0}, 320,
             "NVIDIA T4 Tensor Core GPU datasheet", "16 GB GDDR6",
             {"peak_flops.bf16": "T4 has no BF16 tensor cores: bf16 uses the fp32 number"},
+            cc=(7, 5),
         ),
         _profile(
             "a100-40gb", "NVIDIA A100 SXM4 40GB", 40,
             {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, 1555,
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)", "40 GB HBM2",
+            cc=(8, 0),
         ),
         _profile(
             "a100-80gb", "NVIDIA A100 SXM4 80GB", 80,
             {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, 2039,
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)", "80 GB HBM2e",
+            cc=(8, 0),
         ),
         _profile(
             "h100-80gb", "NVIDIA H100 SXM5 80GB", 80,
             {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}, 3350,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM)", "80 GB HBM3",
+            cc=(9, 0),
         ),
         _profile(
             "h200-141gb", "NVIDIA H200 SXM 141GB", 141,
@@ -172,11 +185,13 @@ PROFILES: dict[str, DeviceProfile] = {
                                 "with sparsity, halved to the dense 989.4",
              "interconnect": "NVIDIA H200 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s, PCIe Gen5 128 GB/s "
                              "(collectives use intra_node_bytes_per_s / inter_node_bytes_per_s)"},
+            cc=(9, 0),
         ),
         _profile(
             "rtx-4090-24gb", "NVIDIA GeForce RTX 4090 24GB", 24,
             {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2}, 1008,
             "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090)", "24 GB GDDR6X",
+            cc=(8, 9),
         ),
     ]
 }

@@ -20,8 +20,8 @@ from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
 FORMAT_VERSION = 3
-# v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds the sharding
-# kinds below and meta.fsdp (docs/sharding.md)
+# v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
+# the sharding kinds below and meta.fsdp (docs/sharding.md)
 READABLE_VERSIONS = (1, 2, 3)
 PHASES = ("forward", "backward", "optimizer", "other")
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary",
