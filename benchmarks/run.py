@@ -17,7 +17,14 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from benchmarks import bench_graphs, bench_optimizer, bench_record, bench_replay, gpu_check
+from benchmarks import (
+    bench_fsdp,
+    bench_graphs,
+    bench_optimizer,
+    bench_record,
+    bench_replay,
+    gpu_check,
+)
 from taichi_plan.atomic import write_text_atomic
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -211,7 +218,11 @@ def main() -> None:
         progress.update(task, description="maxbatch")
         sections.append(_guarded("Max batch", maxbatch_section))
 
-    # 7. The GPU check's results, where a GPU machine has written them (never run here).
+        # 7. Sharded: rank 0 of FSDP2 jobs (7B at 8 ranks, 70B at 64).
+        progress.update(task, description="sharded")
+        sections.append(_guarded("Sharded (FSDP2)", bench_fsdp.section))
+
+    # 8. The GPU check's results, where a GPU machine has written them (never run here).
     sections.append(_guarded("GPU check", lambda: gpu_check.section(gpu_check.DEFAULT_OUT)))
 
     sections.append(f"Whole run: {time.perf_counter() - started:.0f} s.")
