@@ -26,4 +26,15 @@ def finish(model) -> None:
     _finish(model)
 
 
-__all__ = ["Trace", "TaichiError", "apply", "finish", "read_trace", "write_trace", "__version__"]
+def chunked_cross_entropy(hidden, head, labels, chunks: int = 8, **kwargs):
+    """``F.cross_entropy(head(hidden).reshape(-1, V), labels.reshape(-1))`` computed ``chunks``
+    rows of tokens at a time, so the full logits and their gradient never exist; for code that
+    computes its own loss. See :func:`taichi_plan.replay.chunked_loss.chunked_cross_entropy`.
+    Imports torch."""
+    from .replay.chunked_loss import chunked_cross_entropy as _chunked
+
+    return _chunked(hidden, head, labels, chunks, **kwargs)
+
+
+__all__ = ["Trace", "TaichiError", "apply", "chunked_cross_entropy", "finish", "read_trace", "write_trace",
+           "__version__"]

@@ -12,7 +12,8 @@ contiguous forward span and a contiguous backward span in the trace):
 * the module's outputs (read outside it) and everything else keep their size; its inputs
   are held by the checkpointed chunks until its backward is done;
 * joining the chunks' outputs (forward) and input gradients (backward) holds both the pieces
-  and the joined tensor for a moment;
+  and the joined tensor for a moment; in backward the ``k - 1`` input-gradient pieces before
+  the last chunk's are held through the module's backward span;
 * extra compute: the module's forward once more, plus a launch overhead per op per chunk.
 
 A module qualifies along dim 0 (the batch) when none of its ops mixes samples (no batch
@@ -41,10 +42,37 @@ CHUNK_CHOICES = (2, 4, 8)
 
 @dataclass(frozen=True)
 class Span:
+    """A module partitioned along dim 0 (its batch). Token spans (a head and its loss,
+    partitioned over tokens) are :class:`taichi_plan.token_span.TokenSpan`; both have
+    ``module``, ``over``, ``fwd``/``bwd`` and ``chunk_choices``."""
+
     module: str
     fwd: tuple[int, int]
     bwd: tuple[int, int]
     batch: int
+    over: str = "batch"
+
+    @property
+    def chunk_choices(self) -> tuple[int, ...]:
+        return tuple(c for c in CHUNK_CHOICES if c <= self.batch)
+
+
+def span_key(x) -> tuple[str, str]:
+    """(module, over) of a span or a partition: what names it in a plan."""
+    return x.module, getattr(x, "over", "batch")
+
+
+def as_partition(span, chunks: int):
+    """The plan's :class:`~taichi_plan.plan.Partition` of ``span`` into ``chunks``."""
+    from .plan import Partition
+
+    return Partition(span.module, 0, int(chunks), over=span.over)
+
+
+def find_span(problem: Problem, part):
+    """The span a partition names (module and ``over``), or None."""
+    key = span_key(part)
+    return next((s for s in module_spans(problem) if span_key(s) == key), None)
 
 
 def _under(name: str, module: str) -> bool:
@@ -54,17 +82,22 @@ def _under(name: str, module: str) -> bool:
 MAX_SPANS = 48  # partition options considered: the modules with the most bytes inside
 
 
-def module_spans(problem: Problem) -> list[Span]:
-    """Modules that can be partitioned along dim 0, with their forward and backward spans:
-    the ``MAX_SPANS`` with the most bytes made inside them (the most a partition can save)."""
+def module_spans(problem: Problem) -> list:
+    """Every span a plan may partition: the modules that can be partitioned along dim 0,
+    with their forward and backward spans (the ``MAX_SPANS`` with the most bytes made inside
+    them, the most a partition can save), then the head + loss spans that can be partitioned
+    over tokens (:func:`taichi_plan.token_span.token_spans`)."""
     cached = getattr(problem, "_module_spans", None)
     if cached is not None:
         return cached
+    from .token_span import token_spans
+
     spans = _module_spans(problem)
     if len(spans) > MAX_SPANS:
         inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in spans}
         keep = set(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
         spans = [s for s in spans if s.module in keep]
+    spans = spans + token_spans(problem)
     problem._module_spans = spans
     return spans
 
@@ -136,6 +169,10 @@ def launch_overhead_s(problem: Problem) -> float:
 
 
 def partition_cost(problem: Problem, span: Span, chunks: int) -> float:
+    if span.over == "tokens":
+        from . import token_span
+
+        return token_span.cost(problem, span, chunks, launch_overhead_s(problem))
     f0, f1 = span.fwd
     b0, b1 = span.bwd
     n_ops = (f1 - f0 + 1) + (b1 - b0 + 1)
@@ -192,6 +229,10 @@ def boundary_bytes(problem: Problem, span: Span) -> tuple[int, int]:
 def span_tensors(problem: Problem, span: Span) -> set[int]:
     """Tensors a partition owns: everything its forward ops read or make (its inputs are held
     by the checkpointed chunks, its outputs are rebuilt by concatenation), plus its insides."""
+    if span.over == "tokens":
+        from . import token_span
+
+        return token_span.span_tensors(problem, span)
     f0, f1 = span.fwd
     out: set[int] = set()
     for i in range(f0, f1 + 1):
@@ -208,13 +249,13 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     if not partitions:
         return problem, 0.0
     if len({p.module for p in partitions}) != len(partitions):
-        raise PlanError("The plan partitions the same module twice.")
+        raise PlanError("The plan partitions the same module twice (along its batch and over tokens?); keep one.")
     names = [p.module for p in partitions]
     for x in names:
         for y in names:
             if x != y and _under(y, x):
                 raise PlanError(f"The plan partitions both {x!r} and {y!r}, which is inside it; keep one.")
-    spans = {s.module: s for s in module_spans(problem)}
+    spans = {span_key(s): s for s in module_spans(problem)}
     nbytes = problem.nbytes.copy()
     start = problem.start.copy()
     end = problem.end.copy()
@@ -222,16 +263,30 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     cost = 0.0
     internal: set[int] = set()
     for part in partitions:
-        span = spans.get(part.module)
+        span = spans.get(span_key(part))
         if span is None or part.dim != 0:
+            what = "its loss over tokens" if span_key(part)[1] == "tokens" else f"along dim {part.dim}"
             raise PlanError(
-                f"The plan partitions module {part.module!r} along dim {part.dim}, but that module is not "
+                f"The plan partitions module {part.module!r} {what}, but that module is not "
                 "independent along it in this trace (or is not in it). Partition only modules that "
                 "`taichi-plan solve` proposes; the plan may be for another trace."
             )
         k = int(part.chunks)
         if k < 2 or k > span.batch:
             raise PlanError(f"The plan splits {part.module!r} into {k} chunks; use 2..{span.batch}.")
+        if span.over == "tokens":
+            from . import token_span
+
+            added: list[tuple[int, int, int, int]] = []
+            internal.update(token_span.apply(problem, span, k, nbytes, start, end, added))
+            for like, nb, s0, s1 in added:
+                new_t.append(like)
+                new_id.append(_SYNTHETIC_ID - len(new_id))
+                new_nb.append(nb)
+                new_s.append(s0)
+                new_e.append(s1)
+            cost += partition_cost(problem, span, k)
+            continue
         f_trans, saved, b_trans = internal_tensors(problem, span)
         for arr in (f_trans, saved, b_trans):
             nbytes[arr] = -(-problem.nbytes[arr] // k)
@@ -269,6 +324,15 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 new_nb.append(nb)
                 new_s.append(at)
                 new_e.append(at)
+        # Each chunk's input gradient waits for the others (autograd joins them once all have
+        # arrived): while the last chunk's backward runs, the k - 1 pieces before it are live.
+        held = in_bytes - -(-in_bytes // k)
+        if held > 0 and span.bwd[1] > span.bwd[0]:
+            new_t.append(-1)
+            new_id.append(_SYNTHETIC_ID - len(new_id))
+            new_nb.append(held)
+            new_s.append(span.bwd[0])
+            new_e.append(span.bwd[1] - 1)
         cost += partition_cost(problem, span, k)
     clash = [d.tensor for d in drops if d.tensor in internal]
     if clash:
@@ -327,9 +391,7 @@ def _live(problem: Problem) -> np.ndarray:
 
 def partition_savings(problem: Problem, span: Span, chunks: int) -> np.ndarray:
     """Bytes the partition frees at each op (baseline minus partitioned live bytes)."""
-    from .plan import Partition
-
-    part, _ = apply_partitions(problem, [Partition(span.module, 0, chunks)])
+    part, _ = apply_partitions(problem, [as_partition(span, chunks)])
     return problem.baseline_live - part.baseline_live
 
 
@@ -341,7 +403,7 @@ def floor_bytes(problem: Problem) -> np.ndarray:
 
     floor = min_live_bytes(problem).astype(np.int64)
     for span in module_spans(problem):
-        k = max((c for c in CHUNK_CHOICES if c <= span.batch), default=0)
+        k = max(span.chunk_choices, default=0)
         if k >= 2:
             floor = floor - np.maximum(partition_savings(problem, span, k), 0)
     return floor

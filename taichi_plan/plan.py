@@ -1,12 +1,13 @@
-"""Plan format v3: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v4: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
 bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
 schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
 reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 the optimizer option
-(``decisions.optimizer``) and the FSDP layout of a sharded trace (``trace.layout``, null for
-one process). Version 3 files, version 2 files (no reserved peaks) and
+(``decisions.optimizer``), the FSDP layout of a sharded trace (``trace.layout``, null for
+one process) and partitions over tokens (``decisions.partitions[].over``). Version 3 files
+(no ``over``: every partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
 
@@ -43,12 +44,15 @@ class Recompute:
 
 @dataclass
 class Partition:
-    """Run ``module`` on ``chunks`` pieces of its input along ``dim``."""
+    """Run ``module`` on ``chunks`` pieces of its input along ``dim`` (``over="batch"``), or,
+    ``over="tokens"``, the head ``module`` and the cross-entropy on its logits on ``chunks``
+    pieces of the tokens (v4)."""
 
     module: str
     dim: int
     chunks: int
     why: str = ""
+    over: str = "batch"
 
 
 @dataclass

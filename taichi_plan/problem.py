@@ -442,6 +442,9 @@ def _stem(op_name: str) -> str:
     return base.removesuffix("_backward")
 
 
+op_stem = _stem  # the public name, for other rooms
+
+
 def _common_module(modules: list[str]) -> str:
     """The deepest FQN every module is, or is inside (``''`` if none)."""
     split = [m.split(".") if m else [] for m in modules]

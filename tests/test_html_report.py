@@ -69,7 +69,7 @@ def test_blob_matches_plan(chain, tmp_path):
     assert s["extra_compute"]["cost"] == plan.predicted["extra_compute"]
     assert s["extra_compute"]["pct_of_step"] == plan.predicted["extra_compute_pct"]
     assert s["solver"]["status"] == plan.solver["status"]
-    assert s["partitions"] == [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "why": p.why}
+    assert s["partitions"] == [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "over": p.over, "why": p.why}
                                for p in plan.partitions]
     assert data["solver_stats"] == (plan.solver.get("stats") or {})
 

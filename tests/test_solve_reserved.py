@@ -12,7 +12,7 @@ from synthetic import chain_trace, random_training_trace
 
 from taichi_plan.cli import main
 from taichi_plan.errors import InfeasibleBudgetError, PlanError
-from taichi_plan.plan import load_plan, save_plan
+from taichi_plan.plan import FORMAT_VERSION, load_plan, save_plan
 from taichi_plan.problem import build_problem
 from taichi_plan.solve import solve
 from taichi_plan.trace import write_trace
@@ -66,7 +66,7 @@ def test_solve_on_reserved_cli(tmp_path):
                              "-o", str(out)])
     assert r.exit_code == 0, r.output
     plain = json.loads(out.read_text())
-    assert plain["format_version"] == 4
+    assert plain["format_version"] == FORMAT_VERSION
     assert plain["predicted"]["planned_reserved_peak_bytes"] > plain["budget_bytes"]
     r = runner.invoke(main, ["inspect", str(out)])
     assert r.exit_code == 0, r.output

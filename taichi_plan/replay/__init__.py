@@ -100,6 +100,19 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
             raise PlanError(f"The plan partitions {module!r}, whose ops do not all run in one call of the model.")
         spans[a[0]][module] = (a[1], b[1] + counted[f1] - 1)
 
+    tokens: list[dict] = [{} for _ in calls]
+    skip: list[set] = [set() for _ in calls]
+    for module, chunks, ops in token_partitions(plan, problem):
+        head = locate(ops[0])
+        if head is None:
+            raise PlanError(f"The plan partitions the head {module!r} over tokens, but it did not run inside a call "
+                            "of the model: the plan was made for another trace.")
+        tokens[head[0]][module] = chunks
+        for op in ops:
+            where = locate(op)
+            if where is not None and where[0] == head[0]:
+                skip[head[0]].add(where[1])
+
     group_of = rebuild_groups(plan, trace, problem)
     kinds = tensors["kind"].tolist()
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
@@ -110,7 +123,23 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         ops = [(names[o], modules[o], made.get(o, {})) for o in range(s0, s1 + 1) if counted[o]]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
-                            bool(call.get("training", True)), group_of))
+                            bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c])))
+    return out
+
+
+def token_partitions(plan: Plan, problem) -> list[tuple[str, int, tuple[int, ...]]]:
+    """(head module, chunks, forward op ids of its span) of each partition over tokens."""
+    from ..partition import find_span
+
+    out = []
+    for p in plan.partitions:
+        if p.over != "tokens":
+            continue
+        span = find_span(problem, p)
+        if span is None:
+            raise PlanError(f"The plan partitions the head {p.module!r} over tokens, but its trace has no such head "
+                            "and loss: the plan was made for another trace.")
+        out.append((p.module, int(p.chunks), span.fwd_ops))
     return out
 
 
@@ -148,17 +177,18 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
 
 def partition_spans(plan: Plan, trace, problem=None) -> dict[str, tuple[int, int]]:
     """Forward op span (op ids) of each partitioned module in the trace."""
-    if not plan.partitions:
+    parts = [p for p in plan.partitions if p.over == "batch"]
+    if not parts:
         return {}
     from ..optimizer_plan import problem_for_plan
     from ..partition import module_spans
 
-    spans = {s.module: s.fwd for s in module_spans(problem_for_plan(plan, trace, problem))}
-    missing = [p.module for p in plan.partitions if p.module not in spans]
+    spans = {s.module: s.fwd for s in module_spans(problem_for_plan(plan, trace, problem)) if s.over == "batch"}
+    missing = [p.module for p in parts if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "
                         "was made for another trace.")
-    return {p.module: spans[p.module] for p in plan.partitions}
+    return {p.module: spans[p.module] for p in parts}
 
 
 def plan_and_trace(plan: Plan | str | Path, trace=None):

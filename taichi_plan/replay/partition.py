@@ -17,9 +17,14 @@ from ..errors import PlanError
 
 
 def install_partitions(model, partitions, rt) -> callable:
-    """Wrap each planned module's forward; returns a function that undoes it."""
+    """Wrap each planned module's forward (a head partitioned over tokens returns lazy
+    logits: :func:`taichi_plan.replay.chunked_loss.install_token_heads`); returns a function
+    that undoes it."""
+    from .chunked_loss import install_token_heads
+
     undo = []
-    for part in partitions:
+    undo_heads = install_token_heads(model, {p.module: p.chunks for p in partitions if p.over == "tokens"}, rt)
+    for part in (p for p in partitions if p.over == "batch"):
         try:
             module = model.get_submodule(part.module)
         except AttributeError as e:
@@ -34,6 +39,7 @@ def install_partitions(model, partitions, rt) -> callable:
     def restore():
         for module, original in undo:
             module.forward = original
+        undo_heads()
 
     return restore
 

@@ -37,6 +37,7 @@ bitwise those of the unplanned run.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import warnings
@@ -126,11 +127,15 @@ class CallPlan:
     # tensor id -> the simulator's rebuild group (the op before which it is rebuilt): a group's
     # dropped tensors are rebuilt together, their gone inputs re-made once for all of them.
     group_of: dict[int, int] = field(default_factory=dict)
+    # Heads partitioned over tokens (module -> chunks) and the counted ops of this call that
+    # their lazy logits do not run (the head's matmul, the loss ops on the logits): skipped.
+    tokens: dict[str, int] = field(default_factory=dict)
+    skip: frozenset = frozenset()
 
     @property
     def active(self) -> bool:
         """Whether this call needs the dispatch mode and hooks at all."""
-        return bool(self.drops) or bool(self.spans)
+        return bool(self.drops) or bool(self.spans) or bool(self.tokens)
 
 
 @dataclass
@@ -227,6 +232,7 @@ class PlanRuntime(TorchDispatchMode):
         finally:
             self.__exit__(None, None, None)
             self._frame = self._stack[-1][0] if self._stack else None
+        self._skip(frame)
         if not failed and frame.enabled and frame.n != len(frame.call.ops):
             self._frame_mismatch(frame, (
                 f"The model's forward ran {frame.n} ops but call {frame.call.index} of the plan's trace has "
@@ -346,7 +352,7 @@ class PlanRuntime(TorchDispatchMode):
                 or torch._C._current_graph_task_id() != -1:
             return func(*args, **kwargs)
         call = frame.call
-        i = frame.n
+        i = self._skip(frame)
         frame.n += 1
         if i >= len(call.ops) or call.ops[i][0] != info.name:
             self._op_mismatch(frame, i, info.name)
@@ -399,6 +405,23 @@ class PlanRuntime(TorchDispatchMode):
                 frame.dropped[outs[j]] = tid
                 self.dropped_storages += 1
         return out
+
+    @staticmethod
+    def _skip(frame: Frame) -> int:
+        """Move the op counter past the recorded ops a lazy head does not run."""
+        while frame.n in frame.call.skip:
+            frame.n += 1
+        return frame.n
+
+    # -- heads partitioned over tokens ----------------------------------------------------------------
+    def token_head(self, name: str):
+        """The owner of the lazy logits of head ``name`` in the call running now, or None when
+        this call does not partition that head (unplanned, eval, a mismatch, backward)."""
+        frame = self._frame
+        if (frame is None or not frame.enabled or name not in frame.call.tokens
+                or torch._C._current_graph_task_id() != -1):
+            return None
+        return _TokenOwner(self, frame, name)
 
     # -- partitions -----------------------------------------------------------------------------------
     def enter_partition(self, name: str) -> None:
@@ -553,6 +576,33 @@ class PlanRuntime(TorchDispatchMode):
             return frame.cache.get(sid) or frame.shared[sid]
         finally:
             frame.shared = None
+
+
+class _TokenOwner:
+    """What lazy logits tell the runtime: the ops they run are not the trace's (not counted),
+    and when they must materialize (the plan's memory no longer holds)."""
+
+    def __init__(self, rt: PlanRuntime, frame: Frame, name: str):
+        self.rt, self.frame, self.name = rt, frame, name
+
+    @contextlib.contextmanager
+    def quiet(self):
+        self.frame.partition_depth += 1
+        try:
+            yield
+        finally:
+            self.frame.partition_depth -= 1
+
+    def materialized(self, why: str) -> None:
+        msg = (f"The plan computes the logits of {self.name!r} chunk by chunk over tokens, but {why} needs all of "
+               "them at once, so the full logits were computed and the plan's memory prediction no longer holds. "
+               "Compute the loss with F.cross_entropy / F.nll_loss on the logits (views, slices of the leading "
+               "dims, .float() and log_softmax are fine), or solve again without partitioning the head "
+               "(apply with on_mismatch='warn' to go on unplanned).")
+        if self.rt._frame is self.frame and self.frame.enabled:
+            self.rt._frame_mismatch(self.frame, msg)
+        else:
+            self.rt._mismatch(msg)
 
 
 def _rng_state(args, kwargs):

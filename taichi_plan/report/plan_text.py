@@ -131,11 +131,13 @@ def _partition_costs(problem: Problem, plan: Plan, total: float) -> dict[str, fl
     if not plan.partitions or total == 0:
         return out
     try:
-        from ..partition import module_spans, partition_cost
+        from ..partition import find_span, partition_cost
 
-        spans = {sp.module: sp for sp in module_spans(problem)}
         for part in plan.partitions:
-            out[part.module] = out.get(part.module, 0.0) + float(partition_cost(problem, spans[part.module], part.chunks))
+            span = find_span(problem, part)
+            if span is None:
+                raise KeyError(part.module)
+            out[part.module] = out.get(part.module, 0.0) + float(partition_cost(problem, span, part.chunks))
     except (ImportError, KeyError, TypeError, AttributeError):
         out = {}
     rest = total - sum(out.values())
@@ -247,7 +249,7 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
                  "nbytes": int(r.nbytes), "free_after": r.free_after, "remat_before": r.remat_before,
                  "why": r.why} for r in order[:TOP_DECISIONS]],
     }
-    summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "why": p.why}
+    summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "over": p.over, "why": p.why}
                              for p in plan.partitions]
     summary["schedule_peak_bytes"] = peak_from_schedule(plan.schedule)[0] if plan.schedule else None
     summary["modules"] = module_table(problem, plan, sim, parted) if problem is not None else None
@@ -397,9 +399,10 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
         lines.append(f"Partitions: {len(s['partitions'])}")
         longest = max(len(q["module"] or "(none)") for q in s["partitions"])
         pw = max(40, min(width - 15, longest))  # wider for long names, as the line allows
-        lines.append(f"  {'module':<{pw}} {'dim':>4} {'chunks':>7}")
+        lines.append(f"  {'module':<{pw}} {'over':>7} {'chunks':>7}")
         for q in s["partitions"]:
-            lines.append(f"  {_cut(q['module'] or '(none)', pw):<{pw}} {q['dim']:>4} {q['chunks']:>7}")
+            over = q.get("over", "batch")
+            lines.append(f"  {_cut(q['module'] or '(none)', pw):<{pw}} {over:>7} {q['chunks']:>7}")
             if q["why"]:
                 lines += wrap(q["why"], " " * 6)
 

@@ -16,9 +16,9 @@ import time
 import numpy as np
 
 from ..partition import (
-    CHUNK_CHOICES,
     _under,
     apply_partitions,
+    as_partition,
     module_spans,
     partition_cost,
     partition_savings,
@@ -69,7 +69,7 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     # modules at the worst op, 1, 2, 4, ... per round, re-planning rematerialization around them.
     options = []
     for span in module_spans(problem):
-        k = max((c for c in CHUNK_CHOICES if c <= span.batch), default=0)
+        k = max(span.chunk_choices, default=0)
         if k >= 2:
             options.append((span, k, partition_savings(problem, span, k), partition_cost(problem, span, k)))
     chosen: list[Partition] = []
@@ -85,7 +85,7 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
                 break
             if any(_under(span.module, c.module) or _under(c.module, span.module) for c in chosen):
                 continue
-            chosen.append(Partition(span.module, 0, k))
+            chosen.append(as_partition(span, k))
             added += 1
         if not added:
             break

@@ -38,15 +38,15 @@ from ortools.sat.python import cp_model
 
 from ..errors import PlanError
 from ..partition import (
-    CHUNK_CHOICES,
     Span,
     apply_partitions,
+    as_partition,
     module_spans,
     partition_cost,
     partition_savings,
+    span_key,
     span_tensors,
 )
-from ..plan import Partition
 from ..problem import (
     Problem,
     coverage_delta,
@@ -190,7 +190,7 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
         blocked.update(k for k, (t, b) in enumerate(zip(st.tensor.tolist(), st.b.tolist(), strict=True))
                        if k not in blocked and not inner.isdisjoint(rebuild_set(problem, t, b) or ()))
         internal = np.asarray(sorted(blocked), dtype=np.int64)
-        for chunks in sorted({c for c in CHUNK_CHOICES if c <= span.batch}):
+        for chunks in span.chunk_choices:
             sav = partition_savings(problem, span, chunks)
             if not np.any(sav[over] > 0):
                 break
@@ -293,7 +293,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         parted_y = [j for j, v in enumerate(model.y) if solver.Value(v)]
         dec = Decisions(
             drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in chosen],
-            partitions=[Partition(parts[j].span.module, 0, parts[j].chunks) for j in parted_y],
+            partitions=[as_partition(parts[j].span, parts[j].chunks) for j in parted_y],
         )
         model.forbid(chosen, parted_y)
         try:
@@ -374,7 +374,7 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
             chosen[key[(d.tensor, d.remat_before)]] = True
         over = sim_over(parted, sim) - budget
         freed = gap_bytes(problem.num_ops, st.a[chosen], st.b[chosen], st.sizes[chosen]) + sum(
-            (po.savings for po in parts if Partition(po.span.module, 0, po.chunks) in dec.partitions),
+            (po.savings for po in parts if as_partition(po.span, po.chunks) in dec.partitions),
             np.zeros(problem.num_ops, np.int64))
         for i in np.nonzero(over > 0)[0].tolist():
             extra[i] = max(extra.get(i, 0), int(freed[i]) + int(over[i]) - int(req[i]))
@@ -395,7 +395,7 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
             return None, work
         dec = Decisions(
             drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k, v in enumerate(m.x) if solver.Value(v)],
-            partitions=[Partition(parts[j].span.module, 0, parts[j].chunks) for j, v in enumerate(m.y)
+            partitions=[as_partition(parts[j].span, parts[j].chunks) for j, v in enumerate(m.y)
                         if solver.Value(v)],
         )
 
@@ -520,8 +520,8 @@ class _Model:
         key = {(int(t), int(a), int(b)): k for k, (t, a, b) in
                enumerate(zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True))}
         xs = [key.get((d.tensor, d.free_after, d.remat_before)) for d in dec.drops]
-        part_key = {(po.span.module, po.chunks): j for j, po in enumerate(self.parts)}
-        ys = [part_key.get((p.module, p.chunks)) for p in dec.partitions]
+        part_key = {(*span_key(po.span), po.chunks): j for j, po in enumerate(self.parts)}
+        ys = [part_key.get((*span_key(p), p.chunks)) for p in dec.partitions]
         if None not in xs and None not in ys:
             self.forbid(xs, ys)
 

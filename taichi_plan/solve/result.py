@@ -14,7 +14,7 @@ from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
 from ..optimizer_plan import describe as describe_optimizer
 from ..optimizer_plan import recorded_problem, recorded_trace
 from ..overhead import runtime_overhead_s
-from ..partition import module_spans, partition_cost, partition_savings
+from ..partition import find_span, partition_cost, partition_savings
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
 from ..sharding import layout
@@ -156,13 +156,19 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
 
 
 def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
-    span = next(s for s in module_spans(problem) if s.module == part.module)
+    span = find_span(problem, part)
     saved = partition_savings(problem, span, part.chunks)
     i = int(np.argmax(saved))
-    why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) by running {part.module} on {part.chunks} "
-           f"chunks of the batch; re-running its forward and the extra launches cost "
+    if span.over == "tokens":
+        how = (f"by computing {part.module}'s logits and the cross-entropy on them in {part.chunks} chunks of "
+               f"{span.rows} tokens (the [{span.rows}, {span.vocab}] logits never exist); re-running the head's "
+               "matmul in backward and the extra launches cost ")
+    else:
+        how = (f"by running {part.module} on {part.chunks} chunks of the batch; re-running its forward and the "
+               "extra launches cost ")
+    why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) {how}"
            f"{format_cost(partition_cost(problem, span, part.chunks), unit)}")
-    return Partition(part.module, part.dim, part.chunks, why)
+    return Partition(part.module, part.dim, part.chunks, why, over=span.over)
 
 
 def drops_from_plan(problem: Problem, plan: Plan) -> list[Drop]:
