@@ -217,8 +217,10 @@ def test_work_limit_gives_the_same_plan_where_the_search_is_cut(graphs_dir):
 
 
 def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
-    """--time-limit 5 counts loading, warm start and every CP-SAT round. ResNet-50 at 0.3 is
-    not proven optimal in 5 s: the best plan so far is written with its bound. random_layered
+    """--time-limit 5 counts loading, warm start and every CP-SAT round. ResNet-50 at 0.35 is
+    not proven optimal in 5 s: the best plan so far is written with its bound (below 0.30 no
+    plan is found in 5 s: the sqrt-n warm start, run as checkpoint_sequential runs it, peaks
+    at 0.302). random_layered
     n100 at 0.8 has no plan found in 5 s: the error says the search stopped, not that none
     exists, and what the best plan found reaches."""
     import time
@@ -232,7 +234,7 @@ def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
         assert wall <= 5 * 1.1, (prefix, wall)
         return r, out
 
-    r, out = run("ResNet50", "30%")
+    r, out = run("ResNet50", "35%")
     assert r.exit_code == 0, r.output
     s = load_plan(out).solver
     assert s["status"] == "feasible" and s["stats"]["timed_out"]
