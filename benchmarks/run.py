@@ -17,7 +17,7 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from benchmarks import bench_graphs, bench_record, bench_replay, gpu_check
+from benchmarks import bench_floor, bench_graphs, bench_record, bench_replay, gpu_check
 from taichi_plan.atomic import write_text_atomic
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -185,6 +185,11 @@ def main() -> None:
                                time_limit=RECORDED_TIME_LIMIT)
         sections.append("## Recorded traces (fake mode, a100-40gb profile)\n\n`heuristic` may partition "
                         "modules too; `partitions` counts them.\n\n" + table(rows))
+
+        # 3b. The least reachable peak per lever (remat, partition, both, baselines).
+        progress.update(task, description="least reachable peaks")
+        sections.append(_guarded("Least reachable peak", lambda: bench_floor.markdown(
+            bench_floor.run(lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)), "make bench")))
 
         # 4. Solve time against trace size.
         progress.update(task, description="trace size")

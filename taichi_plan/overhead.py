@@ -26,9 +26,9 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rec
     call = problem.op_call
     planned = {int(call[int(problem.producer[d.tensor])]) for d in drops}
     if partitions:
-        from .partition import module_spans
+        from .partition import partitionable_spans
 
-        spans = {s.module: s for s in module_spans(problem)}
+        spans = {s.module: s for s in partitionable_spans(problem)}
         planned.update(int(call[spans[p.module].fwd[0]]) for p in partitions if p.module in spans)
     planned.discard(-1)
     in_planned = np.isin(call, sorted(planned)) if planned else np.zeros(len(call), dtype=bool)

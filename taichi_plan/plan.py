@@ -1,10 +1,13 @@
-"""Plan format v3: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v4: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
 bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
 schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
-reserved peaks (``predicted.*_reserved_peak_bytes``). Version 2 files (no reserved peaks) and
+reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 records a partition's random
+draws (``Partition.random_draws``) and whether the solve allowed partitioning modules that
+draw random numbers (``solver.partition_random``). Version 3 files (no such partitions),
+version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
 
@@ -19,8 +22,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 
@@ -47,6 +50,10 @@ class Partition:
     dim: int
     chunks: int
     why: str = ""
+    # None: the module draws no random numbers. "as-unpartitioned": its chunks draw exactly
+    # what the whole batch would have (one dropout, CPU). "per-chunk": they draw their own
+    # (dropout masks differ: training changes statistically). See taichi_plan/partition.py.
+    random_draws: str | None = None
 
 
 @dataclass

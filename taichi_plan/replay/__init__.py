@@ -139,10 +139,10 @@ def partition_spans(plan: Plan, trace, problem=None) -> dict[str, tuple[int, int
     """Forward op span (op ids) of each partitioned module in the trace."""
     if not plan.partitions:
         return {}
-    from ..partition import module_spans
+    from ..partition import partitionable_spans
     from ..problem import build_problem
 
-    spans = {s.module: s.fwd for s in module_spans(problem or build_problem(trace))}
+    spans = {s.module: s.fwd for s in partitionable_spans(problem or build_problem(trace))}
     missing = [p.module for p in plan.partitions if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "

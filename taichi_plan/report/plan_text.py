@@ -130,9 +130,9 @@ def _partition_costs(problem: Problem, plan: Plan, total: float) -> dict[str, fl
     if not plan.partitions or total == 0:
         return out
     try:
-        from ..partition import module_spans, partition_cost
+        from ..partition import partition_cost, partitionable_spans
 
-        spans = {sp.module: sp for sp in module_spans(problem)}
+        spans = {sp.module: sp for sp in partitionable_spans(problem)}
         for part in plan.partitions:
             out[part.module] = out.get(part.module, 0.0) + float(partition_cost(problem, spans[part.module], part.chunks))
     except (ImportError, KeyError, TypeError, AttributeError):
@@ -246,8 +246,9 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
                  "nbytes": int(r.nbytes), "free_after": r.free_after, "remat_before": r.remat_before,
                  "why": r.why} for r in order[:TOP_DECISIONS]],
     }
-    summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "why": p.why}
-                             for p in plan.partitions]
+    summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "why": p.why,
+                              "random_draws": p.random_draws} for p in plan.partitions]
+    summary["partition_random"] = bool(plan.solver.get("partition_random"))
     summary["schedule_peak_bytes"] = peak_from_schedule(plan.schedule)[0] if plan.schedule else None
     summary["modules"] = module_table(problem, plan, sim, parted) if problem is not None else None
     summary["resimulated"] = None
@@ -401,6 +402,11 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
             lines.append(f"  {_cut(q['module'] or '(none)', pw):<{pw}} {q['dim']:>4} {q['chunks']:>7}")
             if q["why"]:
                 lines += wrap(q["why"], " " * 6)
+        own = [q["module"] for q in s["partitions"] if q.get("random_draws") == "per-chunk"]
+        if own:
+            lines += wrap(f"Training changes: the chunks of {', '.join(own)} draw their own dropout masks "
+                          "(solved with --partition-random), so the planned run matches the unplanned one "
+                          "statistically, not bitwise.", "  ")
 
     if s["modules"] is not None:
         lines.append("")

@@ -12,7 +12,7 @@ import numpy as np
 
 from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
 from ..overhead import runtime_overhead_s
-from ..partition import module_spans, partition_cost, partition_savings
+from ..partition import partition_cost, partition_savings, partitionable_spans, random_draws
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
 from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
@@ -85,6 +85,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "seed": seed,
             "notes": dec.notes,
             "stats": dec.stats,
+            "partition_random": problem.partition_random,
         },
         predicted={
             "baseline_peak_bytes": base_peak,
@@ -142,13 +143,19 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
 
 
 def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
-    span = next(s for s in module_spans(problem) if s.module == part.module)
+    span = next(s for s in partitionable_spans(problem) if s.module == part.module)
     saved = partition_savings(problem, span, part.chunks)
     i = int(np.argmax(saved))
     why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) by running {part.module} on {part.chunks} "
            f"chunks of the batch; re-running its forward and the extra launches cost "
            f"{format_cost(partition_cost(problem, span, part.chunks), unit)}")
-    return Partition(part.module, part.dim, part.chunks, why)
+    draws = random_draws(problem, span)
+    if draws == "as-unpartitioned":
+        why += "; its one dropout draws, chunk by chunk, the masks of the whole batch (CPU)"
+    elif draws:
+        why += (f"; its chunks draw their own dropout masks ({len(span.random_ops)} random op(s)): training "
+                "changes statistically, not bitwise")
+    return Partition(part.module, part.dim, part.chunks, why, draws)
 
 
 def drops_from_plan(problem: Problem, plan: Plan) -> list[Drop]:
