@@ -237,6 +237,12 @@ def test_find_blocks_picks_the_shallowest_repeated_level():
     assert find_blocks(["net.0", "net.lin", ""]) == []  # one child is no repetition
     assert find_blocks(["", ""]) == []
     assert find_blocks(["m.h.10", "m.h.2"]) == ["m.h.10", "m.h.2"]  # order of first appearance
+    # HF's ResNet: a two-layer classifier head is the shallowest repetition, but the bottleneck
+    # layers (deeper, more ops) are the blocks; stages and layers cover the same ops: more blocks win.
+    hf_resnet = (["resnet.embedder.conv"] + [f"resnet.encoder.stages.{s}.layers.{j}.conv{c}"
+                                             for s in range(2) for j in range(2) for c in range(3)]
+                 + ["classifier.0", "classifier.1"])
+    assert find_blocks(hf_resnet) == [f"resnet.encoder.stages.{s}.layers.{j}" for s in range(2) for j in range(2)]
 
 
 @pytest.mark.parametrize("name,imported,expected", [

@@ -132,9 +132,16 @@ def is_matmul_like(op_name: str, imported: bool = False) -> bool:
 
 
 def find_blocks(op_module: list[str]) -> list[str]:
-    """The repeated layer modules, in order of first appearance (see the module docstring)."""
+    """The repeated layer modules, in order of first appearance (see the module docstring).
+
+    Of the depths where some prefix has at least two ``<prefix>.<int>`` children, the one whose
+    blocks cover the most ops; ties go to the one with more blocks, then to the shallower. (The
+    shallowest repeated level can be a two-layer classifier head, as in HF's ResNet, whose
+    bottleneck layers sit deeper, under ``stages.<i>.layers.<j>``.)"""
     first: dict[str, int] = {}
+    count: dict[str, int] = defaultdict(int)
     for i, m in enumerate(op_module):
+        count[m] += 1
         if m and m not in first:
             first[m] = i
     by_depth: dict[int, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
@@ -145,11 +152,16 @@ def find_blocks(op_module: list[str]) -> list[str]:
                 fqn = ".".join(parts[:k])
                 group = by_depth[k][".".join(parts[:k - 1])]
                 group[fqn] = min(group.get(fqn, i), i)
+    best, best_key = [], None
     for depth in sorted(by_depth):
         found = {f: i for g in by_depth[depth].values() if len(g) >= 2 for f, i in g.items()}
-        if found:
-            return sorted(found, key=lambda f: (found[f], f))
-    return []
+        if not found:
+            continue
+        covered = sum(n for m, n in count.items() if any(m == f or m.startswith(f + ".") for f in found))
+        key = (covered, len(found), -depth)
+        if best_key is None or key > best_key:
+            best, best_key = sorted(found, key=lambda f: (found[f], f)), key
+    return best
 
 
 def op_blocks(op_module: list[str], blocks: list[str]) -> np.ndarray:
