@@ -7,8 +7,10 @@ simulator could not execute (a rebuild that needs a tensor which is gone and can
 rebuilt) are removed before returning, and counted in the notes.
 
 Blocks (for ``full`` and ``sqrt-n``) are the repeated layer modules: FQNs ``<prefix>.<int>``
-at the shallowest depth where some prefix has at least two of them; an op belongs to a block
-when its module equals the block FQN or starts with the FQN plus ``"."``.
+at the depth, among those where some prefix has at least two of them, whose blocks cover the
+most ops (ties: more blocks, then shallower); an op belongs to a block when its module
+equals the block FQN or starts with the FQN plus ``"."``. ``full`` and ``sqrt-n`` rebuild a
+region's drops together, once, as non-reentrant checkpoint re-runs a region's forward.
 """
 
 from __future__ import annotations
