@@ -17,7 +17,14 @@ from pathlib import Path
 
 from rich.progress import Progress
 
-from benchmarks import bench_floor, bench_graphs, bench_record, bench_replay, gpu_check
+from benchmarks import (
+    bench_floor,
+    bench_graphs,
+    bench_optimizer,
+    bench_record,
+    bench_replay,
+    gpu_check,
+)
 from taichi_plan.atomic import write_text_atomic
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
@@ -206,6 +213,11 @@ def main() -> None:
         # 5. Replay: measured against predicted, and against PyTorch's own checkpointing.
         progress.update(task, description="replay")
         sections.append(_guarded("Replay", replay_section))
+
+        # 5b. The optimizer step as part of the plan.
+        progress.update(task, description="optimizer options")
+        sections.append(_guarded("The optimizer step as part of the plan",
+                                 lambda: bench_optimizer.markdown(bench_optimizer.run())))
 
         # 6. Max batch under a budget.
         progress.update(task, description="maxbatch")

@@ -127,7 +127,8 @@ def _row(trace: Trace, problem: Problem, budget: int, method: str, base_peak: in
            "method": method, "ours": method in OURS, "cost_unit": unit}
     t0 = time.perf_counter()
     try:
-        plan = solve(trace, budget, method, time_limit=time_limit, seed=seed, problem=problem)
+        # every planner on the same step: the recorded optimizer step (the options are another lever)
+        plan = solve(trace, budget, method, time_limit=time_limit, seed=seed, problem=problem, optimizer="as-recorded")
     except InfeasibleBudgetError as e:
         peak, source = _reached_peak(problem, budget, method, seed, time_limit, e)
         row.update(feasible=False, status="infeasible", peak_bytes=peak, peak_source=source,

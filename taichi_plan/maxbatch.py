@@ -134,7 +134,9 @@ def probe_planner(problem: Problem, batch: int, budget_bytes: int, planner: str,
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         return Probe(batch, False, None, None, "over budget")
     try:
-        plan = solve(problem.trace, budget_bytes, planner, time_limit=time_limit, seed=seed, problem=problem)
+        # activation plans against the baselines: the recorded optimizer step (the options are another lever)
+        plan = solve(problem.trace, budget_bytes, planner, time_limit=time_limit, seed=seed, problem=problem,
+                     optimizer="as-recorded")
     except InfeasibleBudgetError:
         return Probe(batch, False, None, None, "over budget")
     p = plan.predicted

@@ -95,8 +95,16 @@ def partitionable_spans(problem: Problem) -> list[Span]:
 
 
 def allow_random(problem: Problem, allow: bool) -> Problem:
-    """``problem`` with random modules among the planners' options (``allow``) or not."""
-    return problem if problem.partition_random == allow else dataclasses.replace(problem, partition_random=allow)
+    """``problem`` with random modules among the planners' options (``allow``) or not. What
+    else the instance carries (an optimizer view's ``recorded_problem``) goes along; caches
+    (``_``-prefixed) do not, since partition options depend on the flag."""
+    if problem.partition_random == allow:
+        return problem
+    out = dataclasses.replace(problem, partition_random=allow)
+    for key, value in vars(problem).items():
+        if not key.startswith("_") and key not in vars(out):
+            setattr(out, key, value)
+    return out
 
 
 def random_draws(problem: Problem, span: Span) -> str | None:

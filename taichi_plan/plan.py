@@ -4,10 +4,10 @@ A plan names the trace it was solved for (its path relative to the plan file and
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
 bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
 schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
-reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 records a partition's random
-draws (``Partition.random_draws``) and whether the solve allowed partitioning modules that
-draw random numbers (``solver.partition_random``). Version 3 files (no such partitions),
-version 2 files (no reserved peaks) and
+reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 the optimizer option
+(``decisions.optimizer``), a partition's random draws (``Partition.random_draws``) and whether
+the solve allowed partitioning modules that draw random numbers (``solver.partition_random``).
+Version 3 files, version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
 
@@ -65,6 +65,9 @@ class Plan:
     recompute: list[Recompute] = field(default_factory=list)
     partitions: list[Partition] = field(default_factory=list)
     schedule: dict | None = None
+    # How the optimizer step runs (v4, ``decisions.optimizer``): None = as recorded; else
+    # {"mode": "in-backward"|"groups", "why": ..., ...} (taichi_plan/optimizer_plan.py).
+    optimizer: dict | None = None
     format_version: int = FORMAT_VERSION
     # The file the plan was read from (not written): a relative ``trace['path']`` is
     # relative to it. None for a plan made in memory, whose path is as ``solve`` was given it.
@@ -76,16 +79,19 @@ class Plan:
         (without ``plan_dir`` both are absolute)."""
         # A v1/v2 plan saved again has no reserved peaks, which v3 requires: it stays v2.
         version = FORMAT_VERSION if self.predicted.get("planned_reserved_peak_bytes") is not None else 2
+        decisions = {
+            "recompute": [asdict(r) for r in self.recompute],
+            "partitions": [asdict(p) for p in self.partitions],
+        }
+        if self.optimizer is not None:
+            decisions["optimizer"] = self.optimizer
         return {
             "format_version": version,
             "trace": self._trace_json(plan_dir),
             "budget_bytes": self.budget_bytes,
             "solver": self.solver,
             "predicted": self.predicted,
-            "decisions": {
-                "recompute": [asdict(r) for r in self.recompute],
-                "partitions": [asdict(p) for p in self.partitions],
-            },
+            "decisions": decisions,
             "schedule": self.schedule,
         }
 
@@ -131,6 +137,7 @@ class Plan:
             recompute=[Recompute(**r) for r in dec.get("recompute", [])],
             partitions=[Partition(**p) for p in dec.get("partitions", [])],
             schedule=obj.get("schedule"),
+            optimizer=dict(dec["optimizer"]) if dec.get("optimizer") is not None else None,
             format_version=version,
         )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 from .errors import PlanError
+from .optimizer_groups import COPY_ID_BASE
 
 STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
 COST_UNITS = ("s", "units")
@@ -93,6 +94,12 @@ def check_plan_json(obj: dict, where: str) -> None:
     _int(where, "trace.num_ops", t.get("num_ops"), lo=0)
     _kind(where, "trace.workload", t.get("workload"), dict, "an object", none=True)
     n = t["num_ops"]
+    opt = (obj.get("decisions") or {}).get("optimizer") if isinstance(obj.get("decisions"), dict) else None
+    if isinstance(opt, dict) and opt.get("num_ops") is not None:
+        # v4: op ids are positions in the step as the optimizer option runs it (stepped in groups,
+        # the split step has more ops than the recorded one)
+        _int(where, "decisions.optimizer.num_ops", opt.get("num_ops"), lo=0)
+        n = opt["num_ops"]
 
     s = obj["solver"]
     _str(where, "solver.method", s.get("method"))
@@ -158,6 +165,11 @@ def check_plan_json(obj: dict, where: str) -> None:
         if q["module"] in mods:
             raise _bad(where, f"{f}.module", q["module"], "a module no other partition names")
         mods.add(q["module"])
+
+    if opt is not None:  # v4: how the optimizer step runs (taichi_plan/optimizer_plan.py)
+        _kind(where, "decisions.optimizer", opt, dict, "an object")
+        _str(where, "decisions.optimizer.mode", opt.get("mode"), choices=("in-backward", "groups"))
+        _str(where, "decisions.optimizer.why", opt.get("why", ""))
 
     if obj.get("schedule") is not None:
         _check_schedule(obj["schedule"], where, n)
@@ -246,6 +258,8 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
             tid = int(k)
             if plan.partitions and tid <= PARTITION_TRANSIENT_IDS_FROM:
                 continue
+            if getattr(plan, "optimizer", None) and tid <= COPY_ID_BASE:
+                continue  # a group's own copy of a tensor the optimizer step makes once per group
             base = tid if tid >= 0 else -1 - tid
             if base not in known:
                 raise PlanError(f"{where}: schedule.nbytes lists tensor {tid}, which the trace{at} does not "

@@ -49,10 +49,10 @@ def plan_for(loop: Loop, tmp_path, frac=0.5, **build_flags):
     trace = record(model, batch, loss_fn, opt, loop=loop)
     problem = build_problem(trace)
     budget = int(problem.baseline_peak[0] * frac)
-    try:
-        plan = solve(trace, budget, "heuristic", problem=problem)
+    try:  # activation plans in these loops: the recorded optimizer step (the options: test_optimizer_plan.py)
+        plan = solve(trace, budget, "heuristic", problem=problem, optimizer="as-recorded")
     except InfeasibleBudgetError as e:
-        plan = solve(trace, int(e.min_budget_bytes), "heuristic", problem=problem)
+        plan = solve(trace, int(e.min_budget_bytes), "heuristic", problem=problem, optimizer="as-recorded")
     assert plan.recompute, "the plan drops nothing: the test would prove nothing"
     path = tmp_path / "loop.plan.json"
     taichi_plan.write_trace(trace, tmp_path / "trace")

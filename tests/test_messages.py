@@ -113,7 +113,7 @@ def test_infeasible_message_names_the_forward_module(swin):
     floor = floor_bytes(p)
     i = int(floor.argmax())
     with pytest.raises(InfeasibleBudgetError) as e:
-        solve(swin, int(floor[i]) - 1, "heuristic", time_limit=2, problem=p)
+        solve(swin, int(floor[i]) - 1, "heuristic", time_limit=2, problem=p, optimizer="as-recorded")
     msg = str(e.value)
     assert describe_op(p, i) in msg, msg
     if p.op_phase[i] == "backward":
@@ -131,7 +131,7 @@ def test_an_optimizer_step_floor_says_what_takes_it_not_reduce_the_batch():
     trace = record_workload(get_workload(model="mlp", hidden=256, layers=3, batch=8), fake=False)
     p = build_problem(trace)
     with pytest.raises(InfeasibleBudgetError) as e:
-        solve(trace, int(p.baseline_peak[0] * 0.5), "heuristic", problem=p)
+        solve(trace, int(p.baseline_peak[0] * 0.5), "heuristic", problem=p, optimizer="as-recorded")
     msg = str(e.value)
     assert "in the optimizer step" in msg and "optimizer state" in msg and "parameters" in msg, msg
     assert "reduce the batch size" not in msg

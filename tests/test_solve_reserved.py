@@ -66,7 +66,7 @@ def test_solve_on_reserved_cli(tmp_path):
                              "-o", str(out)])
     assert r.exit_code == 0, r.output
     plain = json.loads(out.read_text())
-    assert plain["format_version"] == 4  # v3 added the reserved peaks; v4 random partitions
+    assert plain["format_version"] == 4
     assert plain["predicted"]["planned_reserved_peak_bytes"] > plain["budget_bytes"]
     r = runner.invoke(main, ["inspect", str(out)])
     assert r.exit_code == 0, r.output

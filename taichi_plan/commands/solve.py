@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from ..allocator import AllocatorConfig
+from ..optimizer_plan import CHOICES
 from ..plan import check_plan_output, save_plan
 from ..problem import build_problem
 from ..solve import MIN_TIME_LIMIT_S, methods, solve
@@ -40,6 +41,9 @@ def render_solve_summary(plan, units: str = "auto") -> str:
         + (f"; the replay runtime adds about {format_cost(p['runtime_overhead'], unit)}"
            if p.get("runtime_overhead") else ""),
     ]
+    if plan.optimizer is not None:
+        lines.append(f"Optimizer  {plan.optimizer['mode']} ({plan.optimizer.get('chosen_by', 'asked')}): "
+                     f"{plan.optimizer['why']}")
     lb, gap = s.get("lower_bound"), s.get("gap")
     bound = (f"lower bound {format_cost(lb, unit)}, gap {100 * gap:.2f}%" if lb is not None and gap is not None
              else "no lower bound")
@@ -88,6 +92,11 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--work-limit", default=None, type=float,
               help="CP-SAT's deterministic time for the search (summed over its rounds): the same trace, budget, "
                    "seed and work limit give the same plan, as long as --time-limit is not reached first.")
+@click.option("--optimizer", "optimizer", type=click.Choice(list(CHOICES)), default="auto", show_default=True,
+              help="How the optimizer step runs: as-recorded; in-backward (each parameter updated as its gradient "
+                   "is complete, gradients freed at once; loops without accumulation or clipping); groups (a foreach "
+                   "step over subsets of the parameters); auto: the recorded step whenever a plan fits with it, "
+                   "else what the loop allows.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed (same seed, same plan).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Plan file [default: plans/<TRACE directory's name>.plan.json].")
@@ -97,8 +106,8 @@ def default_plan_path(trace_dir: Path) -> Path:
                    "masks, so training changes statistically, not bitwise. The plan, inspect and replay say so.")
 @units_option
 @handle_errors
-def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, seed, output, force,
-            partition_random, units) -> None:
+def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, optimizer, seed, output,
+            force, partition_random, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     started = command_started()
     if method not in methods():
@@ -120,7 +129,7 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
     problem = build_problem(trace)
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
     plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on,
-                                allocator=allocator, work_limit=work_limit, started=started,
+                                allocator=allocator, work_limit=work_limit, started=started, optimizer=optimizer,
                                 partition_random=partition_random)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
@@ -128,7 +137,7 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
 
 
 def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated", allocator=None,
-                         work_limit=None, started=None, partition_random=False):
+                         work_limit=None, started=None, optimizer="auto", partition_random=False):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -138,4 +147,4 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
                      problem=problem, on=on, allocator=allocator, work_limit=work_limit, started=started,
-                     partition_random=partition_random)
+                     optimizer=optimizer, partition_random=partition_random)

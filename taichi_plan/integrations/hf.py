@@ -182,11 +182,19 @@ class PlanCallback(TrainerCallback):
     """
 
     def __init__(self, plan: Plan | str, *, on_mismatch: str = "raise", trace: Trace | str | None = None):
+        from ..optimizer_plan import plan_mode
         from ..replay import plan_and_trace
 
         if on_mismatch not in ("raise", "warn"):
             raise PlanError(f"on_mismatch must be 'raise' or 'warn', not {on_mismatch!r}.")
         self.plan, self.trace = plan_and_trace(plan, trace)
+        mode = plan_mode(self.plan)
+        if mode != "as-recorded":
+            raise PlanError(
+                f"The plan steps the optimizer {mode} (decisions.optimizer), which PlanCallback does not run: the "
+                "Trainer steps its own (accelerate-wrapped) optimizer after clipping every gradient to "
+                "args.max_grad_norm, and it reads the gradients, which stepping in backward frees. Solve the "
+                "Trainer's trace again with --optimizer as-recorded (solve(..., optimizer=\"as-recorded\")).")
         self.on_mismatch = on_mismatch
         self.model = None
         self.runtime = None

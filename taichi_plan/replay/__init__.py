@@ -36,10 +36,11 @@ def _counted_index(trace) -> list[int]:
 def call_plans(plan: Plan, trace, problem=None) -> list:
     """The :class:`~taichi_plan.replay.runtime.CallPlan` of each grad-enabled model call
     (``problem``: the trace's, when the caller has it built already)."""
-    from ..problem import build_problem
+    from ..optimizer_plan import problem_for_plan
     from .runtime import IGNORED_OPS, CallPlan
 
-    problem = problem or build_problem(trace)
+    problem = problem_for_plan(plan, trace, problem)
+    trace = problem.trace  # the step as the plan's optimizer option runs it
     calls = model_calls(trace)
     names = trace.ops["op"].tolist()
     modules = trace.ops["module"].tolist()
@@ -105,11 +106,11 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
 
 def rebuild_groups(plan: Plan, trace, problem=None) -> dict[int, int]:
     """Dropped tensor id -> the op before which the simulator rebuilds it (its group)."""
-    from ..problem import build_problem
+    from ..optimizer_plan import problem_for_plan
     from ..simulate import simulate_plan
     from ..solve.result import drops_from_plan
 
-    problem = problem or build_problem(trace)
+    problem = problem_for_plan(plan, trace, problem)
     drops = drops_from_plan(problem, plan)
     if not drops:
         return {}
@@ -120,11 +121,11 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> dict[int, int]:
 def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     """Op ids whose recipes a rebuild may need: every op the simulator re-runs for this plan,
     and the rebuild ops of every dropped tensor."""
-    from ..problem import build_problem
+    from ..optimizer_plan import problem_for_plan
     from ..simulate import rerun_ops
     from ..solve.result import drops_from_plan
 
-    problem = problem or build_problem(trace)
+    problem = problem_for_plan(plan, trace, problem)
     return {int(i) for i in rerun_ops(problem, drops_from_plan(problem, plan))}
 
 
@@ -139,10 +140,10 @@ def partition_spans(plan: Plan, trace, problem=None) -> dict[str, tuple[int, int
     """Forward op span (op ids) of each partitioned module in the trace."""
     if not plan.partitions:
         return {}
+    from ..optimizer_plan import problem_for_plan
     from ..partition import partitionable_spans
-    from ..problem import build_problem
 
-    spans = {s.module: s.fwd for s in partitionable_spans(problem or build_problem(trace))}
+    spans = {s.module: s.fwd for s in partitionable_spans(problem_for_plan(plan, trace, problem))}
     missing = [p.module for p in plan.partitions if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "
@@ -196,7 +197,9 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     ``on_mismatch="warn"``: warns and runs that call unplanned). Nothing stays installed after
     a call, and the next call tries the plan again. Pass ``optimizer`` so that a step boundary
     is known (a step that calls the model another number of times than the recorded loop is
-    reported). ``trace``: the plan's trace (a directory or Trace) when it is not where the plan
+    reported); a plan whose optimizer option is ``in-backward`` needs it (each parameter is
+    then stepped in backward, :mod:`taichi_plan.replay.optimizer`, and ``optimizer.step()``
+    finds nothing left to do). ``trace``: the plan's trace (a directory or Trace) when it is not where the plan
     says. Call :func:`finish` after training to remove the hooks.
     """
     if on_mismatch not in ("raise", "warn"):
@@ -204,11 +207,13 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     if getattr(model, "_taichi_plan", None) is not None:
         raise PlanError("This model already has a plan applied: call taichi_plan.finish(model) first.")
     _refuse_compiled(model)
+    from .optimizer import install_optimizer
     from .partition import install_partitions
 
     plan, trace = plan_and_trace(plan, trace)
+    step_handles = install_optimizer(plan, optimizer)  # first: refuses a plan that needs the optimizer
     rt = runtime_for(plan, trace, on_mismatch)
-    handles = install(model, rt, optimizer)
+    handles = install(model, rt, optimizer) + step_handles
     undo = install_partitions(model, plan.partitions, rt)
     model._taichi_plan = {"runtime": rt, "handles": handles, "undo": undo, "plan": plan}
     return model

@@ -29,8 +29,9 @@ import numpy as np
 from .. import __version__
 from ..atomic import check_output, write_text_atomic
 from ..errors import PlanError, UsageError
+from ..optimizer_plan import problem_for_plan
 from ..plan import Plan, load_plan
-from ..problem import Problem, build_problem
+from ..problem import Problem
 from ..units import format_bytes, format_cost
 from .plan_text import _where
 from .timeline import KIND_COLORS, KIND_LABELS, PHASE_COLORS, STACK_ORDER, downsample
@@ -314,7 +315,7 @@ def write_plan_html(plan_path: str | Path, out_path: str | Path, force: bool = F
     unit = _units(units)
     plan = load_plan(plan_path)
     trace, status = locate_trace(plan, plan_path)
-    problem = build_problem(trace) if trace is not None else None
+    problem = problem_for_plan(plan, trace) if trace is not None else None
     sim = None
     if problem is not None:
         try:

@@ -19,9 +19,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from ..errors import PlanError, TraceError, UsageError
+from ..optimizer_plan import problem_for_plan
 from ..plan import Plan, load_plan, peak_from_schedule
 from ..plan_check import check_plan_against_trace
-from ..problem import Problem, build_problem
+from ..problem import Problem
 from ..simulate import SimResult
 from ..trace import Trace, read_trace
 from ..units import format_bytes
@@ -200,8 +201,8 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
             trace_status = {"state": "found", "path": str(trace.path) if trace.path else None,
                             "message": None}
     pred, solver = plan.predicted, plan.solver
-    if trace is not None and problem is None:
-        problem = build_problem(trace)
+    if trace is not None:
+        problem = problem_for_plan(plan, trace, problem)  # the step as the plan's optimizer option runs it
     parted = problem
     if problem is not None and sim is None:
         try:
@@ -444,7 +445,7 @@ def inspect_plan(path: str | Path, as_json: bool = False, units: str | None = No
         check_output(png, force, what="PNG file")
     plan = load_plan(path)
     trace, status = locate_trace(plan, path)
-    problem = build_problem(trace) if trace is not None else None
+    problem = problem_for_plan(plan, trace) if trace is not None else None
     summary = plan_summary(plan, trace, trace_status=status, plan_path=path, problem=problem)
     wrote = None
     if png is not None:

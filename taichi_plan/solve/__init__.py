@@ -14,6 +14,17 @@ import numpy as np
 
 from ..allocator import AllocatorConfig
 from ..errors import InfeasibleBudgetError, UsageError
+from ..optimizer_plan import (
+    OPTION_ORDER,
+    WORDS,
+    check_choice,
+    choose_groups,
+    floor_parts,
+    optimizer_note,
+    recorded_problem,
+    refusal,
+    view_problem,
+)
 from ..partition import allow_random, floor_bytes
 from ..plan import Plan
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
@@ -108,8 +119,14 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
           problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
-          work_limit: float | None = None, started: float | None = None, partition_random: bool = False) -> Plan:
+          work_limit: float | None = None, started: float | None = None, optimizer: str = "auto",
+          partition_random: bool = False) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
+
+    ``optimizer`` (:mod:`taichi_plan.optimizer_plan`): ``as-recorded`` plans activations only;
+    ``in-backward`` / ``groups`` plan the step as that option runs it; ``auto`` (default) keeps
+    the recorded step whenever a plan fits with it, and otherwise takes the options the trace's
+    loop allows (the plan says which, ``Plan.optimizer``). ``problem`` is the recorded trace's.
 
     ``on``: the budget holds allocated bytes (the simulator's peak) or ``"reserved"`` bytes (the
     allocator model's reserved peak; see :mod:`taichi_plan.solve.reserved`); ``allocator``: the
@@ -135,8 +152,43 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         return solve_on_reserved(
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
                                  problem=problem, allocator=allocator, work_limit=work_limit, started=began,
-                                 partition_random=partition_random),
+                                 optimizer=optimizer, partition_random=partition_random),
             budget_bytes, method)
+    check_choice(trace, optimizer)
+    t0 = time.perf_counter() if started is None else started
+    problem = problem or build_problem(trace)
+    modes = [optimizer] if optimizer != "auto" else ["as-recorded", *(m for m in OPTION_ORDER if refusal(trace, m) is None)]
+    failed: list[InfeasibleBudgetError] = []
+    skipped: list[Problem] = []  # options below whose floor the budget is (their error only if all fail)
+    for k, mode in enumerate(modes):
+        last = k == len(modes) - 1
+        prob = allow_random(view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups"
+                                         else None), partition_random)
+        if not last and budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0]:
+            skipped.append(prob)
+            continue  # below what this step can reach at all: the next option
+        try:
+            plan = _solve_step(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
+                               problem=prob, on=on, allocator=allocator, work_limit=work_limit, started=t0)
+        except InfeasibleBudgetError as e:
+            failed.append(e)
+            end = t0 + time_limit * (1 - FINISH_SHARE)
+            if last or time.perf_counter() > end:
+                # the option that is known to reach the lowest budget says what to ask for
+                failed += [infeasible_error(q, budget_bytes, method, deadline=end) for q in skipped]
+                raise min(failed, key=lambda x: x.min_budget_bytes or 0) from None
+            continue
+        if mode != "as-recorded":
+            plan.optimizer["chosen_by"] = "auto" if optimizer == "auto" else "asked"
+            plan.solver["notes"].insert(0, optimizer_note(plan.optimizer, optimizer == "auto"))
+        return plan
+    raise AssertionError("unreachable: the last option raises or returns")
+
+
+def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: float, seed: int,
+                progress: Callable[[float, float], None] | None, problem: Problem, on: str,
+                allocator: AllocatorConfig | None, work_limit: float | None, started: float) -> Plan:
+    """:func:`solve` for one optimizer option: ``problem`` is the step as it runs it."""
     if on != "allocated":
         raise UsageError(f"--on must be allocated or reserved, not {on!r}.")
     if method not in methods():
@@ -146,12 +198,13 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     if work_limit is not None and not (isinstance(work_limit, (int, float)) and math.isfinite(work_limit)
                                        and work_limit > 0):
         raise UsageError(f"--work-limit must be a positive number, not {work_limit!r}.")
-    t0 = time.perf_counter() if started is None else started
+    t0 = started
     end = t0 + time_limit * (1 - FINISH_SHARE)
-    problem = allow_random(problem or build_problem(trace), partition_random)
     base_peak, _ = problem.baseline_peak
     if budget_bytes >= base_peak:
-        dec = Decisions(status="optimal", lower_bound=0.0, notes=["the budget does not bind: no change needed"])
+        note = ("the budget does not bind: no change needed" if problem.trace.meta.get("optimizer_view") is None
+                else "with the optimizer stepped so, the budget does not bind: no activation needs to be dropped")
+        dec = Decisions(status="optimal", lower_bound=0.0, notes=[note])
         return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         raise infeasible_error(problem, budget_bytes, method)
@@ -277,24 +330,39 @@ def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Pla
     return err
 
 
-STATE_KINDS = ("parameter", "gradient", "optimizer_state")
-
-
 def _what_helps(problem: Problem, op: int, floor: int) -> str:
-    """The advice that fits the floor at ``op``: when parameters, gradients and optimizer state
-    make most of it, a smaller batch cannot help, so say what they weigh and what would."""
-    live = (problem.start <= op) & (problem.end >= op)
-    by_kind = {k: int(problem.nbytes[live & (problem.kind == k)].sum()) for k in STATE_KINDS}
-    state = sum(by_kind.values())
-    if floor <= 0 or state < floor / 2:
-        return ", or reduce the batch size."
-    parts = ", ".join(f"{'optimizer state' if k == 'optimizer_state' else k + 's'} {format_bytes(v)}"
-                      for k, v in by_kind.items() if v)
+    """The floor's parts at ``op`` (parameters, optimizer state, gradients, activations) and
+    the advice that fits them: the optimizer options with the floor each would reach (or why
+    the loop rules one out); when parameters, gradients and optimizer state make most of the
+    floor, what would shrink them, not a smaller batch, which cannot help."""
+    parts = floor_parts(problem, op, floor).by_kind
+    state = parts["parameter"] + parts["gradient"] + parts["optimizer_state"]
+    names = {"parameter": "parameters", "optimizer_state": "optimizer state", "gradient": "gradients",
+             "activations": "activations and other tensors"}
     where = " (in the optimizer step)" if problem.op_phase[op] == "optimizer" else ""
-    return (f". At op {op}{where}, {parts} are {format_bytes(state)} of it ({100 * state / floor:.0f}%): no "
+    text = (f". At op {op}{where} the floor is " +
+            ", ".join(f"{names[k]} {format_bytes(v)}" for k, v in parts.items()) + ".")
+    used = (problem.trace.meta.get("optimizer_view") or {}).get("mode")
+    if used is not None:
+        text += f" That is with the optimizer {WORDS[used]}."
+    rec = recorded_problem(problem)
+    for mode in OPTION_ORDER:
+        if mode == used:
+            continue
+        why = refusal(rec.trace, mode)
+        if why is not None:
+            if mode == "in-backward":  # (groups are refused only where they cannot help)
+                text += f" The optimizer cannot be stepped in backward here (--optimizer in-backward): {why}."
+            continue
+        other = int(floor_bytes(view_problem(rec, mode, choose_groups(rec, 0) if mode == "groups" else None)).max())
+        if other < floor:
+            text += (f" With the optimizer {WORDS[mode]} (--optimizer {mode}, or auto), no plan can go below "
+                     f"{format_bytes(other)} instead: {format_bytes(floor - other)} less.")
+    if floor <= 0 or state < floor / 2:
+        return text + " Otherwise, reduce the batch size."
+    return (text + f" Parameters, gradients and optimizer state are {100 * state / floor:.0f}% of it: no "
             "activation plan and no smaller batch frees them; sharding them across devices (FSDP), an optimizer "
-            "with less state, or lower-precision parameters and state would (taichi-plan does not plan the "
-            "optimizer step itself yet).")
+            "with less state, or lower-precision parameters and state would.")
 
 
 def _suggest(nbytes: int) -> str:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
+from ..optimizer_plan import describe as describe_optimizer
+from ..optimizer_plan import recorded_problem, recorded_trace
 from ..overhead import runtime_overhead_s
 from ..partition import partition_cost, partition_savings, partitionable_spans, random_draws
 from ..plan import Partition, Plan, Recompute
@@ -44,7 +46,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     """The plan of ``dec``, with the simulator's numbers and the allocator model's reserved
     peaks (``allocator``: its settings; PyTorch's defaults when None)."""
     sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
-    base_peak, base_op = problem.baseline_peak
+    base_peak, base_op = recorded_baseline(problem)
     fits = budget_bytes is None or sim.peak_bytes <= budget_bytes
     status = "infeasible" if not fits else (dec.status or "feasible")
     lb = dec.lower_bound
@@ -57,10 +59,10 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             f"{method}: lower bound {lb!r} above the simulated cost {sim.extra_cost!r} of its own plan")
         gap = 0.0 if sim.extra_cost <= 1e-12 else max(sim.extra_cost - lb, 0.0) / sim.extra_cost
     unit = problem.trace.cost_unit
-    trace = problem.trace
+    trace = recorded_trace(problem.trace)  # the plan names the trace as recorded
     schedule = build_schedule(parted, dec.drops)
     planned_al = replay_schedule(schedule, allocator)
-    base_al = baseline_allocator(problem, allocator)
+    base_al = baseline_allocator(recorded_problem(problem), allocator)
     overhead = runtime_overhead_s(problem, dec.drops, dec.partitions,
                                   rerun_ops(parted, dec.drops) if dec.drops else set(), sim.recompute_ops)
     return Plan(
@@ -70,7 +72,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "name": trace.name,
             "content_hash": trace.meta.get("content_hash") or trace.content_hash(),
             "signature": trace.signature(),
-            "num_ops": problem.num_ops,
+            "num_ops": trace.num_ops,
             "workload": trace.meta.get("workload"),
         },
         budget_bytes=budget_bytes,
@@ -113,7 +115,17 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
         schedule=schedule if with_schedule else None,
+        optimizer=describe_optimizer(problem),
     )
+
+
+def recorded_baseline(problem: Problem) -> tuple[int, int]:
+    """The unplanned step's peak and its op: the step as recorded, even when ``problem`` is
+    an optimizer option's view of it (the op then given as its position in the view)."""
+    rec = recorded_problem(problem)
+    peak, op = rec.baseline_peak
+    position = getattr(problem.trace, "position", None)
+    return peak, (int(position[op]) if position is not None and op >= 0 else op)
 
 
 def baseline_allocator(problem: Problem, allocator: AllocatorConfig | None = None) -> AllocatorResult:
