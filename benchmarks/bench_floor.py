@@ -11,12 +11,13 @@ bisected between the floor no plan can pass and the plain peak
 * both: the heuristic, partitions and drops together (what ``solve`` does);
 * both + dropout: the same with modules that draw random numbers partitionable too
   (``--partition-random``: their chunks draw their own dropout masks);
+* both + optimizer: the same on the step as each optimizer option the trace allows runs it
+  (``--optimizer groups`` with the groups of lowest floor, ``in-backward``), the lowest;
 * every block: PyTorch-style checkpointing of every repeated block (the ``full`` baseline,
   one plan whatever the budget, each block re-run once in backward);
 * DTR: DTR's greedy eviction run offline, bisected like ours.
 
-Optimizer options (stepping the optimizer in groups, per-gradient hooks) are not in this
-codebase yet, so that column is absent. ``python -m benchmarks.bench_floor`` prints the
+``python -m benchmarks.bench_floor`` prints the
 markdown and writes it into ``docs/benchmarks.md`` (its own section, replaced in place).
 """
 
@@ -36,7 +37,7 @@ MODELS = [  # (label, model, flags): fake, a100-40gb
     ("ResNet-50 b32 224", "resnet50", {"batch": 32}),
     ("Llama 8L h1024 b4 s1024", "llama", {}),
 ]
-LEVERS = ("remat only", "partition only", "both", "both + dropout", "every block", "DTR")
+LEVERS = ("remat only", "partition only", "both", "both + dropout", "both + optimizer", "every block", "DTR")
 TITLE = "## Least reachable peak per lever (fraction of the plain peak)"
 
 
@@ -45,6 +46,15 @@ def no_drops(problem):
     empty = np.zeros(0, dtype=np.int64)
     return dataclasses.replace(problem, candidates=empty, cand_free_after=empty, cand_remat_before=empty,
                                cand_early_remat=empty)
+
+
+def optimizer_views(problem) -> list:
+    """The step as recorded and as each optimizer option the trace allows runs it (groups:
+    the grouping of lowest floor)."""
+    from taichi_plan.optimizer_plan import OPTION_ORDER, choose_groups, refusal, view_problem
+
+    return [problem] + [view_problem(problem, mode, choose_groups(problem, 0) if mode == "groups" else None)
+                        for mode in OPTION_ORDER if refusal(problem.trace, mode) is None]
 
 
 def least_peaks(problem) -> dict[str, float]:
@@ -61,6 +71,7 @@ def least_peaks(problem) -> dict[str, float]:
         "partition only": least_reached(no_drops(problem), plan_heuristic)[0],
         "both": least_reached(problem, plan_heuristic)[0],
         "both + dropout": least_reached(allow_random(problem, True), plan_heuristic)[0],
+        "both + optimizer": min(least_reached(view, plan_heuristic)[0] for view in optimizer_views(problem)),
         "DTR": least_reached(problem, plan_dtr)[0],
     }
     full = plan_full(problem, None)
@@ -97,12 +108,11 @@ levers use the heuristic (`auto`'s CP-SAT may reach a little lower):
 * both: partitions and drops together (what `solve` does);
 * both + dropout: the same with modules that draw random numbers partitionable too
   (`--partition-random`: their chunks draw their own dropout masks);
+* both + optimizer: the same on the step as each optimizer option the trace allows runs it
+  (`--optimizer groups`, with the groups of lowest floor, and `in-backward`), the lowest;
 * every block: checkpointing every repeated block (the `full` baseline: one plan whatever
   the budget, each block re-run once in backward);
-* DTR: DTR's greedy eviction run offline, bisected the same way.
-
-Optimizer options (stepping the optimizer in groups, applying it per gradient in backward)
-are not in this codebase yet: no column for them."""
+* DTR: DTR's greedy eviction run offline, bisected the same way."""
 
 
 def markdown(rows: list[dict], command: str = "python -m benchmarks.bench_floor") -> str:
