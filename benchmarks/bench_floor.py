@@ -61,9 +61,12 @@ def least_peaks(problem) -> dict[str, float]:
     """Each lever's least reachable peak, as a fraction of ``problem``'s plain peak."""
     from taichi_plan.partition import allow_random
     from taichi_plan.simulate import simulate_plan
-    from taichi_plan.solve import least_reached
+    from taichi_plan.solve import BISECT_LOCAL_MAX_S, least_reached
     from taichi_plan.solve.baselines import plan_dtr, plan_full
-    from taichi_plan.solve.heuristic import plan_heuristic
+    from taichi_plan.solve.heuristic import plan_heuristic as heuristic
+
+    def plan_heuristic(p, budget, partitions=True):  # as solve's infeasible path runs it
+        return heuristic(p, budget, partitions=partitions, local_max_s=BISECT_LOCAL_MAX_S)
 
     base = problem.baseline_peak[0]
     out = {

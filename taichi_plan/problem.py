@@ -348,8 +348,8 @@ def min_live_bytes(problem: Problem) -> np.ndarray:
 
 @dataclass
 class Options:
-    """Every (tensor, free_after, remat_before) a planner may pick, at most one per tensor:
-    each candidate's full gap, plus its early-rebuild variant where it has one."""
+    """Every (tensor, free_after, remat_before) a planner may pick, at most one per candidate
+    gap (options of one gap share ``cand``)."""
 
     tensor: np.ndarray  # tensor index
     cand: np.ndarray  # index into problem.candidates
@@ -361,6 +361,20 @@ class Options:
 
 
 def options(problem: Problem, early: bool = True) -> Options:
+    """The plan space's options. Recorded steps and training graphs: each candidate's full
+    gap, plus its early-rebuild variant where it has one. Forward-only imported graphs
+    (``problem.every_gap``): each candidate gap with its rebuild before *any* op of the gap,
+    ``free_after + 2 .. remat_before`` (Moccasin's intervals, which may start anywhere: a
+    rebuild placed after a peak, or while its inputs are still live, frees memory where a
+    rebuild right before the next use cannot)."""
+    if problem.every_gap:
+        a, b = problem.cand_free_after, problem.cand_remat_before
+        counts = np.maximum(b - a - 1, 0)
+        cand = np.repeat(np.arange(len(a)), counts)
+        first = np.repeat(a + 2, counts)
+        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+        return Options(tensor=problem.candidates[cand], cand=cand, free_after=a[cand],
+                       remat_before=(first + offset).astype(np.int64))
     k = np.arange(len(problem.candidates))
     alt = k[problem.cand_early_remat >= 0] if early else k[:0]
     cand = np.concatenate([k, alt])

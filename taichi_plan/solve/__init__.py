@@ -50,6 +50,7 @@ def methods() -> list[str]:
 
 MIN_TIME_LIMIT_S = 5.0  # the time limit is honoured within 10% for limits at least this long
 FINISH_SHARE = 0.05  # of the time limit, kept for simulating the chosen plan and writing it
+BISECT_LOCAL_MAX_S = 1.0  # local search per bisection step for the least reachable budget (forward-only graphs)
 
 
 def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: float = 60.0,
@@ -207,7 +208,7 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
         dec = Decisions(status="optimal", lower_bound=0.0, notes=[note])
         return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
-        raise infeasible_error(problem, budget_bytes, method)
+        raise infeasible_error(problem, budget_bytes, method, deadline=end)
     dec = run_method(problem, budget_bytes, method, time_limit=max(end - time.perf_counter(), 0.0), seed=seed,
                      progress=progress, work_limit=work_limit)
     plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
@@ -251,10 +252,11 @@ def lowest_reachable(problem: Problem, steps: int = 7, deadline: float | None = 
 
 
 def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
-                      planner: Callable[[Problem, int], Decisions] = plan_heuristic
+                      planner: Callable[[Problem, int], Decisions] | None = None
                       ) -> tuple[tuple[int, int, int], bool]:
-    """Bisect ``planner``'s budget between the floor and the baseline peak: ((peak, op, budget
-    asked) of the lowest-peak plan that fit its budget, whether the search completed)."""
+    """Bisect ``planner``'s budget (None: the heuristic, its local search bounded) between the
+    floor and the baseline peak: ((peak, op, budget asked) of the lowest-peak plan that fit its
+    budget, whether the search completed)."""
     lo = int(floor_bytes(problem).max())
     hi, hi_op = problem.baseline_peak
     best = (hi, hi_op, hi)
@@ -264,7 +266,11 @@ def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
         if deadline is not None and time.perf_counter() > deadline:
             return best, False
         mid = (lo + hi) // 2
-        dec = planner(problem, mid)
+        if planner is None:
+            dec = plan_heuristic(problem, mid, time_limit=60.0 if deadline is None else deadline - time.perf_counter(),
+                                 local_max_s=BISECT_LOCAL_MAX_S)
+        else:
+            dec = planner(problem, mid)
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
         if sim.peak_bytes <= mid:
             hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op, mid)

@@ -29,15 +29,19 @@ from ..simulate import Drop, SimResult, simulate, simulate_plan
 from .result import Decisions
 
 MAX_ROUNDS = 30
+LOCAL_MAX_S = 10.0  # seconds the local search of forward-only graphs may take per call
 
 
 def rebuild_cost(problem: Problem, opts: Options) -> np.ndarray:
     """Per option: the cost of its rebuild ops plus the forward temporaries it must redo."""
     cand_set = set(problem.candidates.tolist())
     out = np.zeros(len(opts))
-    for k, t in enumerate(opts.tensor.tolist()):
-        ops, _ = rebuild_closure(problem, t, int(opts.free_after[k]), cand_set)
-        out[k] = float(problem.op_cost[ops].sum())
+    seen: dict[tuple[int, int], float] = {}  # the closure depends on the tensor and free_after only
+    for k, (t, a) in enumerate(zip(opts.tensor.tolist(), opts.free_after.tolist(), strict=True)):
+        if (t, a) not in seen:
+            ops, _ = rebuild_closure(problem, t, a, cand_set)
+            seen[(t, a)] = float(problem.op_cost[ops].sum())
+        out[k] = seen[(t, a)]
     return out
 
 
@@ -50,13 +54,15 @@ def sim_over(problem: Problem, sim: SimResult) -> np.ndarray:
 
 
 def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-                   time_limit: float = 60.0, partitions: bool = True) -> Decisions:
+                   time_limit: float = 60.0, partitions: bool = True, local_max_s: float = LOCAL_MAX_S) -> Decisions:
     """Rematerialization alone first; if that cannot meet the budget, partition modules one
     at a time (the one freeing most at the worst op per unit of cost, at the most chunks)
     and plan rematerialization again around them. Past ``time_limit`` seconds it stops adding
     rounds and returns the best plan so far (the simulator still judges it)."""
     deadline = time.perf_counter() + time_limit
     dec = plan_remat(problem, budget_bytes, deadline=deadline)
+    if budget_bytes is not None and problem.every_gap:
+        dec = _with_local_search(problem, budget_bytes, dec, min(deadline, time.perf_counter() + local_max_s))
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
         return dec
     # Each module's savings at its most chunks, once; then rounds that add the best-scoring
@@ -93,6 +99,22 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
         take *= 2
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
     return best
+
+
+def _with_local_search(problem: Problem, budget_bytes: int, swept: Decisions, deadline: float) -> Decisions:
+    """On forward-only graphs, also search with the simulator in the loop (:mod:`.local`) and
+    keep the cheaper plan that fits (the sweep's when neither does)."""
+    from .local import local_search
+
+    found = local_search(problem, options(problem), budget_bytes, deadline=deadline)
+    if found is None:
+        swept.notes.append("local search found no plan that fits")
+        return swept
+    drops, sim = found
+    if _fits(problem, swept, budget_bytes) and simulate(problem, swept.drops).extra_cost <= sim.extra_cost:
+        return swept
+    return Decisions(drops=drops, notes=["simulator-driven local search (forward-only graph)"],
+                     stats={"candidates": int(len(problem.candidates)), "dropped": len(drops)})
 
 
 def _fits(problem: Problem, dec: Decisions, budget_bytes: int) -> bool:

@@ -62,6 +62,10 @@ from .result import Decisions
 
 INITIAL_OPS = 24  # budget-binding ops modelled in the first round
 MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain terms
+# Chain constraints (a dropped tensor brought back early by a rebuild that needs it) grow with
+# the square of the options per gap; past this many options the model leaves them out, which
+# keeps it a relaxation (a tensor counts as away over its whole gap), only a weaker one.
+CHAIN_MAX_OPTIONS = 2_000
 
 
 @dataclass
@@ -90,14 +94,23 @@ def structure(problem: Problem) -> Structure:
     needers: list[list[int]] = [[] for _ in cands]
     cand_set = set(k_of)
     broad: list[list[int]] = [[] for _ in cands]  # option -> options whose rebuild may need it
+    chains = len(cands) <= CHAIN_MAX_OPTIONS
+    closures: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
     for k, t in enumerate(cands):
         # Gone candidates count as transients (their cost certain) on forward-only graphs,
         # where long transient chains are what a late rebuild costs; elsewhere the weaker
         # model solved faster (ResNet-50 at 0.4: optimal in 11 s against a 2.5% gap at 30 s).
-        ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set, dead_candidates=problem.every_gap)
-        own = problem.rebuild_ops[t].tolist()
+        # The closure depends on the tensor and where it is freed only (not on the rebuild
+        # point): the options of one gap share it.
+        if (t, int(a[k])) not in closures:
+            ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set, dead_candidates=problem.every_gap)
+            own = problem.rebuild_ops[t].tolist()
+            closures[(t, int(a[k]))] = (own, [q for q in ops if q not in own], deps)
+        own, temps, deps = closures[(t, int(a[k]))]
         own_ops.append(own)
-        temporaries.append([q for q in ops if q not in own])
+        temporaries.append(temps)
+        if not chains:
+            continue
         for u in deps:
             for j in k_of[u]:
                 if j != k:
@@ -224,7 +237,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     work_used = 0.0
     rounds = rejected = repaired = 0
     slack = cost_unit * (len(st.sizes) + len(parts) + 1)  # rounding of costs to the unit
-    tightened_tried = False
+    # The tightened model constrains every option's rebuild: too slow to build past
+    # CHAIN_MAX_OPTIONS options (forward-only graphs, where the local search finds plans).
+    tightened_tried = len(st.sizes) > CHAIN_MAX_OPTIONS
 
     def params(solver: cp_model.CpSolver, seconds: float, work: float | None) -> None:
         prm = solver.parameters
@@ -294,10 +309,11 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             if new and model.terms < MAX_TERMS:
                 for i in sorted(new, key=lambda i: -over[i])[:64]:
                     model.add_op(i)
+            deadline = t0 + time_limit  # constraints left out past it only weaken the relaxation
             for r in sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes):
-                model.add_group(r, budget_bytes)
+                model.add_group(r, budget_bytes, deadline)
             # A plan for now: complete the rejected one greedily (never a bound, never a cut).
-            fixed = _repair(problem, dec, budget_bytes)
+            fixed = _repair(problem, dec, budget_bytes, deadline)
             if fixed is not None:
                 repaired += 1
                 offer(*fixed)
@@ -384,10 +400,13 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
         )
 
 
-def _repair(problem: Problem, dec: Decisions, budget: int) -> tuple[Decisions, SimResult] | None:
+def _repair(problem: Problem, dec: Decisions, budget: int, deadline: float | None = None
+            ) -> tuple[Decisions, SimResult] | None:
     """The greedy sweep started from ``dec``'s drops, around its partitions."""
+    if deadline is not None and time.perf_counter() > deadline:
+        return None
     parted, _ = apply_partitions(problem, dec.partitions)
-    fixed = plan_remat(parted, budget, initial=dec.drops)
+    fixed = plan_remat(parted, budget, initial=dec.drops, deadline=deadline)
     fixed.partitions = list(dec.partitions)
     sim, _ = simulate_plan(problem, fixed.drops, fixed.partitions)
     return (fixed, sim) if sim.peak_bytes <= budget else None
@@ -407,8 +426,12 @@ class _Model:
         self.y = y = [model.NewBoolVar(f"y{j}") for j in range(len(parts))]
         self.ops: set[int] = set()
         self.groups: set[int] = set()
-        self._gaps: dict[int, list[tuple[int, int]]] = {}
+        # Per tensor, its candidate gaps (free_after, latest rebuild point).
+        widest: dict[tuple[int, int], int] = {}
         for t, a, b in zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True):
+            widest[(t, a)] = max(widest.get((t, a), b), b)
+        self._gaps: dict[int, list[tuple[int, int]]] = {}
+        for (t, a), b in widest.items():
             self._gaps.setdefault(t, []).append((a, b))
         self.cand_set = set(st.tensor.tolist())
         self.terms = 0
@@ -434,6 +457,7 @@ class _Model:
         for ks in alts.values():
             if len(ks) > 1:
                 model.AddAtMostOne([x[k] for k in ks])
+        self.alts = alts
 
         # [Constraint] an op re-runs if any output it produced is dropped; temporaries likewise.
         # A tensor dropped over several gaps is rebuilt in as many groups (its gaps are
@@ -446,11 +470,15 @@ class _Model:
         most = {}  # op -> the most gaps one of its outputs has
         for (p, _t), ks in gaps_of.items():
             most[p] = max(most.get(p, 1), len({int(st.a[k]) for k in ks}))
-        for k in range(C):
-            for p in [*st.own_ops[k], *st.temporaries[k]]:
+        # One constraint per option; past CHAIN_MAX_OPTIONS, one per gap over its options (they
+        # share their ops; at most one is chosen). The same plans, but the per-option form
+        # solved ResNet-50 at 0.4 to optimality where the per-gap one stalled at 30 s.
+        per = [[k] for k in range(C)] if C <= CHAIN_MAX_OPTIONS else list(alts.values())
+        for ks in per:
+            for p in [*st.own_ops[ks[0]], *st.temporaries[ks[0]]]:
                 if p not in rerun:
                     rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
-                model.Add(rerun[p] >= x[k])
+                model.Add(rerun[p] >= sum(x[k] for k in ks))
         for (p, _t), ks in gaps_of.items():
             if most[p] > 1:
                 model.Add(rerun[p] >= sum(x[k] for k in ks))
@@ -497,10 +525,15 @@ class _Model:
         if None not in xs and None not in ys:
             self.forbid(xs, ys)
 
+    def _gone(self, u: int, lo: int, hi: int) -> bool:
+        """Can tensor ``u`` be gone at a group before an op in ``lo..hi``: dead before then,
+        or inside one of its gaps?"""
+        return bool(self.problem.end[u] < hi) or any(a < hi and b > lo for a, b in self._gaps.get(u, ()))
+
     def _may_need(self, c: int, t: int, lo: int, hi: int) -> bool:
         """Can a rebuild of option ``c`` in a group before an op in ``lo..hi`` need tensor
-        ``t``? The simulator follows a rebuild's inputs only through tensors gone then: dead
-        (``end`` before the group) or inside a gap of theirs. A superset of what it can need."""
+        ``t``? The simulator follows a rebuild's inputs only through tensors gone then
+        (:meth:`_gone`). A superset of what it can need."""
         problem = self.problem
         seen = {int(self.st.tensor[c])}
         stack = list(seen)
@@ -511,11 +544,33 @@ class _Model:
                 if u in seen or not problem.rematerializable[u]:
                     continue
                 seen.add(u)
-                if problem.end[u] < hi or any(a < hi and b > lo for a, b in self._gaps.get(u, ())):
+                if self._gone(u, lo, hi):
                     stack.append(u)
         return False
 
-    def add_group(self, r: int, budget: int) -> None:
+    def _may_need_tensor(self, t: int, lo: int, hi: int) -> set[int]:
+        """The tensors whose rebuild in a group before an op in ``lo..hi`` may need ``t``
+        (:meth:`_may_need` for all at once): one walk from ``t`` to the rebuilds that read it."""
+        problem = self.problem
+        if not hasattr(self, "_read_by"):
+            self._read_by: dict[int, list[int]] = {}
+            for x in np.nonzero(problem.rematerializable)[0].tolist():
+                for u in rebuild_inputs(problem, x):
+                    self._read_by.setdefault(u, []).append(x)
+        out: set[int] = set()
+        walked = {t}
+        stack = [t]
+        while stack:
+            for x in self._read_by.get(stack.pop(), ()):
+                out.add(x)
+                if x in walked:
+                    continue
+                if self._gone(x, lo, hi):
+                    walked.add(x)
+                    stack.append(x)
+        return out
+
+    def add_group(self, r: int, budget: int, deadline: float | None = None) -> None:
         """[Constraint] the recompute group before op ``r``, for each option ``k`` rebuilt
         there (``b[k] == r``), valid for every plan: if ``k`` is dropped and no other chosen
         option can move its rebuild earlier (none whose rebuild may need it runs inside its
@@ -531,13 +586,20 @@ class _Model:
         problem, st, model, x = self.problem, self.st, self.model, self.x
         crossing = int(problem.nbytes[(problem.start <= r - 1) & (problem.end >= r)].sum())
         for k in np.nonzero(st.b == r)[0].tolist():
+            if deadline is not None and time.perf_counter() > deadline:
+                return  # the constraints not added only weaken the relaxation
             t = int(st.tensor[k])
             excess = crossing - int(st.sizes[k]) + rebuild_overhead(problem, Drop(t, int(st.a[k]), r)) - budget
             if excess <= 0:
                 continue
             a = int(st.a[k])
-            movers = [c for c in np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
-                      if self._may_need(c, t, max(a, int(st.a[c])) + 1, min(r - 1, int(st.b[c])))]
+            maybe = np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
+            if len(st.sizes) <= CHAIN_MAX_OPTIONS:  # each option over its own window
+                movers = [c for c in maybe if self._may_need(c, t, max(a, int(st.a[c])) + 1,
+                                                             min(r - 1, int(st.b[c])))]
+            else:  # one walk over the widest window, a+1..r-1, for all (a superset)
+                may = self._may_need_tensor(t, a + 1, r - 1)
+                movers = [c for c in maybe if int(st.tensor[c]) in may]
             cond = [x[k], *(x[c].Not() for c in movers), *(v.Not() for v in self.y)]
             # What k's rebuild reads is brought back into this group if it is away: not away.
             _ops, deps = rebuild_closure(problem, t, a, self.cand_set)
