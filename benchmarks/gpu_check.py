@@ -13,7 +13,11 @@ records a real step on the device, solves it with ``--method heuristic`` (no OR-
 each plan (``taichi_plan.replay.measure.replay``: an unplanned and a planned run; on CUDA the
 last timed step is read with ``torch.cuda.max_memory_allocated`` / ``max_memory_reserved``).
 Then one ``--fake`` recording of GPT-2 for the H200 profile, made on the device (fake CUDA
-tensors), is solved and applied there: does the replay guard accept its op stream?
+tensors), is solved and applied there: does the replay guard accept its op stream? And the GPU
+mapping of CPU fake recordings (``taichi_plan.record.gpu_ops``) is measured against the device:
+a ``--fake`` recording of the CPU-built GPT-2 for the device's profile is compared op by op with
+the real GPU recording (first differing op, op counts, baseline peaks), and ``choose_sdpa``'s
+backend is compared with ``torch._fused_sdp_choice`` over a grid of dtypes, head dims, masks.
 
 Every step is guarded: a failure is written into the JSON and the run goes on. The JSON is
 rewritten after every row, so a run cut short still leaves what it measured. ``make bench``
@@ -168,6 +172,69 @@ def _fake_row(builtin, sizes, device, steps, time_limit) -> dict:
     return {**out, "trace_device": trace.meta.get("device")}
 
 
+def compare_ops(real, mapped) -> dict:
+    """A GPU recording (``real``) against a CPU fake recording mapped to the GPU's kernels
+    (``mapped``): where their op streams first differ, which op names each has more of, and
+    both baseline peaks. Equal streams mean the mapping recorded what the GPU ran."""
+    from collections import Counter
+
+    from taichi_plan.trace import baseline_peak
+
+    a, b = real.ops["op"].tolist(), mapped.ops["op"].tolist()
+    first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
+
+    def at(trace, ops, i):
+        return None if i is None or i >= len(ops) else f"{ops[i]} in {trace.ops['module'].iloc[i] or '<top level>'}"
+
+    ca, cb = Counter(a), Counter(b)
+    diff = {k: ca[k] - cb[k] for k in sorted(set(ca) | set(cb)) if ca[k] != cb[k]}
+    return {"same_ops": first is None, "real_ops": len(a), "mapped_ops": len(b), "first_difference": first,
+            "real_op": at(real, a, first), "mapped_op": at(mapped, b, first),
+            "count_difference": dict(sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:20]),
+            "real_peak_bytes": baseline_peak(real)[0], "mapped_peak_bytes": baseline_peak(mapped)[0],
+            "mapping": mapped.meta.get("gpu_kernels")}
+
+
+def _mapping_row(builtin, sizes, device, real_trace) -> dict:
+    """The GPU mapping measured: a CPU fake recording for ``FAKE_PROFILE`` vs ``real_trace``."""
+    from taichi_plan.record import get_workload, record_workload
+
+    row = {"workload": f"{builtin} fake on cpu, mapped to {FAKE_PROFILE} kernels"}
+    try:
+        mapped = record_workload(get_workload(model=builtin, **sizes), fake=True, device_profile=FAKE_PROFILE)
+    except Exception as e:  # noqa: BLE001
+        return {**row, "status": "record failed", "error": f"{type(e).__name__}: {e}"}
+    return {**row, "status": "compared", "against": f"real recording on {device}", **compare_ops(real_trace, mapped)}
+
+
+def sdpa_choices(device: str) -> dict:
+    """``gpu_ops.choose_sdpa`` against this device's own ``torch._fused_sdp_choice`` over a grid
+    of dtypes, head dims, masks and causal flags (CUDA only)."""
+    if device != "cuda":
+        return {"status": "skipped: no CUDA device"}
+    import torch
+    from torch.nn.attention import SDPBackend
+
+    from taichi_plan.record.gpu_ops import choose_sdpa
+
+    cc = tuple(torch.cuda.get_device_capability(0))
+    rows, agree = [], 0
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for d in (64, 128, 200, 256, 264):
+            for mask in (False, True):
+                for causal in ((False,) if mask else (False, True)):
+                    q, k, v = (torch.randn(2, 4, 256, d, device="cuda", dtype=dtype, requires_grad=True)
+                               for _ in range(3))
+                    m = torch.ones(256, 256, dtype=torch.bool, device="cuda") if mask else None
+                    theirs = SDPBackend(int(torch._fused_sdp_choice(q, k, v, m, 0.1, causal))).name.lower()
+                    ours = choose_sdpa(q, k, v, m, 0.1, causal, False, cc)[0]
+                    same = theirs.startswith(ours)
+                    agree += same
+                    rows.append({"dtype": str(dtype).replace("torch.", ""), "head_dim": d, "mask": mask,
+                                 "causal": causal, "torch": theirs, "mapped": ours, "same": same})
+    return {"status": "compared", "compute_capability": list(cc), "agree": agree, "cases": len(rows), "rows": rows}
+
+
 def machine(device: str) -> dict:
     import torch
 
@@ -193,7 +260,8 @@ def run(device: str, tiny: bool, out: Path, steps: int = 3, time_limit: float = 
     stand_in = _stand_in_ortools()
     started = time.perf_counter()
     result = {"machine": machine(device), "tiny": tiny, "method": METHOD, "time_limit_s": time_limit,
-              "steps": steps, "ortools": not stand_in, "rows": [], "fake": None, "wall_s": None}
+              "steps": steps, "ortools": not stand_in, "rows": [], "fake": None, "mapping": None,
+              "sdpa_choices": None, "wall_s": None}
 
     def save():
         result["wall_s"] = time.perf_counter() - started
@@ -209,6 +277,10 @@ def run(device: str, tiny: bool, out: Path, steps: int = 3, time_limit: float = 
             save()
             continue
         record_s = time.perf_counter() - t0
+        if result["mapping"] is None and builtin == "gpt2":
+            say(f"{label}: the GPU mapping of a CPU fake recording, op by op against this one")
+            result["mapping"] = _mapping_row(builtin, sizes, device, trace)
+            save()
         for on, frac in RUNS:
             say(f"{label}: {frac:.0%} on {on}")
             try:
@@ -222,6 +294,12 @@ def run(device: str, tiny: bool, out: Path, steps: int = 3, time_limit: float = 
     builtin, sizes = next(iter((TINY if tiny else WORKLOADS).values()))
     say(f"fake {builtin} for {FAKE_PROFILE}, applied on {device}")
     result["fake"] = _fake_row(builtin, sizes, device, steps, time_limit)
+    save()
+    say("SDPA backend choice: mapped vs torch")
+    try:
+        result["sdpa_choices"] = sdpa_choices(device)
+    except Exception as e:  # noqa: BLE001
+        result["sdpa_choices"] = {"status": "failed", "error": f"{type(e).__name__}: {e}"}
     save()
     return result
 
@@ -266,6 +344,18 @@ def markdown(result: dict) -> str:
             f"| {_b(u['measured_reserved_bytes'])} ({_r(u['reserved_ratio'])}) "
             f"| {'equal' if r.get('grads_match') else 'DIFFER'} "
             f"| {r['step_s_unplanned']:.4f} / {r['step_s_planned']:.4f} |")
+    m = result.get("mapping")
+    if m:
+        lines += ["", f"GPU mapping of a CPU fake recording ({m['workload']}), against the {m.get('against', '-')}: "
+                  + (f"{m.get('status')}: {m.get('error', '')}" if m.get("status") != "compared" else
+                     ("the same op stream" if m["same_ops"] else
+                      f"first difference at op {m['first_difference']}: real `{m['real_op']}`, mapped "
+                      f"`{m['mapped_op']}`") + f"; {m['real_ops']} / {m['mapped_ops']} ops, baseline peak "
+                     f"{_b(m['real_peak_bytes'])} / {_b(m['mapped_peak_bytes'])} MiB (real / mapped).")]
+    c = result.get("sdpa_choices")
+    if c and c.get("status") == "compared":
+        lines += ["", f"SDPA backend: the mapping's choice agrees with `torch._fused_sdp_choice` in {c['agree']} of "
+                  f"{c['cases']} cases on sm{''.join(map(str, c['compute_capability']))}."]
     lines.append("")
     lines.append(f"Whole run: {result['wall_s']:.0f} s." if result.get("wall_s") is not None else "")
     return "\n".join(lines)

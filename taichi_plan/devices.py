@@ -28,6 +28,8 @@ class DeviceProfile:
     ``peak_flops`` maps a dtype (``fp32``, ``tf32``, ``fp16``, ``bf16``) to dense FLOP/s; a
     dtype the chip has no fast path for is absent (``flops_per_s`` falls back to fp32).
     ``sources`` maps each field name (and ``peak_flops.<dtype>``) to where the number is from.
+    ``compute_capability`` (``(8, 0)`` for sm80) decides which kernels a fake recording maps to
+    (``taichi_plan.record.gpu_ops``: flash attention needs sm80+, for instance).
     """
 
     name: str
@@ -37,6 +39,7 @@ class DeviceProfile:
     bandwidth_bytes_per_s: float
     launch_overhead_s: float
     sources: dict[str, str] = field(default_factory=dict)
+    compute_capability: tuple[int, int] | None = None  # CUDA sm version; None: not a CUDA GPU
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype`` (``fp32``/``bf16``/``fp16``/``tf32``; torch names too)."""
@@ -61,7 +64,10 @@ _DTYPE_ALIASES = {
 _LAUNCH_NOTE = "typical CUDA kernel launch latency (~5 us); an estimate, not a datasheet number"
 
 
-def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None):
+_CC_SOURCE = "NVIDIA CUDA GPUs compute capability table (developer.nvidia.com/cuda-gpus)"
+
+
+def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None, cc=None):
     sources = {
         "memory_bytes": f"{sheet}: {mem_note}",
         "bandwidth_bytes_per_s": f"{sheet}: {bw_gbs:,} GB/s memory bandwidth",
@@ -69,6 +75,8 @@ def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None
     }
     for dt, tf in flops_tf.items():
         sources[f"peak_flops.{dt}"] = f"{sheet}: {tf} TFLOPS {_FLOP_NOTE[dt]}"
+    if cc is not None:
+        sources["compute_capability"] = f"{_CC_SOURCE}: {cc[0]}.{cc[1]}"
     sources.update(extra or {})
     return DeviceProfile(
         name=name,
@@ -78,6 +86,7 @@ def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None
         bandwidth_bytes_per_s=bw_gbs * GIGA,
         launch_overhead_s=5e-6,
         sources=sources,
+        compute_capability=cc,
     )
 
 
@@ -96,27 +105,32 @@ PROFILES: dict[str, DeviceProfile] = {
             {"fp32": 15.7, "fp16": 125.0}, 900,
             "NVIDIA Tesla V100 datasheet (SXM2)", "16 GB HBM2",
             {"peak_flops.bf16": "V100 has no BF16 tensor cores: bf16 uses the fp32 number"},
+            cc=(7, 0),
         ),
         _profile(
             "t4-16gb", "NVIDIA T4 16GB", 16,
             {"fp32": 8.1, "fp16": 65.0}, 320,
             "NVIDIA T4 Tensor Core GPU datasheet", "16 GB GDDR6",
             {"peak_flops.bf16": "T4 has no BF16 tensor cores: bf16 uses the fp32 number"},
+            cc=(7, 5),
         ),
         _profile(
             "a100-40gb", "NVIDIA A100 SXM4 40GB", 40,
             {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, 1555,
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)", "40 GB HBM2",
+            cc=(8, 0),
         ),
         _profile(
             "a100-80gb", "NVIDIA A100 SXM4 80GB", 80,
             {"fp32": 19.5, "tf32": 156.0, "fp16": 312.0, "bf16": 312.0}, 2039,
             "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)", "80 GB HBM2e",
+            cc=(8, 0),
         ),
         _profile(
             "h100-80gb", "NVIDIA H100 SXM5 80GB", 80,
             {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}, 3350,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM)", "80 GB HBM3",
+            cc=(9, 0),
         ),
         _profile(
             "h200-141gb", "NVIDIA H200 SXM 141GB", 141,
@@ -132,11 +146,13 @@ PROFILES: dict[str, DeviceProfile] = {
                                 "with sparsity, halved to the dense 989.4",
              "interconnect": "NVIDIA H200 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s, PCIe Gen5 128 GB/s "
                              "(not used by the roofline estimate)"},
+            cc=(9, 0),
         ),
         _profile(
             "rtx-4090-24gb", "NVIDIA GeForce RTX 4090 24GB", 24,
             {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2}, 1008,
             "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090)", "24 GB GDDR6X",
+            cc=(8, 9),
         ),
     ]
 }

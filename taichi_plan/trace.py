@@ -19,8 +19,8 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)  # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)  # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels
 PHASES = ("forward", "backward", "optimizer", "other")
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary")
 ROLES = ("read", "write")

@@ -30,8 +30,13 @@ def test_dry_run_records_solves_replays_and_writes_the_json(tmp_path, monkeypatc
         assert r["predicted_planned_reserved_bytes"] >= r["predicted_planned_peak_bytes"]
     fake = result["fake"]
     assert fake["status"] == "replayed" and fake["trace_device"] == "cpu", fake
+    mapping = result["mapping"]  # on CPU the real recording has CPU kernels: the comparison runs, and differs
+    assert mapping["status"] == "compared" and mapping["same_ops"] is False and mapping["mapping"]["profile"] == \
+        gpu_check.FAKE_PROFILE and mapping["mapped_peak_bytes"] < mapping["real_peak_bytes"], mapping
+    assert result["sdpa_choices"]["status"].startswith("skipped")
     text = gpu_check.section(out)
     assert "| workload | budget |" in text and "replayed on cpu" in text and "tiny models (dry run)" in text
+    assert "GPU mapping of a CPU fake recording" in text
 
 
 def test_section_without_results_says_not_measured(tmp_path):
@@ -78,3 +83,24 @@ def test_heuristic_solves_without_ortools_through_the_stand_in(tmp_path):
                        env={**os.environ, "PYTHONPATH": str(root)})
     assert r.returncode == 0, r.stderr
     assert "feasible" in r.stdout and "ilp refused: OR-Tools is not installed here" in r.stdout
+
+
+def test_compare_ops_finds_the_first_difference():
+    from taichi_plan.trace import Trace, frame
+
+    def trace(names):
+        n = len(names)
+        ops = frame("ops", {"op_id": list(range(n)), "step": [0] * n, "phase": ["forward"] * n, "op": names,
+                            "module": [""] * n, "duration_s": [0.0] * n, "flops": [0] * n,
+                            "cost_source": ["estimated"] * n, "recomputable": [True] * n, "mutates": [False] * n})
+        tensors = frame("tensors", {"tensor_id": [0], "nbytes": [8], "dtype": ["float32"], "shape": [[2]],
+                                    "kind": ["activation"], "producer_op": [0], "alloc_op": [0], "free_op": [n - 1]})
+        accesses = frame("accesses", {"op_id": [0], "tensor_id": [0], "role": ["write"], "arg_index": [0]})
+        return Trace(ops, tensors, accesses, {})
+
+    same = gpu_check.compare_ops(trace(["a", "b"]), trace(["a", "b"]))
+    assert same["same_ops"] is True and same["first_difference"] is None and same["count_difference"] == {}
+    diff = gpu_check.compare_ops(trace(["a", "b", "c"]), trace(["a", "x", "c"]))
+    assert diff["first_difference"] == 1 and diff["real_op"].startswith("b") and diff["mapped_op"].startswith("x")
+    assert diff["count_difference"] == {"b": 1, "x": -1}
+    assert gpu_check.compare_ops(trace(["a"]), trace(["a", "b"]))["first_difference"] == 1

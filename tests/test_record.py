@@ -22,7 +22,9 @@ def gpt2_real():
 
 @pytest.fixture(scope="module")
 def gpt2_fake():
-    return record_workload(get_workload(model="gpt2", **TINY_GPT2), fake=True, device_profile="a100-40gb")
+    # this torch's own kernels (no GPU mapping, tests/test_gpu_ops.py): fake must record what real runs
+    return record_workload(get_workload(model="gpt2", **TINY_GPT2), fake=True, device_profile="a100-40gb",
+                           gpu_kernels=False)
 
 
 @pytest.fixture(scope="module")

@@ -97,7 +97,8 @@ def test_example_entry_records(runner, tmp_path, monkeypatch):
     assert trace.meta["workload"]["kind"] == "entry"
     assert trace.meta["workload"]["args"] == {"batch": 8, "dtype": "fp32"}
     assert "blocks.0.1" in set(trace.ops["module"])
-    fake = runner.invoke(main, ["record", "--entry", "examples.my_workload:make_step", "--fake", "-o", str(tmp_path / "f")])
+    fake = runner.invoke(main, ["record", "--entry", "examples.my_workload:make_step", "--fake", "--cpu-kernels",
+                                "-o", str(tmp_path / "f")])
     assert fake.exit_code == 0, fake.output
     assert read_trace(tmp_path / "f").ops["op"].tolist() == read_trace(
         _record_default(runner, tmp_path)

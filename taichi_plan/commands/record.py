@@ -21,6 +21,9 @@ from ._common import Status, handle_errors, size_options
 @click.option("--fake", is_flag=True, help="Trace under FakeTensorMode: no memory, any size; costs are roofline estimates.")
 @click.option("--device-profile", metavar="NAME", default=None,
               help="Device to cost a fake run on (default a100-40gb); metadata only for real runs. See `taichi-plan devices`.")
+@click.option("--cpu-kernels", is_flag=True,
+              help="With --fake and a GPU profile: record this torch's own kernels instead of mapping dropout, "
+                   "attention and the optimizer to the GPU's (docs/gpu.md).")
 @click.option("--steps", type=int, default=2, show_default=True, help="Steps recorded after one warm-up step.")
 @click.option("--micro-batches", type=int, default=1, show_default=True,
               help="Gradient accumulation: forward + backward this many times per optimizer step.")
@@ -36,7 +39,7 @@ from ._common import Status, handle_errors, size_options
 @click.option("--force", is_flag=True, help="Replace an existing trace directory (only a trace, never other files).")
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
-            fake, device_profile, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads, output,
+            fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads, output,
             force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
@@ -59,7 +62,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
 
     with Status('recording') as status:
         trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
-                                progress=status.update)
+                                progress=status.update, gpu_kernels=not cpu_kernels)
     if not trace.meta["steps_match"]:
         m = trace.meta["first_mismatch"]
         click.echo(

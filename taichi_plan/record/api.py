@@ -227,12 +227,18 @@ def record_workload(
     warmup: int = 1,
     loop: Loop | None = None,
     progress: Callable[[str], None] | None = None,
+    gpu_kernels: bool = True,
 ) -> Trace:
     """Record ``workload`` and return a trace of one steady-state step.
 
     ``fake``: trace under ``FakeTensorMode`` (no memory, any size); durations are then roofline
     estimates on ``device_profile`` (default ``a100-40gb``). Real runs measure durations and
     keep ``device_profile`` as metadata only.
+
+    ``gpu_kernels``: a fake recording of a CPU model for a GPU profile records the kernels that
+    GPU runs where this torch's differ (dropout, attention, foreach optimizers:
+    :mod:`taichi_plan.record.gpu_ops`), said in ``meta.gpu_kernels``; False records this
+    torch's own kernels.
     """
     _check_counts(steps, warmup)
     if fake:
@@ -242,6 +248,8 @@ def record_workload(
 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from . import gpu_ops
+
     mode = FakeTensorMode() if fake else contextlib.nullcontext()
     with mode:
         say(f"building {workload.name}")
@@ -249,11 +257,15 @@ def record_workload(
         device = device_type(model)
         loop = loop or Loop()
         step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
-        records = run_and_record(model, optimizer, step, [batch, list(getattr(loss_fn, "inputs", ()))],
-                                 loop=loop, steps=steps, warmup=warmup, profile=profile if fake else None, say=say)
+        target = gpu_ops.target_for(profile, fake, device) if gpu_kernels else None
+        with gpu_ops.gpu_kernels(target, optimizer) if target else contextlib.nullcontext():
+            records = run_and_record(model, optimizer, step, [batch, list(getattr(loss_fn, "inputs", ()))],
+                                     loop=loop, steps=steps, warmup=warmup, profile=profile if fake else None,
+                                     say=say)
         del model, batch, loss_fn, optimizer, step
     say("building tables")
     return trace_from_records(records, warmup=warmup, fake=fake, loop=loop, meta={
+        "gpu_kernels": target.to_meta(records[-1].ops["op"]) if target else None,
         "device": device,
         "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
         "device_profile": device_profile,
@@ -295,6 +307,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "filtered_ops": ["prim.*", "profiler.*"],
         "model_calls": kept.calls,
         "loop": loop.to_json(),
+        "gpu_kernels": meta.get("gpu_kernels"),
         "runtime_overhead": dict(calibrate_overhead()),
     }
     return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)

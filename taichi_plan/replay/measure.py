@@ -168,6 +168,23 @@ def move_workload(model, batch, loss_fn, optimizer, device: str):
     return model, batch, loss_fn, optimizer
 
 
+def _with_gpu_kernels(step: Callable[[], None], meta: dict, optimizer) -> Callable[[], None]:
+    """``step`` under the GPU-kernel mapping the trace was recorded with (``meta.gpu_kernels``,
+    :mod:`taichi_plan.record.gpu_ops`), so that a CPU replay runs the op stream the plan was
+    solved on; ``step`` itself when the trace has none."""
+    from ..record import gpu_ops
+
+    target = gpu_ops.target_of_trace(meta)
+    if target is None:
+        return step
+
+    def mapped() -> None:
+        with gpu_ops.gpu_kernels(target, optimizer):
+            step()
+
+    return mapped
+
+
 def cuda_peaks(torch) -> dict:
     """The caching allocator's peaks since the last ``reset_peak_memory_stats``."""
     return {"cuda_max_allocated_bytes": int(torch.cuda.max_memory_allocated()),
@@ -227,6 +244,8 @@ class MeasuredRun:
         self.loop = Loop.from_meta(trace.meta) if trace is not None else Loop()
         self._step = make_step_fn(self.model, self.batch, self.loss_fn, self.optimizer, where=workload.name,
                                   loop=self.loop)
+        if device == "cpu" and trace is not None:  # a GPU's kernels mapped at record time: map them again
+            self._step = _with_gpu_kernels(self._step, trace.meta, self.optimizer)
         self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
         self._step()  # warm-up, unplanned
         if device == "cuda":  # start from what outlives a step, not from the unplanned step's cache

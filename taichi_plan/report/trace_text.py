@@ -121,6 +121,8 @@ def trace_summary(trace: Trace) -> dict:
         "torch_version": _first(meta, "torch_version", "torch.version"),
         "torch_build": _first(meta, "torch_build", "torch.build"),
         "source": _first(meta, "source"),
+        "kernels": kernels_line(meta),
+        "gpu_kernels": meta.get("gpu_kernels"),
         "num_ops": n,
         "ops_per_phase": ops_per_phase,
         "num_tensors": int(len(tensors)),
@@ -143,6 +145,27 @@ def trace_summary(trace: Trace) -> dict:
 # ---------------------------------------------------------------------------------------------
 # Text
 # ---------------------------------------------------------------------------------------------
+
+
+_FUSED_SDPA = {"aten._scaled_dot_product_flash_attention.default": "flash",
+               "aten._scaled_dot_product_efficient_attention.default": "efficient"}
+
+
+def kernels_line(meta: dict) -> str | None:
+    """Whose kernels the trace holds: a GPU's, mapped at record time (``meta.gpu_kernels``),
+    or those of the torch build and device that recorded it."""
+    g = meta.get("gpu_kernels")
+    if isinstance(g, dict):
+        counts = g.get("op_counts") or {}
+        fused = [short for op, short in _FUSED_SDPA.items() if counts.get(op)]
+        return (f"{g.get('profile')} sm{str(g.get('compute_capability', '')).replace('.', '')} (mapped): "
+                f"native_dropout, {', '.join(f'{f} SDPA' for f in fused) or 'no fused SDPA'}, foreach")
+    if meta.get("mode") == "imported":
+        return None
+    device, build = meta.get("device"), meta.get("torch_build")
+    if device or build:
+        return f"as run on {device or '-'} by a {build or '-'} build of torch"
+    return None
 
 
 def _cut(text: object, width: int) -> str:
@@ -205,6 +228,8 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
         ("dtype", s["dtype"]),
         ("torch", torch_text),
     ]
+    if s.get("kernels"):
+        fields.append(("kernels", s["kernels"]))
     if s.get("source"):
         fields.append(("source", s["source"]))
     phases = ", ".join(f"{p} {c}" for p, c in s["ops_per_phase"].items() if c)

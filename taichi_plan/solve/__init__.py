@@ -212,11 +212,13 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
     dec = run_method(problem, budget_bytes, method, time_limit=max(end - time.perf_counter(), 0.0), seed=seed,
                      progress=progress, work_limit=work_limit)
     plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
+    reached = None
     if plan.solver["status"] == "infeasible" and method in OURS and time.perf_counter() < end:
         # The greedy sweep is not monotone in the budget: asked for less, it may find a plan
         # that fits this budget, or at least peaks lower. Of the two, the simulator's better
         # one stands (so auto never ends above its own heuristic, even when nothing fits).
-        _reach, _op, asked = lowest_reachable(problem, deadline=end)
+        reach, reach_op, asked = lowest_reachable(problem, deadline=end)
+        reached = (reach, reach_op) if reach < problem.baseline_peak[0] else None
         lower = plan_heuristic(problem, asked, seed=seed, time_limit=max(end - time.perf_counter(), 0.0))
         lower.notes.append(f"the heuristic's plan for a budget of {format_bytes(asked)}: its plan for "
                            f"{format_bytes(budget_bytes)} did not fit")
@@ -227,7 +229,7 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
                              allocator=allocator)
     if plan.solver["status"] == "infeasible":
         if dec.timed_out:
-            raise timed_out_error(problem, budget_bytes, method, plan, time_limit, work_limit)
+            raise timed_out_error(problem, budget_bytes, method, plan, time_limit, work_limit, reached)
         raise infeasible_error(problem, budget_bytes, method, plan, deadline=end)
     return plan
 
@@ -288,16 +290,20 @@ def least_reached(problem: Problem, planner: Callable[[Problem, int], Decisions]
 
 
 def timed_out_error(problem: Problem, budget_bytes: int, method: str, plan: Plan, time_limit: float,
-                    work_limit: float | None) -> InfeasibleBudgetError:
-    """No plan yet when the limit ran out (not a proof that none exists): say so, and what
-    the best plan found reaches."""
+                    work_limit: float | None, reached: tuple[int, int] | None = None) -> InfeasibleBudgetError:
+    """No plan yet when the limit ran out (not a proof that none exists): say so, and the
+    lowest peak a plan found reaches: the best plan for this budget's, or, when lower, the
+    heuristic's when asked for less (``reached``: its peak and peak op)."""
     peak = plan.predicted["planned_peak_bytes"]
     op = plan.predicted["planned_peak_op"]
+    if reached is not None and reached[0] < peak:
+        peak, op = reached
     limit = f"the time limit of {time_limit:g} s" + ("" if work_limit is None else f" or the work limit of {work_limit:g}")
     at = f", during {describe_op(problem, op)}" if op >= 0 else ""
     msg = (f"No {method} plan found for a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) within "
-           f"{limit}: the search stopped before any plan fit, which does not prove that none exists. The best "
-           f"plan found so far (the heuristic's and the baselines' included) peaks at {format_bytes(peak)}{at}. "
+           f"{limit}: the search stopped before any plan fit, which does not prove that none exists. The lowest "
+           f"peak a plan found so far reaches (the heuristic's and the baselines' included, also when asked "
+           f"for less) is {format_bytes(peak)}{at}. "
            f"Give it more time (--time-limit), or ask for at least that (--budget {_suggest(peak)}). "
            "No plan file was written.")
     err = InfeasibleBudgetError(msg, min_budget_bytes=peak, op_id=op)
