@@ -19,6 +19,7 @@ from rich.progress import Progress
 
 from benchmarks import (
     bench_floor,
+    bench_fsdp,
     bench_graphs,
     bench_optimizer,
     bench_record,
@@ -223,7 +224,11 @@ def main() -> None:
         progress.update(task, description="maxbatch")
         sections.append(_guarded("Max batch", maxbatch_section))
 
-    # 7. The GPU check's results, where a GPU machine has written them (never run here).
+        # 7. Sharded: rank 0 of FSDP2 jobs (7B at 8 ranks, 70B at 64).
+        progress.update(task, description="sharded")
+        sections.append(_guarded("Sharded (FSDP2)", bench_fsdp.section))
+
+    # 8. The GPU check's results, where a GPU machine has written them (never run here).
     sections.append(_guarded("GPU check", lambda: gpu_check.section(gpu_check.DEFAULT_OUT)))
 
     sections.append(f"Whole run: {time.perf_counter() - started:.0f} s.")

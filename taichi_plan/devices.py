@@ -39,6 +39,17 @@ class DeviceProfile:
     bandwidth_bytes_per_s: float
     launch_overhead_s: float
     sources: dict[str, str] = field(default_factory=dict)
+    # Collective bandwidth per device and direction (bytes/s): within a node (NVLink, or PCIe
+    # where the card has no NVLink) and between nodes (the InfiniBand NICs of the vendor's
+    # reference system, per device). ``devices_per_node``: devices one node of that system holds.
+    intra_node_bytes_per_s: float = 0.0
+    inter_node_bytes_per_s: float = 0.0
+    devices_per_node: int = 8
+
+    def link_bytes_per_s(self, world_size: int) -> float:
+        """The bandwidth a ring collective over ``world_size`` devices runs at: the slowest
+        link it crosses (within one node up to ``devices_per_node`` devices, else between nodes)."""
+        return self.intra_node_bytes_per_s if world_size <= self.devices_per_node else self.inter_node_bytes_per_s
     compute_capability: tuple[int, int] | None = None  # CUDA sm version; None: not a CUDA GPU
 
     def flops_per_s(self, dtype: str) -> float:
@@ -66,9 +77,35 @@ _LAUNCH_NOTE = "typical CUDA kernel launch latency (~5 us); an estimate, not a d
 
 _CC_SOURCE = "NVIDIA CUDA GPUs compute capability table (developer.nvidia.com/cuda-gpus)"
 
+# Collective bandwidth (GB/s per device, each way) within a node and between nodes, with sources.
+_NVLINK = "NVLink {both} GB/s (both directions), {each} GB/s each way"
+_NO_SYSTEM = "no reference system: one 100 Gb/s (12.5 GB/s) network link per GPU assumed"
+_DGX_A100 = ("NVIDIA DGX A100 datasheet: 8x single-port ConnectX-6 200 Gb/s HDR InfiniBand, one per GPU "
+             "(25 GB/s)")
+_LINKS = {
+    "v100-16gb": (150, "NVIDIA Tesla V100 datasheet (SXM2): " + _NVLINK.format(both=300, each=150),
+                  12.5, "NVIDIA DGX-1 with V100 datasheet: 4x 100 Gb/s EDR InfiniBand per 8 GPUs; taken as "
+                        "one 100 Gb/s (12.5 GB/s) link per GPU, an upper estimate"),
+    "t4-16gb": (16, "NVIDIA T4 Tensor Core GPU datasheet: PCIe Gen3 x16, 32 GB/s (both directions), 16 GB/s "
+                    "each way (no NVLink)", 12.5, _NO_SYSTEM),
+    "a100-40gb": (300, "NVIDIA A100 Tensor Core GPU datasheet (SXM4): " + _NVLINK.format(both=600, each=300),
+                  25, _DGX_A100),
+    "a100-80gb": (300, "NVIDIA A100 Tensor Core GPU datasheet (SXM4): " + _NVLINK.format(both=600, each=300),
+                  25, _DGX_A100),
+    "h100-80gb": (450, "NVIDIA H100 Tensor Core GPU datasheet (SXM): " + _NVLINK.format(both=900, each=450),
+                  50, "NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU (50 GB/s)"),
+    "h200-141gb": (450, "NVIDIA H200 Tensor Core GPU datasheet (SXM): " + _NVLINK.format(both=900, each=450),
+                   50, "NVIDIA DGX H200 datasheet: 8x ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU (50 GB/s)"),
+    "rtx-4090-24gb": (32, "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090): PCIe Gen4 x16, 64 GB/s "
+                          "(both directions), 32 GB/s each way (no NVLink)", 12.5, _NO_SYSTEM),
+}
+
 
 def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None, cc=None):
+    intra_gbs, intra_note, inter_gbs, inter_note = _LINKS[name]
     sources = {
+        "intra_node_bytes_per_s": intra_note,
+        "inter_node_bytes_per_s": inter_note,
         "memory_bytes": f"{sheet}: {mem_note}",
         "bandwidth_bytes_per_s": f"{sheet}: {bw_gbs:,} GB/s memory bandwidth",
         "launch_overhead_s": _LAUNCH_NOTE,
@@ -86,6 +123,8 @@ def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None
         bandwidth_bytes_per_s=bw_gbs * GIGA,
         launch_overhead_s=5e-6,
         sources=sources,
+        intra_node_bytes_per_s=intra_gbs * GIGA,
+        inter_node_bytes_per_s=inter_gbs * GIGA,
         compute_capability=cc,
     )
 
@@ -145,7 +184,7 @@ PROFILES: dict[str, DeviceProfile] = {
              "peak_flops.bf16": "NVIDIA H200 Tensor Core GPU datasheet (SXM): 1,979 TFLOPS BF16 tensor core "
                                 "with sparsity, halved to the dense 989.4",
              "interconnect": "NVIDIA H200 Tensor Core GPU datasheet (SXM): NVLink 900 GB/s, PCIe Gen5 128 GB/s "
-                             "(not used by the roofline estimate)"},
+                             "(collectives use intra_node_bytes_per_s / inter_node_bytes_per_s)"},
             cc=(9, 0),
         ),
         _profile(

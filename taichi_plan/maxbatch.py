@@ -101,9 +101,11 @@ class TraceCache:
 
 
 def fake_recorder(model: str | None = None, entry: str | None = None, *, device_profile: str | None = None,
-                  progress: Callable[[str], None] | None = None, **sizes) -> Callable[[int], Trace]:
+                  progress: Callable[[str], None] | None = None, fsdp: int | None = None,
+                  **sizes) -> Callable[[int], Trace]:
     """A ``record(batch)`` recording a fake step of the workload at that batch size
-    (``sizes``: seq, layers, hidden, heads, vocab, image_size, dtype, optimizer)."""
+    (``sizes``: seq, layers, hidden, heads, vocab, image_size, dtype, optimizer); with
+    ``fsdp`` = N, rank 0's step of an N-rank FSDP2 job at that batch per rank."""
     from .record import get_workload, record_workload
 
     if "batch" in sizes:
@@ -117,6 +119,10 @@ def fake_recorder(model: str | None = None, entry: str | None = None, *, device_
     def record(batch: int) -> Trace:
         say(f"recording batch {batch}")
         w = get_workload(model=model, entry=entry, batch=batch, **sizes)
+        if fsdp is not None:
+            from .record.fsdp import record_fsdp_workload
+
+            return record_fsdp_workload(w, fsdp, device_profile=device_profile, steps=1, check_tracker=False)
         return record_workload(w, fake=True, device_profile=device_profile, steps=1)
 
     return record

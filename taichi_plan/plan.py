@@ -5,8 +5,9 @@ absolute path, content hash, op-sequence signature), the budget, the solver's st
 bound, the simulator's prediction, the decisions (each with a ``why``) and the explicit
 schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
 reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 the optimizer option
-(``decisions.optimizer``), a partition's random draws (``Partition.random_draws``) and whether
-the solve allowed partitioning modules that draw random numbers (``solver.partition_random``).
+(``decisions.optimizer``), the FSDP layout of a sharded trace (``trace.layout``, null for one
+process), a partition's random draws (``Partition.random_draws``) and whether the solve
+allowed partitioning modules that draw random numbers (``solver.partition_random``).
 Version 3 files, version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """

@@ -13,6 +13,7 @@ import math
 
 from .errors import PlanError
 from .optimizer_groups import COPY_ID_BASE
+from .sharding import check_layout, layout
 
 STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
 COST_UNITS = ("s", "units")
@@ -93,6 +94,11 @@ def check_plan_json(obj: dict, where: str) -> None:
         raise _bad(where, "trace.content_hash", h, "a sha256 hex digest (64 characters 0-9a-f) or null")
     _int(where, "trace.num_ops", t.get("num_ops"), lo=0)
     _kind(where, "trace.workload", t.get("workload"), dict, "an object", none=True)
+    lay = t.get("layout")  # v4: the FSDP layout of a sharded trace
+    _kind(where, "trace.layout", lay, dict, "an object", none=True)
+    if lay is not None:
+        _int(where, "trace.layout.world_size", lay.get("world_size"), lo=1)
+        _kind(where, "trace.layout.units", lay.get("units"), list, "a list of [module, reshard_after_forward]")
     n = t["num_ops"]
     opt = (obj.get("decisions") or {}).get("optimizer") if isinstance(obj.get("decisions"), dict) else None
     if isinstance(opt, dict) and opt.get("num_ops") is not None:
@@ -247,6 +253,7 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
         if names[r.op] != r.op_name:
             raise PlanError(f"{where}: {f} names op {r.op} {r.op_name!r}, but in the trace{at} it is "
                             f"{names[r.op]!r}. {other}")
+    check_layout(plan.trace.get("layout"), layout(trace.meta), where)
     modules = set(trace.ops["module"].tolist())
     for i, q in enumerate(plan.partitions):
         if not any(m == q.module or m.startswith(q.module + ".") for m in modules):

@@ -17,9 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .sharding import incarnations
 from .trace import Trace, baseline_live_bytes, live_intervals
 
-FIXED_KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "input")
+# Kinds no plan frees: model state, inputs, and what FSDP allocates and frees itself (its
+# unsharded parameters and gradients, its communication buffers).
+FIXED_KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "input", "unsharded_parameter",
+               "unsharded_gradient", "all_gather", "reduce_scatter")
 
 
 @dataclass
@@ -57,6 +61,18 @@ class Problem:
     # May planners partition modules that draw random numbers (dropout)? Their chunks then
     # draw their own numbers: training changes. Off unless a solve opts in (partition.py).
     partition_random: bool = False
+    # Per tensor index of a storage FSDP resized (meta.fsdp.incarnations): the other rows of
+    # that storage. An unsharded parameter freed after forward is gathered again for backward:
+    # a rebuild that read its forward row reads the row live when the rebuild runs, if any.
+    same_storage: dict[int, list[int]] = field(default_factory=dict)
+
+    def held(self, u: int, r: int) -> bool:
+        """Is tensor ``u``'s value in memory when a rebuild runs right before op ``r``: ``u``
+        itself, or another row of its storage (FSDP's unsharded parameter, gathered again)?
+        A rebuild never reads a parameter FSDP has resharded."""
+        if self.start[u] <= r - 1 and self.end[u] >= r:
+            return True
+        return any(self.start[v] <= r - 1 and self.end[v] >= r for v in self.same_storage.get(u, ()))
 
     @property
     def replayable_only(self) -> bool:
@@ -234,6 +250,10 @@ def build_problem(trace: Trace) -> Problem:
         initial=tensors["alloc_op"].to_numpy() < 0,
         persists=tensors["free_op"].to_numpy() < 0,
     )
+    for rows in incarnations(trace.meta):
+        idx = [index[t] for t in rows if t in index]
+        for i in idx:
+            prob.same_storage[i] = [j for j in idx if j != i]
     _find_candidates(prob)
     return prob
 
@@ -313,7 +333,7 @@ def rebuild_set(problem: Problem, t: int, r: int) -> set[int] | None:
         if not problem.rematerializable[x] or r > problem.remat_deadline[x]:
             return None
         for u in rebuild_inputs(problem, x):
-            if u in seen or (problem.start[u] <= r - 1 and problem.end[u] >= r):
+            if u in seen or problem.held(u, r):
                 continue
             seen.add(u)
             stack.append(u)

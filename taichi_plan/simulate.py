@@ -181,13 +181,13 @@ def _piece_end(problem: Problem, ds: list[Drop], j: int, t: int) -> int:
 def _available(problem: Problem, D: dict[int, list[Drop]], remat_at: dict[tuple[int, int], int], u: int,
                r: int) -> bool:
     """Is tensor ``u`` in memory when the group before op ``r`` runs (or rebuilt in it)?"""
-    s, e = problem.start[u], problem.end[u]
+    s = problem.start[u]
     if u in D:
         ds = D[u]
         if s <= r - 1 and ds[0].free_after >= r:
             return True
         return any(remat_at[(u, j)] <= r <= _piece_end(problem, ds, j, u) for j in range(len(ds)))
-    return s <= r - 1 and e >= r
+    return problem.held(u, r)
 
 
 def _gap_holding(D: dict[int, list[Drop]], remat_at: dict[tuple[int, int], int], u: int, r: int) -> int | None:

@@ -39,11 +39,13 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
               help="Seconds each solve may search.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed.")
 @click.option("--limit", default=MAX_BATCH, show_default=True, type=int, help="Largest batch the search tries.")
+@click.option("--fsdp", type=int, default=None, metavar="N",
+              help="Search the batch per rank of an N-rank FSDP2 job (rank 0 recorded fake, docs/sharding.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the table.")
 @units_option
 @handle_errors
 def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, device_profile,
-            budget, max_overhead, method, time_limit, seed, limit, as_json, units) -> None:
+            budget, max_overhead, method, time_limit, seed, limit, fsdp, as_json, units) -> None:
     """The largest batch size whose training step fits the budget with extra compute within
     --max-overhead: for our planner, for no planning, sqrt(n) checkpointing, checkpointing every
     block and DTR (offline); a planner stopped by the overhead cap rather than the budget is
@@ -64,7 +66,7 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
     if limit < 1:
         raise UsageError(f"--limit must be a positive batch size, got {limit}.")
     with Status('searching') as status:
-        record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, seq=seq,
+        record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, fsdp=fsdp, seq=seq,
                                image_size=image_size, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                                dtype=dtype, optimizer=optimizer)
         result = max_batch(record, budget_bytes, method=method, max_overhead_pct=overhead, time_limit=time_limit,
@@ -73,10 +75,13 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
                           "layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "dtype": dtype,
                           "optimizer": optimizer}
     result["device_profile"] = profile.name
+    result["fsdp"] = fsdp
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return
     sizes = ", ".join(f"{k} {v}" for k, v in result["workload"].items()
                       if v is not None and k not in ("model", "entry"))
     title = f"{model_name or entry} ({sizes}), fake steps costed on {profile.name}"
+    if fsdp is not None:
+        title += f", rank 0 of {fsdp} FSDP2 ranks (batch per rank)"
     click.echo(render_max_batch(result, title, units or "auto"), nl=False)

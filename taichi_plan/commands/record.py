@@ -34,13 +34,19 @@ from ._common import Status, handle_errors, size_options
 @click.option("--clip-grad-norm", type=float, default=None, metavar="X",
               help="clip_grad_norm_(model.parameters(), X) before the optimizer step.")
 @click.option("--keep-grads", is_flag=True, help="zero_grad(set_to_none=False): gradients stay allocated between steps.")
+@click.option("--fsdp", "fsdp", type=int, default=None, metavar="N",
+              help="Rank 0 of an N-rank FSDP2 job, each block and the root sharded: with --fake on PyTorch's fake process "
+                   "group (any N), else N gloo processes here. See docs/sharding.md.")
+@click.option("--no-reshard-after-forward", is_flag=True,
+              help="With --fsdp: fully_shard(..., reshard_after_forward=False): units keep their parameters "
+                   "gathered from forward to backward.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Trace directory. Default: traces/<model>-b<batch>...")
 @click.option("--force", is_flag=True, help="Replace an existing trace directory (only a trace, never other files).")
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
-            fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads, output,
-            force) -> None:
+            fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
+            fsdp, no_reshard_after_forward, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
     from ..record import Loop, get_workload, record_workload
@@ -56,13 +62,23 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         model=model_name, entry=entry, batch=batch, seq=seq, image_size=image_size, layers=layers,
         hidden=hidden, heads=heads, vocab=vocab, dtype=dtype, optimizer=optimizer,
     )
+    if no_reshard_after_forward and fsdp is None:
+        raise UsageError("--no-reshard-after-forward applies to sharded recordings: add --fsdp N.")
     if output is None:
-        output = Path("traces") / (workload.default_output_name() + ("-fake" if fake else ""))
+        output = Path("traces") / (workload.default_output_name() + (f"-fsdp{fsdp}" if fsdp else "")
+                                   + ("-fake" if fake else ""))
     check_trace_output(output, force, option="-o")
 
     with Status('recording') as status:
-        trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
-                                progress=status.update, gpu_kernels=not cpu_kernels)
+        if fsdp is not None:
+            from ..record.fsdp import record_fsdp_workload
+
+            trace = record_fsdp_workload(workload, fsdp, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
+                                         reshard_after_forward=not no_reshard_after_forward,
+                                         progress=status.update)
+        else:
+            trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
+                                    progress=status.update, gpu_kernels=not cpu_kernels)
     if not trace.meta["steps_match"]:
         m = trace.meta["first_mismatch"]
         click.echo(
@@ -74,3 +90,8 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     path = write_trace(trace, output, force=force)
     peak, at = baseline_peak(trace)
     click.echo(f"Wrote {path} ({len(trace.ops)} ops, peak {format_bytes(peak)} at op {at})")
+    tracker = (trace.meta.get("fsdp") or {}).get("mem_tracker")
+    if tracker and tracker["peak_bytes"]:
+        diff = 100.0 * (peak - tracker["peak_bytes"]) / tracker["peak_bytes"]
+        click.echo(f"Rank 0 of {trace.meta['fsdp']['world_size']}: FSDPMemTracker's peak for the same step is "
+                   f"{format_bytes(tracker['peak_bytes'])} ({diff:+.2f}%)")

@@ -60,6 +60,21 @@ def render(r: dict) -> str:
     return "\n".join(lines)
 
 
+def render_sharded(r: dict) -> str:
+    lines = [f"Replay of {r['plan']} on {r['nproc']} {r['backend']} ranks (FSDP2), {r['steps']} steps each",
+             f"  budget             {format_bytes(r['budget_bytes']) if r['budget_bytes'] else '-'} per rank",
+             f"  peak predicted     {format_bytes(r['predicted_peak_bytes'])} per rank (unplanned "
+             f"{format_bytes(r['baseline_predicted_peak_bytes'])})"]
+    for k in r["ranks"]:
+        lines.append(
+            f"  rank {k['rank']:<13} measured {format_bytes(k['measured_peak_bytes'])} (op {k['measured_peak_op']}), "
+            f"ratio {k['peak_ratio']:.3f}, {'within' if k['within_budget'] else 'OVER'} budget; unplanned measured "
+            f"{format_bytes(k['baseline_measured_peak_bytes'])}; {k['recompute_ops']} ops re-run; gradient shards "
+            f"{'match' if k['grads_match'] and k['params_match'] else 'DIFFER'}")
+    lines.append(f"  gradients          {'match' if r['grads_match'] else 'DIFFER'} ({r['grads_check']})")
+    return "\n".join(lines)
+
+
 def _is_replay_report(path: Path) -> bool:
     """A report an earlier replay wrote, which a new one replaces (no other file is replaced)."""
     try:
@@ -83,9 +98,12 @@ def _is_replay_report(path: Path) -> bool:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of the text.")
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path), default=None,
               help="The trace the plan was solved for, when it is not where the plan says (checked by content hash).")
+@click.option("--nproc", type=int, default=None, metavar="N",
+              help="A plan of a sharded trace (record --fsdp N): run N gloo ranks here, FSDP2, and report each "
+                   "rank's measured peak and whether its gradient shards match. See docs/sharding.md.")
 @handle_errors
 def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: Path | None, force: bool,
-            as_json: bool, trace_dir: Path | None) -> None:
+            as_json: bool, trace_dir: Path | None, nproc: int | None) -> None:
     """Rebuild the plan's workload, run it unplanned and planned, and compare the measured
     peak with the predicted one (also step time, extra compute and gradients). Refuses, before
     building anything, a plan whose predicted peaks exceed this machine's memory (--force to
@@ -94,13 +112,19 @@ def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: P
 
     out = output or plan_path.with_name(plan_path.name.replace(".plan.json", "") + ".replay.json")
     check_output(out, True, what="replay report", option="-o", owned=_is_replay_report)
-    with Status("replaying") as status:
-        report = replay(plan_path, steps=steps, check_grads=check_grads, seed=seed, force=force,
-                        progress=status.update, trace=trace_dir)
+    if nproc is not None:
+        from ..replay.distributed import replay_sharded
+
+        with Status(f"replaying on {nproc} ranks"):
+            report = replay_sharded(plan_path, nproc, steps=steps, seed=seed, trace=trace_dir)
+    else:
+        with Status("replaying") as status:
+            report = replay(plan_path, steps=steps, check_grads=check_grads, seed=seed, force=force,
+                            progress=status.update, trace=trace_dir)
     if as_json:
         click.echo(json.dumps(report, indent=1))
     else:
-        click.echo(render(report))
+        click.echo(render_sharded(report) if nproc is not None else render(report))
     write_json_atomic(out, report, what="replay report")
     click.echo(f"Wrote {out}", err=as_json)
     if not report["within_budget"] or (check_grads and not report["grads_match"]):

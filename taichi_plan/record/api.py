@@ -240,7 +240,7 @@ def record_workload(
     :mod:`taichi_plan.record.gpu_ops`), said in ``meta.gpu_kernels``; False records this
     torch's own kernels.
     """
-    _check_counts(steps, warmup)
+    check_counts(steps, warmup)
     if fake:
         device_profile = device_profile or DEFAULT_FAKE_PROFILE
     profile = get_profile(device_profile) if device_profile else None
@@ -313,7 +313,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
     return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)
 
 
-def _check_counts(steps: int, warmup: int) -> None:
+def check_counts(steps: int, warmup: int) -> None:
     if steps < 1:
         raise UsageError(f"--steps must be at least 1, got {steps}.")
     if warmup < 0:
@@ -365,7 +365,7 @@ def record_step(model, optimizer, step_fn: Callable[[], None], *, inputs=(), loo
     """
     import torch
 
-    _check_counts(steps, warmup)
+    check_counts(steps, warmup)
     loop = loop or Loop()
     where = f"record_step({name!r})"
     problems = []

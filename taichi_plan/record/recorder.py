@@ -40,7 +40,20 @@ How each column is decided:
 - Kinds: registered ones (parameter, buffer, optimizer_state, input), ``.grad`` storages at the
   step end are ``gradient``, storages in ``optimizer.state`` at the end ``optimizer_state``;
   the rest is ``activation`` if produced in forward and alive when backward starts (saved for
-  backward), else ``temporary``.
+  backward), else ``temporary``. A storage an add-on labelled beforehand (``storage_labels``,
+  e.g. FSDP's unsharded parameters) takes that kind; the gathered buffer of an all-gather is
+  ``all_gather``, the full input of a reduce-scatter ``reduce_scatter``.
+- Resized storages: ``UntypedStorage.resize_`` is no op a dispatch mode sees (FSDP2 frees and
+  re-allocates unsharded parameters with it), so the recorder patches it while active. A
+  storage resized to 0 bytes is freed there (``free_op`` = the last op that ran); resized to
+  n > 0 bytes it becomes a new row (a new *incarnation* of the same storage) from the next op
+  on. Rows of one storage are listed in ``StepRecord.incarnations``.
+- Tensor subclasses that wrap others (DTensor) are let through (``NotImplemented``), so the
+  mode sees the ops on their local tensors; registered DTensors count as their local tensors.
+- Collectives (``c10d.*``, ``_c10d_functional.*``) and FSDP's own ops (``fsdp.*``) are never
+  ``recomputable`` (a rank cannot re-run a collective alone); a fake run costs a collective
+  as a ring over ``world_size`` devices on the profile's interconnect
+  (:func:`~taichi_plan.record.roofline.collective_duration_s`).
 """
 
 from __future__ import annotations
@@ -57,7 +70,7 @@ from torch.utils._pytree import arg_tree_leaves, tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
 from ..devices import DeviceProfile
-from .roofline import dtype_key, estimate_duration_s
+from .roofline import collective_duration_s, collective_kind, dtype_key, estimate_duration_s
 
 _aten = torch.ops.aten
 # CPU SDPA kernels have the same (q, k, v, ...) / (grad_out, q, k, v, ...) layout as the CUDA ones.
@@ -69,6 +82,22 @@ _Tensor = torch.Tensor
 # Metadata queries and profiler markers: no kernel, no memory (``prim.device`` under fake mode,
 # ``profiler._record_function_*`` around ``optimizer.step``).
 _SKIP_NAMESPACES = ("prim", "profiler")
+# Ops a rank cannot re-run alone: collectives, and FSDP's copies in and out of their buffers.
+_NO_RECOMPUTE_NAMESPACES = ("c10d", "_c10d_functional", "fsdp")
+
+
+def _wrapper_subclasses() -> tuple:
+    """Tensor subclasses whose ops the recorder lets through to their local tensors (DTensor)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except Exception:  # a torch built without distributed
+        return ()
+    return (DTensor,)
+
+
+def local_tensor(t):
+    """The tensor holding ``t``'s memory on this rank: a DTensor's local shard, else ``t``."""
+    return getattr(t, "_local_tensor", t) if isinstance(t, _Tensor) else t
 
 
 @dataclass
@@ -78,6 +107,8 @@ class _OpInfo:
     mutates: bool
     write_args: list[tuple[int, str]]
     flop_fn: object
+    collective: str | None = None  # ring kind (allgather, reduce_scatter, allreduce) of a collective
+    no_recompute: bool = False
 
 
 def input_signature(args, kwargs) -> list[list]:
@@ -114,7 +145,8 @@ def _op_info(func) -> _OpInfo:
                 write_args.append((-1 if a.kwarg_only else i, a.name))
     packet = func.overloadpacket
     flop_fn = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-    return _OpInfo(name, skip, bool(write_args), write_args, flop_fn)
+    return _OpInfo(name, skip, bool(write_args), write_args, flop_fn, collective_kind(name),
+                   func.namespace in _NO_RECOMPUTE_NAMESPACES)
 
 
 @dataclass
@@ -127,6 +159,8 @@ class StepRecord:
     shapes: list = field(default_factory=list)
     producer_phase: list = field(default_factory=list)
     calls: list = field(default_factory=list)  # the model's forward calls (see Recorder.model_hooks)
+    incarnations: dict = field(default_factory=dict)  # storage key -> its rows (tensor ids), when resized
+    extras: dict = field(default_factory=dict)  # what add-ons (record.fsdp) note about the step
 
     @property
     def num_ops(self) -> int:
@@ -140,9 +174,16 @@ class Recorder(TorchDispatchMode):
     between. ``profile`` given: durations are roofline estimates; else measured wall time.
     """
 
-    def __init__(self, profile: DeviceProfile | None = None, model: torch.nn.Module | None = None):
+    def __init__(self, profile: DeviceProfile | None = None, model: torch.nn.Module | None = None,
+                 world_size: int = 1):
         super().__init__()
         self.profile = profile
+        self.world_size = world_size  # devices a fake run's collectives are costed over
+        # storage key -> (kind, dtype, shape) for storages an add-on knows better (FSDP's
+        # unsharded parameters, which first appear through ``resize_``)
+        self.storage_labels: dict[int, tuple[str, str, list]] = {}
+        self._wrappers = _wrapper_subclasses()
+        self._orig_resize = None
         self._infos: dict = {}
         self._alive: dict[int, weakref.ref] = {}  # storage key -> weakref, every storage seen and alive
         self._tid: dict[int, int] = {}  # storage key -> tensor id in the current step
@@ -186,15 +227,79 @@ class Recorder(TorchDispatchMode):
 
         return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
+    @property
+    def op_count(self) -> int:
+        """Ops recorded so far in the current step (the id the next op gets)."""
+        return self._n
+
+    @property
+    def current(self) -> StepRecord | None:
+        """The record of the step being recorded, None between steps."""
+        return self._rec
+
     def __enter__(self):
         self._mod_tracker.__enter__()
+        self._patch_resize()
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._restore_resize()
             self._mod_tracker.__exit__(*exc)
+
+    def _patch_resize(self) -> None:
+        """``UntypedStorage.resize_`` reaches no dispatch mode (MemTracker patches it too)."""
+        if self._orig_resize is not None:
+            return
+        orig = self._orig_resize = torch.UntypedStorage.resize_
+        on_resize = self._on_resize
+
+        def resize_(st, size):
+            out = orig(st, size)
+            on_resize(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
+
+    def _restore_resize(self) -> None:
+        if self._orig_resize is not None:
+            torch.UntypedStorage.resize_ = self._orig_resize
+            self._orig_resize = None
+
+    def _on_resize(self, st) -> None:
+        rec = self._rec
+        if rec is None:
+            return
+        key = st._cdata
+        nbytes = st.nbytes()
+        tid = self._tid.get(key)
+        tens = rec.tensors
+        if tid is not None:
+            if tens["nbytes"][tid] == nbytes:
+                return
+            self._end_incarnation(tid, key)
+        if nbytes == 0:
+            return
+        kind, dtype, shape = self.storage_labels.get(key, (None, "uint8", [nbytes]))
+        tid = self._register_storage(st, dtype, shape, self._n, -1, kind)
+        rec.incarnations.setdefault(key, []).append(tid)
+
+    def _end_incarnation(self, tid: int, key: int) -> None:
+        """A storage shrank or grew: its current row ends with the last op that ran."""
+        tens = self._rec.tensors
+        self._tid.pop(key, None)
+        rows = self._rec.incarnations.setdefault(key, [])
+        if tid not in rows:  # its first row, registered before it was ever resized
+            rows.append(tid)
+        if self._n == 0:  # resized before the step's first op: the row never held memory in it
+            tens["nbytes"][tid] = 0
+            tens["free_op"][tid] = 0
+            if tens["alloc_op"][tid] < 0:
+                tens["alloc_op"][tid] = 0
+        else:
+            tens["free_op"][tid] = self._n - 1
 
     # -- step bookkeeping -----------------------------------------------------------------------
     def begin_step(self, registered: list[tuple[str, list[torch.Tensor]]]) -> None:
@@ -209,6 +314,7 @@ class Recorder(TorchDispatchMode):
         for kind, tensors in registered:
             for t in tensors:
                 if isinstance(t, _Tensor):
+                    t = local_tensor(t)
                     st = t.untyped_storage()
                     if st._cdata not in self._tid:
                         self._register(t, st, -1, -1, kind)
@@ -224,9 +330,14 @@ class Recorder(TorchDispatchMode):
         for kind, tensors in late_kinds:
             for t in tensors:
                 if isinstance(t, _Tensor):
-                    tid = self._tid.get(t.untyped_storage()._cdata)
+                    tid = self._tid.get(local_tensor(t).untyped_storage()._cdata)
                     if tid is not None:
                         kinds[tid] = kind
+        n_ops = rec.num_ops
+        for tid, a in enumerate(rec.tensors["alloc_op"]):
+            if a >= n_ops:  # grown by resize_ after the step's last op: holds no memory in the step
+                rec.tensors["alloc_op"][tid] = rec.tensors["free_op"][tid] = max(n_ops - 1, 0)
+                rec.tensors["nbytes"][tid] = 0
         phases = rec.ops["phase"]
         first_bw = next((i for i, p in enumerate(phases) if p == "backward"), None)
         alloc, free = rec.tensors["alloc_op"], rec.tensors["free_op"]
@@ -243,6 +354,14 @@ class Recorder(TorchDispatchMode):
         self._rec = None
         return rec
 
+    def relabel(self, t: torch.Tensor, kind: str) -> None:
+        """Give the current row of ``t``'s storage the kind ``kind`` (an add-on that knows
+        what a storage is: FSDP's unsharded gradients)."""
+        if self._rec is not None:
+            tid = self._tid.get(local_tensor(t).untyped_storage()._cdata)
+            if tid is not None:
+                self._rec.tensors["kind"][tid] = kind
+
     def close(self) -> None:
         """Drop the weakrefs (and their callbacks) and the module tracker: no cycle keeps the
         model alive after recording."""
@@ -252,6 +371,11 @@ class Recorder(TorchDispatchMode):
         self._mod_tracker = None
 
     def _register(self, t, st, op_id: int, producer: int, kind: str | None) -> int:
+        label = self.storage_labels.get(st._cdata) if kind is None else None
+        return self._register_storage(st, str(t.dtype).replace("torch.", ""), list(t.shape), op_id, producer,
+                                      label[0] if label else kind)
+
+    def _register_storage(self, st, dtype: str, shape: list, op_id: int, producer: int, kind: str | None) -> int:
         key = st._cdata
         rec = self._rec
         tens = rec.tensors
@@ -260,8 +384,8 @@ class Recorder(TorchDispatchMode):
         if key not in self._alive:
             self._alive[key] = weakref.ref(st, partial(self._on_free, key))
         tens["nbytes"].append(st.nbytes())
-        tens["dtype"].append(str(t.dtype).replace("torch.", ""))
-        tens["shape"].append(list(t.shape))
+        tens["dtype"].append(dtype)
+        tens["shape"].append(shape)
         tens["kind"].append(kind)
         tens["producer_op"].append(producer)
         tens["alloc_op"].append(op_id)
@@ -295,6 +419,8 @@ class Recorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
+        if self._wrappers and any(issubclass(t, self._wrappers) for t in types):
+            return NotImplemented  # let DTensor run; the ops on its local tensors come back here
         info = self._infos.get(func)
         if info is None:
             info = self._infos[func] = _op_info(func)
@@ -406,8 +532,13 @@ class Recorder(TorchDispatchMode):
                 flops = int(info.flop_fn(*args, **kwargs, out_val=out))
             except Exception:  # a formula that does not know this overload: no count, not a crash
                 flops = 0
+        if info.collective is not None:
+            self._label_collective(info.collective, flat_in, flat_out)
         if not measure:
-            if launched or flops:
+            if info.collective is not None:
+                full = max((x.nbytes for x in (*flat_in, *flat_out) if isinstance(x, _Tensor)), default=0)
+                duration_s = collective_duration_s(self.profile, info.name, full, self.world_size)
+            elif launched or flops:
                 dt = next((x.dtype for x in flat_in if isinstance(x, _Tensor) and x.is_floating_point()), None)
                 duration_s = estimate_duration_s(self.profile, flops, bytes_moved, dtype_key(dt))
             else:
@@ -415,9 +546,24 @@ class Recorder(TorchDispatchMode):
         ops["duration_s"].append(duration_s)
         ops["flops"].append(flops)
         ops["mutates"].append(info.mutates)
-        ops["recomputable"].append(not info.mutates and phase != "optimizer"
+        ops["recomputable"].append(not info.mutates and phase != "optimizer" and not info.no_recompute
                                    and not (info.name == "aten._to_copy.default" and _autocast_cached(args)))
         return out
+
+    def _label_collective(self, kind: str, flat_in, flat_out) -> None:
+        """The full buffer of an all-gather (its output) is ``all_gather``, of a reduce-scatter
+        (its input) ``reduce_scatter``, unless something already named its kind."""
+        label = {"allgather": "all_gather", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}.get(kind)
+        if label is None:
+            return
+        tensors = [x for x in (*flat_in, *flat_out) if isinstance(x, _Tensor)]
+        if not tensors:
+            return
+        full = max(tensors, key=lambda x: x.untyped_storage().nbytes())
+        tid = self._tid.get(full.untyped_storage()._cdata)
+        kinds = self._rec.tensors["kind"]
+        if tid is not None and kinds[tid] is None:
+            kinds[tid] = label
 
 
 def _autocast_cached(args) -> bool:

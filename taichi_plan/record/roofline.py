@@ -29,3 +29,36 @@ def estimate_duration_s(profile: DeviceProfile, flops: int, bytes_moved: int, dt
     compute_s = flops / profile.flops_per_s(dtype) if flops else 0.0
     memory_s = bytes_moved / profile.bandwidth_bytes_per_s if bytes_moved else 0.0
     return max(compute_s, memory_s) + profile.launch_overhead_s
+
+
+# Ring collectives: the fraction of the full buffer each device sends (and receives) per call.
+# all-gather / reduce-scatter over n devices move (n-1)/n of the full (gathered) buffer; an
+# all-reduce is a reduce-scatter then an all-gather: 2 (n-1)/n.
+_RING_FACTOR = {
+    "allgather": 1, "all_gather": 1, "reduce_scatter": 1, "allreduce": 2, "all_reduce": 2, "broadcast": 1,
+}
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+def collective_kind(op_name: str) -> str | None:
+    """``c10d._allgather_base_.default`` -> ``allgather``; None for an op that is no collective."""
+    parts = op_name.split(".")
+    if len(parts) < 2 or parts[0] not in COLLECTIVE_NAMESPACES:
+        return None
+    stem = parts[1].strip("_").removesuffix("_base").removesuffix("_into_tensor").removesuffix("_tensor")
+    stem = stem.removesuffix("_coalesced").strip("_")
+    return stem if stem in _RING_FACTOR else None
+
+
+def collective_duration_s(profile: DeviceProfile, op_name: str, full_nbytes: int, world_size: int) -> float:
+    """Ring estimate (seconds) of one collective over ``world_size`` devices of ``profile``,
+    ``full_nbytes`` being the gathered (all-gather output, reduce-scatter input, all-reduce)
+    buffer: ``factor * (n-1)/n * full_nbytes / link bandwidth + launch overhead``, the link the
+    slowest one the ring crosses (:meth:`DeviceProfile.link_bytes_per_s`). A collective that is
+    not a ring one (a barrier, a wait) costs the launch overhead only."""
+    kind = collective_kind(op_name)
+    n = max(int(world_size), 1)
+    if kind is None or n == 1 or not full_nbytes:
+        return profile.launch_overhead_s
+    moved = _RING_FACTOR[kind] * (n - 1) / n * full_nbytes
+    return moved / profile.link_bytes_per_s(n) + profile.launch_overhead_s

@@ -22,14 +22,23 @@ def model_calls(trace) -> list[dict]:
     return calls
 
 
-def _counted_index(trace) -> list[int]:
-    """Per op id: the number of counted ops (``IGNORED_OPS`` left out) before it."""
+def counted_ops(trace) -> list[bool]:
+    """Per op id: whether the runtime counts it (not in ``IGNORED_OPS``, not run by FSDP's
+    own machinery: :func:`taichi_plan.sharding.fsdp_internal_ops`)."""
+    from ..sharding import fsdp_internal_ops
     from .runtime import IGNORED_OPS
 
+    names = trace.ops["op"].tolist()
+    internal = fsdp_internal_ops(trace.meta, len(names))
+    return [name not in IGNORED_OPS and not bool(x) for name, x in zip(names, internal, strict=True)]
+
+
+def _counted_index(counted: list[bool]) -> list[int]:
+    """Per op id: the number of counted ops before it."""
     out, k = [], 0
-    for name in trace.ops["op"].tolist():
+    for c in counted:
         out.append(k)
-        k += name not in IGNORED_OPS
+        k += c
     return out
 
 
@@ -37,18 +46,19 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     """The :class:`~taichi_plan.replay.runtime.CallPlan` of each grad-enabled model call
     (``problem``: the trace's, when the caller has it built already)."""
     from ..optimizer_plan import problem_for_plan
-    from .runtime import IGNORED_OPS, CallPlan
+    from .runtime import CallPlan
 
     problem = problem_for_plan(plan, trace, problem)
     trace = problem.trace  # the step as the plan's optimizer option runs it
     calls = model_calls(trace)
     names = trace.ops["op"].tolist()
     modules = trace.ops["module"].tolist()
-    before = _counted_index(trace)
+    counted = counted_ops(trace)
+    before = _counted_index(counted)
 
     def locate(op: int) -> tuple[int, int] | None:
         for c, call in enumerate(calls):
-            if call["start"] <= op <= call["end"] and names[op] not in IGNORED_OPS:
+            if call["start"] <= op <= call["end"] and counted[op]:
                 return c, before[op] - before[call["start"]]
         return None
 
@@ -88,7 +98,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         a, b = locate(f0), locate(f1)
         if a is None or b is None or a[0] != b[0]:
             raise PlanError(f"The plan partitions {module!r}, whose ops do not all run in one call of the model.")
-        spans[a[0]][module] = (a[1], b[1] + (names[f1] not in IGNORED_OPS) - 1)
+        spans[a[0]][module] = (a[1], b[1] + counted[f1] - 1)
 
     group_of = rebuild_groups(plan, trace, problem)
     kinds = tensors["kind"].tolist()
@@ -97,7 +107,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     out = []
     for c, call in enumerate(calls):
         s0, s1 = call["start"], call["end"]
-        ops = [(names[o], modules[o], made.get(o, {})) for o in range(s0, s1 + 1) if names[o] not in IGNORED_OPS]
+        ops = [(names[o], modules[o], made.get(o, {})) for o in range(s0, s1 + 1) if counted[o]]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
                             bool(call.get("training", True)), group_of))
@@ -211,12 +221,28 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     from .partition import install_partitions
 
     plan, trace = plan_and_trace(plan, trace)
+    _check_sharding(model, plan)
     step_handles = install_optimizer(plan, optimizer)  # first: refuses a plan that needs the optimizer
     rt = runtime_for(plan, trace, on_mismatch)
     handles = install(model, rt, optimizer) + step_handles
     undo = install_partitions(model, plan.partitions, rt)
     model._taichi_plan = {"runtime": rt, "handles": handles, "undo": undo, "plan": plan}
     return model
+
+
+def _check_sharding(model, plan: Plan) -> None:
+    """A plan of a sharded trace holds for that FSDP layout only, and a plan of one process for
+    an unsharded model only (``trace.layout``; the model's after FSDP's lazy init, i.e. after
+    its first step)."""
+    import sys
+
+    want = plan.trace.get("layout")
+    if want is None and "torch.distributed.fsdp" not in sys.modules:
+        return  # an unsharded plan, and nothing in this process can have sharded the model
+    from ..record.fsdp import live_layout
+    from ..sharding import check_layout
+
+    check_layout(want, live_layout(model), "apply()")
 
 
 def install(model, rt, optimizer=None) -> list:
@@ -235,6 +261,10 @@ def install(model, rt, optimizer=None) -> list:
 
     handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True),
                model.register_forward_hook(post_hook, with_kwargs=True, always_call=True)]
+    if "torch.distributed.fsdp" in sys.modules:  # FSDP's own ops are not the plan's (counted_ops)
+        from .distributed import hide_fsdp_internals
+
+        handles.extend(hide_fsdp_internals(model, rt))
     if optimizer is not None:
         handles.append(optimizer.register_step_post_hook(lambda *_: rt.end_step()))
     return handles

@@ -45,7 +45,7 @@ from ..units import format_bytes
 STAT_FACTOR = 2.0  # per-chunk dropout: planned-vs-unplanned distance <= this x reseeded-vs-unplanned
 
 
-def _workload(trace):
+def workload_of(trace):
     from ..record import get_workload
 
     wl = trace.meta.get("workload") or {}
@@ -400,8 +400,11 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         raise PlanError(f"--steps must be at least 1, got {steps}.")
     say = progress or (lambda msg: None)
     plan, trace = plan_and_trace(plan, trace)
+    if plan.trace.get("layout") is not None:
+        raise PlanError(f"This plan is for rank 0 of a {plan.trace['layout']['world_size']}-rank FSDP job: replay it "
+                        f"sharded, with --nproc {plan.trace['layout']['world_size']} (replay_sharded in Python).")
     device = replay_device(trace)
-    workload = _workload(trace)
+    workload = workload_of(trace)
     memory = check_memory(plan, trace, device, force)
     base = run_and_measure(workload, None, trace, steps, seed, device, say, "unplanned run")
     planned = run_and_measure(workload, plan, trace, steps, seed, device, say, "planned run")

@@ -178,6 +178,7 @@ class PlanRuntime(TorchDispatchMode):
         self._index = 0  # grad-enabled calls so far in this step
         self._frame: Frame | None = None
         self._stack: list = []  # (frame, hooks context) of the calls running now
+        self.hidden = 0  # > 0 while FSDP's own machinery runs: its ops are not counted
         self.mismatch: str | None = None
         self.mismatches = 0
         # Measurements since the last reset_counters().
@@ -341,7 +342,7 @@ class PlanRuntime(TorchDispatchMode):
         if info is None:
             info = self._infos[func] = _info(func)
         frame = self._frame
-        if info.skip or frame is None or not frame.enabled or frame.partition_depth \
+        if info.skip or frame is None or not frame.enabled or frame.partition_depth or self.hidden \
                 or torch._C._current_graph_task_id() != -1:
             return func(*args, **kwargs)
         call = frame.call

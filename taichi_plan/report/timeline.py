@@ -33,11 +33,19 @@ KIND_COLORS = {
     "input": "#64b5cd",
     "activation": "#55a868",
     "temporary": "#ccb974",
+    # sharded traces (record --fsdp): what FSDP gathers and frees around each unit
+    "unsharded_parameter": "#a1c9f4",
+    "unsharded_gradient": "#ffb482",
+    "all_gather": "#d0bbff",
+    "reduce_scatter": "#debb9b",
 }
 KIND_LABELS = {"optimizer_state": "optimizer state", "parameter": "parameters", "gradient": "gradients",
-               "activation": "activations", "temporary": "temporaries", "input": "inputs", "buffer": "buffers"}
+               "activation": "activations", "temporary": "temporaries", "input": "inputs", "buffer": "buffers",
+               "unsharded_parameter": "gathered parameters", "unsharded_gradient": "unsharded gradients",
+               "all_gather": "all-gather buffers", "reduce_scatter": "reduce-scatter buffers"}
 # Stacking order, bottom to top: what lives all step first, then what comes and goes.
-STACK_ORDER = ("parameter", "buffer", "optimizer_state", "gradient", "input", "activation", "temporary")
+STACK_ORDER = ("parameter", "buffer", "optimizer_state", "gradient", "input", "unsharded_parameter", "all_gather",
+               "unsharded_gradient", "reduce_scatter", "activation", "temporary")
 PHASE_COLORS = {"forward": "#dbe8f6", "backward": "#fbe3d0", "optimizer": "#dcefd6", "other": "#ececec"}
 
 

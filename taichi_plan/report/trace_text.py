@@ -239,11 +239,11 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
         lines.append(_cut(f"  {key:<10} {value if value not in (None, '') else '-'}", width))
 
     lines.append("")
-    lines.append(f"  {'tensors by kind':<17}{'count':>7}{'bytes':>13}{'at step start':>17}{'bytes':>13}")
+    lines.append(f"  {'tensors by kind':<20}{'count':>7}{'bytes':>13}{'at step start':>17}{'bytes':>13}")
     for k, v in s["tensors_by_kind"].items():
         if v["count"]:
             lines.append(
-                f"  {k:<17}{v['count']:>7}{size(v['nbytes']):>13}"
+                f"  {k:<20}{v['count']:>7}{size(v['nbytes']):>13}"
                 f"{v['count_at_start']:>17}{size(v['nbytes_at_start']):>13}"
             )
 
@@ -259,7 +259,7 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
         for k, b in p["by_kind"].items():
             if b:
                 share = 100.0 * b / p["nbytes"] if p["nbytes"] else 0.0
-                lines.append(f"    {k:<17}{size(b):>13}{share:>8.1f}%")
+                lines.append(f"    {k:<20}{size(b):>13}{share:>8.1f}%")
 
     lines.append("")
     lines.append(f"Largest {len(s['largest_tensors'])} tensors")

@@ -17,6 +17,7 @@ from ..overhead import runtime_overhead_s
 from ..partition import partition_cost, partition_savings, partitionable_spans, random_draws
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
+from ..sharding import layout
 from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
 from ..units import format_bytes, format_cost
 
@@ -74,6 +75,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "signature": trace.signature(),
             "num_ops": trace.num_ops,
             "workload": trace.meta.get("workload"),
+            "layout": layout(trace.meta),  # sharded traces: the FSDP layout the plan holds for
         },
         budget_bytes=budget_bytes,
         solver={

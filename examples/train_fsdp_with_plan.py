@@ -1,0 +1,58 @@
+"""Train under FSDP2 with a plan solved for rank 0, in your own torchrun script.
+
+Record rank 0's step of the 2-rank job on one CPU (no process group needed: it runs on
+PyTorch's fake one), solve it for half its per-rank peak, then run the job:
+
+    taichi-plan record --model gpt2 --layers 2 --hidden 64 --heads 4 --vocab 500 --seq 128 --batch 4 \
+        --fake --fsdp 2 -o traces/tiny-gpt2-fsdp2
+    taichi-plan solve traces/tiny-gpt2-fsdp2 --budget 50% -o plans/tiny-gpt2-fsdp2.plan.json
+    torchrun --nproc_per_node 2 examples/train_fsdp_with_plan.py plans/tiny-gpt2-fsdp2.plan.json
+
+On GPUs: ``init_process_group("nccl")``, ``init_device_mesh("cuda", ...)`` and
+``torch.cuda.set_device(local_rank)``; across nodes, torchrun's ``--nnodes``/``--rdzv-endpoint``.
+The model must be sharded as it was recorded (each repeated block, then the root, with the
+same ``reshard_after_forward``): ``apply`` refuses a plan of another layout.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import taichi_plan
+from taichi_plan.record import get_workload
+
+
+def main(plan_path: str, steps: int = 3) -> None:
+    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+
+    # Your model, batch and loss, built as they were recorded (here: the built-in tiny GPT-2).
+    torch.manual_seed(0)
+    workload = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128, batch=4)
+    model, batch, loss_fn, _ = workload.build(False)
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # after sharding: over the shards
+
+    model = taichi_plan.apply(model, plan_path, optimizer=optimizer)
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(**batch), batch)
+        loss.backward()
+        optimizer.step()
+        # one write per line: the ranks share the terminal
+        sys.stdout.write(f"rank {rank} step {step} loss {loss.item():.6f}\n")
+        sys.stdout.flush()
+    taichi_plan.finish(model)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,391 @@
+"""Record rank 0's step of an FSDP2 job (``record --fsdp N``).
+
+The model is sharded with ``torch.distributed.fsdp.fully_shard``: each repeated block (the
+blocks :func:`taichi_plan.solve.baselines.find_blocks` finds) is a unit, then the root. Under
+``--fake`` the job runs on PyTorch's fake process group (``FakeStore``), so a job of any size
+and any number of ranks is traced on one CPU with no memory; the device mesh is made before
+``FakeTensorMode`` is entered (inside it, mesh creation fails).
+
+What the trace then holds (docs/sharding.md):
+
+- ``parameter``: the sharded parameters (each DTensor's local shard), ``gradient`` the gradient
+  shards, ``optimizer_state`` the sharded optimizer state;
+- ``unsharded_parameter``: the gathered parameters, one row per time FSDP allocates them (the
+  recorder sees ``resize_``), ``unsharded_gradient`` the full gradients before their
+  reduce-scatter, ``all_gather`` / ``reduce_scatter`` the communication buffers;
+- the collectives as ops (``c10d._allgather_base_``, ``c10d._reduce_scatter_base_``), costed on
+  the device profile's interconnect;
+- ``meta.fsdp``: world size, mesh, units (module, ``reshard_after_forward``, parameters and
+  their sharded and unsharded bytes), the op spans FSDP ran for each unit, the rows of each
+  resized storage, and the peak ``FSDPMemTracker`` reports for the same step.
+
+Process groups are global state: one recording per process (the CLI is one); the group is
+destroyed when the recording ends, failed or not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+
+from ..devices import get_profile
+from ..errors import UsageError
+from ..trace import Trace
+from .api import (
+    DEFAULT_FAKE_PROFILE,
+    STEP_DEFINITION,
+    StepRecording,
+    check_counts,
+    make_step_fn,
+    trace_from_records,
+)
+from .loop import Loop
+from .workloads import Workload
+
+# FSDPMemTracker's categories -> the trace's kinds (activations and temporaries are compared
+# together: the tracker files what backward makes under Temp, the trace what dies before
+# backward under temporary).
+TRACKER_KINDS = {
+    "Sharded Param": ("parameter",),
+    "Unsharded Param": ("unsharded_parameter",),
+    "Buffer": ("buffer",),
+    "Sharded Grad": ("gradient",),
+    "Unsharded Grad": ("unsharded_gradient",),
+    "All Gather": ("all_gather",),
+    "Reduce Scatter": ("reduce_scatter",),
+    "OptState": ("optimizer_state",),
+    "Inputs": ("input",),
+    "Activation+Temp": ("activation", "temporary"),
+}
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int):
+    """Rank 0 of a ``world_size``-rank job on the fake process group, with its 1-D CPU mesh;
+    the group is destroyed on exit."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if world_size < 1:
+        raise UsageError(f"--fsdp must be at least 1 rank, got {world_size}.")
+    if dist.is_initialized():
+        raise UsageError("A torch.distributed process group is already initialized in this process; a fake "
+                         "FSDP recording needs its own. Record in a fresh process.")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def shard_model(model, mesh, reshard_after_forward: bool = True) -> list[str]:
+    """``fully_shard`` each repeated block of ``model``, then the root; the units' FQNs in
+    order (the root is ``''``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ..solve.baselines import find_blocks
+
+    blocks = find_blocks([name for name, _ in model.named_modules()])
+    for b in blocks:
+        fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    return [*blocks, ""]
+
+
+def rebuild_optimizer(optimizer, model):
+    """The same optimizer over the model's sharded parameters (``fully_shard`` replaced the
+    parameters the workload built it with)."""
+    import inspect
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    kwargs = {k: v for k, v in optimizer.defaults.items() if k in accepted}
+    return type(optimizer)(model.parameters(), **kwargs)
+
+
+def fsdp_units(model) -> list[tuple[str, object]]:
+    """(FQN, module) of each FSDP unit (a module ``fully_shard`` made an ``FSDPModule`` with
+    parameters of its own), in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for name, m in model.named_modules():
+        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None:
+            out.append((name, m))
+    return out
+
+
+def _group(module):
+    return module._get_fsdp_state()._fsdp_param_group
+
+
+def live_layout(model) -> dict | None:
+    """:func:`taichi_plan.sharding.layout` of a live model: None when it is not sharded with
+    FSDP2, else its world size, mesh and units."""
+    from ..sharding import layout
+
+    units = fsdp_units(model)
+    if not units:
+        return None
+    mesh = _group(units[0][1]).mesh_info.mesh
+    return layout({"fsdp": describe_layout(model, mesh, mesh.size(), "live")})
+
+
+def describe_layout(model, mesh, world_size: int, backend: str) -> dict:
+    """``meta.fsdp`` without the per-step parts: the layout of the sharded model."""
+    units = []
+    for fqn, m in fsdp_units(model):
+        g = _group(m)
+        units.append({
+            "module": fqn,
+            # FSDP2 never reshards the root after forward (backward would gather it at once)
+            "reshard_after_forward": g.post_forward_mesh_info is not None,
+            "params": [fp._param_fqn or "" for fp in g.fsdp_params],
+            "sharded_nbytes": int(sum(fp.sharded_param._local_tensor.untyped_storage().nbytes()
+                                      for fp in g.fsdp_params)),
+            "unsharded_nbytes": int(sum(fp._orig_size.numel() * fp.sharded_param.element_size()
+                                        for fp in g.fsdp_params)),
+        })
+    return {"world_size": world_size, "rank": 0, "backend": backend, "mesh_shape": list(mesh.shape),
+            "mesh_device": mesh.device_type, "units": units}
+
+
+# The param-group methods in which FSDP runs its own ops (gathering, copying, freeing).
+GROUP_METHODS = ("pre_forward", "post_forward", "pre_backward", "post_backward", "unshard", "wait_for_unshard",
+                 "reshard")
+
+
+class _Undo:
+    def __init__(self, fn: Callable[[], None]):
+        self.remove = fn
+
+
+def patch_group_methods(model, wrap: Callable) -> _Undo:
+    """Replace each FSDP unit's param-group methods in :data:`GROUP_METHODS` by
+    ``wrap(unit_index, group, name, original)`` on the instance (as ``FSDPMemTracker`` does);
+    the returned handle's ``remove()`` restores them."""
+    patched = []
+    for k, (_fqn, m) in enumerate(fsdp_units(model)):
+        g = _group(m)
+        for name in GROUP_METHODS:
+            setattr(g, name, wrap(k, g, name, getattr(g, name)))
+            patched.append((g, name))
+
+    def undo() -> None:
+        for g, name in patched:
+            with contextlib.suppress(AttributeError):
+                delattr(g, name)
+        patched.clear()
+
+    return _Undo(undo)
+
+
+class FsdpInstrument:
+    """Tells the recorder what FSDP does that it cannot see from ops alone: which storages are
+    unsharded parameters (labelled before each step), which are unsharded gradients (at each
+    unit's post-backward), and which ops FSDP ran for which unit (spans around its param
+    group's unshard, wait, reshard, pre- and post-forward/backward). Patches each param
+    group's methods on the instance, as ``FSDPMemTracker`` does; :meth:`close` removes them."""
+
+    def __init__(self, recording: StepRecording, model):
+        self.recorder = recording.recorder
+        self.units = fsdp_units(model)
+        self.spans: list[list[int]] = []
+        self._patch = patch_group_methods(model, self._wrap)
+
+    def _wrap(self, unit: int, group, name: str, orig: Callable):
+        rec = self.recorder
+
+        def inner(*args, **kwargs):
+            if name == "post_backward":
+                for fp in group.fsdp_params:
+                    grad = getattr(fp._unsharded_param, "grad", None) if hasattr(fp, "_unsharded_param") else None
+                    if grad is not None:
+                        rec.relabel(grad, "unsharded_gradient")
+            start = rec.op_count
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                if rec.current is not None and rec.op_count > start:
+                    self.spans.append([start, rec.op_count - 1, unit])
+
+        return inner
+
+    def begin_step(self) -> None:
+        """Label the unsharded parameters' storages (they exist, at 0 bytes, between uses)."""
+        self.spans = []
+        labels = self.recorder.storage_labels
+        labels.clear()
+        for _fqn, m in self.units:
+            for fp in _group(m).fsdp_params:
+                if not hasattr(fp, "_unsharded_param"):
+                    continue
+                up = fp._unsharded_param
+                labels[up.untyped_storage()._cdata] = (
+                    "unsharded_parameter", str(up.dtype).replace("torch.", ""), list(up.shape))
+
+    def close(self) -> None:
+        self._patch.remove()
+
+
+def tracker_peak(model, optimizer, step_fn: Callable[[], None], inputs, set_to_none: bool = True) -> dict:
+    """Run one more step under ``FSDPMemTracker`` (PyTorch's per-rank estimate) and return
+    its peak: ``{"peak_bytes": int, "by_category": {category: bytes}}``, categories as
+    :data:`TRACKER_KINDS` (activations and temporaries summed)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    optimizer.zero_grad(set_to_none=set_to_none)
+    fmt = FSDPMemTracker(model, optimizer)
+    fmt.track_inputs(tuple(inputs))
+    with fmt:
+        step_fn()
+    snap = fmt.get_tracker_snapshot("peak")
+    dev = next(iter(snap.values()), {})
+    by = {str(getattr(k, "value", k)): int(v) for k, v in dev.items()}
+    out = {cat: sum(by.get(c, 0) for c in (("Activation", "Temp") if cat == "Activation+Temp" else (cat,)))
+           for cat in TRACKER_KINDS}
+    return {"peak_bytes": int(by.get("Total", 0)), "by_category": out}
+
+
+def record_fsdp_workload(
+    workload: Workload,
+    world_size: int,
+    *,
+    fake: bool = True,
+    device_profile: str | None = None,
+    steps: int = 2,
+    warmup: int = 1,
+    loop: Loop | None = None,
+    reshard_after_forward: bool = True,
+    check_tracker: bool = True,
+    progress: Callable[[str], None] | None = None,
+) -> Trace:
+    """Record rank 0's step of ``workload`` sharded with FSDP2 over ``world_size`` ranks.
+
+    ``fake=True``: the job runs in this process on the fake process group under
+    ``FakeTensorMode`` (any size, any number of ranks, one CPU); durations are estimates on
+    ``device_profile``. ``fake=False``: ``world_size`` processes here, joined with gloo on
+    loopback (CPU; :func:`taichi_plan.replay.distributed.spawn_ranks`), run the real job; rank 0
+    records it (measured durations) and the others run the same steps. ``check_tracker``: run
+    one more step under ``FSDPMemTracker`` and keep its peak in ``meta.fsdp.mem_tracker`` (the
+    reference the trace's peak is checked against).
+    """
+    check_counts(steps, warmup)
+    if warmup < 1:
+        raise UsageError("record --fsdp needs at least one warm-up step (FSDP initializes lazily in its first).")
+    if world_size < 1:
+        raise UsageError(f"--fsdp must be at least 1 rank, got {world_size}.")
+    loop = loop or Loop()
+    if not fake:
+        if device_profile:
+            get_profile(device_profile)  # metadata only for a real run, but checked
+        return _record_real(workload, world_size, device_profile=device_profile, steps=steps, warmup=warmup,
+                            loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
+                            progress=progress)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    device_profile = device_profile or DEFAULT_FAKE_PROFILE
+    profile = get_profile(device_profile)
+    with fake_process_group(world_size) as mesh, FakeTensorMode():
+        return record_rank(workload, mesh, world_size, backend="fake", profile=profile, steps=steps, warmup=warmup,
+                           loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
+                           progress=progress)
+
+
+def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, profile, steps: int, warmup: int,
+                loop: Loop, reshard_after_forward: bool, check_tracker: bool, record: bool = True,
+                progress: Callable[[str], None] | None = None) -> Trace | None:
+    """This rank's part of a sharded recording, inside its process group: build (fake when
+    ``backend`` is ``fake``), shard, warm up, then ``steps`` steps, recorded when ``record``
+    (rank 0) and run alike otherwise (the other ranks take part in every collective), then
+    the ``FSDPMemTracker`` step. Returns rank 0's trace (None on other ranks)."""
+    fake = backend == "fake"
+    say = progress or (lambda msg: None)
+    say(f"building {workload.name}")
+    model, batch, loss_fn, optimizer = workload.build(fake)
+    say(f"sharding over {world_size} ranks")
+    shard_model(model, mesh, reshard_after_forward)
+    optimizer = rebuild_optimizer(optimizer, model)
+    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
+    inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
+    for w in range(warmup):
+        say(f"warm-up step {w + 1}/{warmup}")
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
+        step()
+    fsdp = describe_layout(model, mesh, world_size, backend)
+    records = []
+    with StepRecording(model, optimizer, profile if fake else None) as session:
+        session.recorder.world_size = world_size
+        instrument = FsdpInstrument(session, model)
+        try:
+            for s in range(steps):
+                say(f"recording step {s + 1}/{steps}")
+                optimizer.zero_grad(set_to_none=loop.set_to_none)
+                if not record:
+                    step()
+                    continue
+                instrument.begin_step()
+                session.begin(inputs)
+                step()
+                rec = session.end()
+                rec.extras["fsdp_spans"] = instrument.spans
+                records.append(rec)
+        finally:
+            instrument.close()
+    if check_tracker:
+        say("checking against FSDPMemTracker")
+        fsdp["mem_tracker"] = tracker_peak(model, optimizer, step, inputs, loop.set_to_none)
+    del model, batch, loss_fn, optimizer, step, session
+    if not record:
+        return None
+    kept = records[-1]
+    fsdp["op_spans"] = kept.extras["fsdp_spans"]
+    fsdp["incarnations"] = [rows for rows in kept.incarnations.values() if len(rows) > 1]
+    if profile is not None:
+        fsdp["collective_link_bytes_per_s"] = profile.link_bytes_per_s(world_size)
+    say("building tables")
+    trace = trace_from_records(records, warmup=warmup, fake=fake, loop=loop, meta={
+        "device": "cpu",
+        "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
+        "device_profile": profile.name if profile is not None else None,
+        "dtype": workload.dtype,
+        "step_definition": STEP_DEFINITION,
+    })
+    trace.meta["fsdp"] = fsdp
+    return trace
+
+
+def _record_real(workload: Workload, world_size: int, *, device_profile, steps, warmup, loop: Loop,
+                 reshard_after_forward, check_tracker, progress) -> Trace:
+    import tempfile
+
+    from ..replay.distributed import spawn_ranks
+    from ..trace import read_trace
+
+    if workload.kind not in ("builtin", "entry"):
+        raise UsageError("A real sharded recording rebuilds the workload in each rank's process: only a built-in "
+                         "model or an --entry can be recorded so.")
+    say = progress or (lambda msg: None)
+    say(f"running {world_size} gloo ranks")
+    with tempfile.TemporaryDirectory(prefix="taichi-fsdp-") as d:
+        out = Path(d) / "trace"
+        spawn_ranks(world_size, "record_rank", {
+            "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
+            "device_profile": device_profile, "steps": steps, "warmup": warmup, "loop": loop.to_json(),
+            "reshard_after_forward": reshard_after_forward, "check_tracker": check_tracker, "out": str(out)})
+        trace = read_trace(out)
+    trace.path = None
+    for key in ("name", "num_ops", "num_tensors", "content_hash", "format_version"):
+        trace.meta.pop(key, None)  # written again where the caller writes the trace
+    return trace
+
+
+def trace_by_tracker_category(trace: Trace) -> tuple[int, int, dict[str, int]]:
+    """The trace's baseline peak, its op, and the live bytes there per :data:`TRACKER_KINDS`
+    category: what to hold against ``meta.fsdp.mem_tracker``."""
+    from ..trace import baseline_live_bytes, baseline_peak
+
+    peak, at = baseline_peak(trace)
+    live = baseline_live_bytes(trace, by_kind=True)
+    return peak, at, {cat: int(sum(live[k][at] for k in kinds)) for cat, kinds in TRACKER_KINDS.items()}

@@ -1,0 +1,295 @@
+"""Replay a sharded plan for real: N gloo ranks on this machine (``replay --nproc N``).
+
+Each rank is a process (``torch.multiprocessing`` spawn) joined over loopback TCP with the
+gloo backend (CPU); it builds the plan's workload from the same seed, shards it as the
+trace's layout says (:func:`taichi_plan.record.fsdp.shard_model`), and runs it twice, each
+from the same initial state: unplanned, then with the plan applied (``apply`` hooks the root
+FSDP module's calls exactly as in one process). Each run takes one unplanned warm-up step,
+``steps`` steps, and one more under the recorder, whose live-storage accounting (``resize_``
+seen) gives that rank's measured peak. Each rank reports its measured peaks and whether its
+gradient shards (and parameter shards after the optimizer step) are bitwise equal to the
+unplanned run's. The live model's layout must be the plan's (world size, units,
+``reshard_after_forward``), else the plan is refused.
+
+The plan's trace is rank 0's step: every rank runs the same program on the same batch, so
+every rank's peak is predicted by it (a job whose ranks differ, e.g. uneven shards, would
+need a trace per rank).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from pathlib import Path
+
+from ..errors import PlanError, TaichiError
+from ..plan import Plan
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn_ranks(nproc: int, target: str, spec: dict, timeout_s: float = 600.0) -> list[dict]:
+    """Start ``nproc`` processes (``python -m taichi_plan.replay.distributed``, as torchrun
+    would: one per rank, joined on a free loopback port) that each run the function
+    ``target`` (a name in this module) with ``(rank, nproc, port, out_dir, **spec)``; each
+    writes ``out_dir/rank<r>.json``. Returns those, by rank. A rank that fails or outlives
+    ``timeout_s`` ends the others; its error is raised here."""
+    import subprocess
+    import sys
+    import time
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="taichi-ranks-") as out_dir:
+        job = Path(out_dir) / "job.json"
+        job.write_text(json.dumps({"target": target, "nproc": nproc, "port": port, "spec": spec}))
+        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+        procs = [subprocess.Popen([sys.executable, "-m", "taichi_plan.replay.distributed", str(job), str(r)],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(nproc)]
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            logs = [p.communicate()[0] for p in procs]
+        out = []
+        for r, p in enumerate(procs):
+            f = Path(out_dir) / f"rank{r}.json"
+            if not f.exists():
+                why = "timed out" if p.returncode in (None, -9) else f"exited with code {p.returncode}"
+                tail = "\n".join(logs[r].strip().splitlines()[-15:])
+                raise PlanError(f"Rank {r} of the {nproc}-rank run {why} before reporting. Its last output:\n{tail}")
+            out.append(json.loads(f.read_text()))
+        errors = [o["error"] for o in out if o.get("error")]
+        if errors:
+            raise PlanError(errors[0])
+        return out
+
+
+def hide_fsdp_internals(model, rt) -> list:
+    """While an FSDP unit's own machinery runs (its param group's unshard, wait, reshard,
+    pre/post-forward), the runtime ``rt`` counts no op: the trace leaves the same ops out
+    (:func:`taichi_plan.replay.counted_ops`), so that FSDP's first-step allocations or another
+    prefetch order do not shift the plan's op ordinals. Returns handles to remove."""
+    from ..record.fsdp import fsdp_units, patch_group_methods
+
+    if not fsdp_units(model):
+        return []
+
+    def wrap(_unit, _group, _name, orig):
+        def inner(*args, **kwargs):
+            rt.hidden += 1
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                rt.hidden -= 1
+
+        return inner
+
+    return [patch_group_methods(model, wrap)]
+
+
+def init_gloo(rank: int, nproc: int, port: int):
+    """Join the gloo process group on loopback; returns the 1-D CPU device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
+    return init_device_mesh("cpu", (nproc,))
+
+
+def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int, steps: int) -> dict:
+    """One run on this rank: build from ``seed``, shard as the trace's layout, warm up
+    unplanned, apply ``plan`` (None: unplanned), ``steps`` steps, one measured step."""
+    import torch
+
+    from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
+    from ..record.fsdp import live_layout, rebuild_optimizer, shard_model
+    from ..record.recorder import Recorder
+    from ..sharding import check_layout
+    from ..trace import baseline_peak
+    from . import install, runtime_for
+
+    units = (trace.meta.get("fsdp") or {}).get("units", [])
+    blocks = [u for u in units if u["module"]]
+    reshard = all(u["reshard_after_forward"] for u in blocks) if blocks else True
+    torch.manual_seed(seed)
+    model, batch, loss_fn, optimizer = workload.build(False)
+    shard_model(model, mesh, reshard)
+    optimizer = rebuild_optimizer(optimizer, model)
+    loop = Loop.from_meta(trace.meta)
+    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
+    optimizer.zero_grad(set_to_none=loop.set_to_none)
+    step()  # warm-up, unplanned: FSDP's lazy init, optimizer state
+    handles = []
+    rt = None
+    if plan is not None:
+        check_layout(plan.trace.get("layout"), live_layout(model), "replay")
+        rt = runtime_for(plan, trace)
+        handles = install(model, rt, optimizer)
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad(set_to_none=loop.set_to_none)
+            step()
+        grads = [p.grad.to_local().clone() if p.grad is not None else None for p in model.parameters()]
+        recorder = Recorder(None, model)
+        hooks = recorder.optimizer_hooks(optimizer)
+        try:
+            optimizer.zero_grad(set_to_none=loop.set_to_none)
+            recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
+            with recorder:
+                step()
+            rec = recorder.end_step(late_tensors(model, optimizer))
+        finally:
+            for h in hooks:
+                h.remove()
+            recorder.close()
+    finally:
+        for h in handles:
+            h.remove()
+    peak, peak_op = baseline_peak(step_to_trace(rec, 0, "measured", {}))
+    params = [p.detach().to_local().clone() for p in model.parameters()]
+    return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "params": params,
+            "dropped": rt.dropped_storages if rt is not None else 0,
+            "recompute_ops": rt.recompute_ops if rt is not None else 0,
+            "mismatches": rt.mismatches if rt is not None else 0}
+
+
+def _same(a: list, b: list) -> bool:
+    import torch
+
+    return all((x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+               for x, y in zip(a, b, strict=True))
+
+
+def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, trace_path: str,
+                 steps: int, seed: int) -> None:
+    import torch.distributed as dist
+
+    from ..trace import read_trace
+    from . import plan_and_trace
+    from .measure import workload_of
+
+    out: dict = {"rank": rank}
+    try:
+        mesh = init_gloo(rank, nproc, port)
+        try:
+            plan, trace = plan_and_trace(plan_path, read_trace(trace_path))
+            workload = workload_of(trace)
+            base = _sharded_run(workload, trace, None, mesh, nproc, seed, steps)
+            planned = _sharded_run(workload, trace, plan, mesh, nproc, seed, steps)
+            out.update({
+                "measured_peak_bytes": planned["peak_bytes"], "measured_peak_op": planned["peak_op"],
+                "baseline_measured_peak_bytes": base["peak_bytes"],
+                "grads_match": _same(base["grads"], planned["grads"]),
+                "params_match": _same(base["params"], planned["params"]),
+                "dropped_storages": planned["dropped"], "recompute_ops": planned["recompute_ops"],
+                "mismatches": planned["mismatches"],
+            })
+        finally:
+            dist.destroy_process_group()
+    except TaichiError as e:
+        out["error"] = f"rank {rank}: {e}"
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(out))
+
+
+def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: int = 0, *, trace=None) -> dict:
+    """Replay a plan of a sharded trace on ``nproc`` gloo ranks here; returns the report:
+    per rank the measured peak against the predicted one and whether gradient and parameter
+    shards equal the unplanned run's bitwise."""
+    from . import plan_and_trace
+
+    plan, tr = plan_and_trace(plan, trace)
+    lay = plan.trace.get("layout")
+    if lay is None:
+        raise PlanError("replay --nproc runs a sharded job, but this plan's trace is one process: record it with "
+                        "`taichi-plan record --fsdp N` and solve again, or replay it without --nproc.")
+    if lay["world_size"] != nproc:
+        raise PlanError(f"The plan was solved for rank 0 of {lay['world_size']} ranks; replay --nproc {nproc} would "
+                        f"run another layout. Use --nproc {lay['world_size']}, or record with --fsdp {nproc}.")
+    if plan.partitions:
+        raise PlanError("Partitions under FSDP are not replayed yet: solve the sharded trace without them.")
+    if steps < 1:
+        raise PlanError(f"--steps must be at least 1, got {steps}.")
+    if plan.source is None:
+        raise PlanError("replay_sharded needs a plan saved to a file (each rank loads it).")
+    ranks = spawn_ranks(nproc, "replay_rank", {"plan_path": str(plan.source), "trace_path": str(tr.path),
+                                                "steps": steps, "seed": seed})
+    pred = plan.predicted["planned_peak_bytes"]
+    measured = max(r["measured_peak_bytes"] for r in ranks)
+    for r in ranks:
+        r["peak_ratio"] = r["measured_peak_bytes"] / pred if pred else None
+        r["within_budget"] = plan.budget_bytes is None or r["measured_peak_bytes"] <= plan.budget_bytes
+    return {
+        "plan": plan.trace.get("name"),
+        "nproc": nproc,
+        "backend": "gloo",
+        "budget_bytes": plan.budget_bytes,
+        "predicted_peak_bytes": pred,
+        "measured_peak_bytes": measured,  # the largest rank's
+        "steps": steps,
+        "baseline_predicted_peak_bytes": plan.predicted["baseline_peak_bytes"],
+        "ranks": ranks,
+        "grads_match": all(r["grads_match"] and r["params_match"] for r in ranks),
+        "within_budget": all(r["within_budget"] for r in ranks),
+        "grads_check": "bitwise (torch.equal) on each rank's local gradient and parameter shards",
+    }
+
+
+def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, device_profile, steps: int,
+                warmup: int, loop: dict, reshard_after_forward: bool, check_tracker: bool, out: str) -> None:
+    """One rank of a real sharded recording (:func:`taichi_plan.record.fsdp.record_fsdp_workload`
+    with ``fake=False``): rank 0 records and writes the trace to ``out``."""
+    import torch
+    import torch.distributed as dist
+
+    from ..devices import get_profile
+    from ..record import Loop, get_workload
+    from ..record import fsdp as fsdp_record
+    from ..trace import write_trace
+
+    result: dict = {"rank": rank}
+    try:
+        mesh = init_gloo(rank, nproc, port)
+        try:
+            kw = dict(workload["args"])
+            wl = (get_workload(model=workload["name"], **kw) if workload["kind"] == "builtin"
+                  else get_workload(entry=workload["name"], **kw))
+            torch.manual_seed(0)
+            trace = fsdp_record.record_rank(
+                wl, mesh, nproc, backend="gloo", profile=None, steps=steps, warmup=warmup, loop=Loop(**loop),
+                reshard_after_forward=reshard_after_forward, check_tracker=check_tracker, record=rank == 0)
+            if trace is not None:
+                trace.meta["device_profile"] = get_profile(device_profile).name if device_profile else None
+                write_trace(trace, out)
+        finally:
+            dist.destroy_process_group()
+    except TaichiError as e:
+        result["error"] = f"rank {rank}: {e}"
+    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def _main(argv: list[str]) -> None:
+    """One rank of :func:`spawn_ranks`: ``python -m taichi_plan.replay.distributed JOB RANK``."""
+    job = json.loads(Path(argv[0]).read_text())
+    rank = int(argv[1])
+    fn = {"replay_rank": replay_rank, "record_rank": record_rank}[job["target"]]
+    fn(rank, job["nproc"], job["port"], str(Path(argv[0]).parent), **job["spec"])
+
+
+if __name__ == "__main__":
+    import sys
+
+    _main(sys.argv[1:])

@@ -1,0 +1,107 @@
+"""A plan of rank 0's sharded step, run for real: 2 gloo ranks on loopback, FSDP2 on CPU.
+
+Every rank's measured peak equals the predicted one, and its gradient and parameter shards
+are bitwise those of the unplanned sharded run (``replay --nproc 2``); the user's own
+torchrun script (examples/train_fsdp_with_plan.py) trains with ``apply``; a plan is refused
+on another layout. The ranks are processes this test starts and waits for.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from taichi_plan.cli import main
+from taichi_plan.errors import PlanError
+from taichi_plan.replay.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500", "--seq", "128",
+        "--batch", "4"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_plan(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fsdp2")
+    r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", *TINY, "--fake", "--fsdp", "2",
+                        "-o", str(d / "traces" / "t")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    plan = d / "plans" / "t.plan.json"
+    r = CliRunner().invoke(main, ["solve", str(d / "traces" / "t"), "--budget", "50%", "--method", "heuristic",
+                                  "-o", str(plan)])
+    assert r.exit_code == 0, r.output
+    return plan
+
+
+def test_replay_two_gloo_ranks_measured_equals_predicted(fsdp2_plan):
+    r = CliRunner().invoke(main, ["replay", str(fsdp2_plan), "--nproc", "2", "--steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
+    plan = json.loads(fsdp2_plan.read_text())
+    assert report["predicted_peak_bytes"] == plan["predicted"]["planned_peak_bytes"]
+    assert report["predicted_peak_bytes"] <= 0.5 * plan["predicted"]["baseline_peak_bytes"] + 1
+    assert len(report["ranks"]) == 2
+    for rank in report["ranks"]:
+        assert rank["measured_peak_bytes"] == report["predicted_peak_bytes"], rank
+        assert rank["baseline_measured_peak_bytes"] == plan["predicted"]["baseline_peak_bytes"], rank
+        assert rank["grads_match"] and rank["params_match"], rank
+        assert rank["dropped_storages"] > 0 and rank["recompute_ops"] > 0 and rank["mismatches"] == 0
+    assert report["within_budget"] and report["grads_match"]
+
+
+def test_torchrun_script_applies_the_plan(fsdp2_plan):
+    port = free_port()
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                        "--master_addr", "127.0.0.1", "--master_port", str(port),
+                        str(ROOT / "examples" / "train_fsdp_with_plan.py"), str(fsdp2_plan)],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**__import__("os").environ,
+                                                                                    "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    losses = {int(m[0]): m[1] for m in re.findall(r"rank (\d) step 2 loss (-?[0-9]+\.[0-9]{6})", r.stdout)}
+    assert set(losses) == {0, 1} and losses[0] == losses[1], r.stdout  # same batch on both ranks: same loss
+
+
+def test_sharded_plan_refused_where_the_layout_differs(fsdp2_plan):
+    import taichi_plan
+    from taichi_plan.record import get_workload
+
+    model, _batch, _loss, _opt = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128,
+                                              batch=4).build(False)
+    with pytest.raises(PlanError, match="solved for 2 ranks.*applied to one process"):
+        taichi_plan.apply(model, fsdp2_plan)
+    r = CliRunner().invoke(main, ["replay", str(fsdp2_plan)])
+    assert r.exit_code != 0 and "--nproc 2" in r.output
+    r = CliRunner().invoke(main, ["replay", str(fsdp2_plan), "--nproc", "4"])
+    assert r.exit_code != 0 and "--nproc 2" in r.output and "Traceback" not in r.output
+
+
+def test_real_two_rank_recording_agrees_with_the_fake_one(fsdp2_plan, tmp_path):
+    """record --fsdp 2 without --fake: 2 gloo processes run the job, rank 0 records it. Its
+    peak agrees with FSDPMemTracker's on the real step and with the fake recording's (the
+    plan's trace), within 5%, at the same op; the model's forward is the same op sequence (the backward differs by a
+    split and a copy per reduce-scatter that FSDP2 runs on gloo, not on the fake group)."""
+    from taichi_plan.trace import baseline_peak, read_trace
+
+    r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", *TINY, "--fsdp", "2", "--steps", "1",
+                        "-o", str(tmp_path / "real")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    real = read_trace(tmp_path / "real")
+    fake = read_trace(fsdp2_plan.parent.parent / "traces" / "t")
+    assert real.meta["mode"] == "real" and real.meta["fsdp"]["backend"] == "gloo"
+    assert (real.ops["cost_source"] == "measured").all()
+    # A real step's peak may include a storage a reference cycle keeps until Python's collector
+    # runs (the recorder does not force a collection): seen once here at +2.01%. The gate's 5%.
+    (pct,) = re.findall(r"FSDPMemTracker's peak for the same step is .* \(([+-][0-9.]+)%\)", r.stdout)
+    assert abs(float(pct)) <= 5.0, r.stdout
+    (real_peak, real_op), (fake_peak, fake_op) = baseline_peak(real), baseline_peak(fake)
+    assert abs(real_peak - fake_peak) <= 0.05 * fake_peak and real_op == fake_op
+    (c_real,), (c_fake,) = real.meta["model_calls"], fake.meta["model_calls"]
+    assert (c_real["start"], c_real["end"]) == (c_fake["start"], c_fake["end"])
+    span = slice(c_fake["start"], c_fake["end"] + 1)
+    assert real.ops["op"][span].tolist() == fake.ops["op"][span].tolist()
