@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.progress import Progress
 
 from benchmarks import (
+    bench_floor,
     bench_fsdp,
     bench_graphs,
     bench_optimizer,
@@ -192,6 +193,11 @@ def main() -> None:
                                time_limit=RECORDED_TIME_LIMIT)
         sections.append("## Recorded traces (fake mode, a100-40gb profile)\n\n`heuristic` may partition "
                         "modules too; `partitions` counts them.\n\n" + table(rows))
+
+        # 3b. The least reachable peak per lever (remat, partition, both, baselines).
+        progress.update(task, description="least reachable peaks")
+        sections.append(_guarded("Least reachable peak", lambda: bench_floor.markdown(
+            bench_floor.run(lambda msg: print(f"  {msg}", file=sys.stderr, flush=True)), "make bench")))
 
         # 4. Solve time against trace size.
         progress.update(task, description="trace size")

@@ -6,8 +6,14 @@ batch at which the step fits ``budget_bytes`` with extra compute at most ``max_o
 of the step (33% is about one extra forward):
 
 * ``none``: the trace's own (baseline) peak fits the budget;
-* ``sqrt-n`` and ours (``auto``, ``ilp`` or ``heuristic``): :func:`taichi_plan.solve.solve`
-  finds a plan that fits, and the simulator's extra compute is within the overhead.
+* the baselines ``sqrt-n``, ``full`` (checkpoint every block) and ``dtr``, and ours (``auto``,
+  ``ilp`` or ``heuristic``): :func:`taichi_plan.solve.solve` finds a plan that fits, and the
+  simulator's extra compute is within the overhead.
+
+A planner whose search ends on a batch above which its plan fits the budget but costs more
+than the overhead is *excluded by the overhead cap* there; each result says so
+(``PlannerResult.stop``, :func:`exclusion`), with the batch, the plan's extra compute and
+the cap, and the table prints it under the rows.
 
 Search: every planner fits wherever ``none`` does (a budget that does not bind needs no
 plan), so ``none`` is searched first from batch 1 and the others start from its answer.
@@ -34,7 +40,9 @@ from .units import format_bytes
 DEFAULT_MAX_OVERHEAD_PCT = 33.0
 DEFAULT_TIME_LIMIT = 30.0
 MAX_BATCH = 1 << 16
-COMPARED = ("none", "sqrt-n")
+COMPARED = ("none", "sqrt-n", "full", "dtr")
+RATIO_TO = ("none", "sqrt-n")  # the table's ratio columns (MegTaiChi's two headline ratios)
+_LABEL = {"none": "none", "sqrt-n": "sqrt(n)", "full": "every block", "dtr": "DTR"}
 
 _PCT_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)%$")
 
@@ -72,6 +80,7 @@ class PlannerResult:
     extra_pct: float | None
     capped: bool = False  # the search stopped at the limit, not at a batch that failed
     probes: list[Probe] = field(default_factory=list)
+    stop: Probe | None = None  # the failed probe at max_batch + 1: why the search ended there
 
 
 class TraceCache:
@@ -170,24 +179,42 @@ def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int
         else:
             hi = mid
     capped = capped and lo >= limit
+    stop = next((p for p in probes if p.batch == lo + 1 and not p.fits), None)
     if best is None:
-        return PlannerResult("", 0, None, None, False, probes)
-    return PlannerResult("", best.batch, best.peak_bytes, best.extra_pct, capped, probes)
+        return PlannerResult("", 0, None, None, False, probes, stop)
+    return PlannerResult("", best.batch, best.peak_bytes, best.extra_pct, capped, probes, stop)
+
+
+def exclusion(row: dict, max_overhead_pct: float) -> str | None:
+    """A sentence when the overhead cap, not the budget, ended ``row``'s search (a row of
+    :func:`max_batch`): at the next batch its plan fits the budget but costs more."""
+    stop = row.get("stop")
+    if not stop or stop["reason"] != "over overhead":
+        return None
+    name = _LABEL.get(row["planner"], row["planner"])
+    kind = "cheapest plan" if row["planner"] in OURS else "plan"
+    head = (f"{name}: excluded at batch {stop['batch']} and above by the overhead cap"
+            if row["max_batch"] == 0 else f"{name}: stops at batch {row['max_batch']}, excluded above by the "
+            "overhead cap")
+    return (f"{head}: its {kind} at batch {stop['batch']} fits ({format_bytes(stop['peak_bytes'])}) but costs "
+            f"+{stop['extra_pct']:.1f}% > {max_overhead_pct:g}%.")
 
 
 def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str = "auto",
               max_overhead_pct: float = DEFAULT_MAX_OVERHEAD_PCT, time_limit: float = DEFAULT_TIME_LIMIT,
               seed: int = 0, limit: int = MAX_BATCH, progress: Callable[[str], None] | None = None) -> dict:
-    """Max batch for ``method`` (ours), ``none`` and ``sqrt-n``; see the module docstring.
+    """Max batch for ``method`` (ours) and each of :data:`COMPARED`; see the module docstring.
 
     Returns ``{"budget_bytes", "max_overhead_pct", "method", "planners": [...],
-    "ratios": {"ours/none", "ours/sqrt-n"}, "batches_recorded"}``; each planner row has
-    ``planner``, ``ours``, ``max_batch``, ``peak_bytes``, ``extra_pct``, ``capped`` and
-    ``probes``. A ratio is None when the denominator is 0.
+    "ratios": {"ours/none", "ours/sqrt-n", "ours/full", "ours/dtr"}, "batches_recorded"}``;
+    each planner row has ``planner``, ``ours``, ``max_batch``, ``peak_bytes``, ``extra_pct``,
+    ``capped``, ``probes``, ``stop`` (the failed probe one batch above, or None) and
+    ``excluded`` (:func:`exclusion`'s sentence, or None). A ratio is None when the denominator
+    is 0.
     """
     if method not in OURS:
         raise UsageError(f"--method {method!r}: maxbatch compares one of our planners ({', '.join(OURS)}) "
-                         "against none and sqrt-n.")
+                         f"against the baselines ({', '.join(COMPARED)}).")
     if not isinstance(budget_bytes, int) or budget_bytes <= 0:
         raise UsageError(f"The budget must be a positive number of bytes, got {budget_bytes!r}.")
     if not (0 < max_overhead_pct <= 1000):
@@ -210,7 +237,7 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
     none.planner = "none"
     results["none"] = none
     start = _start_probe(none)
-    for planner in (method, "sqrt-n"):
+    for planner in (method, *COMPARED[1:]):
         r = search(prober(planner), start, limit)
         r.planner = planner
         results[planner] = r
@@ -219,6 +246,7 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
     for planner in (method, *COMPARED):
         row = asdict(results[planner])
         row["ours"] = planner in OURS
+        row["excluded"] = exclusion(row, max_overhead_pct)
         rows.append(row)
     return {
         "budget_bytes": budget_bytes,
@@ -258,7 +286,7 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
         mb = f"{r['max_batch']}" + ("+" if r["capped"] else "")
         extra = f"{r['extra_pct']:.2f}" if r["extra_pct"] is not None else "-"
         ratios = []
-        for c in COMPARED:
+        for c in RATIO_TO:
             den = by[c]["max_batch"]
             ratios.append("-" if r["planner"] == c else (f"{r['max_batch'] / den:.2f}x" if den else "n/a"))
         lines.append(f"{name:<16}{mb:>10}{size(r['peak_bytes']):>14}{extra:>10}{ratios[0]:>10}{ratios[1]:>11}")
@@ -271,6 +299,7 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
     if any(r["capped"] for r in result["planners"]):
         notes.append(f"+ the search stopped at its limit (batch {result['limit']}): the step's memory may not "
                      "grow with the batch.")
+    notes += [r["excluded"] for r in result["planners"] if r.get("excluded")]
     notes.append("MegTaiChi (ICS 2022) reports 5x over no planning and 2.4x over sqrt(n).")
     notes.append(f"Recorded {len(result['batches_recorded'])} fake step(s), batch sizes "
                  + ", ".join(map(str, result["batches_recorded"])) + ".")
@@ -279,5 +308,5 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["DEFAULT_MAX_OVERHEAD_PCT", "MAX_BATCH", "PlannerResult", "Probe", "TraceCache", "fake_recorder",
-           "max_batch", "parse_overhead", "probe_planner", "render_max_batch", "search"]
+__all__ = ["COMPARED", "DEFAULT_MAX_OVERHEAD_PCT", "MAX_BATCH", "PlannerResult", "Probe", "TraceCache",
+           "exclusion", "fake_recorder", "max_batch", "parse_overhead", "probe_planner", "render_max_batch", "search"]

@@ -17,9 +17,17 @@ contiguous forward span and a contiguous backward span in the trace):
 * extra compute: the module's forward once more, plus a launch overhead per op per chunk.
 
 A module qualifies along dim 0 (the batch) when none of its ops mixes samples (no batch
-norm) or draws random numbers (dropout: chunks would draw other masks than the whole batch),
-and every tensor it makes has a leading size that is a multiple of the batch.
+norm) and every tensor it makes has a leading size that is a multiple of the batch.
 Imported graphs have no modules and are never partitioned.
+
+A module whose forward draws random numbers (dropout) is a planner's option only when the
+solve opts in (``Problem.partition_random``, ``solve --partition-random``): its chunks draw
+their own numbers, so training changes, statistically. The plan records it per partition
+(``Partition.random_draws``, :func:`random_draws`): ``"as-unpartitioned"`` where the chunks
+provably draw what the whole batch would have (one dropout in the module, a real CPU run:
+the CPU generator fills a Bernoulli mask element by element, so chunk ``c`` draws the next
+slice of the same stream and leaves the generator where the whole-batch op would), else
+``"per-chunk"``. A plan naming a random module without that record is refused.
 """
 
 from __future__ import annotations
@@ -34,8 +42,14 @@ from .problem import Problem, rebuild_set
 
 MIXES_BATCH = ("batch_norm", "native_batch_norm", "_batch_norm", "cudnn_batch_norm", "group_norm_backward")
 # Random ops draw different numbers per chunk than for the whole batch: such a module's
-# partitioned gradients would not match the unpartitioned ones, so it is not partitioned.
+# partitioned gradients would not match the unpartitioned ones, so it is partitioned only on
+# the solve's opt-in (see the module docstring).
 RANDOM = ("bernoulli", "dropout", "rand", "normal", "multinomial")
+# Random ops whose chunks draw exactly the whole batch's numbers when alone in a module on
+# CPU: one number per element, in memory order (dropout's mask; tests/test_partition_random.py
+# checks it on tensors and by replay). Other random ops are not claimed: normal_ draws in
+# blocks of 16, and the rest is untested.
+SAME_DRAWS_ON_CPU = ("aten.bernoulli_.float",)
 DEFAULT_LAUNCH_S = 1e-5
 CHUNK_CHOICES = (2, 4, 8)
 
@@ -50,6 +64,7 @@ class Span:
     fwd: tuple[int, int]
     bwd: tuple[int, int]
     batch: int
+    random_ops: tuple[int, ...] = ()  # forward ops of the module that draw random numbers
     over: str = "batch"
 
     @property
@@ -72,7 +87,7 @@ def as_partition(span, chunks: int):
 def find_span(problem: Problem, part):
     """The span a partition names (module and ``over``), or None."""
     key = span_key(part)
-    return next((s for s in module_spans(problem) if span_key(s) == key), None)
+    return next((s for s in partitionable_spans(problem) if span_key(s) == key), None)
 
 
 def _under(name: str, module: str) -> bool:
@@ -83,16 +98,17 @@ MAX_SPANS = 48  # partition options considered: the modules with the most bytes 
 
 
 def module_spans(problem: Problem) -> list:
-    """Every span a plan may partition: the modules that can be partitioned along dim 0,
-    with their forward and backward spans (the ``MAX_SPANS`` with the most bytes made inside
-    them, the most a partition can save), then the head + loss spans that can be partitioned
-    over tokens (:func:`taichi_plan.token_span.token_spans`)."""
+    """The planners' partition options: the modules that can be partitioned along dim 0, with
+    their forward and backward spans, random ones only where ``problem.partition_random`` (the
+    ``MAX_SPANS`` with the most bytes made inside them, the most a partition can save), then the
+    head + loss spans that can be partitioned over tokens
+    (:func:`taichi_plan.token_span.token_spans`)."""
     cached = getattr(problem, "_module_spans", None)
     if cached is not None:
         return cached
     from .token_span import token_spans
 
-    spans = _module_spans(problem)
+    spans = [s for s in _batch_spans(problem) if problem.partition_random or not s.random_ops]
     if len(spans) > MAX_SPANS:
         inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in spans}
         keep = set(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
@@ -100,6 +116,47 @@ def module_spans(problem: Problem) -> list:
     spans = spans + token_spans(problem)
     problem._module_spans = spans
     return spans
+
+
+def partitionable_spans(problem: Problem) -> list:
+    """Every span a plan may name, random modules included: what a plan's partitions are
+    looked up in (the planners choose from :func:`module_spans`)."""
+    from .token_span import token_spans
+
+    return _batch_spans(problem) + token_spans(problem)
+
+
+def _batch_spans(problem: Problem) -> list[Span]:
+    """Every module that can be partitioned along dim 0, random ones included (cached)."""
+    cached = getattr(problem, "_partitionable_spans", None)
+    if cached is None:
+        cached = problem._partitionable_spans = _module_spans(problem)
+    return cached
+
+
+def allow_random(problem: Problem, allow: bool) -> Problem:
+    """``problem`` with random modules among the planners' options (``allow``) or not. What
+    else the instance carries (an optimizer view's ``recorded_problem``) goes along; caches
+    (``_``-prefixed) do not, since partition options depend on the flag."""
+    if problem.partition_random == allow:
+        return problem
+    out = dataclasses.replace(problem, partition_random=allow)
+    for key, value in vars(problem).items():
+        if not key.startswith("_") and key not in vars(out):
+            setattr(out, key, value)
+    return out
+
+
+def random_draws(problem: Problem, span: Span) -> str | None:
+    """What the chunks of a partitioned ``span`` draw from the RNG: None when it draws nothing,
+    ``"as-unpartitioned"`` when they provably draw the whole batch's numbers (one Bernoulli op,
+    a real run on CPU), else ``"per-chunk"`` (their own numbers: training changes statistically)."""
+    if not getattr(span, "random_ops", ()):
+        return None
+    meta = problem.trace.meta
+    same = (len(span.random_ops) == 1 and problem.op_name[span.random_ops[0]] in SAME_DRAWS_ON_CPU
+            and meta.get("mode") == "real" and meta.get("device") == "cpu")
+    return "as-unpartitioned" if same else "per-chunk"
 
 
 def _module_spans(problem: Problem) -> list[Span]:
@@ -123,8 +180,9 @@ def _module_spans(problem: Problem) -> list[Span]:
             continue
         if f[-1] - f[0] + 1 != len(f) or b[-1] - b[0] + 1 != len(b):
             continue  # called more than once, or interleaved: not modelled
-        if any(any(k in problem.op_name[i] for k in MIXES_BATCH + RANDOM) for i in (*f.tolist(), *b.tolist())):
+        if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
             continue
+        random_ops = tuple(i for i in f.tolist() if any(k in problem.op_name[i] for k in RANDOM))
         made = np.nonzero((problem.start >= f[0]) & (problem.start <= f[-1]) & ~problem.initial)[0]
         ok = True
         for t in made.tolist():
@@ -137,7 +195,7 @@ def _module_spans(problem: Problem) -> list[Span]:
                 ok = False
                 break
         if ok:
-            out.append(Span(m, (int(f[0]), int(f[-1])), (int(b[0]), int(b[-1])), batch))
+            out.append(Span(m, (int(f[0]), int(f[-1])), (int(b[0]), int(b[-1])), batch, random_ops))
     return out
 
 
@@ -191,8 +249,11 @@ def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarr
             made_f[t] = made_b[t] = False
     f_trans = np.nonzero(made_f & (problem.end <= f1))[0]
     later = np.nonzero(made_f & (problem.end > f1))[0]
+    # Saved for the module's own backward: used nowhere else, and alive until its backward (a
+    # tensor freed between the two, such as a key/value cache the caller drops, keeps its size).
     saved = np.asarray([t for t in later.tolist()
-                        if np.all(((problem.uses[t] >= f0) & (problem.uses[t] <= f1))
+                        if problem.end[t] >= b0
+                        and np.all(((problem.uses[t] >= f0) & (problem.uses[t] <= f1))
                                   | ((problem.uses[t] >= b0) & (problem.uses[t] <= b1)))], dtype=np.int64)
     b_trans = np.nonzero(made_b)[0]
     return f_trans, saved, b_trans
@@ -255,7 +316,7 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
         for y in names:
             if x != y and _under(y, x):
                 raise PlanError(f"The plan partitions both {x!r} and {y!r}, which is inside it; keep one.")
-    spans = {span_key(s): s for s in module_spans(problem)}
+    spans = {span_key(s): s for s in partitionable_spans(problem)}
     nbytes = problem.nbytes.copy()
     start = problem.start.copy()
     end = problem.end.copy()
@@ -271,6 +332,11 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 "independent along it in this trace (or is not in it). Partition only modules that "
                 "`taichi-plan solve` proposes; the plan may be for another trace."
             )
+        if getattr(span, "random_ops", ()) and not (problem.partition_random or getattr(part, "random_draws", None)):
+            raise PlanError(
+                f"The plan partitions module {part.module!r}, which draws random numbers (op "
+                f"{span.random_ops[0]}, {problem.op_name[span.random_ops[0]]}), but does not record that its chunks "
+                "draw their own: partitioning it changes training. Solve again with --partition-random to allow it.")
         k = int(part.chunks)
         if k < 2 or k > span.batch:
             raise PlanError(f"The plan splits {part.module!r} into {k} chunks; use 2..{span.batch}.")

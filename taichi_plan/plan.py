@@ -6,8 +6,10 @@ bound, the simulator's prediction, the decisions (each with a ``why``) and the e
 schedule from which anyone can recompute the peak. Version 3 adds the allocator model's
 reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 the optimizer option
 (``decisions.optimizer``), the FSDP layout of a sharded trace (``trace.layout``, null for
-one process) and partitions over tokens (``decisions.partitions[].over``). Version 3 files
-(no ``over``: every partition is along the batch), version 2 files (no reserved peaks) and
+one process), partitions over tokens (``decisions.partitions[].over``), a partition's random
+draws (``Partition.random_draws``) and whether the solve allowed partitioning modules that
+draw random numbers (``solver.partition_random``). Version 3 files (no ``over``: every
+partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
 
@@ -53,6 +55,10 @@ class Partition:
     chunks: int
     why: str = ""
     over: str = "batch"
+    # None: the module draws no random numbers. "as-unpartitioned": its chunks draw exactly
+    # what the whole batch would have (one dropout, CPU). "per-chunk": they draw their own
+    # (dropout masks differ: training changes statistically). See taichi_plan/partition.py.
+    random_draws: str | None = None
 
 
 @dataclass

@@ -19,7 +19,8 @@ STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
 COST_UNITS = ("s", "units")
 EVENT_KINDS = ("run", "recompute")
 RECOMPUTE_FIELDS = ("tensor", "op", "op_name", "module", "nbytes", "free_after", "remat_before", "why")
-PARTITION_FIELDS = ("module", "dim", "chunks", "why", "over")  # `over` (v4): batch or tokens
+PARTITION_FIELDS = ("module", "dim", "chunks", "why", "over", "random_draws")  # `over`, `random_draws`: v4
+RANDOM_DRAWS = ("as-unpartitioned", "per-chunk")
 # Schedule ids of a partition's concatenation transients (partition.py makes them from
 # -10**12 down): no trace tensor stands behind them.
 PARTITION_TRANSIENT_IDS_FROM = -(10**12)
@@ -118,6 +119,7 @@ def check_plan_json(obj: dict, where: str) -> None:
     if notes is not None and not (isinstance(notes, list) and all(isinstance(x, str) for x in notes)):
         raise _bad(where, "solver.notes", notes, "a list of strings")
     _kind(where, "solver.stats", s.get("stats"), dict, "an object", none=True)
+    _kind(where, "solver.partition_random", s.get("partition_random"), bool, "true or false", none=True)
 
     p = obj["predicted"]
     for key in ("baseline_peak_bytes", "planned_peak_bytes"):
@@ -166,6 +168,7 @@ def check_plan_json(obj: dict, where: str) -> None:
         _int(where, f"{f}.chunks", q["chunks"], lo=2)
         _str(where, f"{f}.why", q.get("why", ""))
         _str(where, f"{f}.over", q.get("over", "batch"), choices=("batch", "tokens"))
+        _str(where, f"{f}.random_draws", q.get("random_draws"), none=True, choices=RANDOM_DRAWS)
         if q["module"] in mods:
             raise _bad(where, f"{f}.module", q["module"], "a module no other partition names")
         mods.add(q["module"])
@@ -182,7 +185,7 @@ def check_plan_json(obj: dict, where: str) -> None:
 def _fields(where: str, f: str, entry, fields: tuple[str, ...]) -> None:
     if not isinstance(entry, dict):
         raise _bad(where, f, entry, "an object")
-    missing = [k for k in fields if k not in ("why", "over") and k not in entry]
+    missing = [k for k in fields if k not in ("why", "over", "random_draws") and k not in entry]
     extra = [k for k in entry if k not in fields]
     if missing:
         raise PlanError(f"{where}: {f} has no `{missing[0]}` field. {_REMEDY}")

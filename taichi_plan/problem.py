@@ -58,6 +58,9 @@ class Problem:
     # that is earlier than ``cand_remat_before`` (a rebuild there needs no other rebuild),
     # else -1. Planners may rebuild early there: it frees less but costs only the producer.
     cand_early_remat: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    # May planners partition modules that draw random numbers (dropout)? Their chunks then
+    # draw their own numbers: training changes. Off unless a solve opts in (partition.py).
+    partition_random: bool = False
     # Per tensor index of a storage FSDP resized (meta.fsdp.incarnations): the other rows of
     # that storage. An unsharded parameter freed after forward is gathered again for backward:
     # a rebuild that read its forward row reads the row live when the rebuild runs, if any.

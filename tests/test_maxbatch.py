@@ -81,7 +81,7 @@ def test_synthetic_max_batch_none_exact_ours_at_least_none():
     none, ours, sq = by["none"]["max_batch"], by["auto"]["max_batch"], by["sqrt-n"]["max_batch"]
     # none is exact: its peak fits at the answer and not one batch above.
     assert build_problem(chain_at(none)).baseline_peak[0] <= budget < build_problem(chain_at(none + 1)).baseline_peak[0]
-    assert ours >= none and sq >= none and ours > sq  # sqrt-n costs more than 30% here
+    assert ours >= none and sq >= none and ours > sq  # sqrt-n runs its last segment plain
     # ours fits at its answer within the overhead and one batch above did not fit.
     plan = solve(chain_at(ours), budget, "auto", time_limit=5)
     assert plan.predicted["planned_peak_bytes"] <= budget and plan.predicted["extra_compute_pct"] <= overhead
@@ -92,10 +92,36 @@ def test_synthetic_max_batch_none_exact_ours_at_least_none():
     assert res["ratios"]["ours/none"] == pytest.approx(ours / none)
 
 
+def test_a_planner_stopped_by_the_overhead_cap_is_named_with_why():
+    """sqrt-n's plan on the chain costs about 12% of the step at every batch: under a 10% cap
+    it is excluded above no planning's batch, and the table says so with the batch, the plan's
+    peak (within budget) and its extra compute. The budget, not the cap, stops no planning."""
+    from taichi_plan.maxbatch import render_max_batch
+
+    budget = 2000
+    res = max_batch(chain_at, budget, method="heuristic", max_overhead_pct=10.0, time_limit=5, limit=1000)
+    by = {r["planner"]: r for r in res["planners"]}
+    sq = by["sqrt-n"]
+    assert sq["max_batch"] == by["none"]["max_batch"] and sq["extra_pct"] == 0.0
+    stop = sq["stop"]
+    assert stop["batch"] == sq["max_batch"] + 1 and stop["reason"] == "over overhead"
+    assert stop["extra_pct"] > 10.0 and stop["peak_bytes"] <= budget
+    plan = solve(chain_at(stop["batch"]), budget, "sqrt-n", time_limit=5)  # the same plan, by hand
+    assert plan.predicted["extra_compute_pct"] == pytest.approx(stop["extra_pct"])
+    assert sq["excluded"] == (f"sqrt(n): stops at batch {sq['max_batch']}, excluded above by the overhead cap: "
+                              f"its plan at batch {stop['batch']} fits ({stop['peak_bytes'] / 1000:.2f} KB) but "
+                              f"costs +{stop['extra_pct']:.1f}% > 10%.")
+    assert by["none"]["stop"]["reason"] == "over budget" and by["none"]["excluded"] is None
+    for r in res["planners"]:
+        assert (r["excluded"] is not None) == (r["stop"] is not None and r["stop"]["reason"] == "over overhead")
+    text = " ".join(line.strip() for line in render_max_batch(res).splitlines())
+    assert sq["excluded"] in text
+
+
 def test_synthetic_too_big_at_batch_one():
     res = max_batch(chain_at, 50, method="heuristic", time_limit=5)  # params and grads alone: 160 B
-    assert [r["max_batch"] for r in res["planners"]] == [0, 0, 0]
-    assert res["ratios"] == {"ours/none": None, "ours/sqrt-n": None}
+    assert [r["max_batch"] for r in res["planners"]] == [0, 0, 0, 0, 0]
+    assert res["ratios"] == {"ours/none": None, "ours/sqrt-n": None, "ours/full": None, "ours/dtr": None}
 
 
 def test_max_batch_rejects_bad_arguments():

@@ -233,8 +233,9 @@ def test_forward_only_graph_rebuilds_anywhere_in_a_gap(graphs_dir):
 
 
 def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
-    """--time-limit 5 counts loading, warm start and every CP-SAT round. ResNet-50 at 0.3 is
-    not proven optimal in 5 s: the best plan so far is written with its bound. random_layered
+    """--time-limit 5 counts loading, warm start and every CP-SAT round. ResNet-50 at 0.35 is
+    not proven optimal in 5 s: the best plan so far is written with its bound (at 0.30 the
+    sqrt-n warm start, run as checkpoint_sequential runs it, peaks at 0.302). random_layered
     n100 at 0.6 and n250 at 0.8 have no plan found in 5 s: the error says the search stopped,
     not that none exists, and what the best plan found reaches."""
     import time
@@ -248,7 +249,7 @@ def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
         assert wall <= 5 * 1.1, (prefix, wall)
         return r, out
 
-    r, out = run("ResNet50", "30%")
+    r, out = run("ResNet50", "35%")
     assert r.exit_code == 0, r.output
     s = load_plan(out).solver
     assert s["status"] == "feasible" and s["stats"]["timed_out"]

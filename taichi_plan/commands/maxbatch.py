@@ -34,7 +34,7 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 @click.option("--max-overhead", default="33%", show_default=True,
               help="Most extra compute a plan may add, as % of the step (33% is about one extra forward).")
 @click.option("--method", "-m", type=click.Choice(["auto", "ilp", "heuristic"]), default="auto", show_default=True,
-              help="Our planner to size with (compared against none and sqrt-n).")
+              help="Our planner to size with (compared against none, sqrt-n, full and dtr).")
 @click.option("--time-limit", default=DEFAULT_TIME_LIMIT, show_default=True, type=float,
               help="Seconds each solve may search.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed.")
@@ -47,7 +47,9 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, device_profile,
             budget, max_overhead, method, time_limit, seed, limit, fsdp, as_json, units) -> None:
     """The largest batch size whose training step fits the budget with extra compute within
-    --max-overhead: for our planner, for no planning and for sqrt(n) checkpointing."""
+    --max-overhead: for our planner, for no planning, sqrt(n) checkpointing, checkpointing every
+    block and DTR (offline); a planner stopped by the overhead cap rather than the budget is
+    named under the table, with its plan's extra compute."""
     from ..errors import UsageError
 
     profile = get_profile(device_profile)

@@ -52,6 +52,8 @@ def render(r: dict) -> str:
                      + (" (--force: ran anyway)" if mem.get("forced") else ""))
     if r.get("trace_mode") == "fake":
         lines.append("  note               the trace was recorded fake; replay ran it on real tensors")
+    if r.get("random_draws"):
+        lines.append(f"  random draws       {r['random_draws']}")
     if "grads_match" in r:
         lines.append(f"  gradients          {'match' if r['grads_match'] else 'DIFFER'} ({r['grads_check']}, "
                      f"max abs diff {r['grads_max_abs_diff']:.3g})")

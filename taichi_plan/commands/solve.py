@@ -101,10 +101,13 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Plan file [default: plans/<TRACE directory's name>.plan.json].")
 @click.option("--force", is_flag=True, help="Replace the plan file if it exists (only a plan, never other files).")
+@click.option("--partition-random", is_flag=True,
+              help="Allow partitioning modules that draw random numbers (dropout): their chunks draw their own "
+                   "masks, so training changes statistically, not bitwise. The plan, inspect and replay say so.")
 @units_option
 @handle_errors
 def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, optimizer, seed, output,
-            force, units) -> None:
+            force, partition_random, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     started = command_started()
     if method not in methods():
@@ -126,14 +129,15 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
     problem = build_problem(trace)
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
     plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on,
-                                allocator=allocator, work_limit=work_limit, started=started, optimizer=optimizer)
+                                allocator=allocator, work_limit=work_limit, started=started, optimizer=optimizer,
+                                partition_random=partition_random)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
 
 
 def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated", allocator=None,
-                         work_limit=None, started=None, optimizer="auto"):
+                         work_limit=None, started=None, optimizer="auto", partition_random=False):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -143,4 +147,4 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
                      problem=problem, on=on, allocator=allocator, work_limit=work_limit, started=started,
-                     optimizer=optimizer)
+                     optimizer=optimizer, partition_random=partition_random)

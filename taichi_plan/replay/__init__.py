@@ -181,9 +181,9 @@ def partition_spans(plan: Plan, trace, problem=None) -> dict[str, tuple[int, int
     if not parts:
         return {}
     from ..optimizer_plan import problem_for_plan
-    from ..partition import module_spans
+    from ..partition import partitionable_spans
 
-    spans = {s.module: s.fwd for s in module_spans(problem_for_plan(plan, trace, problem)) if s.over == "batch"}
+    spans = {s.module: s.fwd for s in partitionable_spans(problem_for_plan(plan, trace, problem)) if s.over == "batch"}
     missing = [p.module for p in parts if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "

@@ -5,7 +5,13 @@ optimizer state exists, as in the recorded trace), then ``steps`` timed steps, t
 step under the recorder, whose live-storage accounting is the trace's own (the same numbers
 MemTracker gives): that step's peak is the measured peak. Gradients and parameters after
 the last step are compared: bitwise for rematerialization alone (rebuilt ops replay their RNG
-state), ``allclose`` when modules are partitioned.
+state), ``allclose`` when modules are partitioned (also where a partitioned module's dropout
+draws, chunk by chunk, the whole batch's masks: ``random_draws`` "as-unpartitioned"), and
+*statistically* when a partitioned module's chunks draw their own masks ("per-chunk",
+``solve --partition-random``): a third, unplanned run reseeds the generator after its warm-up
+step, and the planned run may differ from the unplanned one (relative L2 distance of all
+gradients, and of all parameters) by at most :data:`STAT_FACTOR` times what that reseeded run
+differs by: no more than other dropout masks alone make it differ.
 
 Before building anything, the larger of the two predicted peaks (the unplanned run needs the
 trace's own peak) is compared with the memory this machine has for it (free CUDA memory, or
@@ -35,6 +41,8 @@ from ..errors import NotEnoughMemoryError, PlanError
 from ..optimizer_plan import plan_mode
 from ..plan import Plan
 from ..units import format_bytes
+
+STAT_FACTOR = 2.0  # per-chunk dropout: planned-vs-unplanned distance <= this x reseeded-vs-unplanned
 
 
 def workload_of(trace):
@@ -184,7 +192,8 @@ def cuda_peaks(torch) -> dict:
 
 
 def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, device: str,
-                    say: Callable[[str], None] = lambda msg: None, what: str = "run") -> dict:
+                    say: Callable[[str], None] = lambda msg: None, what: str = "run",
+                    rng_seed: int | None = None) -> dict:
     """Build ``workload`` from ``seed``, run an unplanned warm-up step, then ``steps`` timed
     steps under ``plan`` (None: unplanned) and one more under the recorder. Returns
     ``step_s`` (median), ``peak_bytes`` and ``peak_op`` (the recorded step's), ``ops``,
@@ -193,8 +202,9 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
     :class:`MeasuredRun` itself), so both measure the same way. On CUDA also
     ``cuda_max_allocated_bytes``/``cuda_max_reserved_bytes`` (the last timed step's peaks) and
     ``cuda_start_allocated_bytes`` (allocated when it starts: parameters, optimizer state, batch
-    and anything outside the trace, such as cuBLAS workspaces)."""
-    run = MeasuredRun(workload, plan, trace, seed, device, say, what)
+    and anything outside the trace, such as cuBLAS workspaces). ``rng_seed``: reseed the
+    generator after the warm-up step (the same model and batch, other random draws)."""
+    run = MeasuredRun(workload, plan, trace, seed, device, say, what, rng_seed)
     try:
         for k in range(steps):
             say(f"{what}: step {k + 1}/{steps}")
@@ -216,7 +226,7 @@ class MeasuredRun:
     own model's calls only."""
 
     def __init__(self, workload, plan: Plan | None, trace, seed: int, device: str,
-                 say: Callable[[str], None] = lambda msg: None, what: str = "run"):
+                 say: Callable[[str], None] = lambda msg: None, what: str = "run", rng_seed: int | None = None):
         import torch
 
         from ..record.api import Loop, make_step_fn
@@ -242,6 +252,8 @@ class MeasuredRun:
             self.optimizer.zero_grad(set_to_none=self.loop.set_to_none)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        if rng_seed is not None:
+            torch.manual_seed(rng_seed)
         self.rt, self._handles, self._undo = None, [], (lambda: None)
         self.step_s: list[float] = []
         self.recompute_s: list[float] = []
@@ -430,7 +442,15 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "mechanism": "per model call: saved-tensor hooks and per-tensor rebuild from recorded op recipes; "
                      "partitions: chunked non-reentrant checkpoint",
     }
-    if check_grads:
+    draws = {p.module: p.random_draws for p in plan.partitions if p.random_draws}
+    if draws:
+        report["random_draws"] = random_draws_sentence(draws)
+    if check_grads and "per-chunk" in draws.values():
+        say("reseeded unplanned run: the spread other dropout masks make")
+        other = run_and_measure(workload, None, trace, steps, seed, device, say, "reseeded unplanned run",
+                                rng_seed=seed + 1)
+        report.update(statistical_check(base, planned, other))
+    elif check_grads:
         exact = not plan.partitions
         same = True
         worst = 0.0
@@ -452,3 +472,47 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
                                  + (", parameters only (gradients are freed in backward)" if in_backward else ""))
         report["grads_max_abs_diff"] = worst
     return report
+
+
+def random_draws_sentence(draws: dict[str, str]) -> str:
+    """What the partitioned modules that draw random numbers do to training, for people."""
+    own = sorted(m for m, d in draws.items() if d == "per-chunk")
+    same = sorted(m for m, d in draws.items() if d == "as-unpartitioned")
+    parts = []
+    if own:
+        parts.append(f"partitioned chunks of {', '.join(own)} draw their own dropout masks: training changes "
+                     "statistically, not bitwise")
+    if same:
+        parts.append(f"the chunks of {', '.join(same)} draw the whole batch's dropout masks (one dropout, CPU)")
+    return "; ".join(parts)
+
+
+def _rel_distance(a: list, b: list) -> float:
+    """||a - b|| / ||a|| over every tensor of the two lists (None entries skipped)."""
+    import torch
+
+    num = den = 0.0
+    for x, y in zip(a, b, strict=True):
+        if x is None or y is None:
+            continue
+        num += float(torch.sum((x.double() - y.double()) ** 2))
+        den += float(torch.sum(x.double() ** 2))
+    return (num / den) ** 0.5 if den > 0 else 0.0
+
+
+def statistical_check(base: dict, planned: dict, other: dict) -> dict:
+    """Planned vs unplanned against reseeded vs unplanned (see the module docstring)."""
+    out = {"grads_match": True, "grads_distance": {}, "grads_max_abs_diff": 0.0}
+    for key in ("grads", "params"):
+        d_plan, d_seed = _rel_distance(base[key], planned[key]), _rel_distance(base[key], other[key])
+        out["grads_distance"][key] = {"planned": d_plan, "reseeded": d_seed}
+        out["grads_match"] &= d_plan <= STAT_FACTOR * d_seed
+        for a, b in zip(base[key], planned[key], strict=True):
+            if a is not None and b is not None and a.numel():
+                out["grads_max_abs_diff"] = max(out["grads_max_abs_diff"], float((a - b).abs().max()))
+    g = out["grads_distance"]
+    out["grads_check"] = (f"statistical: planned vs unplanned relative L2 distance (gradients "
+                          f"{g['grads']['planned']:.3g}, parameters {g['params']['planned']:.3g}) at most "
+                          f"{STAT_FACTOR:g}x that of an unplanned run with other dropout masks "
+                          f"({g['grads']['reseeded']:.3g}, {g['params']['reseeded']:.3g})")
+    return out

@@ -249,8 +249,9 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
                  "nbytes": int(r.nbytes), "free_after": r.free_after, "remat_before": r.remat_before,
                  "why": r.why} for r in order[:TOP_DECISIONS]],
     }
-    summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "over": p.over, "why": p.why}
-                             for p in plan.partitions]
+    summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "over": p.over, "why": p.why,
+                              "random_draws": p.random_draws} for p in plan.partitions]
+    summary["partition_random"] = bool(plan.solver.get("partition_random"))
     summary["schedule_peak_bytes"] = peak_from_schedule(plan.schedule)[0] if plan.schedule else None
     summary["modules"] = module_table(problem, plan, sim, parted) if problem is not None else None
     summary["resimulated"] = None
@@ -405,6 +406,11 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
             lines.append(f"  {_cut(q['module'] or '(none)', pw):<{pw}} {over:>7} {q['chunks']:>7}")
             if q["why"]:
                 lines += wrap(q["why"], " " * 6)
+        own = [q["module"] for q in s["partitions"] if q.get("random_draws") == "per-chunk"]
+        if own:
+            lines += wrap(f"Training changes: the chunks of {', '.join(own)} draw their own dropout masks "
+                          "(solved with --partition-random), so the planned run matches the unplanned one "
+                          "statistically, not bitwise.", "  ")
 
     if s["modules"] is not None:
         lines.append("")

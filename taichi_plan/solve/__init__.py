@@ -25,7 +25,7 @@ from ..optimizer_plan import (
     refusal,
     view_problem,
 )
-from ..partition import floor_bytes
+from ..partition import allow_random, floor_bytes
 from ..plan import Plan
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
 from ..simulate import simulate_plan
@@ -120,7 +120,8 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
           problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
-          work_limit: float | None = None, started: float | None = None, optimizer: str = "auto") -> Plan:
+          work_limit: float | None = None, started: float | None = None, optimizer: str = "auto",
+          partition_random: bool = False) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
 
     ``optimizer`` (:mod:`taichi_plan.optimizer_plan`): ``as-recorded`` plans activations only;
@@ -139,16 +140,20 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     far is returned with its bound. ``work_limit`` bounds CP-SAT's deterministic time instead
     (summed over its rounds): the same trace, budget, seed and work limit give the same plan,
     provided the time limit is not reached first.
+
+    ``partition_random``: the planners may partition modules that draw random numbers
+    (dropout); their chunks then draw their own, which changes training statistically, and
+    the plan records it (:mod:`taichi_plan.partition`). Off, nothing random is partitioned.
     """
     if on == "reserved":
         from .reserved import solve_on_reserved
 
         began = time.perf_counter() if started is None else started
-        problem = problem or build_problem(trace)
+        problem = allow_random(problem or build_problem(trace), partition_random)
         return solve_on_reserved(
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
                                  problem=problem, allocator=allocator, work_limit=work_limit, started=began,
-                                 optimizer=optimizer),
+                                 optimizer=optimizer, partition_random=partition_random),
             budget_bytes, method)
     check_choice(trace, optimizer)
     t0 = time.perf_counter() if started is None else started
@@ -158,7 +163,8 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     skipped: list[Problem] = []  # options below whose floor the budget is (their error only if all fail)
     for k, mode in enumerate(modes):
         last = k == len(modes) - 1
-        prob = view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups" else None)
+        prob = allow_random(view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups"
+                                         else None), partition_random)
         if not last and budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0]:
             skipped.append(prob)
             continue  # below what this step can reach at all: the next option
@@ -247,7 +253,12 @@ def lowest_reachable(problem: Problem, steps: int = 7, deadline: float | None = 
     return cached
 
 
-def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None) -> tuple[tuple[int, int, int], bool]:
+def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
+                      planner: Callable[[Problem, int], Decisions] | None = None
+                      ) -> tuple[tuple[int, int, int], bool]:
+    """Bisect ``planner``'s budget (None: the heuristic, its local search bounded) between the
+    floor and the baseline peak: ((peak, op, budget asked) of the lowest-peak plan that fit its
+    budget, whether the search completed)."""
     lo = int(floor_bytes(problem).max())
     hi, hi_op = problem.baseline_peak
     best = (hi, hi_op, hi)
@@ -257,14 +268,25 @@ def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None) -> t
         if deadline is not None and time.perf_counter() > deadline:
             return best, False
         mid = (lo + hi) // 2
-        dec = plan_heuristic(problem, mid, time_limit=60.0 if deadline is None else deadline - time.perf_counter(),
-                             local_max_s=BISECT_LOCAL_MAX_S)
+        if planner is None:
+            dec = plan_heuristic(problem, mid, time_limit=60.0 if deadline is None else deadline - time.perf_counter(),
+                                 local_max_s=BISECT_LOCAL_MAX_S)
+        else:
+            dec = planner(problem, mid)
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
         if sim.peak_bytes <= mid:
             hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op, mid)
         else:
             lo = mid + 1
     return best, True
+
+
+def least_reached(problem: Problem, planner: Callable[[Problem, int], Decisions], steps: int = 7
+                  ) -> tuple[int, int, int]:
+    """(peak, op, budget asked) of the lowest peak ``planner`` (any ``planner(problem,
+    budget_bytes) -> Decisions``) is known to meet, by the bisection :func:`lowest_reachable`
+    runs for the heuristic (not cached)."""
+    return _bisect_heuristic(problem, steps, None, planner)[0]
 
 
 def timed_out_error(problem: Problem, budget_bytes: int, method: str, plan: Plan, time_limit: float,

@@ -7,8 +7,10 @@ simulator could not execute (a rebuild that needs a tensor which is gone and can
 rebuilt) are removed before returning, and counted in the notes.
 
 Blocks (for ``full`` and ``sqrt-n``) are the repeated layer modules: FQNs ``<prefix>.<int>``
-at the shallowest depth where some prefix has at least two of them; an op belongs to a block
-when its module equals the block FQN or starts with the FQN plus ``"."``.
+at the depth, among those where some prefix has at least two of them, whose blocks cover the
+most ops (ties: more blocks, then shallower); an op belongs to a block when its module
+equals the block FQN or starts with the FQN plus ``"."``. ``full`` and ``sqrt-n`` rebuild a
+region's drops together, once, as non-reentrant checkpoint re-runs a region's forward.
 """
 
 from __future__ import annotations
@@ -75,26 +77,33 @@ def plan_full(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
             if np.any(op_block[u] != b):
                 continue  # a block output (or read across blocks): torch keeps it
             chosen.append(k)
-        note = f"{len(blocks)} blocks ({blocks[0]} ... {blocks[-1]})"
+        note = f"{len(blocks)} blocks ({blocks[0]} ... {blocks[-1]}), each re-run once in backward"
+        return _decisions(problem, chosen, "full", note, {"blocks": len(blocks)},
+                          region=op_block[problem.producer[cands]])
     return _decisions(problem, chosen, "full", note, {"blocks": len(blocks)})
 
 
 def plan_sqrt_n(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
                 time_limit: float = 60.0) -> Decisions:
+    """``torch.utils.checkpoint.checkpoint_sequential`` over the blocks (:func:`_segments`):
+    a segment's activations are dropped but for what crosses its end, and the segment's
+    forward re-runs once, when backward first needs one of them."""
     fwd = np.asarray([p == "forward" for p in problem.op_phase], dtype=bool)
     seg, nseg, unit = _segments(problem, fwd)
     chosen = []
     for k, t in enumerate(problem.candidates.tolist()):
         p = problem.producer[t]
-        if not fwd[p]:
-            continue
+        if not fwd[p] or seg[p] < 0:
+            continue  # outside every checkpointed segment: kept
         u = problem.uses[t]
         u = u[fwd[u] & (u != p)]
-        if np.any(seg[u] > seg[p]):
+        if np.any(seg[u] != seg[p]):
             continue  # a segment-boundary activation: kept
         chosen.append(k)
-    note = f"{nseg} segments of consecutive forward {unit}"
-    return _decisions(problem, chosen, "sqrt-n", note, {"segments": nseg})
+    note = (f"{nseg} segments of consecutive forward {unit}, the last one run without checkpointing "
+            "(as checkpoint_sequential); each other segment re-run once in backward")
+    return _decisions(problem, chosen, "sqrt-n", note, {"segments": nseg},
+                      region=seg[problem.producer[problem.candidates]])
 
 
 def plan_selective_mm(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
@@ -125,9 +134,16 @@ def is_matmul_like(op_name: str, imported: bool = False) -> bool:
 
 
 def find_blocks(op_module: list[str]) -> list[str]:
-    """The repeated layer modules, in order of first appearance (see the module docstring)."""
+    """The repeated layer modules, in order of first appearance (see the module docstring).
+
+    Of the depths where some prefix has at least two ``<prefix>.<int>`` children, the one whose
+    blocks cover the most ops; ties go to the one with more blocks, then to the shallower. (The
+    shallowest repeated level can be a two-layer classifier head, as in HF's ResNet, whose
+    bottleneck layers sit deeper, under ``stages.<i>.layers.<j>``.)"""
     first: dict[str, int] = {}
+    count: dict[str, int] = defaultdict(int)
     for i, m in enumerate(op_module):
+        count[m] += 1
         if m and m not in first:
             first[m] = i
     by_depth: dict[int, dict[str, dict[str, int]]] = defaultdict(lambda: defaultdict(dict))
@@ -138,11 +154,16 @@ def find_blocks(op_module: list[str]) -> list[str]:
                 fqn = ".".join(parts[:k])
                 group = by_depth[k][".".join(parts[:k - 1])]
                 group[fqn] = min(group.get(fqn, i), i)
+    best, best_key = [], None
     for depth in sorted(by_depth):
         found = {f: i for g in by_depth[depth].values() if len(g) >= 2 for f, i in g.items()}
-        if found:
-            return sorted(found, key=lambda f: (found[f], f))
-    return []
+        if not found:
+            continue
+        covered = sum(n for m, n in count.items() if any(m == f or m.startswith(f + ".") for f in found))
+        key = (covered, len(found), -depth)
+        if best_key is None or key > best_key:
+            best, best_key = sorted(found, key=lambda f: (found[f], f)), key
+    return best
 
 
 def op_blocks(op_module: list[str], blocks: list[str]) -> np.ndarray:
@@ -161,35 +182,71 @@ def op_blocks(op_module: list[str], blocks: list[str]) -> np.ndarray:
 
 
 def _segments(problem: Problem, fwd: np.ndarray) -> tuple[np.ndarray, int, str]:
-    """Segment of each forward op: ceil(sqrt(#blocks)) blocks per segment, else ops."""
-    n = problem.num_ops
-    seg = np.full(n, -1, dtype=np.int64)
+    """Checkpointed segment of each forward op, -1 for ops no checkpoint covers.
+
+    As ``torch.utils.checkpoint.checkpoint_sequential(blocks, s, x)`` cuts them: the n blocks
+    (else the n forward ops) in s = ceil(sqrt(n)) segments of n // s; the last segment,
+    which also takes the remainder, runs without checkpointing, and so do the ops before the
+    first block and after the last one (embeddings, head, loss).
+    """
+    n_ops = problem.num_ops
+    seg = np.full(n_ops, -1, dtype=np.int64)
     blocks = find_blocks(problem.op_module)
     if blocks:
-        op_block = op_blocks(problem.op_module, blocks)
-        size = math.ceil(math.sqrt(len(blocks)))
-        cur = -1  # forward ops outside blocks belong to the segment of the last block seen
-        for i in np.nonzero(fwd)[0].tolist():
-            if op_block[i] >= 0:
-                cur = int(op_block[i]) // size
-            seg[i] = cur
-        return seg, math.ceil(len(blocks) / size), "blocks"
-    f = np.nonzero(fwd)[0]
-    if len(f) == 0:
-        return seg, 0, "ops"
-    size = math.ceil(len(f) / math.ceil(math.sqrt(len(f))))
-    seg[f] = np.arange(len(f)) // size
-    return seg, int(seg[f[-1]]) + 1, "ops"
+        unit_of = op_blocks(problem.op_module, blocks)
+        unit_of[~fwd] = -1
+        n, unit = len(blocks), "blocks"
+    else:
+        unit_of = np.full(n_ops, -1, dtype=np.int64)
+        f = np.nonzero(fwd)[0]
+        unit_of[f] = np.arange(len(f))
+        n, unit = len(f), "ops"
+    if n == 0:
+        return seg, 0, unit
+    nseg = math.ceil(math.sqrt(n))
+    size = n // nseg
+    inside = (unit_of >= 0) & (unit_of < size * (nseg - 1))
+    seg[inside] = unit_of[inside] // size
+    return seg, nseg, unit
 
 
-def _decisions(problem: Problem, chosen: list[int], name: str, note: str, stats: dict) -> Decisions:
+def _decisions(problem: Problem, chosen: list[int], name: str, note: str, stats: dict,
+               region: np.ndarray | None = None) -> Decisions:
+    """Drop the ``chosen`` candidates. With ``region`` (per candidate: the checkpointed region
+    it is made in, -1 for none), the drops of one region are rebuilt together, as a
+    checkpointed region runs: all in the group before the region's first backward op that
+    needs one of them (:func:`_rebuild_together`)."""
     drops = [Drop(int(problem.candidates[k]), int(problem.cand_free_after[k]),
                   int(problem.cand_remat_before[k])) for k in chosen]
+    if region is not None:
+        drops = _rebuild_together(problem, drops, [int(region[k]) for k in chosen])
     drops, removed = executable(problem, drops)
     notes = [DESCRIPTIONS[name], note]
     if removed:
         notes.append(f"{len(removed)} drops left out: their rebuild needs a tensor that is gone")
     return Decisions(drops=drops, notes=notes, stats={**stats, "drops": len(drops)})
+
+
+def _rebuild_together(problem: Problem, drops: list[Drop], region: list[int]) -> list[Drop]:
+    """Move each drop's rebuild to the first backward rebuild of its region.
+
+    Non-reentrant ``torch.utils.checkpoint`` re-runs a region's forward once, when backward
+    first unpacks a tensor the region saved, and holds what it re-made until its use; the
+    simulator does the same for drops rebuilt before one op (one group: each op re-run once).
+    Rebuilding a tensor per use instead would re-run shared inputs in several groups and
+    charge more than the forward. Drops outside regions, or rebuilt in forward (graphs
+    without a backward), keep their own gap.
+    """
+    bwd = np.asarray([p == "backward" for p in problem.op_phase], dtype=bool)
+    first: dict[int, int] = {}
+    for d, g in zip(drops, region):
+        if g >= 0 and bwd[d.remat_before]:
+            first[g] = min(first.get(g, d.remat_before), d.remat_before)
+    out = []
+    for d, g in zip(drops, region):
+        r = first.get(g, d.remat_before) if bwd[d.remat_before] else d.remat_before
+        out.append(Drop(d.tensor, d.free_after, r if r >= d.free_after + 2 else d.remat_before))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------

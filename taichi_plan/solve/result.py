@@ -14,7 +14,7 @@ from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
 from ..optimizer_plan import describe as describe_optimizer
 from ..optimizer_plan import recorded_problem, recorded_trace
 from ..overhead import runtime_overhead_s
-from ..partition import find_span, partition_cost, partition_savings
+from ..partition import find_span, partition_cost, partition_savings, random_draws
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
 from ..sharding import layout
@@ -89,6 +89,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "seed": seed,
             "notes": dec.notes,
             "stats": dec.stats,
+            "partition_random": problem.partition_random,
         },
         predicted={
             "baseline_peak_bytes": base_peak,
@@ -161,14 +162,20 @@ def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
     i = int(np.argmax(saved))
     if span.over == "tokens":
         how = (f"by computing {part.module}'s logits and the cross-entropy on them in {part.chunks} chunks of "
-               f"{span.rows} tokens (the [{span.rows}, {span.vocab}] logits never exist); re-running the head's "
+               f"{-(-span.rows // part.chunks)} tokens (the [{span.rows}, {span.vocab}] logits never exist); re-running the head's "
                "matmul in backward and the extra launches cost ")
     else:
         how = (f"by running {part.module} on {part.chunks} chunks of the batch; re-running its forward and the "
                "extra launches cost ")
     why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) {how}"
            f"{format_cost(partition_cost(problem, span, part.chunks), unit)}")
-    return Partition(part.module, part.dim, part.chunks, why, over=span.over)
+    draws = random_draws(problem, span)
+    if draws == "as-unpartitioned":
+        why += "; its one dropout draws, chunk by chunk, the masks of the whole batch (CPU)"
+    elif draws:
+        why += (f"; its chunks draw their own dropout masks ({len(span.random_ops)} random op(s)): training "
+                "changes statistically, not bitwise")
+    return Partition(part.module, part.dim, part.chunks, why, over=span.over, random_draws=draws)
 
 
 def drops_from_plan(problem: Problem, plan: Plan) -> list[Drop]:
