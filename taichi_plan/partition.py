@@ -151,7 +151,7 @@ def random_draws(problem: Problem, span: Span) -> str | None:
     """What the chunks of a partitioned ``span`` draw from the RNG: None when it draws nothing,
     ``"as-unpartitioned"`` when they provably draw the whole batch's numbers (one Bernoulli op,
     a real run on CPU), else ``"per-chunk"`` (their own numbers: training changes statistically)."""
-    if not getattr(span, "random_ops", ()):
+    if not span.random_ops:
         return None
     meta = problem.trace.meta
     same = (len(span.random_ops) == 1 and problem.op_name[span.random_ops[0]] in SAME_DRAWS_ON_CPU
@@ -332,7 +332,7 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 "independent along it in this trace (or is not in it). Partition only modules that "
                 "`taichi-plan solve` proposes; the plan may be for another trace."
             )
-        if getattr(span, "random_ops", ()) and not (problem.partition_random or getattr(part, "random_draws", None)):
+        if span.random_ops and not (problem.partition_random or getattr(part, "random_draws", None)):
             raise PlanError(
                 f"The plan partitions module {part.module!r}, which draws random numbers (op "
                 f"{span.random_ops[0]}, {problem.op_name[span.random_ops[0]]}), but does not record that its chunks "

@@ -66,6 +66,7 @@ class TokenSpan:
     logits: int  # the head's output (tensor index)
     copy_op: int  # where the chain copies the logits (the runtime copies the hidden rows there)
     over: str = "tokens"
+    random_ops: tuple[int, ...] = ()  # the chain is position-wise ops and a loss: none draws numbers
 
     @property
     def fwd(self) -> tuple[int, int]:
