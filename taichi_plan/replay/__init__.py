@@ -247,6 +247,7 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     if getattr(model, "_taichi_plan", None) is not None:
         raise PlanError("This model already has a plan applied: call taichi_plan.finish(model) first.")
     _refuse_compiled(model)
+    from ..record.ddp import unwrap
     from .optimizer import install_optimizer
     from .partition import install_partitions
 
@@ -254,23 +255,30 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     _check_sharding(model, plan)
     step_handles = install_optimizer(plan, optimizer)  # first: refuses a plan that needs the optimizer
     rt = runtime_for(plan, trace, on_mismatch)
-    handles = install(model, rt, optimizer) + step_handles
-    undo = install_partitions(model, plan.partitions, rt)
+    inner = unwrap(model)  # under DDP, the module it runs: the one the trace's calls and FQNs are of
+    handles = install(inner, rt, optimizer) + step_handles
+    undo = install_partitions(inner, plan.partitions, rt)
     model._taichi_plan = {"runtime": rt, "handles": handles, "undo": undo, "plan": plan}
     return model
 
 
 def _check_sharding(model, plan: Plan) -> None:
-    """A plan of a sharded trace holds for that FSDP layout only, and a plan of one process for
-    an unsharded model only (``trace.layout``; the model's after FSDP's lazy init, i.e. after
-    its first step)."""
+    """A plan of a sharded trace holds for that FSDP layout only, a plan of a DDP trace for a
+    DDP wrapper with the same world size and settings only, and a plan of one process for an
+    unwrapped, unsharded model only (``trace.layout``; the model's after FSDP's lazy init, i.e.
+    after its first step)."""
     import sys
 
+    from ..record import ddp
+    from ..sharding import check_layout
+
     want = plan.trace.get("layout")
+    if ddp.is_ddp(model):
+        check_layout(want, ddp.live_layout(model), "apply()")
+        return
     if want is None and "torch.distributed.fsdp" not in sys.modules:
         return  # an unsharded plan, and nothing in this process can have sharded the model
     from ..record.fsdp import live_layout
-    from ..sharding import check_layout
 
     check_layout(want, live_layout(model), "apply()")
 
