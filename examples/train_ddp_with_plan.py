@@ -3,10 +3,10 @@
 Record one rank's step of the 2-rank DDP job (one process: a DDP rank's memory does not
 depend on the number of ranks), solve it for half its peak, then run the job:
 
-    taichi-plan record --model gpt2 --layers 2 --hidden 64 --heads 4 --vocab 500 --seq 128 --batch 4 \
-        --ddp 2 -o traces/tiny-gpt2-ddp2
-    taichi-plan solve traces/tiny-gpt2-ddp2 --budget 50% -o plans/tiny-gpt2-ddp2.plan.json
-    torchrun --nproc_per_node 2 examples/train_ddp_with_plan.py plans/tiny-gpt2-ddp2.plan.json
+    taichi-plan record --model gpt2 --layers 2 --hidden 64 --heads 4 --vocab 500 --seq 128 --batch 8 \
+        --ddp 2 --bucket-cap-mb 0.1 -o traces/tiny-gpt2-ddp2
+    taichi-plan solve traces/tiny-gpt2-ddp2 --budget 50% --method heuristic -o plans/tiny-gpt2-ddp2.plan.json
+    torchrun --nproc_per_node 2 examples/train_ddp_with_plan.py plans/tiny-gpt2-ddp2.plan.json --bucket-cap-mb 0.1
 
 DDP must be set up as it was recorded: the same ``bucket_cap_mb`` (``record --bucket-cap-mb``,
 here ``--bucket-cap-mb`` too) and ``gradient_as_bucket_view``, and the same number of ranks;
@@ -36,7 +36,7 @@ def main(plan_path: str, steps: int = 3, bucket_cap_mb: float | None = None,
 
     # Your model, batch and loss, built as they were recorded (here: the built-in tiny GPT-2).
     torch.manual_seed(0)
-    workload = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128, batch=4)
+    workload = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128, batch=8)
     model, batch, loss_fn, optimizer = workload.build(False)
     model = DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=gradient_as_bucket_view)
 

@@ -29,15 +29,15 @@ from taichi_plan.replay.distributed import free_port
 from taichi_plan.trace import baseline_peak, write_trace
 
 ROOT = Path(__file__).resolve().parents[1]
-GPT2 = {"model": "gpt2", "layers": 2, "hidden": 64, "heads": 4, "vocab": 500, "seq": 128, "batch": 4}
+GPT2 = {"model": "gpt2", "layers": 2, "hidden": 64, "heads": 4, "vocab": 500, "seq": 128, "batch": 8}
 MLP = {"model": "mlp", "batch": 8, "hidden": 64, "layers": 2}
-CAP_MB = 0.05  # several buckets on the tiny GPT-2 (790 KB of gradients)
+CAP_MB = 0.1  # 5 buckets of the tiny GPT-2's 790.53 KB of gradients
 
 
 def _record(tmp, name, sizes, world_size, **kw):
     from taichi_plan.record.ddp import record_ddp_workload
 
-    trace = record_ddp_workload(get_workload(**sizes), world_size, steps=2, **kw)
+    trace = record_ddp_workload(get_workload(**sizes), world_size, steps=1, **kw)
     return write_trace(trace, tmp / "traces" / name)
 
 
@@ -68,8 +68,7 @@ def ddp_plan(tmp_path_factory):
     d = tmp_path_factory.mktemp("ddp")
     trace_dir = _record(d, "t", GPT2, 2, bucket_cap_mb=CAP_MB)
     plan = d / "plans" / "t.plan.json"
-    r = CliRunner().invoke(main, ["solve", str(trace_dir), "--budget", "50%", "--time-limit", "5", "--seed", "0",
-                                  "-o", str(plan)])
+    r = CliRunner().invoke(main, ["solve", str(trace_dir), "--budget", "50%", "--method", "heuristic", "-o", str(plan)])
     assert r.exit_code == 0, r.output
     return plan
 
@@ -179,6 +178,11 @@ def test_gradient_as_bucket_view_and_bucket_settings_are_the_layout(tmp_path):
 def test_ddp_usage_errors(ddp_plan):
     r = CliRunner().invoke(main, ["replay", str(ddp_plan), "--nproc", "3"])
     assert r.exit_code != 0 and "--nproc 2" in r.output and "--ddp 3" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["replay", str(ddp_plan)])
+    assert r.exit_code != 0 and "2-rank DDP job" in r.output and "--nproc 2" in r.output
+    r = CliRunner().invoke(main, ["solve", str(ddp_plan.parent.parent / "traces" / "t"), "--budget", "90%",
+                                  "--optimizer", "in-backward", "-o", str(ddp_plan.parent / "ib.plan.json")])
+    assert r.exit_code != 0 and "DDP job" in r.output and "Traceback" not in r.output
     for args, says in ((["--ddp", "2", "--fake"], "FakeTensorMode"),
                        (["--bucket-cap-mb", "1"], "add --ddp N"),
                        (["--ddp", "2", "--fsdp", "2"], "give one of them"),
