@@ -123,8 +123,7 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
     from . import install, runtime_for
 
     units = (trace.meta.get("fsdp") or {}).get("units", [])
-    blocks = [u for u in units if u["module"]]
-    reshard = all(u["reshard_after_forward"] for u in blocks) if blocks else True
+    reshard = {u["module"]: bool(u["reshard_after_forward"]) for u in units}  # as recorded, per unit
     torch.manual_seed(seed)
     model, batch, loss_fn, optimizer = workload.build(False)
     shard_model(model, mesh, reshard)

@@ -1,0 +1,241 @@
+"""FSDP2's ``reshard_after_forward`` per unit, derived from a recorded trace (no torch).
+
+A sharded trace (``record --fsdp N``) is recorded with every unit's ``reshard_after_forward``
+fixed. A unit that reshards frees its gathered parameters when its forward ends and gathers
+them again in backward (an all-gather, a copy-out into the same storages: a second row of each
+storage, ``meta.fsdp.incarnations``). A unit that does not reshard keeps the forward's
+gathering until its backward is done, and runs no backward all-gather at all.
+
+:func:`reshard_view` turns the recorded step into the step with some resharding units set
+to ``False``, exactly as FSDP2 would run it: the ops FSDP ran for those units' backward
+unshard (the innermost ``meta.fsdp.op_spans`` of the unit in backward that allocate an
+all-gather buffer or write its unsharded parameters) are removed, with the tensors only they
+touched (the all-gather buffer); each unsharded parameter's backward row merges into its
+forward row, which then lives until the backward row was freed; op and tensor ids are
+renumbered in order, as a recording of that setting numbers them. ``tests/test_reshard.py``
+holds the view equal, table by table, to a recording made with that setting.
+
+The view's memory cost is the unit's unsharded bytes from the end of its forward to its
+backward; its gain is the backward all-gather's time (the removed ops' duration, costed on the
+profile's interconnect) and, for a planner, rebuild options: a rebuild may read a gathered
+parameter while a row of it is live (:meth:`taichi_plan.problem.Problem.held`), and the kept
+row is live through the whole gap.
+
+Not derived: ``reshard_after_forward`` as an int (reshard to a smaller mesh after forward:
+the backward all-gather then runs over that smaller group, from a buffer the trace never saw;
+a recording with that setting would be needed), and a unit recorded *without* resharding
+cannot be turned into one that reshards (its backward gathering was never recorded).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import PlanError
+from .sharding import fsdp_meta, incarnations
+
+__all__ = ["regather_ops", "reshard_units", "reshard_view", "unit_index", "view_of_choice"]
+
+
+def reshard_units(meta: dict) -> list[int]:
+    """Indices (in ``meta.fsdp.units``) of the units recorded resharding after forward whose
+    backward gathering the trace holds: those a plan may set to ``False``."""
+    f = fsdp_meta(meta)
+    if f is None:
+        return []
+    return [k for k, u in enumerate(f.get("units", [])) if u.get("reshard_after_forward") is True]
+
+
+def unit_index(meta: dict, module: str) -> int:
+    f = fsdp_meta(meta) or {}
+    for k, u in enumerate(f.get("units", [])):
+        if u["module"] == module:
+            return k
+    raise PlanError(f"The plan sets reshard_after_forward for FSDP unit {module or '<root>'!r}, which its trace "
+                    "does not have: the plan was made for another trace. Solve this trace again.")
+
+
+def _innermost_spans(spans: list, n: int) -> np.ndarray:
+    """Per op, the index of the innermost span holding it (-1 for none)."""
+    out = np.full(n, -1, dtype=np.int64)
+    for k in sorted(range(len(spans)), key=lambda k: spans[k][1] - spans[k][0]):  # shortest first
+        s, e = int(spans[k][0]), int(spans[k][1])
+        sel = out[s:e + 1] == -1
+        out[s:e + 1][sel] = k
+    return out
+
+
+def regather_ops(trace, units: set[int] | list[int]) -> np.ndarray:
+    """Op ids of the backward gathering of each unit in ``units``: the ops of its innermost
+    backward spans (``meta.fsdp.op_spans``) that allocate an all-gather buffer or write one
+    of the unit's backward rows of an unsharded parameter (the all-gather itself, the copy-in,
+    the views and copy-out)."""
+    f = fsdp_meta(trace.meta) or {}
+    spans = f.get("op_spans", [])
+    n = len(trace.ops)
+    units = set(int(u) for u in units)
+    if not units or not spans:
+        return np.zeros(0, dtype=np.int64)
+    inner = _innermost_spans(spans, n)
+    phase = trace.ops["phase"].to_numpy()
+    tensors = trace.tensors
+    kind = tensors["kind"].to_numpy()
+    alloc = tensors["alloc_op"].to_numpy()
+    second = {int(rows[j]) for rows in incarnations(trace.meta) for j in range(1, len(rows))}
+    acc = trace.accesses
+    writes = acc[acc["role"].to_numpy() == "write"]
+    marks: set[int] = set()  # spans that gather
+    for a, k in zip(alloc.tolist(), kind.tolist(), strict=True):
+        if k == "all_gather" and a >= 0 and inner[a] >= 0:
+            marks.add(int(inner[a]))
+    for op, t in zip(writes["op_id"].tolist(), writes["tensor_id"].tolist()):
+        if int(t) in second and inner[int(op)] >= 0:
+            marks.add(int(inner[int(op)]))
+    out = []
+    for k in sorted(marks):
+        s, e, u = (int(x) for x in spans[k][:3])
+        if u in units and phase[s] == "backward":
+            out.extend(i for i in range(s, e + 1) if inner[i] == k)
+    return np.asarray(sorted(out), dtype=np.int64)
+
+
+def reshard_view(trace, units: set[int] | list[int]):
+    """The trace of the step with each unit in ``units`` (indices in ``meta.fsdp.units``, all
+    recorded resharding) set to ``reshard_after_forward=False``; see the module docstring.
+    ``view.recorded`` is ``trace``; ``view.kept_ops`` maps a view op id to the recorded one."""
+    from .trace import Trace
+
+    units = sorted(set(int(u) for u in units))
+    if not units:
+        return trace
+    allowed = set(reshard_units(trace.meta))
+    f = fsdp_meta(trace.meta)
+    bad = [u for u in units if u not in allowed]
+    if bad:
+        names = [f["units"][u]["module"] if f and 0 <= u < len(f["units"]) else str(u) for u in bad]
+        raise PlanError(f"FSDP unit(s) {', '.join(repr(x or '<root>') for x in names)} cannot be set to not reshard "
+                        "after forward on this trace: the trace has no such unit, or it was recorded not resharding "
+                        "(its backward gathering was never recorded). Record with resharding and solve again.")
+    ops, tensors, acc = trace.ops, trace.tensors, trace.accesses
+    n = len(ops)
+    drop_ops = regather_ops(trace, units)
+    keep = np.ones(n, dtype=bool)
+    keep[drop_ops] = False
+    new_op = np.cumsum(keep) - 1  # recorded op id -> view op id (for kept ops)
+    dropped = ~keep
+
+    tid = tensors["tensor_id"].to_numpy().astype(np.int64)
+    row_of = {int(t): i for i, t in enumerate(tid.tolist())}
+    alloc = tensors["alloc_op"].to_numpy().astype(np.int64)
+    free = tensors["free_op"].to_numpy().astype(np.int64)
+    producer = tensors["producer_op"].to_numpy().astype(np.int64)
+    # Backward rows of unsharded parameters gathered by the removed ops -> their forward row.
+    merge: dict[int, int] = {}
+    for rows in incarnations(trace.meta):
+        for prev, nxt in zip(rows, rows[1:]):
+            j = row_of.get(int(nxt))
+            if j is not None and alloc[j] >= 0 and dropped[alloc[j]]:
+                merge[int(nxt)] = merge.get(int(prev), int(prev))
+    # Tensors the removed ops made (all-gather buffers): removed, and nothing else may use them.
+    made = {int(t) for t, a in zip(tid.tolist(), alloc.tolist()) if a >= 0 and dropped[a]} - set(merge)
+    a_op = acc["op_id"].to_numpy().astype(np.int64)
+    a_t = acc["tensor_id"].to_numpy().astype(np.int64)
+    outside = [int(t) for t, o in zip(a_t.tolist(), a_op.tolist()) if t in made and not dropped[o]]
+    if outside:
+        raise PlanError(f"Tensor {outside[0]} of the backward all-gather is used outside FSDP's gathering: this "
+                        "trace's FSDP step is not one taichi-plan can re-derive without resharding.")
+
+    t_keep = np.asarray([int(t) not in made and int(t) not in merge for t in tid.tolist()], dtype=bool)
+    new_free = free.copy()
+    for nxt, prev in merge.items():
+        new_free[row_of[prev]] = free[row_of[nxt]]
+
+    kept_ids = np.nonzero(keep)[0]
+
+    def remap(op_ids: np.ndarray, later: bool) -> np.ndarray:
+        """Recorded op ids -> view ids (-1 stays). ``later``: a removed op maps to the next
+        kept op (a free that happened there happens at the next op that runs)."""
+        out = np.asarray(op_ids, dtype=np.int64).copy()
+        ok = out >= 0
+        ids = out[ok]
+        gone = ~keep[ids]
+        if gone.any() and not later:
+            raise AssertionError("a kept tensor is allocated by a removed op")
+        res = new_op[ids]
+        res[gone] = np.searchsorted(kept_ids, ids[gone])
+        out[ok] = res
+        return out
+
+    kept_tid = tid[t_keep]
+    new_tid = {int(t): k for k, t in enumerate(kept_tid.tolist())}
+    for nxt, prev in merge.items():
+        new_tid[nxt] = new_tid[prev]
+    t2 = tensors[t_keep].copy()
+    t2["tensor_id"] = np.arange(len(t2), dtype=np.int64)
+    t2["alloc_op"] = remap(alloc[t_keep], later=False).astype(np.int32)
+    t2["producer_op"] = remap(producer[t_keep], later=False).astype(np.int32)
+    t2["free_op"] = remap(new_free[t_keep], later=True).astype(np.int32)
+    t2 = t2.reset_index(drop=True)
+
+    a_keep = keep[a_op]
+    a2 = acc[a_keep].copy()
+    a2["op_id"] = new_op[a_op[a_keep]].astype(np.int32)
+    a2["tensor_id"] = np.asarray([new_tid[int(t)] for t in a_t[a_keep].tolist()], dtype=np.int64)
+    a2 = a2.reset_index(drop=True)
+
+    o2 = ops[keep].copy()
+    o2["op_id"] = np.arange(len(o2), dtype=np.int32)
+    o2 = o2.reset_index(drop=True)
+
+    meta = _view_meta(trace.meta, units, keep, new_op, new_tid, merge)
+    view = Trace(ops=o2, tensors=t2, accesses=a2, meta=meta, path=trace.path)
+    view.recorded = trace
+    view.kept_ops = np.nonzero(keep)[0]
+    return view
+
+
+def _view_meta(meta: dict, units: list[int], keep: np.ndarray, new_op: np.ndarray, new_tid: dict[int, int],
+               merge: dict[int, int]) -> dict:
+    import copy
+
+    out = copy.deepcopy(meta)
+    f = out["fsdp"]
+    for u in units:
+        f["units"][u]["reshard_after_forward"] = False
+    spans = []
+    for s, e, u, *rest in f.get("op_spans", []):
+        kept = np.nonzero(keep[int(s):int(e) + 1])[0]
+        if len(kept):
+            spans.append([int(new_op[int(s) + kept[0]]), int(new_op[int(s) + kept[-1]]), int(u), *rest])
+    f["op_spans"] = spans
+    f["incarnations"] = [rows for rows in ([new_tid[int(t)] for t in rows if int(t) not in merge]
+                                          for rows in f.get("incarnations", [])) if len(rows) > 1]
+    f.pop("mem_tracker", None)  # FSDPMemTracker measured the recorded setting, not this one
+    for c in out.get("model_calls") or []:
+        for key in ("start", "end"):
+            if c.get(key) is not None:
+                c[key] = int(new_op[int(c[key])])
+    out["num_ops"] = int(keep.sum())
+    out["num_tensors"] = len(new_tid) - len(merge)
+    out["reshard_view"] = {"units": [f["units"][u]["module"] for u in units]}
+    return out
+
+
+def view_of_choice(trace, choice: dict[str, bool] | None):
+    """The trace for a plan's ``decisions.reshard_after_forward`` (module -> bool): the units
+    it sets to ``False`` that were recorded resharding; the trace itself when none."""
+    if not choice:
+        return trace
+    f = fsdp_meta(trace.meta) or {}
+    recorded = {u["module"]: u["reshard_after_forward"] for u in f.get("units", [])}
+    off = []
+    for module, value in choice.items():
+        k = unit_index(trace.meta, module)
+        if value == recorded.get(module):
+            continue
+        if value is not False:
+            raise PlanError(f"The plan sets reshard_after_forward={value!r} for FSDP unit {module or '<root>'!r}, "
+                            f"recorded with {recorded.get(module)!r}: only a unit recorded resharding can be set "
+                            "not to. Record with resharding and solve again.")
+        off.append(k)
+    return reshard_view(trace, off)
