@@ -34,7 +34,8 @@ import numpy as np
 from .errors import PlanError
 from .sharding import fsdp_meta, incarnations
 
-__all__ = ["regather_ops", "reshard_units", "reshard_view", "unit_index", "view_of_choice"]
+__all__ = ["choice_units", "describe", "problem_for_choice", "regather_ops", "reshard_problem", "reshard_units",
+           "reshard_view", "unit_index", "view_of_choice"]
 
 
 def reshard_units(meta: dict) -> list[int]:
@@ -102,7 +103,8 @@ def regather_ops(trace, units: set[int] | list[int]) -> np.ndarray:
 def reshard_view(trace, units: set[int] | list[int]):
     """The trace of the step with each unit in ``units`` (indices in ``meta.fsdp.units``, all
     recorded resharding) set to ``reshard_after_forward=False``; see the module docstring.
-    ``view.recorded`` is ``trace``; ``view.kept_ops`` maps a view op id to the recorded one."""
+    ``view.recorded`` is ``trace``; ``view.kept_ops`` maps a view op id to the recorded one, ``view.position``
+    a recorded op id to the view's."""
     from .trace import Trace
 
     units = sorted(set(int(u) for u in units))
@@ -190,7 +192,10 @@ def reshard_view(trace, units: set[int] | list[int]):
     meta = _view_meta(trace.meta, units, keep, new_op, new_tid, merge)
     view = Trace(ops=o2, tensors=t2, accesses=a2, meta=meta, path=trace.path)
     view.recorded = trace
-    view.kept_ops = np.nonzero(keep)[0]
+    view.kept_ops = kept_ids
+    # recorded op id -> its position in the view (a removed op: the next op that runs), as
+    # optimizer views have it (taichi_plan.solve.result.recorded_baseline)
+    view.position = np.where(keep, new_op, np.searchsorted(kept_ids, np.arange(n)))
     return view
 
 
@@ -221,16 +226,14 @@ def _view_meta(meta: dict, units: list[int], keep: np.ndarray, new_op: np.ndarra
     return out
 
 
-def view_of_choice(trace, choice: dict[str, bool] | None):
-    """The trace for a plan's ``decisions.reshard_after_forward`` (module -> bool): the units
-    it sets to ``False`` that were recorded resharding; the trace itself when none."""
-    if not choice:
-        return trace
-    f = fsdp_meta(trace.meta) or {}
+def choice_units(meta: dict, choice: dict[str, bool] | None) -> list[int]:
+    """The units a setting (module -> ``reshard_after_forward``) turns off among those the
+    trace recorded resharding; a unit set as recorded is no change."""
+    f = fsdp_meta(meta) or {}
     recorded = {u["module"]: u["reshard_after_forward"] for u in f.get("units", [])}
     off = []
-    for module, value in choice.items():
-        k = unit_index(trace.meta, module)
+    for module, value in (choice or {}).items():
+        k = unit_index(meta, module)
         if value == recorded.get(module):
             continue
         if value is not False:
@@ -238,4 +241,100 @@ def view_of_choice(trace, choice: dict[str, bool] | None):
                             f"recorded with {recorded.get(module)!r}: only a unit recorded resharding can be set "
                             "not to. Record with resharding and solve again.")
         off.append(k)
-    return reshard_view(trace, off)
+    return sorted(off)
+
+
+def view_of_choice(trace, choice: dict[str, bool] | None):
+    """The trace for a setting (module -> ``reshard_after_forward``): the recorded trace with
+    the units it turns off (:func:`choice_units`) not resharding."""
+    return reshard_view(trace, choice_units(trace.meta, choice))
+
+
+def reshard_problem(problem, units: set[int] | list[int]):
+    """The problem of the step with ``units`` not resharding (:func:`reshard_view`), from the
+    recorded step's ``problem``; cached on the recorded trace. The view's problem keeps the
+    recorded one (``recorded_problem``) for the unplanned baseline, as optimizer views do."""
+    from .problem import build_problem
+
+    rec = getattr(problem, "recorded_problem", None) or problem
+    key = tuple(sorted(set(int(u) for u in units)))
+    if not key:
+        return rec
+    cache = rec.__dict__.setdefault("_reshard_problems", {})
+    if key not in cache:
+        view = reshard_view(rec.trace, key)
+        prob = build_problem(view)
+        prob.partition_random = rec.partition_random
+        prob.recorded_problem = rec
+        cache[key] = prob
+    return cache[key]
+
+
+def units_off(problem) -> list[int]:
+    """Indices of the units a problem's view sets not to reshard (none for a recorded step)."""
+    info = problem.trace.meta.get("reshard_view")
+    if info is None:
+        return []
+    return [unit_index(problem.trace.meta, m) for m in info["units"]]
+
+
+def regather_cost(problem, unit: int) -> float:
+    """Seconds the recorded step spends gathering ``unit`` again in backward (its all-gather
+    on the interconnect, copy-in and copy-out): what not resharding it saves."""
+    rec = getattr(problem, "recorded_problem", None) or problem
+    return float(rec.op_cost[regather_ops(rec.trace, [unit])].sum())
+
+
+def held_bytes(problem, unit: int) -> tuple[int, int, int]:
+    """(bytes, first op, last op) a unit that does not reshard holds longer: its unsharded
+    parameters from the end of its forward to its backward gathering (recorded op ids)."""
+    rec = getattr(problem, "recorded_problem", None) or problem
+    gone = regather_ops(rec.trace, [unit])
+    if not len(gone):
+        return 0, -1, -1
+    first = int(gone[0])
+    index = rec._index
+    size, lo = 0, first
+    for rows in incarnations(rec.trace.meta):
+        fwd, bwd = index.get(int(rows[0])), index.get(int(rows[1]))
+        if fwd is None or bwd is None or int(rec.start[bwd]) not in set(gone.tolist()):
+            continue
+        size += int(rec.nbytes[fwd])
+        lo = min(lo, int(rec.end[fwd]) + 1)
+    return size, lo, first
+
+
+def describe(problem) -> dict | None:
+    """``decisions.reshard_after_forward`` of a plan on ``problem`` (plan v5): per FSDP unit,
+    its setting and, for each one changed, why; None for a trace that is not sharded."""
+    f = fsdp_meta(problem.trace.meta)
+    if f is None:
+        return None
+    from .units import format_bytes, format_cost
+
+    rec = getattr(problem, "recorded_problem", None) or problem
+    recorded = fsdp_meta(rec.trace.meta)["units"]
+    off = set(units_off(problem))
+    unit = problem.trace.cost_unit
+    units = []
+    for k, u in enumerate(f["units"]):
+        entry = {"module": u["module"], "reshard_after_forward": u["reshard_after_forward"],
+                 "recorded": recorded[k]["reshard_after_forward"]}
+        if k in off:
+            size, lo, hi = held_bytes(rec, k)
+            entry["why"] = (f"keeps {format_bytes(size)} of gathered parameters from op {lo} to op {hi} "
+                            f"(recorded op ids), which saves its backward all-gather and copy-out: "
+                            f"{format_cost(regather_cost(rec, k), unit)}")
+        units.append(entry)
+    saved = rec.step_cost - problem.step_cost
+    return {"units": units, "step_compute_saved": saved, "chosen_by": None}
+
+
+def problem_for_choice(problem, choice: dict | None):
+    """The problem a plan's ``decisions.reshard_after_forward`` describes, from the recorded
+    step's ``problem`` (the recorded one when the plan changes no unit)."""
+    if not choice:
+        return problem
+    rec = getattr(problem, "recorded_problem", None) or problem
+    return reshard_problem(rec, choice_units(rec.trace.meta,
+                                             {u["module"]: u["reshard_after_forward"] for u in choice["units"]}))

@@ -127,6 +127,26 @@ def fsdp_units(model) -> list[tuple[str, object]]:
     return out
 
 
+def set_reshard(model, settings: dict[str, bool]) -> Callable[[], None]:
+    """Set each FSDP unit named in ``settings`` (FQN -> ``reshard_after_forward``) with
+    ``FSDPModule.set_reshard_after_forward(value, recurse=False)``; returns a function that
+    restores the settings it changed."""
+    changed = []
+    for fqn, m in fsdp_units(model):
+        value = settings.get(fqn)
+        now = _group(m).post_forward_mesh_info is not None
+        if value is None or bool(value) == now:
+            continue
+        m.set_reshard_after_forward(bool(value), recurse=False)
+        changed.append((m, now))
+
+    def undo() -> None:
+        for m, was in changed:
+            m.set_reshard_after_forward(was, recurse=False)
+
+    return undo
+
+
 def _group(module):
     return module._get_fsdp_state()._fsdp_param_group
 
