@@ -129,16 +129,17 @@ def fsdp_units(model) -> list[tuple[str, object]]:
 
 def set_reshard(model, settings: dict[str, bool]) -> Callable[[], None]:
     """Set each FSDP unit named in ``settings`` (FQN -> ``reshard_after_forward``) with
-    ``FSDPModule.set_reshard_after_forward(value, recurse=False)``; returns a function that
-    restores the settings it changed."""
+    ``FSDPModule.set_reshard_after_forward(value, recurse=False)``, also where it already has
+    that value: that pins it (FSDP2's default, ``reshard_after_forward=None``, would otherwise
+    turn the root's off at its lazy init, after ``apply``). Returns a function that restores
+    the previous values."""
     changed = []
     for fqn, m in fsdp_units(model):
         value = settings.get(fqn)
-        now = _group(m).post_forward_mesh_info is not None
-        if value is None or bool(value) == now:
+        if value is None:
             continue
+        changed.append((m, _group(m).post_forward_mesh_info is not None))
         m.set_reshard_after_forward(bool(value), recurse=False)
-        changed.append((m, now))
 
     def undo() -> None:
         for m, was in changed:
