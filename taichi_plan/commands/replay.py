@@ -75,7 +75,7 @@ def render_sharded(r: dict) -> str:
     units = r["ranks"][0].get("reshard_after_forward") if r["ranks"] else None
     off = [m for m, on in units or () if not on]
     if units:
-        lines.append(f"  reshard            as run: every FSDP unit reshards after forward but {', '.join(off)}" if off
+        lines.append(f"  reshard            as run: not resharding after forward: {', '.join(off)}" if off
                      else "  reshard            as run: every FSDP unit reshards after forward")
     return "\n".join(lines)
 
