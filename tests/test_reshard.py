@@ -67,8 +67,9 @@ def _differences(view, rec) -> list:
     for key in ("units", "op_spans", "incarnations"):
         if view.meta["fsdp"][key] != rec.meta["fsdp"][key]:
             out.append(("meta.fsdp", key))
-    if view.meta["model_calls"] != rec.meta["model_calls"]:
-        out.append(("meta", "model_calls"))
+    for key in ("model_calls", "random_ops"):
+        if view.meta.get(key) != rec.meta.get(key):
+            out.append(("meta", key))
     return out
 
 
