@@ -71,33 +71,40 @@ def regather_ops(trace, units: set[int] | list[int]) -> np.ndarray:
     backward spans (``meta.fsdp.op_spans``) that allocate an all-gather buffer or write one
     of the unit's backward rows of an unsharded parameter (the all-gather itself, the copy-in,
     the views and copy-out)."""
+    by_unit = _regather_by_unit(trace)
+    parts = [by_unit[int(u)] for u in set(int(u) for u in units) if int(u) in by_unit]
+    return np.sort(np.concatenate(parts)) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _regather_by_unit(trace) -> dict[int, np.ndarray]:
+    """:func:`regather_ops` of every unit at once (cached on the trace)."""
+    cached = trace.__dict__.get("_regather_by_unit")
+    if cached is not None:
+        return cached
     f = fsdp_meta(trace.meta) or {}
     spans = f.get("op_spans", [])
     n = len(trace.ops)
-    units = set(int(u) for u in units)
-    if not units or not spans:
-        return np.zeros(0, dtype=np.int64)
     inner = _innermost_spans(spans, n)
     phase = trace.ops["phase"].to_numpy()
     tensors = trace.tensors
     kind = tensors["kind"].to_numpy()
-    alloc = tensors["alloc_op"].to_numpy()
-    second = {int(rows[j]) for rows in incarnations(trace.meta) for j in range(1, len(rows))}
+    alloc = tensors["alloc_op"].to_numpy().astype(np.int64)
+    second = np.asarray(sorted({int(rows[j]) for rows in incarnations(trace.meta) for j in range(1, len(rows))}),
+                        dtype=np.int64)
     acc = trace.accesses
-    writes = acc[acc["role"].to_numpy() == "write"]
-    marks: set[int] = set()  # spans that gather
-    for a, k in zip(alloc.tolist(), kind.tolist(), strict=True):
-        if k == "all_gather" and a >= 0 and inner[a] >= 0:
-            marks.add(int(inner[a]))
-    for op, t in zip(writes["op_id"].tolist(), writes["tensor_id"].tolist()):
-        if int(t) in second and inner[int(op)] >= 0:
-            marks.add(int(inner[int(op)]))
-    out = []
+    w_op = acc["op_id"].to_numpy().astype(np.int64)[acc["role"].to_numpy() == "write"]
+    w_t = acc["tensor_id"].to_numpy().astype(np.int64)[acc["role"].to_numpy() == "write"]
+    gathers = alloc[(kind == "all_gather") & (alloc >= 0)]
+    copies = w_op[np.isin(w_t, second)]
+    marks = {int(k) for k in inner[np.concatenate([gathers, copies]).astype(np.int64)] if k >= 0}  # spans that gather
+    out: dict[int, list[int]] = {}
     for k in sorted(marks):
         s, e, u = (int(x) for x in spans[k][:3])
-        if u in units and phase[s] == "backward":
-            out.extend(i for i in range(s, e + 1) if inner[i] == k)
-    return np.asarray(sorted(out), dtype=np.int64)
+        if phase[s] == "backward":
+            out.setdefault(u, []).extend(i for i in range(s, e + 1) if inner[i] == k)
+    result = {u: np.asarray(sorted(ops), dtype=np.int64) for u, ops in out.items()}
+    trace._regather_by_unit = result
+    return result
 
 
 def reshard_view(trace, units: set[int] | list[int]):
@@ -297,9 +304,10 @@ def held_bytes(problem, unit: int) -> tuple[int, int, int]:
     first = int(gone[0])
     index = rec._index
     size, lo = 0, first
+    removed = set(gone.tolist())
     for rows in incarnations(rec.trace.meta):
         fwd, bwd = index.get(int(rows[0])), index.get(int(rows[1]))
-        if fwd is None or bwd is None or int(rec.start[bwd]) not in set(gone.tolist()):
+        if fwd is None or bwd is None or int(rec.start[bwd]) not in removed:
             continue
         size += int(rec.nbytes[fwd])
         lo = min(lo, int(rec.end[fwd]) + 1)
