@@ -111,13 +111,15 @@ def maxbatch_section(case=SMALL, budget_bytes: int = SMALL_BUDGET) -> str:
     label, ranks, _ = case
     names = {"none": "FSDP default (every unit reshards, no activation plan)", "full": "FSDP + every block checkpointed",
              "sqrt-n": "FSDP + sqrt(n) checkpointing", "dtr": "FSDP + DTR's greedy"}
-    rows = [f"| {names.get(r['planner'], r['planner'] + ' (ours: activations and reshard_after_forward)')} | "
-            f"{r['max_batch']} | {_gb(r['peak_bytes']) if r['peak_bytes'] else '-'} | "
-            f"{r['extra_pct'] if r['extra_pct'] is None else round(r['extra_pct'], 1)} |"
-            for r in result["planners"]]
+    rows = []
+    for r in result["planners"]:
+        name = names.get(r["planner"], r["planner"] + " (ours: activations and reshard_after_forward)")
+        peak = f"{r['peak_bytes'] / 1e6:.1f}" if r["peak_bytes"] else "-"
+        extra = "-" if r["extra_pct"] is None else f"{r['extra_pct']:.1f}"
+        rows.append(f"| {name} | {r['max_batch']} | {peak} | {extra} |")
     return (f"Largest batch per rank of {label} (`maxbatch --fsdp {ranks}`, fake, h100-80gb, seq "
             f"{case[2]['seq']}) at {budget_bytes / 1e6:g} MB per rank, extra compute at most "
-            f"{result['max_overhead_pct']:g}%:\n\n| planner | max batch | peak GB | extra % |\n|---|---|---|---|\n"
+            f"{result['max_overhead_pct']:g}%:\n\n| planner | max batch | peak MB | extra % |\n|---|---|---|---|\n"
             + "\n".join(rows))
 
 
