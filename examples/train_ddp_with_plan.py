@@ -5,7 +5,7 @@ depend on the number of ranks), solve it for half its peak, then run the job:
 
     taichi-plan record --model gpt2 --layers 2 --hidden 64 --heads 4 --vocab 500 --seq 128 --batch 8 \
         --ddp 2 --bucket-cap-mb 0.1 -o traces/tiny-gpt2-ddp2
-    taichi-plan solve traces/tiny-gpt2-ddp2 --budget 50% --method heuristic -o plans/tiny-gpt2-ddp2.plan.json
+    taichi-plan solve traces/tiny-gpt2-ddp2 --budget 50% --time-limit 10 -o plans/tiny-gpt2-ddp2.plan.json
     torchrun --nproc_per_node 2 examples/train_ddp_with_plan.py plans/tiny-gpt2-ddp2.plan.json --bucket-cap-mb 0.1
 
 DDP must be set up as it was recorded: the same ``bucket_cap_mb`` (``record --bucket-cap-mb``,
