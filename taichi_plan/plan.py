@@ -1,4 +1,4 @@
-"""Plan format v4: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v5: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
@@ -8,7 +8,8 @@ reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 the optimizer op
 (``decisions.optimizer``), the FSDP layout of a sharded trace (``trace.layout``, null for
 one process), partitions over tokens (``decisions.partitions[].over``), a partition's random
 draws (``Partition.random_draws``) and whether the solve allowed partitioning modules that
-draw random numbers (``solver.partition_random``). Version 3 files (no ``over``: every
+draw random numbers (``solver.partition_random``); version 5 a partition of one chunk along
+the batch (``chunks: 1``: the module checkpointed whole). Version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
@@ -24,8 +25,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 
@@ -48,7 +49,8 @@ class Recompute:
 class Partition:
     """Run ``module`` on ``chunks`` pieces of its input along ``dim`` (``over="batch"``), or,
     ``over="tokens"``, the head ``module`` and the cross-entropy on its logits on ``chunks``
-    pieces of the tokens (v4)."""
+    pieces of the tokens (v4). Each chunk is checkpointed (its forward re-runs in backward);
+    ``chunks == 1`` along the batch (v5) is the module checkpointed whole."""
 
     module: str
     dim: int

@@ -70,7 +70,7 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     options = []
     for span in module_spans(problem):
         k = max(span.chunk_choices, default=0)
-        if k >= 2:
+        if k >= 1:
             options.append((span, k, partition_savings(problem, span, k), partition_cost(problem, span, k)))
     chosen: list[Partition] = []
     best = dec

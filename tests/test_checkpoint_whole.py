@@ -1,0 +1,76 @@
+"""Partitions of one chunk: a module checkpointed whole (its forward re-runs in backward, only
+its inputs are kept). A planner's option beside the chunk counts, also for modules with dropout
+(the re-run restores the RNG state, so it draws the same masks: no opt-in, bitwise gradients)
+and for modules whose tensors have no batch dimension to split."""
+
+from __future__ import annotations
+
+import pytest
+
+from taichi_plan.errors import PlanError
+from taichi_plan.partition import apply_partitions, module_spans, partitionable_spans
+from taichi_plan.plan import Partition, load_plan, save_plan
+from taichi_plan.problem import build_problem
+from taichi_plan.record import get_workload, record_workload
+from taichi_plan.replay.measure import replay
+from taichi_plan.simulate import simulate_plan
+from taichi_plan.solve.result import Decisions, make_plan
+from taichi_plan.trace import write_trace
+
+# Dropout on (transformers' defaults, 0.1): every block, attn and mlp draws random numbers.
+SIZES = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=64, seq=16, batch=4)
+BLOCK, ATTN, MLP = "transformer.h.0", "transformer.h.1.attn", "transformer.h.1.mlp"
+
+
+@pytest.fixture(scope="module")
+def traced(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ckpt") / "tiny-gpt2-dropout"
+    trace = record_workload(get_workload(**SIZES), fake=False)
+    write_trace(trace, d)
+    return d, trace, build_problem(trace)
+
+
+def test_random_modules_are_checkpoint_options_without_the_opt_in(traced):
+    _d, _t, p = traced
+    spans = {s.module: s for s in module_spans(p)}
+    assert spans[BLOCK].random_ops and spans[BLOCK].chunk_choices == (1,)
+    assert spans[MLP].chunk_choices == (1,)
+    assert spans["transformer.h.0.mlp.c_fc"].chunk_choices == (1, 2, 4)
+    # Split into chunks, a random module still needs the opt-in; whole, it does not.
+    with pytest.raises(PlanError, match="--partition-random"):
+        apply_partitions(p, [Partition(MLP, 0, 2)])
+    apply_partitions(p, [Partition(MLP, 0, 1)])
+    with pytest.raises(PlanError, match="use 1..4"):
+        apply_partitions(p, [Partition("transformer.h.0.mlp.c_fc", 0, 5)])
+    with pytest.raises(PlanError, match="2 or more"):
+        apply_partitions(p, [Partition("lm_head", 0, 1, over="tokens")])
+
+
+def test_checkpointed_whole_saves_what_its_forward_saves(traced):
+    """Whole, the block keeps its input only: every tensor it saves for its backward is gone
+    between its forward and its backward, and comes back for that backward."""
+    _d, _t, p = traced
+    span = next(s for s in partitionable_spans(p) if s.module == BLOCK)
+    sim, parted = simulate_plan(p, [], [Partition(BLOCK, 0, 1)])
+    gap = (span.fwd[1] + 1 + span.bwd[0]) // 2
+    assert parted.baseline_live[gap] < p.baseline_live[gap]
+    assert sim.partition_cost == pytest.approx(float(p.op_cost[span.fwd[0]:span.fwd[1] + 1].sum())
+                                               + (span.fwd[1] - span.fwd[0] + span.bwd[1] - span.bwd[0] + 2) * 1e-5)
+
+
+def test_checkpointed_blocks_replay_bitwise_and_as_predicted(traced, tmp_path):
+    """A plan that checkpoints a whole block and a sibling attn and mlp (all with dropout):
+    measured peak == predicted to the byte, gradients and parameters bitwise equal to the
+    unplanned run's (the re-runs draw the same masks)."""
+    d, _t, p = traced
+    parts = [Partition(BLOCK, 0, 1), Partition(ATTN, 0, 1), Partition(MLP, 0, 1)]
+    plan = make_plan(p, None, "manual", Decisions(partitions=parts), 0.0, 0)
+    assert plan.predicted["planned_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
+    assert all(q.random_draws == "as-unpartitioned" and "checkpointing" in q.why for q in plan.partitions)
+    path = tmp_path / "ckpt.plan.json"
+    save_plan(plan, path, force=True)
+    assert load_plan(path).partitions[0].chunks == 1
+    r = replay(path, steps=1)
+    assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
+    assert r["grads_match"] and r["grads_check"].startswith("bitwise"), r
+    assert "same dropout masks" in r["random_draws"]
