@@ -74,3 +74,36 @@ def test_checkpointed_blocks_replay_bitwise_and_as_predicted(traced, tmp_path):
     assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
     assert r["grads_match"] and r["grads_check"].startswith("bitwise"), r
     assert "same dropout masks" in r["random_draws"]
+
+
+def test_ilp_checkpoints_a_module_whole_where_nothing_else_reaches():
+    """A module whose saved tensor no rebuild can make (its producer is not recomputable) and
+    that cannot be split (its tensors have no batch dimension): checkpointing it whole is the
+    only plan under its peak, and the ILP finds it; the schedule's peak is the prediction."""
+    from taichi_plan.plan import peak_from_schedule
+    from taichi_plan.solve import solve
+    from tests.synthetic import TraceBuilder
+
+    b = TraceBuilder()
+    x = b.tensor(40, "input")
+    (a,) = b.op("aten.mm.default", [x], [400], cost=1.0, module="m.a", recomputable=False)
+    (y,) = b.op("aten.relu.default", [a], [40], cost=1.0, module="m.b")
+    (big,) = b.op("aten.exp.default", [y], [300], cost=0.1, kind="temporary", recomputable=False)
+    (loss,) = b.op("aten.sum.default", [big], [4], cost=0.1, kind="temporary")
+    (gy,) = b.op("aten.ones_like.default", [loss], [40], phase="backward", cost=0.1, kind="temporary")
+    b.op("aten.mm_backward.default", [gy, a], [40], phase="backward", cost=1.0, module="m.b", kind="temporary")
+    for t in b.tensors:
+        t["shape"] = [3, max(t["nbytes"] // 12, 1)]  # no multiple of the batch: not splittable
+    trace = b.build("whole")
+    trace.meta["workload"] = {"name": "synthetic", "args": {"batch": 4}}
+    p = build_problem(trace)
+    span = next(s for s in module_spans(p) if s.module == "m")
+    assert span.chunk_choices == (1,) and not len(p.candidates)
+    base, at = p.baseline_peak
+    assert p.op_phase[at] == "forward"  # a is live there; checkpointed whole, m keeps only x
+    plan = solve(trace, base - 200, "ilp", time_limit=20)
+    assert [(q.module, q.chunks) for q in plan.partitions] == [("m", 1)]
+    assert plan.predicted["planned_peak_bytes"] <= base - 200
+    assert peak_from_schedule(plan.schedule)[0] == plan.predicted["planned_peak_bytes"]
+    # Extra: m's forward once more (2.0) plus its 3 ops' launch overhead, one chunk.
+    assert plan.predicted["extra_compute"] == pytest.approx(2.0 + 3 * 1e-5)
