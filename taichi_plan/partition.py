@@ -502,14 +502,15 @@ def floor_bytes(problem: Problem) -> np.ndarray:
     less, at each op, the most that modules partitioned at once can save there (each module's
     best chunk count at that op; since partitions do not nest, a module or the best set of
     modules inside it, whichever saves more). Cached on the problem."""
+    spans = module_spans(problem)
     cached = getattr(problem, "_floor_bytes", None)
-    if cached is not None:
-        return cached
+    if cached is not None and cached[0] is spans:  # (the options it was computed for, floor)
+        return cached[1]
     from .problem import min_live_bytes
 
     floor = min_live_bytes(problem).astype(np.int64)
     own: dict[str, np.ndarray] = {}  # module -> the most any partition of it saves, per op
-    for span in module_spans(problem):
+    for span in spans:
         for k in span.chunk_choices:
             sav = np.maximum(partition_savings(problem, span, k), 0)
             own[span.module] = np.maximum(own[span.module], sav) if span.module in own else sav
@@ -521,5 +522,5 @@ def floor_bytes(problem: Problem) -> np.ndarray:
     for m, sav in best.items():
         if not any(d != m and _under(m, d) for d in own):  # outermost: disjoint, so they add
             floor = floor - sav
-    problem._floor_bytes = floor
+    problem._floor_bytes = (spans, floor)
     return floor
