@@ -25,7 +25,8 @@ re-run restores the RNG state its forward ran with and draws the same numbers.
 
 A module qualifies along dim 0 (the batch) when none of its ops mixes samples (no batch
 norm) and every tensor it makes has a leading size that is a multiple of the batch.
-Imported graphs have no modules and are never partitioned.
+Imported graphs have no modules and are never partitioned; nor are traces without a workload
+(hand-built ones), which have no model whose modules a replay could wrap.
 
 A module whose forward draws random numbers (dropout) is a planner's option only when the
 solve opts in (``Problem.partition_random``, ``solve --partition-random``): its chunks draw
@@ -184,6 +185,8 @@ def _module_spans(problem: Problem) -> list[Span]:
         parts = m.split(".") if m else []
         for i in range(1, len(parts) + 1):
             fqns.add(".".join(parts[:i]))
+    if not problem.trace.meta.get("workload"):
+        return []  # no model to run the module of (hand-built traces): nothing to replay
     batch = _batch_size(problem) or 1
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)

@@ -6,7 +6,9 @@ and for modules whose tensors have no batch dimension to split."""
 from __future__ import annotations
 
 import pytest
+from click.testing import CliRunner
 
+from taichi_plan.cli import main
 from taichi_plan.errors import PlanError
 from taichi_plan.partition import apply_partitions, module_spans, partitionable_spans
 from taichi_plan.plan import Partition, load_plan, save_plan
@@ -70,6 +72,9 @@ def test_checkpointed_blocks_replay_bitwise_and_as_predicted(traced, tmp_path):
     path = tmp_path / "ckpt.plan.json"
     save_plan(plan, path, force=True)
     assert load_plan(path).partitions[0].chunks == 1
+    out = CliRunner().invoke(main, ["inspect", str(path)])
+    assert out.exit_code == 0, out.output
+    assert f"{BLOCK} " in out.output and " whole " in out.output and "checkpointing" in out.output
     r = replay(path, steps=1)
     assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
     assert r["grads_match"] and r["grads_check"].startswith("bitwise"), r
