@@ -106,13 +106,15 @@ def _under(name: str, module: str) -> bool:
     return name == module or name.startswith(module + ".")
 
 
-MAX_SPANS = 48  # partition options considered: the modules with the most bytes inside
+MAX_SPANS = 48  # options considered, split and whole apart: the modules with the most bytes inside
 
 
 def module_spans(problem: Problem) -> list:
     """The planners' partition options: the modules that can be partitioned along dim 0, with
-    their forward and backward spans, random ones only where ``problem.partition_random`` (the
-    ``MAX_SPANS`` with the most bytes made inside them, the most a partition can save), then the
+    their forward and backward spans, random ones split only where ``problem.partition_random``
+    (else checkpointed whole, one chunk) (of those that can be split, and apart of those that
+    can only be checkpointed whole, the ``MAX_SPANS`` with the most bytes made inside them, the
+    most a partition can save), then the
     head + loss spans that can be partitioned over tokens
     (:func:`taichi_plan.token_span.token_spans`)."""
     cached = getattr(problem, "_module_spans", None)
@@ -124,11 +126,14 @@ def module_spans(problem: Problem) -> list:
     # with the RNG state it first ran with, so it draws the same numbers (module docstring).
     spans = [s if problem.partition_random or not s.random_ops else dataclasses.replace(s, split=False)
              for s in _batch_spans(problem)]
-    if len(spans) > MAX_SPANS:
-        inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in spans}
-        keep = set(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
-        spans = [s for s in spans if s.module in keep]
-    spans = spans + token_spans(problem)
+    # Capped apart: modules that can be split, and those that can only be checkpointed whole
+    # (outer ones hold the most bytes and would crowd the split ones out of one cap).
+    keep: set[str] = set()
+    for split in (True, False):
+        group = [s for s in spans if s.split == split]
+        inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in group}
+        keep.update(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
+    spans = [s for s in spans if s.module in keep] + token_spans(problem)
     problem._module_spans = spans
     return spans
 
