@@ -10,7 +10,8 @@ one process), partitions over tokens (``decisions.partitions[].over``), a partit
 draws (``Partition.random_draws``) and whether the solve allowed partitioning modules that
 draw random numbers (``solver.partition_random``); version 5 FSDP2's ``reshard_after_forward``
 per unit (``decisions.reshard_after_forward``: the plan's op and tensor ids are then those of the
-step with those units not resharding, :mod:`taichi_plan.reshard`) and the DDP settings of a DDP
+step with those units not resharding, :mod:`taichi_plan.reshard`), a partition of one chunk
+along the batch (``chunks: 1``: the module checkpointed whole) and the DDP settings of a DDP
 trace's layout (``trace.layout.ddp``). Version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
@@ -51,7 +52,8 @@ class Recompute:
 class Partition:
     """Run ``module`` on ``chunks`` pieces of its input along ``dim`` (``over="batch"``), or,
     ``over="tokens"``, the head ``module`` and the cross-entropy on its logits on ``chunks``
-    pieces of the tokens (v4)."""
+    pieces of the tokens (v4). Each chunk is checkpointed (its forward re-runs in backward);
+    ``chunks == 1`` along the batch (v5) is the module checkpointed whole."""
 
     module: str
     dim: int

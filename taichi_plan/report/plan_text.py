@@ -403,7 +403,7 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
         pw = max(40, min(width - 15, longest))  # wider for long names, as the line allows
         lines.append(f"  {'module':<{pw}} {'over':>7} {'chunks':>7}")
         for q in s["partitions"]:
-            over = q.get("over", "batch")
+            over = "whole" if q["chunks"] == 1 else q.get("over", "batch")  # one chunk: checkpointed whole
             lines.append(f"  {_cut(q['module'] or '(none)', pw):<{pw}} {over:>7} {q['chunks']:>7}")
             if q["why"]:
                 lines += wrap(q["why"], " " * 6)

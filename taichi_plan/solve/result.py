@@ -166,13 +166,18 @@ def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
         how = (f"by computing {part.module}'s logits and the cross-entropy on them in {part.chunks} chunks of "
                f"{-(-span.rows // part.chunks)} tokens (the [{span.rows}, {span.vocab}] logits never exist); re-running the head's "
                "matmul in backward and the extra launches cost ")
+    elif part.chunks == 1:
+        how = (f"by checkpointing {part.module} whole (one chunk: only its inputs are kept, and its forward "
+               "re-runs in its backward); re-running its forward and the extra launches cost ")
     else:
         how = (f"by running {part.module} on {part.chunks} chunks of the batch; re-running its forward and the "
                "extra launches cost ")
     why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) {how}"
            f"{format_cost(partition_cost(problem, span, part.chunks), unit)}")
-    draws = random_draws(problem, span)
-    if draws == "as-unpartitioned":
+    draws = random_draws(problem, span, part.chunks)
+    if draws and part.chunks == 1:
+        why += "; its forward re-runs with the RNG state it first ran with: the same dropout masks"
+    elif draws == "as-unpartitioned":
         why += "; its one dropout draws, chunk by chunk, the masks of the whole batch (CPU)"
     elif draws:
         why += (f"; its chunks draw their own dropout masks ({len(span.random_ops)} random op(s)): training "
