@@ -183,6 +183,10 @@ def refusal(trace, mode: str) -> str | None:
         return ("the trace is rank 0 of an FSDP2 job (record --fsdp): FSDP writes the gradient shards after its "
                 "reduce-scatter, not through autograd, and stepping its DTensor parameters in hooks or groups is not "
                 "built yet")
+    if mode in ("in-backward", "groups") and trace.meta.get("ddp") is not None:
+        return ("the trace is a rank of a DDP job (record --ddp): DDP all-reduces the gradients in buckets during "
+                "backward, so a parameter's gradient is final only when backward ends, and stepping the optimizer "
+                "in hooks or groups under DDP is not built yet")
     if mode == "in-backward":
         return in_backward_refusal(trace)
     if mode == "groups":

@@ -10,8 +10,9 @@ one process), partitions over tokens (``decisions.partitions[].over``), a partit
 draws (``Partition.random_draws``) and whether the solve allowed partitioning modules that
 draw random numbers (``solver.partition_random``); version 5 FSDP2's ``reshard_after_forward``
 per unit (``decisions.reshard_after_forward``: the plan's op and tensor ids are then those of the
-step with those units not resharding, :mod:`taichi_plan.reshard`) and a partition of one chunk
-along the batch (``chunks: 1``: the module checkpointed whole). Version 4 files, version 3 files (no ``over``: every
+step with those units not resharding, :mod:`taichi_plan.reshard`), a partition of one chunk
+along the batch (``chunks: 1``: the module checkpointed whole) and the DDP settings of a DDP
+trace's layout (``trace.layout.ddp``). Version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """

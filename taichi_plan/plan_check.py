@@ -99,6 +99,7 @@ def check_plan_json(obj: dict, where: str) -> None:
     if lay is not None:
         _int(where, "trace.layout.world_size", lay.get("world_size"), lo=1)
         _kind(where, "trace.layout.units", lay.get("units"), list, "a list of [module, reshard_after_forward]")
+        _kind(where, "trace.layout.ddp", lay.get("ddp"), dict, "an object of DDP's settings", none=True)  # v5
     n = t["num_ops"]
     opt = (obj.get("decisions") or {}).get("optimizer") if isinstance(obj.get("decisions"), dict) else None
     if isinstance(opt, dict) and opt.get("num_ops") is not None:

@@ -21,9 +21,9 @@ from .sharding import incarnations
 from .trace import Trace, baseline_live_bytes, live_intervals
 
 # Kinds no plan frees: model state, inputs, and what FSDP allocates and frees itself (its
-# unsharded parameters and gradients, its communication buffers).
+# unsharded parameters and gradients, its communication buffers), and DDP's gradient buckets.
 FIXED_KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "input", "unsharded_parameter",
-               "unsharded_gradient", "all_gather", "reduce_scatter")
+               "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket")
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""What a trace says about sharding (``meta.fsdp``, trace format v3), read without torch.
+"""What a trace says about sharding (``meta.fsdp``, trace format v3; ``meta.ddp``, v4), read without torch.
 
 A trace recorded with ``record --fsdp N`` is rank 0's step of an N-rank FSDP2 job. Its
 ``meta.fsdp`` names the layout (world size, mesh, the sharded modules and whether each
@@ -21,9 +21,20 @@ def fsdp_meta(meta: dict) -> dict | None:
     return f if isinstance(f, dict) else None
 
 
+# What of meta.ddp (record --ddp N) a plan depends on, besides the world size.
+DDP_SETTINGS = ("bucket_bytes_cap", "first_bucket_bytes_cap", "gradient_as_bucket_view", "find_unused_parameters",
+                "static_graph")
+
+
 def layout(meta: dict) -> dict | None:
     """The part of ``meta.fsdp`` a plan depends on: world size, mesh, and per unit its module
-    and ``reshard_after_forward`` (a plan solved for one layout does not fit another)."""
+    and ``reshard_after_forward`` (a plan solved for one layout does not fit another). For a
+    DDP trace (``meta.ddp``): its world size, no units, and ``ddp``: DDP's settings
+    (:data:`DDP_SETTINGS`)."""
+    d = meta.get("ddp")
+    if isinstance(d, dict):
+        n = int(d["world_size"])
+        return {"world_size": n, "mesh_shape": [n], "units": [], "ddp": {k: d.get(k) for k in DDP_SETTINGS}}
     f = fsdp_meta(meta)
     if f is None:
         return None
@@ -41,12 +52,15 @@ def check_layout(want: dict | None, got: dict | None, where: str) -> None:
     def say(x):
         if x is None:
             return "one process, unsharded"
+        if x.get("ddp") is not None:
+            return f"{x['world_size']} ranks, DistributedDataParallel with " + ", ".join(
+                f"{k}={v}" for k, v in x["ddp"].items())
         return (f"{x['world_size']} ranks, mesh {x['mesh_shape']}, units "
                 + ", ".join(f"{m or '<root>'} (reshard_after_forward={r})" for m, r in x["units"]))
     raise PlanError(
         f"{where}: the plan was solved for {say(want)}, but it is applied to {say(got)}. A plan's "
         "per-rank memory holds only for the layout it was recorded with: record this layout "
-        "(`taichi-plan record --fsdp N`) and solve again.")
+        "(`taichi-plan record --fsdp N`, or `--ddp N` with DDP's bucket settings) and solve again.")
 
 
 def unit_of_ops(meta: dict, op_module: list[str]) -> np.ndarray:

@@ -8,20 +8,17 @@ on another layout. The ranks are processes this test starts and waits for.
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from ranks import replay_measures_the_prediction, torchrun_losses
 
 from taichi_plan.cli import main
 from taichi_plan.errors import PlanError
-from taichi_plan.replay.distributed import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500", "--seq", "128",
         "--batch", "4"]
 
@@ -40,31 +37,12 @@ def fsdp2_plan(tmp_path_factory):
 
 
 def test_replay_two_gloo_ranks_measured_equals_predicted(fsdp2_plan):
-    r = CliRunner().invoke(main, ["replay", str(fsdp2_plan), "--nproc", "2", "--steps", "1", "--json"])
-    assert r.exit_code == 0, r.output
-    report = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
-    plan = json.loads(fsdp2_plan.read_text())
-    assert report["predicted_peak_bytes"] == plan["predicted"]["planned_peak_bytes"]
-    assert report["predicted_peak_bytes"] <= 0.5 * plan["predicted"]["baseline_peak_bytes"] + 1
-    assert len(report["ranks"]) == 2
-    for rank in report["ranks"]:
-        assert rank["measured_peak_bytes"] == report["predicted_peak_bytes"], rank
-        assert rank["baseline_measured_peak_bytes"] == plan["predicted"]["baseline_peak_bytes"], rank
-        assert rank["grads_match"] and rank["params_match"], rank
-        assert rank["dropped_storages"] > 0 and rank["recompute_ops"] > 0 and rank["mismatches"] == 0
-    assert report["within_budget"] and report["grads_match"]
+    replay_measures_the_prediction(fsdp2_plan)
 
 
 def test_torchrun_script_applies_the_plan(fsdp2_plan):
-    port = free_port()
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                        "--master_addr", "127.0.0.1", "--master_port", str(port),
-                        str(ROOT / "examples" / "train_fsdp_with_plan.py"), str(fsdp2_plan)],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**__import__("os").environ,
-                                                                                    "OMP_NUM_THREADS": "1"})
-    assert r.returncode == 0, r.stdout + r.stderr
-    losses = {int(m[0]): m[1] for m in re.findall(r"rank (\d) step 2 loss (-?[0-9]+\.[0-9]{6})", r.stdout)}
-    assert set(losses) == {0, 1} and losses[0] == losses[1], r.stdout  # same batch on both ranks: same loss
+    losses = torchrun_losses("train_fsdp_with_plan.py", str(fsdp2_plan))
+    assert set(losses) == {0, 1} and losses[0] == losses[1], losses  # same batch on both ranks: same loss
 
 
 def test_sharded_plan_refused_where_the_layout_differs(fsdp2_plan):

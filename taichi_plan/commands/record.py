@@ -40,13 +40,21 @@ from ._common import Status, handle_errors, size_options
 @click.option("--no-reshard-after-forward", is_flag=True,
               help="With --fsdp: fully_shard(..., reshard_after_forward=False): units keep their parameters "
                    "gathered from forward to backward.")
+@click.option("--ddp", "ddp", type=int, default=None, metavar="N",
+              help="One rank of an N-rank DistributedDataParallel job, recorded for real in this process (a 1-rank "
+                   "gloo group: a rank's memory does not depend on N); the all-reduces are costed over N ranks. "
+                   "See docs/sharding.md#ddp.")
+@click.option("--bucket-cap-mb", type=float, default=None, metavar="X",
+              help="With --ddp: DDP's bucket_cap_mb (MiB per gradient bucket). [default: DDP's, 25]")
+@click.option("--gradient-as-bucket-view", is_flag=True,
+              help="With --ddp: DDP(gradient_as_bucket_view=True): the gradients are views of DDP's buckets.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Trace directory. Default: traces/<model>-b<batch>...")
 @click.option("--force", is_flag=True, help="Replace an existing trace directory (only a trace, never other files).")
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
             fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
-            fsdp, no_reshard_after_forward, output, force) -> None:
+            fsdp, no_reshard_after_forward, ddp, bucket_cap_mb, gradient_as_bucket_view, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
     from ..record import Loop, get_workload, record_workload
@@ -64,9 +72,13 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     )
     if no_reshard_after_forward and fsdp is None:
         raise UsageError("--no-reshard-after-forward applies to sharded recordings: add --fsdp N.")
+    if ddp is not None and fsdp is not None:
+        raise UsageError("--ddp and --fsdp are two layouts of a job: give one of them.")
+    if ddp is None and (bucket_cap_mb is not None or gradient_as_bucket_view):
+        raise UsageError("--bucket-cap-mb and --gradient-as-bucket-view are DDP's settings: add --ddp N.")
     if output is None:
         output = Path("traces") / (workload.default_output_name() + (f"-fsdp{fsdp}" if fsdp else "")
-                                   + ("-fake" if fake else ""))
+                                   + (f"-ddp{ddp}" if ddp else "") + ("-fake" if fake else ""))
     check_trace_output(output, force, option="-o")
 
     with Status('recording') as status:
@@ -76,6 +88,12 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
             trace = record_fsdp_workload(workload, fsdp, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                          reshard_after_forward=not no_reshard_after_forward,
                                          progress=status.update)
+        elif ddp is not None:
+            from ..record.ddp import record_ddp_workload
+
+            trace = record_ddp_workload(workload, ddp, bucket_cap_mb=bucket_cap_mb,
+                                        gradient_as_bucket_view=gradient_as_bucket_view, fake=fake,
+                                        device_profile=device_profile, steps=steps, loop=loop, progress=status.update)
         else:
             trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                     progress=status.update, gpu_kernels=not cpu_kernels)
@@ -90,6 +108,11 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     path = write_trace(trace, output, force=force)
     peak, at = baseline_peak(trace)
     click.echo(f"Wrote {path} ({len(trace.ops)} ops, peak {format_bytes(peak)} at op {at})")
+    if trace.meta.get("ddp") is not None:
+        d = trace.meta["ddp"]
+        click.echo(f"One rank of {d['world_size']} (DDP): {len(d['buckets'])} gradient buckets, "
+                   f"{format_bytes(sum(b['nbytes'] for b in d['buckets']))}"
+                   + (", the gradients are views of them" if d["gradient_as_bucket_view"] else ""))
     tracker = (trace.meta.get("fsdp") or {}).get("mem_tracker")
     if tracker and tracker["peak_bytes"]:
         diff = 100.0 * (peak - tracker["peak_bytes"]) / tracker["peak_bytes"]

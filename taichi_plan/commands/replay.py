@@ -61,7 +61,8 @@ def render(r: dict) -> str:
 
 
 def render_sharded(r: dict) -> str:
-    lines = [f"Replay of {r['plan']} on {r['nproc']} {r['backend']} ranks (FSDP2), {r['steps']} steps each",
+    lines = [f"Replay of {r['plan']} on {r['nproc']} {r['backend']} ranks ({r.get('parallelism', 'FSDP2')}), "
+             f"{r['steps']} steps each",
              f"  budget             {format_bytes(r['budget_bytes']) if r['budget_bytes'] else '-'} per rank",
              f"  peak predicted     {format_bytes(r['predicted_peak_bytes'])} per rank (unplanned "
              f"{format_bytes(r['baseline_predicted_peak_bytes'])})"]
@@ -69,7 +70,7 @@ def render_sharded(r: dict) -> str:
         lines.append(
             f"  rank {k['rank']:<13} measured {format_bytes(k['measured_peak_bytes'])} (op {k['measured_peak_op']}), "
             f"ratio {k['peak_ratio']:.3f}, {'within' if k['within_budget'] else 'OVER'} budget; unplanned measured "
-            f"{format_bytes(k['baseline_measured_peak_bytes'])}; {k['recompute_ops']} ops re-run; gradient shards "
+            f"{format_bytes(k['baseline_measured_peak_bytes'])}; {k['recompute_ops']} ops re-run; gradients "
             f"{'match' if k['grads_match'] and k['params_match'] else 'DIFFER'}")
     lines.append(f"  gradients          {'match' if r['grads_match'] else 'DIFFER'} ({r['grads_check']})")
     units = r["ranks"][0].get("reshard_after_forward") if r["ranks"] else None
@@ -104,8 +105,8 @@ def _is_replay_report(path: Path) -> bool:
 @click.option("--trace", "trace_dir", type=click.Path(path_type=Path), default=None,
               help="The trace the plan was solved for, when it is not where the plan says (checked by content hash).")
 @click.option("--nproc", type=int, default=None, metavar="N",
-              help="A plan of a sharded trace (record --fsdp N): run N gloo ranks here, FSDP2, and report each "
-                   "rank's measured peak and whether its gradient shards match. See docs/sharding.md.")
+              help="A plan of a sharded or DDP trace (record --fsdp N, --ddp N): run N gloo ranks here, FSDP2 or "
+                   "DDP, and report each rank's measured peak and whether its gradients match. See docs/sharding.md.")
 @handle_errors
 def command(plan_path: Path, steps: int, check_grads: bool, seed: int, output: Path | None, force: bool,
             as_json: bool, trace_dir: Path | None, nproc: int | None) -> None:

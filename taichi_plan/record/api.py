@@ -142,12 +142,15 @@ class StepRecording:
         self.active = False
         self._hooks = self.recorder.optimizer_hooks(optimizer) + self.recorder.model_hooks(model)
 
-    def begin(self, inputs=()) -> None:
+    def begin(self, inputs=(), extra: list[tuple[str, list]] = ()) -> None:
         """Start recording a step; ``inputs``: the tensors the step reads that exist before it
-        (the batch, or every micro-batch of the step), registered as ``input``."""
+        (the batch, or every micro-batch of the step), registered as ``input``; ``extra``:
+        more ``(kind, tensors)`` that exist before it (a wrapper's own storages: DDP's gradient
+        buckets), registered after the model's state (a storage registered twice keeps its
+        first kind)."""
         if self.active:
             raise UsageError("StepRecording.begin() called twice without end(): a step is already being recorded.")
-        self.recorder.begin_step(step_tensors(self.model, self.optimizer, inputs))
+        self.recorder.begin_step(step_tensors(self.model, self.optimizer, inputs) + list(extra))
         self.recorder.__enter__()
         self.active = True
 

@@ -247,6 +247,7 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     if getattr(model, "_taichi_plan", None) is not None:
         raise PlanError("This model already has a plan applied: call taichi_plan.finish(model) first.")
     _refuse_compiled(model)
+    from ..record.ddp import unwrap
     from .optimizer import install_optimizer
     from .partition import install_partitions
 
@@ -258,8 +259,9 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     except BaseException:
         unshard()
         raise
-    handles = install(model, rt, optimizer) + step_handles
-    undo_parts = install_partitions(model, plan.partitions, rt)
+    inner = unwrap(model)  # under DDP, the module it runs: the one the trace's calls and FQNs are of
+    handles = install(inner, rt, optimizer) + step_handles
+    undo_parts = install_partitions(inner, plan.partitions, rt)
 
     def undo() -> None:
         undo_parts()
@@ -270,18 +272,25 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
 
 
 def apply_sharding(model, plan: Plan, where: str):
-    """A plan of a sharded trace holds for that FSDP layout only, and a plan of one process for
-    an unsharded model only (``trace.layout``; the model's after FSDP's lazy init, i.e. after
-    its first step): refuse another. Then set each FSDP unit's ``reshard_after_forward`` as the
-    plan decides (``decisions.reshard_after_forward``, v5; a model already set so is accepted
-    too). Returns a function that restores the settings changed."""
+    """A plan of a sharded trace holds for that FSDP layout only, a plan of a DDP trace for a
+    DDP wrapper with the same world size and settings only, and a plan of one process for an
+    unwrapped, unsharded model only (``trace.layout``; the model's after FSDP's lazy init, i.e.
+    after its first step): refuse another. Then set each FSDP unit's ``reshard_after_forward``
+    as the plan decides (``decisions.reshard_after_forward``, v5; a model already set so is
+    accepted too). Returns a function that restores the settings changed."""
     import sys
 
+    from ..record import ddp
+    from ..sharding import check_layout
+
     want = plan.trace.get("layout")
+    if ddp.is_ddp(model):
+        check_layout(want, ddp.live_layout(model), where)
+        return lambda: None
     if want is None and "torch.distributed.fsdp" not in sys.modules:
         return lambda: None  # an unsharded plan, and nothing in this process can have sharded the model
     from ..record.fsdp import live_layout, set_reshard
-    from ..sharding import check_layout, planned_layout
+    from ..sharding import planned_layout
 
     live = live_layout(model)
     if live is None or live != planned_layout(want, plan.reshard):

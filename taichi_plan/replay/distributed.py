@@ -1,8 +1,10 @@
-"""Replay a sharded plan for real: N gloo ranks on this machine (``replay --nproc N``).
+"""Replay a sharded or DDP plan for real: N gloo ranks on this machine (``replay --nproc N``).
 
 Each rank is a process (``torch.multiprocessing`` spawn) joined over loopback TCP with the
 gloo backend (CPU); it builds the plan's workload from the same seed, shards it as the
-trace's layout says (:func:`taichi_plan.record.fsdp.shard_model`), and runs it twice, each
+trace's layout says (:func:`taichi_plan.record.fsdp.shard_model`), or wraps it in DDP with
+the recorded bucket settings (:func:`taichi_plan.record.ddp.wrap_as_recorded`; DDP's buckets
+are registered for the measured step, as the recording did), and runs it twice, each
 from the same initial state: unplanned, then with the plan applied (``apply`` hooks the root
 FSDP module's calls exactly as in one process). Each run takes one unplanned warm-up step,
 ``steps`` steps, and one more under the recorder, whose live-storage accounting (``resize_``
@@ -115,39 +117,52 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
     unplanned, apply ``plan`` (None: unplanned), ``steps`` steps, one measured step."""
     import torch
 
+    from ..record import ddp as ddp_record
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
     from ..record.fsdp import live_layout, rebuild_optimizer, shard_model
-    from ..record.recorder import Recorder
+    from ..record.recorder import Recorder, local_tensor
     from ..trace import baseline_peak
     from . import apply_sharding, install, runtime_for
 
-    units = (trace.meta.get("fsdp") or {}).get("units", [])
-    reshard = {u["module"]: bool(u["reshard_after_forward"]) for u in units}  # as recorded, per unit
+    ddp = trace.meta.get("ddp")
     torch.manual_seed(seed)
     model, batch, loss_fn, optimizer = workload.build(False)
-    shard_model(model, mesh, reshard)
-    optimizer = rebuild_optimizer(optimizer, model)
+    if ddp is not None:
+        runner = ddp_record.wrap_as_recorded(model, ddp)
+    else:
+        units = (trace.meta.get("fsdp") or {}).get("units", [])
+        shard_model(model, mesh, {u["module"]: bool(u["reshard_after_forward"]) for u in units})  # as recorded, per unit
+        optimizer = rebuild_optimizer(optimizer, model)
+        runner = model
     loop = Loop.from_meta(trace.meta)
-    step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
-    optimizer.zero_grad(set_to_none=loop.set_to_none)
-    step()  # warm-up, unplanned: FSDP's lazy init, optimizer state
+    step = make_step_fn(runner, batch, loss_fn, optimizer, where=workload.name, loop=loop)
+    # warm-up, unplanned: FSDP's lazy init, optimizer state; DDP's first step and the one after
+    # its bucket rebuild, which shows its buckets
+    warmup = max(int(trace.meta.get("warmup_steps", 2)), 2) if ddp is not None else 1
+    extra = []
+    for w in range(warmup):
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
+        if ddp is not None and w == warmup - 1:
+            extra = [(ddp_record.BUCKET_KIND, ddp_record.bucket_tensors(step))]
+        else:
+            step()
     handles = []
     rt = None
     unshard = None
     if plan is not None:
         rt = runtime_for(plan, trace)
-        unshard = apply_sharding(model, plan, "replay")  # the plan's reshard_after_forward per unit
+        unshard = apply_sharding(runner, plan, "replay")  # the plan's reshard_after_forward per unit
         handles = install(model, rt, optimizer)
     try:
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=loop.set_to_none)
             step()
-        grads = [p.grad.to_local().clone() if p.grad is not None else None for p in model.parameters()]
+        grads = [local_tensor(p.grad).clone() if p.grad is not None else None for p in model.parameters()]
         recorder = Recorder(None, model)
         hooks = recorder.optimizer_hooks(optimizer)
         try:
             optimizer.zero_grad(set_to_none=loop.set_to_none)
-            recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer))
+            recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer) + extra)
             with recorder:
                 step()
             rec = recorder.end_step(late_tensors(model, optimizer))
@@ -155,14 +170,15 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
             for h in hooks:
                 h.remove()
             recorder.close()
-        units = live_layout(model)["units"]  # as the measured step ran: the plan's reshard_after_forward
+        # as the measured step ran: the plan's reshard_after_forward (DDP has no units)
+        units = live_layout(model)["units"] if ddp is None else []
     finally:
         for h in handles:
             h.remove()
         if unshard is not None:
             unshard()
     peak, peak_op = baseline_peak(step_to_trace(rec, 0, "measured", {}))
-    params = [p.detach().to_local().clone() for p in model.parameters()]
+    params = [local_tensor(p.detach()).clone() for p in model.parameters()]
     return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "params": params,
             "dropped": rt.dropped_storages if rt is not None else 0,
             "recompute_ops": rt.recompute_ops if rt is not None else 0,
@@ -217,13 +233,16 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
     plan, tr = plan_and_trace(plan, trace)
     lay = plan.trace.get("layout")
     if lay is None:
-        raise PlanError("replay --nproc runs a sharded job, but this plan's trace is one process: record it with "
-                        "`taichi-plan record --fsdp N` and solve again, or replay it without --nproc.")
+        raise PlanError("replay --nproc runs a sharded or DDP job, but this plan's trace is one process: record it "
+                        "with `taichi-plan record --fsdp N` (or `--ddp N`) and solve again, or replay it without "
+                        "--nproc.")
+    flag = "--ddp" if lay.get("ddp") is not None else "--fsdp"
     if lay["world_size"] != nproc:
         raise PlanError(f"The plan was solved for rank 0 of {lay['world_size']} ranks; replay --nproc {nproc} would "
-                        f"run another layout. Use --nproc {lay['world_size']}, or record with --fsdp {nproc}.")
+                        f"run another layout. Use --nproc {lay['world_size']}, or record with {flag} {nproc}.")
     if plan.partitions:
-        raise PlanError("Partitions under FSDP are not replayed yet: solve the sharded trace without them.")
+        raise PlanError(f"Partitions under {'DDP' if flag == '--ddp' else 'FSDP'} are not replayed yet: solve the "
+                        "trace without them.")
     if steps < 1:
         raise PlanError(f"--steps must be at least 1, got {steps}.")
     if plan.source is None:
@@ -239,6 +258,7 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
         "plan": plan.trace.get("name"),
         "nproc": nproc,
         "backend": "gloo",
+        "parallelism": "DDP" if flag == "--ddp" else "FSDP2",
         "budget_bytes": plan.budget_bytes,
         "predicted_peak_bytes": pred,
         "measured_peak_bytes": measured,  # the largest rank's
@@ -247,7 +267,8 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
         "ranks": ranks,
         "grads_match": all(r["grads_match"] and r["params_match"] for r in ranks),
         "within_budget": all(r["within_budget"] for r in ranks),
-        "grads_check": "bitwise (torch.equal) on each rank's local gradient and parameter shards",
+        "grads_check": "bitwise (torch.equal) on each rank's local gradient and parameter "
+                       + ("tensors" if flag == "--ddp" else "shards"),
     }
 
 

@@ -402,8 +402,9 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     say = progress or (lambda msg: None)
     plan, trace = plan_and_trace(plan, trace)
     if plan.trace.get("layout") is not None:
-        raise PlanError(f"This plan is for rank 0 of a {plan.trace['layout']['world_size']}-rank FSDP job: replay it "
-                        f"sharded, with --nproc {plan.trace['layout']['world_size']} (replay_sharded in Python).")
+        kind = "DDP" if plan.trace["layout"].get("ddp") is not None else "FSDP"
+        raise PlanError(f"This plan is for rank 0 of a {plan.trace['layout']['world_size']}-rank {kind} job: replay it "
+                        f"on its ranks, with --nproc {plan.trace['layout']['world_size']} (replay_sharded in Python).")
     device = replay_device(trace)
     workload = workload_of(trace)
     memory = check_memory(plan, trace, device, force)

@@ -1,0 +1,51 @@
+"""Checks shared by the tests that run a plan on 2 gloo ranks (FSDP2 and DDP): replay a plan
+with ``replay --nproc`` and check each rank against the prediction, and run a torchrun script
+(the ranks are processes these helpers start and wait for)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from click.testing import CliRunner
+
+from taichi_plan.cli import main
+from taichi_plan.replay.distributed import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def replay_measures_the_prediction(plan_path: Path, nproc: int = 2) -> tuple[dict, dict]:
+    """``replay PLAN --nproc N --steps 1``; asserts that it passed, that the plan is at 50% of
+    its per-rank peak, and that every rank measured exactly the predicted peak planned and the
+    trace's peak unplanned, rebuilt something, and kept gradients and parameters bitwise.
+    Returns (report, plan JSON)."""
+    r = CliRunner().invoke(main, ["replay", str(plan_path), "--nproc", str(nproc), "--steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
+    plan = json.loads(plan_path.read_text())
+    assert report["predicted_peak_bytes"] == plan["predicted"]["planned_peak_bytes"]
+    assert report["predicted_peak_bytes"] <= 0.5 * plan["predicted"]["baseline_peak_bytes"] + 1
+    assert len(report["ranks"]) == nproc
+    for rank in report["ranks"]:
+        assert rank["measured_peak_bytes"] == report["predicted_peak_bytes"], rank
+        assert rank["baseline_measured_peak_bytes"] == plan["predicted"]["baseline_peak_bytes"], rank
+        assert rank["grads_match"] and rank["params_match"], rank
+        assert rank["dropped_storages"] > 0 and rank["recompute_ops"] > 0 and rank["mismatches"] == 0
+    assert report["within_budget"] and report["grads_match"]
+    return report, plan
+
+
+def torchrun_losses(script: str, *args: str, nproc: int = 2, step: int = 2) -> dict[int, str]:
+    """Run ``examples/<script>`` under torchrun on ``nproc`` local ranks; each rank's printed
+    loss at ``step`` (the scripts print ``rank R step S loss X``)."""
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                        str(ROOT / "examples" / script), *args],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stdout + r.stderr
+    return {int(m[0]): m[1] for m in re.findall(rf"rank (\d) step {step} loss (-?[0-9]+\.[0-9]{{6}})", r.stdout)}
