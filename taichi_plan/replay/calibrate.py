@@ -10,8 +10,9 @@ real recording of a workload measures the two per-op terms on the workload's own
 every op checked (``check_op_s``), and with a recipe kept for every op (``recipe_op_s``),
 ``repeats`` times each, interleaved, each followed by its backward (so every forward starts
 from the same allocator state); a term is the median of the per-repetition differences to
-the plain forward, divided by the call's ops. ``rebuild_op_s`` stays the microbenchmark's
-(a rebuild re-runs single ops under ``no_grad``, as the microbenchmark does).
+the plain forward, divided by the call's ops. ``rebuild_op_s``: after each recipe forward,
+every recipe of the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`);
+its seconds minus those ops' recorded ``duration_s``, per re-run op, median over the runs.
 
 Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.record.recorder.op_clock`).
 """
@@ -23,11 +24,13 @@ import statistics
 import warnings
 from dataclasses import replace
 
-# A real recording spends at most about this long measuring (fewer repetitions on a large model).
-BUDGET_S = 5.0
+# A real recording spends at most about this long measuring (fewer repetitions on a large model:
+# there the runtime's cost is a small part of the step, and an error in it matters less).
+BUDGET_S = 15.0
+REPEATS = 7
 
 
-def measure_on_model(model, batch, loss_fn, trace, repeats: int = 5, budget_s: float = BUDGET_S) -> dict | None:
+def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budget_s: float = BUDGET_S) -> dict | None:
     """``check_op_s`` and ``recipe_op_s`` measured on ``model``'s first grad-enabled call as the
     trace recorded it (in the recorded loop's autocast), with ``ops`` (the call's ops in the
     trace: the per-op terms are per op of the call, as :mod:`taichi_plan.overhead` charges them)
@@ -39,7 +42,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = 5, budget_s: f
     from ..record.api import call_model
     from ..record.loop import AUTOCAST_DTYPES, Loop
     from ..record.recorder import op_clock
-    from . import call_ops, install
+    from . import call_ops, counted_ops, install
     from .runtime import CallPlan, PlanRuntime
 
     grad_calls = grad_model_calls(trace.meta) or []
@@ -58,11 +61,24 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = 5, budget_s: f
     loop = Loop.from_meta(trace.meta)
     device = next((p.device.type for p in model.parameters()), "cpu")
     runtimes = []
+    counted = counted_ops(trace)
+    op_ids = [o for o in range(int(call["start"]), int(call["end"]) + 1) if counted[o]]
+    durations = trace.ops["duration_s"].to_numpy()
+    rebuilds: list[float] = []  # per recipe forward: (rebuild seconds - recorded seconds) per re-run op
 
     def forward(plan: CallPlan | None) -> float:
         rt = PlanRuntime([plan], on_mismatch="warn") if plan is not None else None
         handles = install(model, rt) if rt is not None else []
         runtimes.extend([rt] if rt is not None else [])
+        frames = []
+        if plan is not None and plan.recipe_ops is None:
+            end_call = rt.end_call
+
+            def keep_frame(failed: bool) -> None:
+                frames.append(rt._frame)
+                end_call(failed)
+
+            rt.end_call = keep_frame
         autocast = (torch.autocast(device, dtype=getattr(torch, AUTOCAST_DTYPES[loop.autocast]))
                     if loop.autocast is not None else contextlib.nullcontext())
         try:
@@ -71,6 +87,8 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = 5, budget_s: f
                 t0 = clock()
                 out = call_model(model, batch)
                 dt = clock() - t0
+                if frames and frames[0].enabled:
+                    rebuilds.extend(_rebuild_all(rt, frames[0], op_ids, durations, clock))
                 loss = loss_fn(out, batch)
                 del out
                 loss.backward()
@@ -91,8 +109,44 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = 5, budget_s: f
     def per_op(name: str) -> float:
         return max(statistics.median(a - b for a, b in zip(times[name], times["plain"], strict=True)) / n_ops, 0.0)
 
-    return {"check_op_s": per_op("check"), "recipe_op_s": per_op("recipe"), "ops": n_ops,
-            "repeats": len(times["plain"])}
+    out = {"check_op_s": per_op("check"), "recipe_op_s": per_op("recipe"), "ops": n_ops,
+           "repeats": len(times["plain"])}
+    if rebuilds:
+        out["rebuild_op_s"] = max(statistics.median(rebuilds), 0.0)
+    return out
+
+
+def _rebuild_all(rt, frame, op_ids: list[int], durations, clock) -> list[float]:
+    """Re-run every recipe of ``frame`` (a call just run with every recipe kept) through the
+    runtime's rebuild path, in op order, each storage held until its last reader has re-run;
+    returns [(seconds - the re-run ops' recorded seconds) / re-run ops], or [] when a recipe
+    cannot re-run here (its input was overwritten in place, say): then nothing is measured."""
+    from .runtime import TRef
+
+    order = sorted(frame.recipes, key=lambda sid: (frame.recipes[sid][0].op, sid))
+    last_reader: dict[int, int] = {}
+    for k, sid in enumerate(order):
+        for step in frame.recipes[sid]:
+            for x in step.leaves:
+                if isinstance(x, TRef):
+                    last_reader[x.sid] = k
+    recorded = sum(float(durations[op_ids[step.op]]) for sid in order for step in frame.recipes[sid])
+    n0 = rt.recompute_ops
+    try:
+        t0 = clock()
+        for k, sid in enumerate(order):
+            frame.cache[sid] = rt._run_recipe(frame, sid)
+            for step in frame.recipes[sid]:
+                for x in step.leaves:
+                    if isinstance(x, TRef) and last_reader.get(x.sid) == k:
+                        frame.cache.pop(x.sid, None)
+        dt = clock() - t0
+    except Exception:  # noqa: BLE001  (calibration only: the microbenchmark's term stays)
+        return []
+    finally:
+        frame.cache.clear()
+    n = rt.recompute_ops - n0
+    return [(dt - recorded) / n] if n else []
 
 
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock) -> dict[str, list[float]]:
