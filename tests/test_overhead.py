@@ -126,9 +126,9 @@ def test_recorded_op_time_is_the_threads_cpu_time():
 
 
 def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(gpt2):
-    """What ``rebuild_op_s`` is measured on: every storage of the call rebuilt from its recipe,
-    each op re-run exactly once (inputs held until their last reader), values as the forward's."""
-    from taichi_plan.replay import counted_ops
+    """What ``rebuild_op_s`` is measured on: every storage of the call rebuilt from its recipe
+    after the backward (its inputs gone), each op re-run exactly once (inputs held until their
+    last reader), values as the forward's."""
     from taichi_plan.replay.calibrate import _rebuild_all
 
     model, batch, _loss_fn, _opt = get_workload(**GPT2).build(False)
@@ -141,14 +141,15 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
         out = model(**batch)
     finally:
         rt.end_call(failed=False)
-    counted = counted_ops(gpt2)
-    op_ids = [o for o in range(call["start"], call["end"] + 1) if counted[o]]
+    logits = out.logits.detach().clone()
+    out.loss.backward()
+    sid = frame.sid_of[out.logits.untyped_storage()._cdata]
+    del out
     steps = sum(len(s) for s in frame.recipes.values())
-    got = _rebuild_all(rt, frame, op_ids, np.zeros(len(counted)), time.thread_time)
+    got = _rebuild_all(rt, frame, time.thread_time)
     assert rt.recompute_ops == steps > 0
-    assert len(got) == 1 and got[0] > 0  # recorded times zeroed: all of it is the rebuild's
+    assert len(got) == 1
     assert not frame.cache
-    logits = frame.recipes[frame.sid_of[out.logits.untyped_storage()._cdata]]
     with torch.no_grad():
-        again = rt._run_recipe(frame, frame.sid_of[out.logits.untyped_storage()._cdata])
-    assert logits and torch.equal(torch.empty(0).set_(again, 0, out.logits.shape, out.logits.stride()), out.logits)
+        again = rt._run_recipe(frame, sid)
+    assert torch.equal(torch.empty(0).set_(again, 0, logits.shape, logits.stride()), logits)

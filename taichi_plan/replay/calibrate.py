@@ -10,9 +10,10 @@ real recording of a workload measures the two per-op terms on the workload's own
 every op checked (``check_op_s``), and with a recipe kept for every op (``recipe_op_s``),
 ``repeats`` times each, interleaved, each followed by its backward (so every forward starts
 from the same allocator state); a term is the median of the per-repetition differences to
-the plain forward, divided by the call's ops. ``rebuild_op_s``: after each recipe forward,
-every recipe of the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`);
-its seconds minus those ops' recorded ``duration_s``, per re-run op, median over the runs.
+the plain forward, divided by the call's ops. ``rebuild_op_s``: after each recipe forward
+and its backward (a rebuild's inputs are gone by then, as in a real rebuild), every recipe of
+the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
+minus the seconds of the ops themselves (timed inside it), per re-run op, median over the runs.
 
 Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.record.recorder.op_clock`).
 """
@@ -42,7 +43,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     from ..record.api import call_model
     from ..record.loop import AUTOCAST_DTYPES, Loop
     from ..record.recorder import op_clock
-    from . import call_ops, counted_ops, install
+    from . import call_ops, install
     from .runtime import CallPlan, PlanRuntime
 
     grad_calls = grad_model_calls(trace.meta) or []
@@ -61,10 +62,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     loop = Loop.from_meta(trace.meta)
     device = next((p.device.type for p in model.parameters()), "cpu")
     runtimes = []
-    counted = counted_ops(trace)
-    op_ids = [o for o in range(int(call["start"]), int(call["end"]) + 1) if counted[o]]
-    durations = trace.ops["duration_s"].to_numpy()
-    rebuilds: list[float] = []  # per recipe forward: (rebuild seconds - recorded seconds) per re-run op
+    rebuilds: list[float] = []  # per recipe forward: the rebuild path's own seconds per re-run op
 
     def forward(plan: CallPlan | None) -> float:
         rt = PlanRuntime([plan], on_mismatch="warn") if plan is not None else None
@@ -87,11 +85,11 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
                 t0 = clock()
                 out = call_model(model, batch)
                 dt = clock() - t0
-                if frames and frames[0].enabled:
-                    rebuilds.extend(_rebuild_all(rt, frames[0], op_ids, durations, clock))
                 loss = loss_fn(out, batch)
                 del out
                 loss.backward()
+                if frames and frames[0].enabled:  # after the backward, as a rebuild runs: its inputs gone
+                    rebuilds.extend(_rebuild_all(rt, frames[0], clock))
         finally:
             for h in handles:
                 h.remove()
@@ -116,11 +114,13 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     return out
 
 
-def _rebuild_all(rt, frame, op_ids: list[int], durations, clock) -> list[float]:
-    """Re-run every recipe of ``frame`` (a call just run with every recipe kept) through the
-    runtime's rebuild path, in op order, each storage held until its last reader has re-run;
-    returns [(seconds - the re-run ops' recorded seconds) / re-run ops], or [] when a recipe
-    cannot re-run here (its input was overwritten in place, say): then nothing is measured."""
+def _rebuild_all(rt, frame, clock) -> list[float]:
+    """Re-run every recipe of ``frame`` (a call run with every recipe kept) through the runtime's
+    rebuild path, in op order, each storage held until its last reader has re-run; returns
+    [(seconds - the seconds of the ops themselves) / re-run ops]: the path's own cost per op,
+    the ops timed where they run. [] when a recipe cannot re-run here (an input overwritten in
+    place, say): then nothing is measured."""
+    from . import runtime
     from .runtime import TRef
 
     order = sorted(frame.recipes, key=lambda sid: (frame.recipes[sid][0].op, sid))
@@ -130,8 +130,18 @@ def _rebuild_all(rt, frame, op_ids: list[int], durations, clock) -> list[float]:
             for x in step.leaves:
                 if isinstance(x, TRef):
                     last_reader[x.sid] = k
-    recorded = sum(float(durations[op_ids[step.op]]) for sid in order for step in frame.recipes[sid])
+    run_op = runtime._run
+    op_s = [0.0]
+
+    def timed_op(step, args, kwargs):
+        t = clock()
+        try:
+            return run_op(step, args, kwargs)
+        finally:
+            op_s[0] += clock() - t
+
     n0 = rt.recompute_ops
+    runtime._run = timed_op
     try:
         t0 = clock()
         for k, sid in enumerate(order):
@@ -144,11 +154,10 @@ def _rebuild_all(rt, frame, op_ids: list[int], durations, clock) -> list[float]:
     except Exception:  # noqa: BLE001  (calibration only: the microbenchmark's term stays)
         return []
     finally:
+        runtime._run = run_op
         frame.cache.clear()
     n = rt.recompute_ops - n0
-    return [(dt - recorded) / n] if n else []
-
-
+    return [(dt - op_s[0]) / n] if n else []
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock) -> dict[str, list[float]]:
     """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when one round
     takes more than ``budget_s / repeats``), each round in another order."""
