@@ -16,9 +16,17 @@ contiguous forward span and a contiguous backward span in the trace):
   the last chunk's are held through the module's backward span;
 * extra compute: the module's forward once more, plus a launch overhead per op per chunk.
 
+One chunk (``k = 1``) is the module checkpointed whole: the same model with nothing shrunk
+and nothing joined (no concatenation, no gradient pieces, each parameter's gradient made
+once). It needs no batch dimension, only that no forward op of the module mixes samples or
+writes a parameter or buffer (a re-run would update a running statistic twice); a module
+that draws random numbers is an option at ``k = 1`` without the opt-in below, since the
+re-run restores the RNG state its forward ran with and draws the same numbers.
+
 A module qualifies along dim 0 (the batch) when none of its ops mixes samples (no batch
 norm) and every tensor it makes has a leading size that is a multiple of the batch.
-Imported graphs have no modules and are never partitioned.
+Imported graphs have no modules and are never partitioned; nor are traces without a workload
+(hand-built ones), which have no model whose modules a replay could wrap.
 
 A module whose forward draws random numbers (dropout) is a planner's option only when the
 solve opts in (``Problem.partition_random``, ``solve --partition-random``): its chunks draw
@@ -56,9 +64,10 @@ CHUNK_CHOICES = (2, 4, 8)
 
 @dataclass(frozen=True)
 class Span:
-    """A module partitioned along dim 0 (its batch). Token spans (a head and its loss,
-    partitioned over tokens) are :class:`taichi_plan.token_span.TokenSpan`; both have
-    ``module``, ``over``, ``fwd``/``bwd`` and ``chunk_choices``."""
+    """A module partitioned along dim 0 (its batch), or checkpointed whole (one chunk). Token
+    spans (a head and its loss, partitioned over tokens) are
+    :class:`taichi_plan.token_span.TokenSpan`; both have ``module``, ``over``, ``fwd``/``bwd``
+    and ``chunk_choices``."""
 
     module: str
     fwd: tuple[int, int]
@@ -66,10 +75,13 @@ class Span:
     batch: int
     random_ops: tuple[int, ...] = ()  # forward ops of the module that draw random numbers
     over: str = "batch"
+    # May it be split into chunks of its batch (independent along dim 0, and, when it draws
+    # random numbers, the solve opted in)? Otherwise one chunk only: checkpointed whole.
+    split: bool = True
 
     @property
     def chunk_choices(self) -> tuple[int, ...]:
-        return tuple(c for c in CHUNK_CHOICES if c <= self.batch)
+        return (1, *(c for c in CHUNK_CHOICES if c <= self.batch)) if self.split else (1,)
 
 
 def span_key(x) -> tuple[str, str]:
@@ -94,13 +106,15 @@ def _under(name: str, module: str) -> bool:
     return name == module or name.startswith(module + ".")
 
 
-MAX_SPANS = 48  # partition options considered: the modules with the most bytes inside
+MAX_SPANS = 48  # options considered, split and whole apart: the modules with the most bytes inside
 
 
 def module_spans(problem: Problem) -> list:
     """The planners' partition options: the modules that can be partitioned along dim 0, with
-    their forward and backward spans, random ones only where ``problem.partition_random`` (the
-    ``MAX_SPANS`` with the most bytes made inside them, the most a partition can save), then the
+    their forward and backward spans, random ones split only where ``problem.partition_random``
+    (else checkpointed whole, one chunk) (of those that can be split, and apart of those that
+    can only be checkpointed whole, the ``MAX_SPANS`` with the most bytes made inside them, the
+    most a partition can save), then the
     head + loss spans that can be partitioned over tokens
     (:func:`taichi_plan.token_span.token_spans`)."""
     cached = getattr(problem, "_module_spans", None)
@@ -108,12 +122,18 @@ def module_spans(problem: Problem) -> list:
         return cached
     from .token_span import token_spans
 
-    spans = [s for s in _batch_spans(problem) if problem.partition_random or not s.random_ops]
-    if len(spans) > MAX_SPANS:
-        inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in spans}
-        keep = set(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
-        spans = [s for s in spans if s.module in keep]
-    spans = spans + token_spans(problem)
+    # A random module without the opt-in is still checkpointed whole: its one chunk re-runs
+    # with the RNG state it first ran with, so it draws the same numbers (module docstring).
+    spans = [s if problem.partition_random or not s.random_ops else dataclasses.replace(s, split=False)
+             for s in _batch_spans(problem)]
+    # Capped apart: modules that can be split, and those that can only be checkpointed whole
+    # (outer ones hold the most bytes and would crowd the split ones out of one cap).
+    keep: set[str] = set()
+    for split in (True, False):
+        group = [s for s in spans if s.split == split]
+        inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in group}
+        keep.update(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
+    spans = [s for s in spans if s.module in keep] + token_spans(problem)
     problem._module_spans = spans
     return spans
 
@@ -161,12 +181,15 @@ def draws_random(problem: Problem, op: int) -> bool:
     return op in ids
 
 
-def random_draws(problem: Problem, span: Span) -> str | None:
+def random_draws(problem: Problem, span: Span, chunks: int = 2) -> str | None:
     """What the chunks of a partitioned ``span`` draw from the RNG: None when it draws nothing,
-    ``"as-unpartitioned"`` when they provably draw the whole batch's numbers (one Bernoulli op,
-    a real run on CPU), else ``"per-chunk"`` (their own numbers: training changes statistically)."""
+    ``"as-unpartitioned"`` when they provably draw the whole batch's numbers (one chunk, which
+    draws as the unplanned module does; one Bernoulli op, a real run on CPU), else
+    ``"per-chunk"`` (their own numbers: training changes statistically)."""
     if not span.random_ops:
         return None
+    if chunks == 1:
+        return "as-unpartitioned"
     meta = problem.trace.meta
     same = (len(span.random_ops) == 1 and problem.op_name[span.random_ops[0]] in SAME_DRAWS_ON_CPU
             and meta.get("mode") == "real" and meta.get("device") == "cpu")
@@ -181,10 +204,11 @@ def _module_spans(problem: Problem) -> list[Span]:
         parts = m.split(".") if m else []
         for i in range(1, len(parts) + 1):
             fqns.add(".".join(parts[:i]))
-    batch = _batch_size(problem)
-    if not batch:
-        return []
+    if not problem.trace.meta.get("workload"):
+        return []  # no model to run the module of (hand-built traces): nothing to replay
+    batch = _batch_size(problem) or 1
     shapes = problem.trace.tensors["shape"].tolist()
+    writes_state = _writes_state(problem)
     out = []
     for m in sorted(fqns):
         mask = np.fromiter((_under(x, m) for x in names), dtype=bool, count=len(names))
@@ -196,10 +220,12 @@ def _module_spans(problem: Problem) -> list[Span]:
             continue  # called more than once, or interleaved: not modelled
         if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
             continue
+        if writes_state[f[0]:f[-1] + 1].any():
+            continue  # a re-run forward would update a buffer (a running statistic) twice
         random_ops = tuple(i for i in f.tolist() if draws_random(problem, i))
         made = np.nonzero((problem.start >= f[0]) & (problem.start <= f[-1]) & ~problem.initial)[0]
-        ok = True
-        for t in made.tolist():
+        ok = batch > 1
+        for t in made.tolist() if ok else ():
             if t >= len(shapes):  # a partition's own bookkeeping tensor
                 continue
             if problem.kind[t] not in ("activation", "temporary") or _constant(problem, t):
@@ -208,8 +234,20 @@ def _module_spans(problem: Problem) -> list[Span]:
             if len(shp) == 0 or shp[0] < batch or shp[0] % batch:
                 ok = False
                 break
-        if ok:
-            out.append(Span(m, (int(f[0]), int(f[-1])), (int(b[0]), int(b[-1])), batch, random_ops))
+        out.append(Span(m, (int(f[0]), int(f[-1])), (int(b[0]), int(b[-1])), batch, random_ops, split=ok))
+    return out
+
+
+def _writes_state(problem: Problem) -> np.ndarray:
+    """Per op: does it write a parameter or buffer in place (a running statistic)?"""
+    acc = problem.trace.accesses
+    out = np.zeros(problem.num_ops, dtype=bool)
+    if len(acc) == 0:
+        return out
+    ops = acc["op_id"].to_numpy().astype(np.int64)
+    rows = np.fromiter((problem.index_of(t) for t in acc["tensor_id"].tolist()), dtype=np.int64, count=len(acc))
+    hit = (acc["role"].to_numpy() == "write") & np.isin(problem.kind[rows], ("parameter", "buffer"))
+    out[ops[hit]] = True
     return out
 
 
@@ -346,14 +384,18 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 "independent along it in this trace (or is not in it). Partition only modules that "
                 "`taichi-plan solve` proposes; the plan may be for another trace."
             )
-        if span.random_ops and not (problem.partition_random or getattr(part, "random_draws", None)):
+        k = int(part.chunks)
+        if k > 1 and span.random_ops and not (problem.partition_random or getattr(part, "random_draws", None)):
             raise PlanError(
                 f"The plan partitions module {part.module!r}, which draws random numbers (op "
                 f"{span.random_ops[0]}, {problem.op_name[span.random_ops[0]]}), but does not record that its chunks "
                 "draw their own: partitioning it changes training. Solve again with --partition-random to allow it.")
-        k = int(part.chunks)
-        if k < 2 or k > span.batch:
-            raise PlanError(f"The plan splits {part.module!r} into {k} chunks; use 2..{span.batch}.")
+        if span.over == "tokens" and k < 2:
+            raise PlanError(f"The plan computes {part.module!r}'s loss in {k} chunk(s) of its tokens; use 2 or more.")
+        if k < 1 or k > span.batch or (k > 1 and not getattr(span, "split", True)):
+            most = span.batch if getattr(span, "split", True) else 1
+            raise PlanError(f"The plan splits {part.module!r} into {k} chunks; use 1..{most} (1: checkpointed "
+                            "whole; more only where the module is independent along its batch).")
         if span.over == "tokens":
             from . import token_span
 
@@ -383,7 +425,9 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
         # so they are live from the start of the module's backward, and every later chunk's
         # gradient is added to them out of place (old, new piece and sum live at once).
         b0, b1 = span.bwd
-        for t in np.nonzero((problem.kind == "gradient") & (problem.producer >= b0) & (problem.producer <= b1))[0]:
+        # One chunk (checkpointed whole): its backward runs once, and no piece is joined.
+        for t in (np.nonzero((problem.kind == "gradient") & (problem.producer >= b0) & (problem.producer <= b1))[0]
+                  if k > 1 else ()):
             start[t] = min(int(start[t]), b0)
             new_t.append(-1)
             new_id.append(_SYNTHETIC_ID - len(new_id))
@@ -396,7 +440,7 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 end[t] = max(int(end[t]), span.bwd[1])
         # Concatenations: the chunks' outputs and the joined output are both live while the
         # forward joins them; the chunks' input gradients and the joined one while backward does.
-        out_bytes, in_bytes = boundary_bytes(problem, span)
+        out_bytes, in_bytes = boundary_bytes(problem, span) if k > 1 else (0, 0)
         for nb, at in ((out_bytes, span.fwd[1]), (in_bytes, span.bwd[1])):
             if nb > 0:
                 new_t.append(-1)
@@ -476,14 +520,29 @@ def partition_savings(problem: Problem, span: Span, chunks: int) -> np.ndarray:
 
 
 def floor_bytes(problem: Problem) -> np.ndarray:
-    """Bytes that must be live during each op under any plan: everything droppable dropped
-    and every partitionable module at its most chunks (their savings summed, an overcount
-    where modules nest, so this stays a lower bound)."""
+    """Bytes that must be live during each op under any plan: everything droppable dropped,
+    less, at each op, the most that modules partitioned at once can save there (each module's
+    best chunk count at that op; since partitions do not nest, a module or the best set of
+    modules inside it, whichever saves more). Cached on the problem."""
+    spans = module_spans(problem)
+    cached = getattr(problem, "_floor_bytes", None)
+    if cached is not None and cached[0] is spans:  # (the options it was computed for, floor)
+        return cached[1]
     from .problem import min_live_bytes
 
     floor = min_live_bytes(problem).astype(np.int64)
-    for span in module_spans(problem):
-        k = max(span.chunk_choices, default=0)
-        if k >= 2:
-            floor = floor - np.maximum(partition_savings(problem, span, k), 0)
+    own: dict[str, np.ndarray] = {}  # module -> the most any partition of it saves, per op
+    for span in spans:
+        for k in span.chunk_choices:
+            sav = np.maximum(partition_savings(problem, span, k), 0)
+            own[span.module] = np.maximum(own[span.module], sav) if span.module in own else sav
+    best: dict[str, np.ndarray] = {}
+    for m in sorted(own, key=lambda x: -x.count(".")):  # innermost first
+        inner = [c for c in best if c != m and _under(c, m) and not any(
+            d != c and d != m and _under(c, d) and _under(d, m) for d in own)]
+        best[m] = np.maximum(own[m], sum((best[c] for c in inner), np.zeros_like(own[m])))
+    for m, sav in best.items():
+        if not any(d != m and _under(m, d) for d in own):  # outermost: disjoint, so they add
+            floor = floor - sav
+    problem._floor_bytes = (spans, floor)
     return floor

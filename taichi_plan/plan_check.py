@@ -140,6 +140,7 @@ def check_plan_json(obj: dict, where: str) -> None:
     _kind(where, "predicted.allocator", p.get("allocator"), dict, "an object", none=True)
     _str(where, "solver.budget_on", s.get("budget_on"), none=True, choices=("allocated", "reserved"))
 
+    v5 = _is_int(obj.get("format_version")) and obj["format_version"] >= 5
     d = obj["decisions"]
     rec, parts = d.get("recompute", []), d.get("partitions", [])
     _kind(where, "decisions.recompute", rec, list, "a list")
@@ -165,7 +166,8 @@ def check_plan_json(obj: dict, where: str) -> None:
         _fields(where, f, q, PARTITION_FIELDS)
         _str(where, f"{f}.module", q["module"])
         _int(where, f"{f}.dim", q["dim"], lo=0, hi=0)
-        _int(where, f"{f}.chunks", q["chunks"], lo=2)
+        # v5: one chunk along the batch (the module checkpointed whole); tokens need two or more.
+        _int(where, f"{f}.chunks", q["chunks"], lo=2 if q.get("over") == "tokens" or not v5 else 1)
         _str(where, f"{f}.why", q.get("why", ""))
         _str(where, f"{f}.over", q.get("over", "batch"), choices=("batch", "tokens"))
         _str(where, f"{f}.random_draws", q.get("random_draws"), none=True, choices=RANDOM_DRAWS)
@@ -177,6 +179,18 @@ def check_plan_json(obj: dict, where: str) -> None:
         _kind(where, "decisions.optimizer", opt, dict, "an object")
         _str(where, "decisions.optimizer.mode", opt.get("mode"), choices=("in-backward", "groups"))
         _str(where, "decisions.optimizer.why", opt.get("why", ""))
+
+    rs = (obj.get("decisions") or {}).get("reshard_after_forward")
+    if rs is not None:  # v5: FSDP2's reshard_after_forward per unit (taichi_plan/reshard.py)
+        _kind(where, "decisions.reshard_after_forward", rs, dict, "an object")
+        _kind(where, "decisions.reshard_after_forward.units", rs.get("units"), list, "a list of units")
+        for i, u in enumerate(rs["units"]):
+            f = f"decisions.reshard_after_forward.units[{i}]"
+            _kind(where, f, u, dict, "an object")
+            _str(where, f"{f}.module", u.get("module"))
+            for key in ("reshard_after_forward", "recorded"):
+                _kind(where, f"{f}.{key}", u.get(key), bool, "true or false")
+        _num(where, "decisions.reshard_after_forward.step_compute_saved", rs.get("step_compute_saved"), none=True)
 
     if obj.get("schedule") is not None:
         _check_schedule(obj["schedule"], where, n)
@@ -241,6 +255,11 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
     if plan.trace.get("num_ops") != n:
         raise PlanError(f"{where}: field `trace.num_ops` is {plan.trace.get('num_ops')!r}, but the trace{at} "
                         f"has {n} ops. {other}")
+    recorded = trace
+    if getattr(plan, "reshard", None):  # v5: ids are the step's with those units not resharding
+        from .reshard import view_of_choice
+
+        trace = view_of_choice(trace, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]})
     tids = trace.tensors["tensor_id"].tolist()
     producer = dict(zip(tids, trace.tensors["producer_op"].tolist(), strict=True))
     names = trace.ops["op"].tolist()
@@ -254,7 +273,7 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
         if names[r.op] != r.op_name:
             raise PlanError(f"{where}: {f} names op {r.op} {r.op_name!r}, but in the trace{at} it is "
                             f"{names[r.op]!r}. {other}")
-    check_layout(plan.trace.get("layout"), layout(trace.meta), where)
+    check_layout(plan.trace.get("layout"), layout(recorded.meta), where)
     modules = set(trace.ops["module"].tolist())
     for i, q in enumerate(plan.partitions):
         if not any(m == q.module or m.startswith(q.module + ".") for m in modules):

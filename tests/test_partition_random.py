@@ -102,11 +102,13 @@ def test_one_cpu_dropout_draws_the_same_masks_chunk_by_chunk(shape, chunks):
 
 
 def test_random_modules_are_options_only_with_the_opt_in(problem):
-    plain = {s.module for s in module_spans(problem)}
+    # Without the opt-in a random module is an option of one chunk only (checkpointed whole,
+    # its masks re-drawn as they were: tests/test_checkpoint_whole.py), never split.
+    plain = {s.module for s in module_spans(problem) if max(s.chunk_choices) > 1}
     opted = {s.module: s for s in module_spans(allow_random(problem, True))}
     every = {s.module: s for s in partitionable_spans(problem)}
     assert MLP in every and ATTN in every and MLP not in plain and ATTN not in plain
-    assert MLP in opted and ATTN in opted
+    assert max(opted[MLP].chunk_choices) > 1 and max(opted[ATTN].chunk_choices) > 1
     assert all(not every[m].random_ops for m in plain)
     assert [problem.op_name[i] for i in every[MLP].random_ops] == ["aten.bernoulli_.float"]
     assert len(every[ATTN].random_ops) == 2
@@ -139,21 +141,24 @@ def test_solve_partitions_random_modules_only_when_asked():
     every = {s.module: s for s in partitionable_spans(problem)}
     randoms = {m for m, s in every.items() if s.random_ops}
     assert {"transformer.h.0.mlp", "transformer.h.1.mlp"} <= randoms
-    assert not randoms & {s.module for s in module_spans(problem)}
+    assert not randoms & {s.module for s in module_spans(problem) if max(s.chunk_choices) > 1}
     assert randoms <= {s.module for s in module_spans(allow_random(problem, True))}
     plain = solve(trace, budget, "heuristic", time_limit=120)
     assert plain.solver["partition_random"] is False and plain.partitions
-    assert all(p.random_draws is None and not every[p.module].random_ops for p in plain.partitions)
+    # Without the opt-in a random module is at most checkpointed whole: its masks as they were.
+    assert all((p.random_draws is None and not every[p.module].random_ops)
+               or (p.chunks == 1 and p.random_draws == "as-unpartitioned") for p in plain.partitions)
     opted = solve(trace, budget, "heuristic", time_limit=120, partition_random=True)
     assert opted.solver["partition_random"] is True
-    assert all((p.random_draws == "per-chunk") == bool(every[p.module].random_ops) for p in opted.partitions)
+    assert all((p.random_draws == "per-chunk") == (bool(every[p.module].random_ops) and p.chunks > 1)
+               for p in opted.partitions)
     assert opted.predicted["planned_peak_bytes"] <= budget
 
 
 def test_plan_file_records_it_and_inspect_says_so(problem, trace_dir, tmp_path):
     path = _plan(problem, tmp_path, [ATTN, "transformer.h.1.mlp"])
     obj = json.loads(path.read_text())
-    assert obj["format_version"] == 4 and obj["solver"]["partition_random"] is True
+    assert obj["format_version"] == 5 and obj["solver"]["partition_random"] is True
     assert {p["module"]: p["random_draws"] for p in obj["decisions"]["partitions"]} == {
         ATTN: "per-chunk", "transformer.h.1.mlp": "as-unpartitioned"}
     assert [p.random_draws for p in load_plan(path).partitions] == ["per-chunk", "as-unpartitioned"]

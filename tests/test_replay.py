@@ -60,7 +60,8 @@ def test_measured_peak_matches_predicted(traces, name, frac):
     assert r["measured_peak_bytes"] <= plan.budget_bytes * 1.02
     assert abs(r["peak_ratio"] - 1) <= 0.05, r
     # Bitwise for rematerialization; a time-limited solve on a loaded machine may partition.
-    assert r["grads_match"] and r["grads_check"].startswith("allclose" if plan.partitions else "bitwise")
+    split = any(q.chunks > 1 for q in plan.partitions)  # a module checkpointed whole stays bitwise
+    assert r["grads_match"] and r["grads_check"].startswith("allclose" if split else "bitwise")
     assert r["baseline_measured_peak_bytes"] == r["baseline_predicted_peak_bytes"]
     # A second, independent accounting (PyTorch's MemTracker) agrees with the recorder's.
     assert abs(r["memtracker_peak_bytes"] / r["measured_peak_bytes"] - 1) <= 0.02, r

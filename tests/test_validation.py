@@ -99,7 +99,7 @@ def test_schedule_tensor_the_trace_lacks_is_refused(solved, tmp_path):
     (lambda o: o["decisions"]["recompute"][0].__setitem__("extra", 1), "unknown field `extra`"),
     (lambda o: o["decisions"]["recompute"].append(dict(o["decisions"]["recompute"][0])),
      "no other recompute decision drops"),
-    (lambda o: o["decisions"]["partitions"].append({"module": "layers.1", "dim": 0, "chunks": 1}),
+    (lambda o: o["decisions"]["partitions"].append({"module": "layers.1", "dim": 0, "chunks": 0}),
      "partitions[0].chunks"),
     (lambda o: o["decisions"].__setitem__("partitions", {"module": "x"}), "`decisions.partitions`"),
     (lambda o: o["schedule"]["events"][0].__setitem__(0, "teleport"), "schedule.events[0] kind"),

@@ -5,7 +5,8 @@ optimizer state exists, as in the recorded trace), then ``steps`` timed steps, t
 step under the recorder, whose live-storage accounting is the trace's own (the same numbers
 MemTracker gives): that step's peak is the measured peak. Gradients and parameters after
 the last step are compared: bitwise for rematerialization alone (rebuilt ops replay their RNG
-state), ``allclose`` when modules are partitioned (also where a partitioned module's dropout
+state) and for modules checkpointed whole (one chunk: the same ops re-run on the same values,
+the RNG state restored), ``allclose`` when modules are split into chunks (also where a partitioned module's dropout
 draws, chunk by chunk, the whole batch's masks: ``random_draws`` "as-unpartitioned"), and
 *statistically* when a partitioned module's chunks draw their own masks ("per-chunk",
 ``solve --partition-random``): a third, unplanned run reseeds the generator after its warm-up
@@ -444,14 +445,16 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     }
     draws = {p.module: p.random_draws for p in plan.partitions if p.random_draws}
     if draws:
-        report["random_draws"] = random_draws_sentence(draws)
+        report["random_draws"] = random_draws_sentence(draws, frozenset(p.module for p in plan.partitions
+                                                                         if p.chunks == 1))
     if check_grads and "per-chunk" in draws.values():
         say("reseeded unplanned run: the spread other dropout masks make")
         other = run_and_measure(workload, None, trace, steps, seed, device, say, "reseeded unplanned run",
                                 rng_seed=seed + 1)
         report.update(statistical_check(base, planned, other))
     elif check_grads:
-        exact = not plan.partitions
+        # One chunk (checkpointed whole) re-runs the same ops on the same values: bitwise.
+        exact = all(p.chunks == 1 for p in plan.partitions)
         same = True
         worst = 0.0
         # Stepped in backward, the planned run frees each gradient once its parameter is
@@ -474,16 +477,21 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     return report
 
 
-def random_draws_sentence(draws: dict[str, str]) -> str:
-    """What the partitioned modules that draw random numbers do to training, for people."""
+def random_draws_sentence(draws: dict[str, str], whole: frozenset[str] = frozenset()) -> str:
+    """What the partitioned modules that draw random numbers do to training, for people
+    (``whole``: the modules checkpointed whole, one chunk)."""
     own = sorted(m for m, d in draws.items() if d == "per-chunk")
-    same = sorted(m for m, d in draws.items() if d == "as-unpartitioned")
+    same = sorted(m for m, d in draws.items() if d == "as-unpartitioned" and m not in whole)
+    kept = sorted(m for m, d in draws.items() if d == "as-unpartitioned" and m in whole)
     parts = []
     if own:
         parts.append(f"partitioned chunks of {', '.join(own)} draw their own dropout masks: training changes "
                      "statistically, not bitwise")
     if same:
         parts.append(f"the chunks of {', '.join(same)} draw the whole batch's dropout masks (one dropout, CPU)")
+    if kept:
+        parts.append(f"{', '.join(kept)}, checkpointed whole, re-run(s) with the RNG state of its forward: the "
+                     "same dropout masks")
     return "; ".join(parts)
 
 

@@ -3,7 +3,10 @@
 The module's ``forward`` is replaced by one that splits every tensor argument whose first
 dimension is the batch into ``chunks`` pieces, runs the original forward on each piece under
 non-reentrant ``torch.utils.checkpoint`` (so only the piece's inputs are kept for backward),
-and concatenates the outputs along dim 0. The runtime's op counter skips the module's own ops
+and concatenates the outputs along dim 0. One chunk is the module checkpointed whole: no
+split, no join. Each checkpoint stashes the RNG state its forward ran with and restores it
+for the re-run in backward (``preserve_rng_state``), so a module with dropout re-draws the
+masks it used (one chunk: the unplanned module's own masks). The runtime's op counter skips the module's own ops
 and resumes after its span in the trace.
 """
 
@@ -48,11 +51,13 @@ def _chunked(forward, chunks: int, rt, name: str):
     def run(*args, **kwargs):
         leaves, spec = tree_flatten((args, kwargs))
         batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-        if batch is None or batch < chunks:
+        if chunks > 1 and (batch is None or batch < chunks):
             raise PlanError(f"Cannot split {name!r} into {chunks} chunks: its batch is {batch}.")
         if rt is not None:
             rt.enter_partition(name)
         try:
+            if chunks == 1:  # checkpointed whole: its outputs are the module's own, nothing to join
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
             pieces = [[] for _ in range(chunks)]
             for x in leaves:
                 parts = (torch.tensor_split(x, chunks, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0

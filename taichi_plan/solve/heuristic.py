@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from ..errors import PlanError
 from ..partition import (
     _under,
     apply_partitions,
@@ -84,6 +85,10 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     # modules at the worst op, 1, 2, 4, ... per round, re-planning rematerialization around them.
     options = []
     for span in module_spans(problem):
+        # Split modules only: ranked by what they free at the worst op alone, a module
+        # checkpointed whole (one chunk) would win where it merely moves the peak into its
+        # backward (GPT-2's whole transformer), and rule out every module inside it. The ILP
+        # weighs those options (docs/planner.md).
         k = max(span.chunk_choices, default=0)
         if k >= 2:
             options.append((span, k, partition_savings(problem, span, k), partition_cost(problem, span, k)))
@@ -129,7 +134,12 @@ def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float) -> l
         base = fn(problem, budget_bytes)
         if not base.drops:
             continue
-        dec = plan_remat(problem, budget_bytes, deadline=deadline, fixed=base.drops)
+        try:
+            dec = plan_remat(problem, budget_bytes, deadline=deadline, fixed=base.drops)
+        except PlanError:
+            # the sweep's drops and the fixed ones together cannot be rebuilt (a fixed region's
+            # rebuild needs a tensor the sweep dropped): no plan from this start
+            continue
         dec.notes = [f"greedy sweep on top of {what}'s drops", *dec.notes]
         out.append(dec)
     return out

@@ -193,6 +193,8 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
         for chunks in span.chunk_choices:
             sav = partition_savings(problem, span, chunks)
             if not np.any(sav[over] > 0):
+                if chunks == 1:
+                    continue  # checkpointing whole may free nothing where splitting does
                 break
             out.append(PartOption(span, chunks, sav, partition_cost(problem, span, chunks), internal))
     return out

@@ -17,6 +17,7 @@ from ..overhead import runtime_overhead_s
 from ..partition import find_span, partition_cost, partition_savings, random_draws
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
+from ..reshard import describe as describe_reshard
 from ..sharding import layout
 from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
 from ..units import format_bytes, format_cost
@@ -118,6 +119,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
         schedule=schedule if with_schedule else None,
         optimizer=describe_optimizer(problem),
+        reshard=describe_reshard(problem),
     )
 
 
@@ -164,13 +166,18 @@ def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
         how = (f"by computing {part.module}'s logits and the cross-entropy on them in {part.chunks} chunks of "
                f"{-(-span.rows // part.chunks)} tokens (the [{span.rows}, {span.vocab}] logits never exist); re-running the head's "
                "matmul in backward and the extra launches cost ")
+    elif part.chunks == 1:
+        how = (f"by checkpointing {part.module} whole (one chunk: only its inputs are kept, and its forward "
+               "re-runs in its backward); re-running its forward and the extra launches cost ")
     else:
         how = (f"by running {part.module} on {part.chunks} chunks of the batch; re-running its forward and the "
                "extra launches cost ")
     why = (f"frees up to {format_bytes(int(saved[i]))} (at op {i}) {how}"
            f"{format_cost(partition_cost(problem, span, part.chunks), unit)}")
-    draws = random_draws(problem, span)
-    if draws == "as-unpartitioned":
+    draws = random_draws(problem, span, part.chunks)
+    if draws and part.chunks == 1:
+        why += "; its forward re-runs with the RNG state it first ran with: the same dropout masks"
+    elif draws == "as-unpartitioned":
         why += "; its one dropout draws, chunk by chunk, the masks of the whole batch (CPU)"
     elif draws:
         why += (f"; its chunks draw their own dropout masks ({len(span.random_ops)} random op(s)): training "

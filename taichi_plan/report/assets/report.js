@@ -378,7 +378,7 @@ function partitions(host) {
     rows: S.partitions, empty: "None: every module runs on its whole batch.",
     columns: [
       {label: "module", cls: "nw mono", get: function (p) { return p.module || "(none)"; }},
-      {label: "over", get: function (p) { return p.over || "batch"; }},
+      {label: "over", get: function (p) { return p.chunks === 1 ? "whole (checkpointed)" : (p.over || "batch"); }},
       {label: "chunks", type: "num", get: function (p) { return p.chunks; }},
       {label: "why", cls: "why", get: function (p) { return p.why; }}
     ]
