@@ -33,7 +33,7 @@ CALLER_STEP_DEFINITION = (
 
 
 
-def _call_model(model, batch):
+def call_model(model, batch):
     import torch
 
     if isinstance(batch, torch.Tensor):
@@ -58,7 +58,7 @@ def make_step_fn(model, batch, loss_fn, optimizer, where: str = "workload", loop
         return torch.autocast(device, dtype=getattr(torch, AUTOCAST_DTYPES[loop.autocast]))
 
     def one_loss():
-        out = _call_model(model, batch)
+        out = call_model(model, batch)
         loss = loss_fn(out, batch)
         del out
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
@@ -231,6 +231,7 @@ def record_workload(
     loop: Loop | None = None,
     progress: Callable[[str], None] | None = None,
     gpu_kernels: bool = True,
+    calibrate: bool = True,
 ) -> Trace:
     """Record ``workload`` and return a trace of one steady-state step.
 
@@ -242,6 +243,10 @@ def record_workload(
     GPU runs where this torch's differ (dropout, attention, foreach optimizers:
     :mod:`taichi_plan.record.gpu_ops`), said in ``meta.gpu_kernels``; False records this
     torch's own kernels.
+
+    ``calibrate``: a real recording then measures the replay runtime's cost per op on the
+    model's own forward (:func:`taichi_plan.replay.calibrate.measure_on_model`, a few seconds
+    at most), into ``meta.runtime_overhead``; False keeps the microbenchmark's.
     """
     check_counts(steps, warmup)
     if fake:
@@ -265,16 +270,26 @@ def record_workload(
             records = run_and_record(model, optimizer, step, [batch, list(getattr(loss_fn, "inputs", ()))],
                                      loop=loop, steps=steps, warmup=warmup, profile=profile if fake else None,
                                      say=say)
+        say("building tables")
+        trace = trace_from_records(records, warmup=warmup, fake=fake, loop=loop, meta={
+            "gpu_kernels": target.to_meta(records[-1].ops["op"]) if target else None,
+            "device": device,
+            "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
+            "device_profile": device_profile,
+            "dtype": workload.dtype,
+            "step_definition": STEP_DEFINITION,
+        })
+        # The runtime's per-op cost on this model's own ops (replay/calibrate.py), on a model this
+        # recording built (record() of a user's live objects leaves them alone).
+        if not fake and calibrate and workload.kind != "python":
+            from ..replay.calibrate import measure_on_model
+
+            say("measuring the replay runtime's cost per op")
+            measured = measure_on_model(model, batch, loss_fn, trace)
+            if measured is not None:
+                trace.meta["runtime_overhead"] = {**trace.meta["runtime_overhead"], **measured}
         del model, batch, loss_fn, optimizer, step
-    say("building tables")
-    return trace_from_records(records, warmup=warmup, fake=fake, loop=loop, meta={
-        "gpu_kernels": target.to_meta(records[-1].ops["op"]) if target else None,
-        "device": device,
-        "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
-        "device_profile": device_profile,
-        "dtype": workload.dtype,
-        "step_definition": STEP_DEFINITION,
-    })
+    return trace
 
 
 def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, loop: Loop, meta: dict) -> Trace:

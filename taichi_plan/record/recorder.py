@@ -24,8 +24,10 @@ How each column is decided:
 - ``module``: the deepest FQN in ``ModTracker.parents``, relative to the model (``''`` for the
   model itself, no module, or a module outside the model such as a loss module).
 - ``flops``: ``torch.utils.flop_counter.flop_registry`` (plus CPU flash attention), else 0.
-- ``duration_s``: real runs time the kernel call (``measured``); fake runs use the roofline
-  estimate of a device profile (``estimated``), 0 for ops that launch no kernel.
+- ``duration_s``: real runs time the kernel call (``measured``): in the thread's CPU time when
+  torch runs one intra-op thread (a kernel then runs on this thread alone, and time the thread
+  waits for a core on a loaded machine is not the op's), else in wall time; fake runs use the
+  roofline estimate of a device profile (``estimated``), 0 for ops that launch no kernel.
 - ``mutates``: the schema writes an argument (in-place or ``out=``); ``recomputable`` is
   ``not mutates`` outside the optimizer phase (random ops count as recomputable: replay
   restores the RNG state), except autocast's cached casts of parameters (the cache keeps them
@@ -201,17 +203,27 @@ class StepRecord:
         return len(self.ops["op"])
 
 
+def op_clock():
+    """The clock real recordings time ops with: ``time.thread_time`` when torch runs one
+    intra-op thread (every CPU kernel then runs on the calling thread, so its CPU time is the
+    op's, without the time a loaded machine makes the thread wait), else ``time.perf_counter``
+    (several threads share a kernel: its wall time)."""
+    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
+
+
 class Recorder(TorchDispatchMode):
     """Records ops, storages and accesses; one instance serves several steps.
 
     Use ``begin_step(...)`` / ``end_step(...)`` around each step, with the mode active in
-    between. ``profile`` given: durations are roofline estimates; else measured wall time.
+    between. ``profile`` given: durations are roofline estimates; else measured by
+    :func:`op_clock` (CPU time of the thread with one torch thread, else wall time).
     """
 
     def __init__(self, profile: DeviceProfile | None = None, model: torch.nn.Module | None = None,
                  world_size: int = 1):
         super().__init__()
         self.profile = profile
+        self.clock = op_clock()
         self.world_size = world_size  # devices a fake run's collectives are costed over
         # storage key -> (kind, dtype, shape) for storages an add-on knows better (FSDP's
         # unsharded parameters, which first appear through ``resize_``)
@@ -467,9 +479,9 @@ class Recorder(TorchDispatchMode):
         measure = self.profile is None
         try:
             if measure:
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 out = func(*args, **kwargs)
-                duration_s = time.perf_counter() - t0
+                duration_s = self.clock() - t0
             else:
                 out = func(*args, **kwargs)
         except BaseException:

@@ -52,7 +52,6 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     trace = problem.trace  # the step as the plan's optimizer option runs it
     calls = model_calls(trace)
     names = trace.ops["op"].tolist()
-    modules = trace.ops["module"].tolist()
     counted = counted_ops(trace)
     before = _counted_index(counted)
 
@@ -62,17 +61,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                 return c, before[op] - before[call["start"]]
         return None
 
-    acc = trace.accesses
-    writes = acc[acc["role"] == "write"]
-    pos = {(int(o), int(t)): int(a) for o, t, a in zip(writes["op_id"], writes["tensor_id"], writes["arg_index"],
-                                                          strict=True)}
-    tensors = trace.tensors
-    nbytes = dict(zip(tensors["tensor_id"].tolist(), tensors["nbytes"].tolist(), strict=True))
-    producer = dict(zip(tensors["tensor_id"].tolist(), tensors["producer_op"].tolist(), strict=True))
-    made: dict[int, dict[int, int]] = {}
-    for (o, t), j in pos.items():
-        if producer.get(t) == o:
-            made.setdefault(o, {})[j] = int(nbytes[t])
+    pos = _written_at(trace)
 
     drops: list[dict] = [{} for _ in calls]
     for r in plan.recompute:
@@ -114,17 +103,43 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                 skip[head[0]].add(where[1])
 
     group_of = rebuild_groups(plan, trace, problem)
+    tensors = trace.tensors
     kinds = tensors["kind"].tolist()
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
     grads = [(a, f) for k, a, f in zip(kinds, alloc, free, strict=True) if k == "gradient"]
     out = []
-    for c, call in enumerate(calls):
-        s0, s1 = call["start"], call["end"]
-        ops = [(names[o], modules[o], made.get(o, {})) for o in range(s0, s1 + 1) if counted[o]]
+    for c, (call, ops) in enumerate(zip(calls, call_ops(trace, pos), strict=True)):
+        s0 = call["start"]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
                             bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c])))
     return out
+
+
+def _written_at(trace) -> dict[tuple[int, int], int]:
+    """(op id, tensor id) -> the flattened output index at which the op writes the tensor."""
+    acc = trace.accesses
+    writes = acc[acc["role"] == "write"]
+    return {(int(o), int(t)): int(a) for o, t, a in zip(writes["op_id"], writes["tensor_id"], writes["arg_index"],
+                                                        strict=True)}
+
+
+def call_ops(trace, pos: dict | None = None) -> list[list]:
+    """Per grad-enabled model call, its counted ops as the runtime checks them: (op name,
+    module, {output index: bytes of the storage it creates})."""
+    pos = _written_at(trace) if pos is None else pos
+    names = trace.ops["op"].tolist()
+    modules = trace.ops["module"].tolist()
+    counted = counted_ops(trace)
+    tensors = trace.tensors
+    nbytes = dict(zip(tensors["tensor_id"].tolist(), tensors["nbytes"].tolist(), strict=True))
+    producer = dict(zip(tensors["tensor_id"].tolist(), tensors["producer_op"].tolist(), strict=True))
+    made: dict[int, dict[int, int]] = {}
+    for (o, t), j in pos.items():
+        if producer.get(t) == o:
+            made.setdefault(o, {})[j] = int(nbytes[t])
+    return [[(names[o], modules[o], made.get(o, {})) for o in range(call["start"], call["end"] + 1) if counted[o]]
+            for call in model_calls(trace)]
 
 
 def token_partitions(plan: Plan, problem) -> list[tuple[str, int, tuple[int, ...]]]:

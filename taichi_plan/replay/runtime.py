@@ -132,11 +132,14 @@ class CallPlan:
     # their lazy logits do not run (the head's matmul, the loss ops on the logits): skipped.
     tokens: dict[str, int] = field(default_factory=dict)
     skip: frozenset = frozenset()
+    # Run under the mode and hooks although the plan changes nothing here: what calibration
+    # (taichi_plan.replay.calibrate) measures the runtime's own cost on.
+    probe: bool = False
 
     @property
     def active(self) -> bool:
         """Whether this call needs the dispatch mode and hooks at all."""
-        return bool(self.drops) or bool(self.spans) or bool(self.tokens)
+        return bool(self.drops) or bool(self.spans) or bool(self.tokens) or self.probe
 
 
 @dataclass
@@ -636,6 +639,9 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
     property of the machine and this code, not of the trace: ``maxbatch`` records many)."""
     import statistics
 
+    from ..record.recorder import op_clock
+
+    clock = op_clock()
     x = torch.ones(1)
     name = str(torch.ops.aten.add.Tensor)
     ops = [(name, "", {0: x.untyped_storage().nbytes()})] * n
@@ -649,10 +655,10 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
     def timed(recipes: set | None) -> float:
         rt = PlanRuntime([CallPlan(0, ops, {}, recipes, {}, [], None)])
         frame = rt._frame = Frame(rt.calls[0])
-        t0 = time.perf_counter()
+        t0 = clock()
         with rt:
             chain(n)
-        dt = time.perf_counter() - t0
+        dt = clock() - t0
         assert frame.n == n and frame.enabled
         return dt
 
@@ -661,17 +667,17 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
         frame = rt._frame = Frame(rt.calls[0])
         with rt:
             sid = rt._sid(frame, chain(steps).untyped_storage())  # the chain's storages are gone now
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.no_grad():
             rt._storage(frame, sid)
-        return time.perf_counter() - t0
+        return clock() - t0
 
     plain, check, recipe, rebuilt = [], [], [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         with torch.no_grad():
             chain(n)
-        plain.append(time.perf_counter() - t0)
+        plain.append(clock() - t0)
         check.append(timed(set()))
         recipe.append(timed(None))
         rebuilt.append(rebuild(min(n, 100)))

@@ -1,0 +1,118 @@
+"""Predicted against measured extra time per plan, in CPU time, phases split (issue 8).
+
+``python -m benchmarks.bench_predict REPS MODEL ...`` (models by key: llama gpt2 bert vit
+resnet50): per model, the bench_replay sizes are recorded (one torch thread), solved at the
+trace-peak fractions of :data:`FRACS`, and plain and every plan are stepped REPS times,
+interleaved; forward, backward and optimizer are timed in the thread's CPU time
+(``time.thread_time``, so a loaded machine's waits are not counted), with minor page faults
+(``getrusage``) and the runtime's rebuild seconds. Prints predicted vs measured extra per plan.
+A diagnostic: the replay section of ``make bench`` (bench_replay) is the one the docs report.
+"""
+
+from __future__ import annotations
+
+import gc
+import resource
+import statistics
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+FRACS = {"gpt2": [0.62, 0.75], "bert": [0.71, 0.86], "vit": [0.80, 0.90], "llama": [0.77, 0.90],
+         "resnet50": [0.90, 0.95, 0.97]}
+TIME_LIMIT = 20.0
+
+
+def _minflt() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def phased(run) -> dict:
+    """One step of a MeasuredRun, its phases timed in CPU time."""
+    from taichi_plan.record.api import call_model
+
+    run.optimizer.zero_grad(set_to_none=run.loop.set_to_none)
+    if run.rt is not None:
+        run.rt.reset_counters()
+    f0, t0 = _minflt(), time.thread_time()
+    out = call_model(run.model, run.batch)
+    loss = run.loss_fn(out, run.batch)
+    del out
+    t1, f1 = time.thread_time(), _minflt()
+    loss.backward()
+    del loss
+    t2, f2 = time.thread_time(), _minflt()
+    run.optimizer.step()
+    t3 = time.thread_time()
+    rec = run.rt.recompute_s if run.rt is not None else 0.0
+    return dict(fw=t1 - t0, bw=t2 - t1, opt=t3 - t2, tot=t3 - t0, rec=rec, flt_fw=f1 - f0, flt_bw=f2 - f1)
+
+
+def main(models: list[str], reps: int) -> list[dict]:
+    import torch
+    import transformers  # noqa: F401  (import cost is nobody's)
+
+    import taichi_plan.replay.runtime as runtime
+    from benchmarks.bench_replay import MODELS
+    from taichi_plan.plan import save_plan
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.replay import plan_and_trace
+    from taichi_plan.replay.measure import MeasuredRun
+    from taichi_plan.solve import solve
+    from taichi_plan.trace import baseline_peak, read_trace, write_trace
+
+    torch.set_num_threads(1)
+    runtime.time = types.SimpleNamespace(perf_counter=time.thread_time)  # rebuild timers in CPU time too
+    out = []
+    for key in models:
+        label = next(k for k, v in MODELS.items() if v.model == key)
+        spec = MODELS[label]
+        wl = get_workload(model=spec.model, **spec.sizes)
+        with tempfile.TemporaryDirectory() as d:
+            tmp = Path(d)
+            trace = read_trace(write_trace(record_workload(wl, fake=False), tmp / "trace", force=True))
+            peak = int(baseline_peak(trace)[0])
+            runs = {"plain": MeasuredRun(wl, None, None, 0, "cpu")}
+            preds = {}
+            for f in FRACS[key]:
+                plan = solve(trace, int(f * peak), "auto", time_limit=TIME_LIMIT, seed=0)
+                plan, ptrace = plan_and_trace(save_plan(plan, tmp / f"p{f}.plan.json", force=True))
+                p = plan.predicted
+                preds[f"@{f}"] = dict(extra=p["extra_time"], compute=p["extra_compute"], rt=p["runtime_overhead"],
+                                      drops=len(plan.recompute), parts=len(plan.partitions), rops=p["recompute_ops"])
+                runs[f"@{f}"] = MeasuredRun(wl, plan, ptrace, 0, "cpu")
+            names = list(runs)
+            res = {n: [] for n in names}
+            for r in range(reps):
+                for i in range(len(names)):
+                    n = names[(r + i) % len(names)]
+                    res[n].append(phased(runs[n]))
+            med = {n: {k: statistics.median(x[k] for x in res[n]) for k in res[n][0]} for n in names}
+            pl = med["plain"]
+            cal = trace.meta["runtime_overhead"]
+            print(f"== {label}: plain fw {pl['fw'] * 1e3:.1f} bw {pl['bw'] * 1e3:.1f} opt {pl['opt'] * 1e3:.1f} ms; "
+                  f"runtime us/op: " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cal.items() if k.endswith("_s")),
+                  flush=True)
+            for n in names[1:]:
+                m, p = med[n], preds[n]
+                ex = m["tot"] - pl["tot"]
+                ok = abs(p["extra"] - ex) <= max(0.2 * abs(ex), 0.005)
+                print(f"  {n}: drops {p['drops']} parts {p['parts']} rops {p['rops']} | predicted {p['extra'] * 1e3:.1f} "
+                      f"(compute {p['compute'] * 1e3:.1f} runtime {p['rt'] * 1e3:.1f}) | measured {ex * 1e3:.1f} "
+                      f"[fw {1e3 * (m['fw'] - pl['fw']):+.1f} bw {1e3 * (m['bw'] - pl['bw']):+.1f} "
+                      f"opt {1e3 * (m['opt'] - pl['opt']):+.1f}] rebuild {m['rec'] * 1e3:.1f} "
+                      f"faults fw {m['flt_fw'] - pl['flt_fw']:+.0f} bw {m['flt_bw'] - pl['flt_bw']:+.0f} "
+                      f"| {'within' if ok else 'MISS'}", flush=True)
+                out.append(dict(model=label, plan=n, predicted=p, measured=m, plain=pl))
+            for run in runs.values():
+                run.close()
+            del runs
+            gc.collect()
+    return out
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    main(args[1:], int(args[0]))
