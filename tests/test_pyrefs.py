@@ -157,3 +157,18 @@ def test_probe_leaves_rng_buffers_and_gradients_as_they_were():
     assert all(torch.equal(a, b) for a, b in zip(model.buffers(), buffers, strict=True))
     assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads, strict=True))
     assert torch._C._current_graph_task_id() == -1 and torch.autograd.graph._engine_run_backward
+
+
+@pytest.mark.parametrize("hold", ["tuple", "self"])
+def test_every_planner_frees_where_python_lets_go(traces, hold):
+    """Every planner's drops start at the release point: the simulator accepts all of them
+    (it refuses a drop that frees a tensor Python still holds)."""
+    from taichi_plan.solve import methods, run_method
+
+    problem = build_problem(traces[hold])
+    budget = int(problem.baseline_peak[0] * 0.8)
+    for method in methods():
+        dec = run_method(problem, budget, method, time_limit=5, work_limit=2)
+        simulate(problem, dec.drops)  # raises PlanError on a drop that frees too early
+        for d in dec.drops:
+            assert d.free_after >= problem.python_release[d.tensor], (method, d)
