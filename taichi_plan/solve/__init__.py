@@ -31,7 +31,7 @@ from ..problem import Problem, build_problem, describe_op, min_live_bytes
 from ..simulate import simulate_plan
 from ..trace import Trace
 from ..units import format_bytes
-from .heuristic import plan_heuristic
+from .heuristic import best_by_simulator, plan_heuristic
 from .ilp import plan_ilp
 from .result import Decisions, make_plan
 
@@ -103,18 +103,6 @@ def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float)
             tried[f"{name} baseline"] = fn(problem, budget_bytes, seed=seed, time_limit=(deadline - now) / 4)
     best = best_by_simulator(problem, budget_bytes, list(tried.values()))
     return best, next(name for name, dec in tried.items() if dec is best)
-
-
-def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Decisions]) -> Decisions:
-    """The best of ``candidates`` as the simulator judges them: the cheapest that fits the
-    budget; if none fits, the one with the lowest peak. Ties go to the earlier candidate."""
-
-    def key(dec: Decisions) -> tuple:
-        sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
-        fits = sim.peak_bytes <= budget_bytes
-        return (0, sim.extra_cost, sim.peak_bytes) if fits else (1, sim.peak_bytes, sim.extra_cost)
-
-    return min(candidates, key=key)
 
 
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
