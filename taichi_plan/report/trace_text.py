@@ -175,7 +175,8 @@ def python_refs_line(s: dict | None, size) -> str | None:
     if s is None:
         return None
     if not s["known"]:
-        return "not recorded (a trace before v4): a drop is taken to free its tensor at its last use"
+        return ("not recorded (a trace before v4, record_trainer or --fsdp): a drop is taken to free its "
+                "tensor at its last use")
     text = (f"{s['held']} storages ({size(s['held_nbytes'])}) held by Python after their last use, "
             f"{s['into_backward']} of them into backward")
     if s["segments_known"] != s["segments"]:
