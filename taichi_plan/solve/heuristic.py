@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from ..errors import PlanError
 from ..partition import (
     _under,
     apply_partitions,
@@ -129,7 +130,12 @@ def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float) -> l
         base = fn(problem, budget_bytes)
         if not base.drops:
             continue
-        dec = plan_remat(problem, budget_bytes, deadline=deadline, fixed=base.drops)
+        try:
+            dec = plan_remat(problem, budget_bytes, deadline=deadline, fixed=base.drops)
+        except PlanError:
+            # the sweep's drops and the fixed ones together cannot be rebuilt (a fixed region's
+            # rebuild needs a tensor the sweep dropped): no plan from this start
+            continue
         dec.notes = [f"greedy sweep on top of {what}'s drops", *dec.notes]
         out.append(dec)
     return out
