@@ -137,6 +137,13 @@ class Problem:
         self._index = {int(t): i for i, t in enumerate(self.tensor_id.tolist())}
         self._phase_array = np.asarray(self.op_phase)
         self.op_call = model_call_of_ops(self.trace)  # per op: its grad model call, or -1
+        # per tensor: the last op the step's own Python code holds it (-1: not known)
+        self.python_release = python_release(self.trace.meta, self._index, self.end)
+
+    def release_after(self, t: int, last_use: int) -> int:
+        """The op after which dropping ``t`` (last used by op ``last_use`` before a gap) really
+        frees it: when the step's Python code lets go of it, if that is later (``meta.python_refs``)."""
+        return max(int(last_use), int(self.python_release[t]))
 
 
 def grad_model_calls(meta: dict) -> list[dict] | None:
@@ -146,6 +153,19 @@ def grad_model_calls(meta: dict) -> list[dict] | None:
     if calls is None:
         return None
     return [c for c in calls if c.get("grad") and c.get("end") is not None]
+
+
+def python_release(meta: dict, index: dict[int, int], end: np.ndarray) -> np.ndarray:
+    """Per tensor index: the last op the step's own Python code holds the storage
+    (``meta.python_refs.release``, trace v4), its ``end`` when Python still holds it when
+    backward starts, -1 when not known or not later than its last forward use."""
+    out = np.full(len(end), -1, dtype=np.int64)
+    info = meta.get("python_refs") or {}
+    for tid, op in info.get("release", ()):
+        i = index.get(int(tid))
+        if i is not None:
+            out[i] = int(end[i]) if op < 0 else int(op)
+    return out
 
 
 def model_call_of_ops(trace: Trace) -> np.ndarray:
@@ -293,17 +313,20 @@ def _find_candidates(prob: Problem) -> None:
 
 
 def _add_gap(prob: Problem, t: int, a: int, b: int, cands, frees, remats, early) -> None:
-    """List gap (a, b) of ``t`` if a lone rebuild there is allowed and executable."""
-    if b - a < 2 or b > prob.end[t] or b > prob.remat_deadline[t] or not rebuildable(prob, t, b):
+    """List gap (a, b) of ``t`` if a lone rebuild there is allowed and executable. The gap
+    starts when a drop really frees ``t``: after ``a``, or later when the step's Python code
+    still holds it then (:meth:`Problem.release_after`); held until ``b - 1``, it gains nothing."""
+    f = prob.release_after(t, a)
+    if b - f < 2 or b > prob.end[t] or b > prob.remat_deadline[t] or not rebuildable(prob, t, b):
         return
     if not prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]), np.asarray([b]))[0]:
         return
     cands.append(t)
-    frees.append(a)
+    frees.append(f)
     remats.append(b)
     reads = rebuild_inputs(prob, t)
     r = int(min(int(prob.end[reads].min()), b)) if reads else b
-    early_ok = a + 2 <= r < b and prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]),
+    early_ok = f + 2 <= r < b and prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]),
                                                     np.asarray([r]))[0]
     early.append(r if early_ok else -1)
 

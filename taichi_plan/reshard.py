@@ -229,6 +229,7 @@ def _view_meta(meta: dict, units: list[int], keep: np.ndarray, new_op: np.ndarra
                 c[key] = int(new_op[int(c[key])])
     if out.get("random_ops") is not None:  # trace v4: op ids (FSDP's gathering draws none)
         out["random_ops"] = [int(new_op[int(i)]) for i in out["random_ops"] if keep[int(i)]]
+    out.pop("python_refs", None)  # trace v4; never recorded for sharded traces (record --fsdp)
     out["num_ops"] = int(keep.sum())
     out["num_tensors"] = len(new_tid) - len(merge)
     out["reshard_view"] = {"units": [f["units"][u]["module"] for u in units]}

@@ -3,7 +3,8 @@
 Semantics (per-tensor rematerialization, the mechanism replay executes):
 
 * A dropped tensor ``t`` with gap ``(free_after, remat_before)`` is freed right after op
-  ``free_after`` and rebuilt by re-running its producer in the *recompute group* that runs
+  ``free_after`` (its last use before the gap, or, when the step's Python code holds it
+  longer, the last op it does: trace ``meta.python_refs``) and rebuilt by re-running its producer in the *recompute group* that runs
   just before op ``remat_before``. The rebuilt copy then lives until its original last use,
   or, when ``t`` has another gap later (imported graphs only: a recorded tensor has at most
   one), until that gap's ``free_after``: a tensor may be freed and rebuilt once per gap.
@@ -95,13 +96,21 @@ def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, list[Drop]]:
             )
         u = problem.uses[t]
         a, b = int(d.free_after), int(d.remat_before)
-        k = np.searchsorted(u, a)
-        ok = k < len(u) and u[k] == a and k + 1 < len(u) and a + 2 <= b <= u[k + 1]
-        if not ok or a < problem.rebuild_ops[t][-1] or b > problem.end[t]:
+        k = int(np.searchsorted(u, a, side="right")) - 1  # its last use at or before op a
+        ok = k >= 0 and k + 1 < len(u) and a + 2 <= b <= u[k + 1]
+        if not ok or u[k] < problem.rebuild_ops[t][-1] or b > problem.end[t]:
             raise PlanError(
                 f"The plan drops tensor {tid} after op {a} and rebuilds it before op {b}, but op {a} "
                 "is not a use of it followed by a gap of at least two ops reaching op "
                 f"{b}. The plan was made for another trace."
+            )
+        release = problem.release_after(t, int(u[k]))
+        if a != release:
+            held = (f"the step's Python code holds it until op {release} (meta.python_refs), so a drop frees "
+                    "it only then" if release > u[k] else f"op {a} is not a use of it")
+            raise PlanError(
+                f"The plan drops tensor {tid} after op {a}, but {held}. The plan was made without "
+                "this trace's facts: solve it again."
             )
         out.setdefault(t, []).append(d)
     for t, ds in out.items():

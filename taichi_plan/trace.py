@@ -22,7 +22,8 @@ from .errors import TraceError
 FORMAT_VERSION = 4
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
-# drew random numbers; older traces are read by op name), and for DDP traces the kind ddp_bucket and meta.ddp
+# drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
+# DDP traces the kind ddp_bucket and meta.ddp
 READABLE_VERSIONS = (1, 2, 3, 4)
 PHASES = ("forward", "backward", "optimizer", "other")
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary",

@@ -18,6 +18,7 @@ from ..devices import DeviceProfile, get_profile
 from ..errors import UsageError, WorkloadError
 from ..trace import Trace, frame, op_signature
 from .loop import AUTOCAST_DTYPES, Loop
+from .pyrefs import probe_step, release_points
 from .recorder import Recorder, StepRecord
 from .workloads import Workload, check_parts
 
@@ -186,7 +187,9 @@ def run_and_record(model, optimizer, step_fn: Callable[[], None], inputs=(), *, 
                    warmup: int, profile: DeviceProfile | None = None,
                    say: Callable[[str], None] = lambda msg: None) -> list[StepRecord]:
     """Run ``warmup`` unrecorded steps, then record ``steps`` steps; each step is
-    ``optimizer.zero_grad(set_to_none=loop.set_to_none)`` (not recorded), then ``step_fn()``."""
+    ``optimizer.zero_grad(set_to_none=loop.set_to_none)`` (not recorded), then ``step_fn()``.
+    Then one forward-only probe (:mod:`taichi_plan.record.pyrefs`) learns when the step's own
+    Python code lets go of each storage: ``extras["python_refs"]`` of the last record."""
     for w in range(warmup):
         say(f"warm-up step {w + 1}/{warmup}")
         optimizer.zero_grad(set_to_none=loop.set_to_none)
@@ -198,7 +201,13 @@ def run_and_record(model, optimizer, step_fn: Callable[[], None], inputs=(), *, 
             session.begin(inputs)
             step_fn()
             session.end()
-    return session.records
+    records = session.records
+    if getattr(model, "_taichi_plan", None) is None:  # a planned model's step is measured, not planned
+        say("probing when the step's Python code frees each tensor")
+        probe, probe_free, probe_ops = probe_step(model, optimizer, step_fn,
+                                                  step_tensors(model, optimizer, inputs), profile)
+        records[-1].extras["python_refs"] = release_points(records[-1], probe, probe_free, probe_ops)
+    return records
 
 
 def _describe(rec: StepRecord, i: int) -> str:
@@ -329,6 +338,8 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "gpu_kernels": meta.get("gpu_kernels"),
         "runtime_overhead": dict(calibrate_overhead()),
     }
+    if "python_refs" in kept.extras:
+        full["python_refs"] = kept.extras["python_refs"]
     return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)
 
 

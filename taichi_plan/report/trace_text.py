@@ -123,6 +123,7 @@ def trace_summary(trace: Trace) -> dict:
         "source": _first(meta, "source"),
         "kernels": kernels_line(meta),
         "gpu_kernels": meta.get("gpu_kernels"),
+        "python_refs": python_refs_summary(meta, tensors),
         "num_ops": n,
         "ops_per_phase": ops_per_phase,
         "num_tensors": int(len(tensors)),
@@ -149,6 +150,38 @@ def trace_summary(trace: Trace) -> dict:
 
 _FUSED_SDPA = {"aten._scaled_dot_product_flash_attention.default": "flash",
                "aten._scaled_dot_product_efficient_attention.default": "efficient"}
+
+
+def python_refs_summary(meta: dict, tensors) -> dict | None:
+    """What ``meta.python_refs`` (trace v4) says: ``known`` (False: a recorded trace without
+    it, where a drop is taken to free its tensor at its last use), ``held`` and ``held_nbytes``
+    (storages the step's Python code holds after their last forward use), ``into_backward``
+    (of those, held when backward starts: no drop frees them), ``segments``/``segments_known``.
+    None for imported graphs."""
+    if meta.get("mode") == "imported":
+        return None
+    info = meta.get("python_refs")
+    if info is None:
+        return {"known": False}
+    size = dict(zip(tensors["tensor_id"].tolist(), tensors["nbytes"].tolist(), strict=True))
+    rel = info.get("release", [])
+    return {"known": True, "held": len(rel), "held_nbytes": int(sum(size.get(t, 0) for t, _ in rel)),
+            "into_backward": sum(1 for _, op in rel if op < 0), "segments": info.get("segments"),
+            "segments_known": info.get("segments_known")}
+
+
+def python_refs_line(s: dict | None, size) -> str | None:
+    """The ``py refs`` line of ``inspect`` (:func:`python_refs_summary`)."""
+    if s is None:
+        return None
+    if not s["known"]:
+        return ("not recorded (a trace before v4, record_trainer or --fsdp): a drop is taken to free its "
+                "tensor at its last use")
+    text = (f"{s['held']} storages ({size(s['held_nbytes'])}) held by Python after their last use, "
+            f"{s['into_backward']} of them into backward")
+    if s["segments_known"] != s["segments"]:
+        text += f"; {s['segments_known']} of {s['segments']} forward segments known"
+    return text
 
 
 def kernels_line(meta: dict) -> str | None:
@@ -230,6 +263,9 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
     ]
     if s.get("kernels"):
         fields.append(("kernels", s["kernels"]))
+    refs = python_refs_line(s.get("python_refs"), size)
+    if refs:
+        fields.append(("py refs", refs))
     if s.get("source"):
         fields.append(("source", s["source"]))
     phases = ", ".join(f"{p} {c}" for p, c in s["ops_per_phase"].items() if c)

@@ -363,10 +363,12 @@ class _DTRState:
                     break  # nothing evictable during this op
                 score[k] = -1.0
                 t = int(pool.t[k])
+                if p.python_release[t] >= i:
+                    continue  # the step's Python code still holds it: evicting it frees nothing yet
                 a = pool.remove(t)
                 b = int(gap_end[t])
                 evicted[t] = True
-                drops.append(Drop(t, a, b))
+                drops.append(Drop(t, p.release_after(t, a), b))
                 nb = int(p.nbytes[t])
                 live -= nb
                 saved += nb
