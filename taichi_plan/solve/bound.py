@@ -163,8 +163,8 @@ def relaxation_bound(model, ops_all: np.ndarray, deadline: float,
                          f"{res.seconds:.1f} s, bound {res.bound}")
         if res.bound is not None:
             best = res.bound if best is None else max(best, res.bound)
-        if res.values is None or not res.optimal:
+        if res.values is None:
             return best
-        sim = plan_of(res.values)
-        if sim is None or not add_cuts(sim):
+        sim = plan_of(res.values)  # offered as a plan, optimal or not
+        if not res.optimal or sim is None or not add_cuts(sim):
             return best

@@ -69,7 +69,7 @@ MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain
 CHAIN_MAX_OPTIONS = 2_000
 # The bound phase (bound.py) gets this share of the time limit first; with a work limit, this
 # many branch-and-bound nodes per unit of work instead (a limit that does not depend on load).
-BOUND_SHARE = 0.4
+BOUND_SHARE = 0.6
 BOUND_NODES_PER_WORK = 200
 
 
@@ -411,7 +411,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     stats = {"rounds": rounds, "rejected": rejected, "repaired": repaired, "modelled_ops": len(model.ops),
              "binding_ops": int(len(ops_all)), "candidates": int(len(st.sizes)), "partition_options": len(parts),
              "no_good_cuts": model.cuts, "scaling": model.scale_note, "log": log,
-             "bound_by": _bound_by(lower_bound, mip_bound), "bound_rounds": blog.rounds,
+             "bound_by": _bound_by(lower_bound, mip_bound), "bound_rounds": blog.rounds, "mip_bound": mip_bound,
              "work": round(work_used, 3), "timed_out": timed_out, "proven": proven_none}
     if incumbent is None:
         why = ("no plan of this plan space fits: CP-SAT ruled out every one the simulator did not reject"
