@@ -301,7 +301,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     bmodel = None
     mip_bound: float | None = None
     blog = BoundLog()
-    if bound_share > 0:
+    # Past CHAIN_MAX_OPTIONS options (forward-only graphs with every rebuild point) building
+    # the bound model alone took more than a 5 s limit allows: CP-SAT's bound only there.
+    if bound_share > 0 and len(st.sizes) <= CHAIN_MAX_OPTIONS:
         bmodel = _Model(problem, st, parts, req, ops_all, cost_unit)
         bmodel.chains = False
         b_deadline = t0 + time_limit * (1.0 if work_limit is not None else bound_share)
