@@ -35,7 +35,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-from ortools.math_opt.python import mathopt
 
 SAFETY = 1e-6  # relative, plus one cost unit: see the module docstring
 INT_MAX = 2**62
@@ -56,10 +55,12 @@ def _hull(domain) -> tuple[int, int]:
     return int(d[0]), int(d[len(d) - 1])
 
 
-def mip_of(proto, deadline: float | None = None) -> tuple[mathopt.Model, list] | None:
+def mip_of(proto, deadline: float | None = None) -> tuple[object, list] | None:
     """A MIP of ``proto`` (a ``CpModelProto``): the same integer variables, the linear
     forms of its constraints (see the module docstring), and its objective; None when
     ``deadline`` (perf_counter) passes while translating."""
+    from ortools.math_opt.python import mathopt  # here: the GPU check's stand-in has only cp_model
+
     model = mathopt.Model()
     inf = math.inf
     xs = []
@@ -119,6 +120,8 @@ def mip_of(proto, deadline: float | None = None) -> tuple[mathopt.Model, list] |
 def solve_mip(proto, time_limit: float, node_limit: int | None = None) -> MipResult:
     """Solve the MIP form of ``proto`` with HiGHS within ``time_limit`` wall seconds (and
     ``node_limit`` branch-and-bound nodes: a limit that does not depend on the load)."""
+    from ortools.math_opt.python import mathopt
+
     t0 = time.perf_counter()
     built = mip_of(proto, t0 + time_limit)
     if built is None:
