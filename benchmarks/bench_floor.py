@@ -104,7 +104,8 @@ planning is known to reach, as a fraction of the plain (unplanned) peak: the bud
 planner bisected between the floor no plan can pass and the plain peak, as `solve`'s
 infeasible path does for the heuristic (`taichi_plan.solve.least_reached`, 7 steps; the
 simulator judges every plan, and a lower budget is asked only after one that fit). Our
-levers use the heuristic (`auto`'s CP-SAT may reach a little lower):
+levers use the heuristic (`auto`'s CP-SAT may reach a little lower), whose sweep also starts
+from checkpointing's drops (every block, sqrt(n)) and adds per-tensor drops where still over:
 
 * remat only: the heuristic without partitions;
 * partition only: the heuristic on the problem with nothing droppable;

@@ -374,11 +374,16 @@ def choose_groups(problem, budget_bytes: int) -> list[list[int]]:
 
 
 def problem_for_plan(plan, trace, problem=None):
-    """The problem a plan's op ids refer to: the step as its optimizer option runs it."""
+    """The problem a plan's op ids refer to: the step as its optimizer option runs it, with its
+    FSDP units resharding as it says."""
     from .problem import build_problem
+    from .reshard import problem_for_choice
 
     opt = getattr(plan, "optimizer", None) or {}
-    return view_problem(problem or build_problem(trace), plan_mode(plan), opt.get("groups"))
+    problem = view_problem(problem or build_problem(trace), plan_mode(plan), opt.get("groups"))
+    # v5: the step with the plan's FSDP units not resharding after forward (sharded traces,
+    # on which the optimizer options are refused: the two never combine)
+    return problem_for_choice(problem, getattr(plan, "reshard", None))
 
 
 def plan_mode(plan) -> str:

@@ -147,6 +147,20 @@ def allow_random(problem: Problem, allow: bool) -> Problem:
     return out
 
 
+def draws_random(problem: Problem, op: int) -> bool:
+    """Did op ``op`` draw random numbers? From the trace's ``meta.random_ops`` (v4: decided from
+    each call, so SDPA with ``dropout_p > 0`` is random and without it is not), else, for older
+    traces, from the op's name."""
+    recorded = problem.trace.meta.get("random_ops")
+    if recorded is None:
+        return any(k in problem.op_name[op] for k in RANDOM)
+    ids = getattr(problem, "_random_op_set", None)
+    if ids is None:
+        ids = frozenset(recorded)
+        object.__setattr__(problem, "_random_op_set", ids)
+    return op in ids
+
+
 def random_draws(problem: Problem, span: Span) -> str | None:
     """What the chunks of a partitioned ``span`` draw from the RNG: None when it draws nothing,
     ``"as-unpartitioned"`` when they provably draw the whole batch's numbers (one Bernoulli op,
@@ -182,7 +196,7 @@ def _module_spans(problem: Problem) -> list[Span]:
             continue  # called more than once, or interleaved: not modelled
         if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
             continue
-        random_ops = tuple(i for i in f.tolist() if any(k in problem.op_name[i] for k in RANDOM))
+        random_ops = tuple(i for i in f.tolist() if draws_random(problem, i))
         made = np.nonzero((problem.start >= f[0]) & (problem.start <= f[-1]) & ~problem.initial)[0]
         ok = True
         for t in made.tolist():

@@ -8,7 +8,9 @@ reserved peaks (``predicted.*_reserved_peak_bytes``); version 4 the optimizer op
 (``decisions.optimizer``), the FSDP layout of a sharded trace (``trace.layout``, null for
 one process), partitions over tokens (``decisions.partitions[].over``), a partition's random
 draws (``Partition.random_draws``) and whether the solve allowed partitioning modules that
-draw random numbers (``solver.partition_random``). Version 3 files (no ``over``: every
+draw random numbers (``solver.partition_random``); version 5 FSDP2's ``reshard_after_forward``
+per unit (``decisions.reshard_after_forward``: the plan's op and tensor ids are then those of the
+step with those units not resharding, :mod:`taichi_plan.reshard`). Version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
@@ -24,8 +26,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (1, 2, 3, 4, 5)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 
@@ -73,6 +75,10 @@ class Plan:
     # How the optimizer step runs (v4, ``decisions.optimizer``): None = as recorded; else
     # {"mode": "in-backward"|"groups", "why": ..., ...} (taichi_plan/optimizer_plan.py).
     optimizer: dict | None = None
+    # FSDP2's reshard_after_forward per unit (v5, ``decisions.reshard_after_forward``): None for
+    # one process; else {"units": [{"module", "reshard_after_forward", "recorded", "why"?}],
+    # "step_compute_saved": seconds, "chosen_by": "auto"|"asked"|None} (taichi_plan/reshard.py).
+    reshard: dict | None = None
     format_version: int = FORMAT_VERSION
     # The file the plan was read from (not written): a relative ``trace['path']`` is
     # relative to it. None for a plan made in memory, whose path is as ``solve`` was given it.
@@ -90,6 +96,8 @@ class Plan:
         }
         if self.optimizer is not None:
             decisions["optimizer"] = self.optimizer
+        if self.reshard is not None:
+            decisions["reshard_after_forward"] = self.reshard
         return {
             "format_version": version,
             "trace": self._trace_json(plan_dir),
@@ -143,6 +151,7 @@ class Plan:
             partitions=[Partition(**p) for p in dec.get("partitions", [])],
             schedule=obj.get("schedule"),
             optimizer=dict(dec["optimizer"]) if dec.get("optimizer") is not None else None,
+            reshard=dict(dec["reshard_after_forward"]) if dec.get("reshard_after_forward") is not None else None,
             format_version=version,
         )
 

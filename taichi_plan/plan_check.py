@@ -178,6 +178,18 @@ def check_plan_json(obj: dict, where: str) -> None:
         _str(where, "decisions.optimizer.mode", opt.get("mode"), choices=("in-backward", "groups"))
         _str(where, "decisions.optimizer.why", opt.get("why", ""))
 
+    rs = (obj.get("decisions") or {}).get("reshard_after_forward")
+    if rs is not None:  # v5: FSDP2's reshard_after_forward per unit (taichi_plan/reshard.py)
+        _kind(where, "decisions.reshard_after_forward", rs, dict, "an object")
+        _kind(where, "decisions.reshard_after_forward.units", rs.get("units"), list, "a list of units")
+        for i, u in enumerate(rs["units"]):
+            f = f"decisions.reshard_after_forward.units[{i}]"
+            _kind(where, f, u, dict, "an object")
+            _str(where, f"{f}.module", u.get("module"))
+            for key in ("reshard_after_forward", "recorded"):
+                _kind(where, f"{f}.{key}", u.get(key), bool, "true or false")
+        _num(where, "decisions.reshard_after_forward.step_compute_saved", rs.get("step_compute_saved"), none=True)
+
     if obj.get("schedule") is not None:
         _check_schedule(obj["schedule"], where, n)
 
@@ -241,6 +253,11 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
     if plan.trace.get("num_ops") != n:
         raise PlanError(f"{where}: field `trace.num_ops` is {plan.trace.get('num_ops')!r}, but the trace{at} "
                         f"has {n} ops. {other}")
+    recorded = trace
+    if getattr(plan, "reshard", None):  # v5: ids are the step's with those units not resharding
+        from .reshard import view_of_choice
+
+        trace = view_of_choice(trace, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]})
     tids = trace.tensors["tensor_id"].tolist()
     producer = dict(zip(tids, trace.tensors["producer_op"].tolist(), strict=True))
     names = trace.ops["op"].tolist()
@@ -254,7 +271,7 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
         if names[r.op] != r.op_name:
             raise PlanError(f"{where}: {f} names op {r.op} {r.op_name!r}, but in the trace{at} it is "
                             f"{names[r.op]!r}. {other}")
-    check_layout(plan.trace.get("layout"), layout(trace.meta), where)
+    check_layout(plan.trace.get("layout"), layout(recorded.meta), where)
     modules = set(trace.ops["module"].tolist())
     for i, q in enumerate(plan.partitions):
         if not any(m == q.module or m.startswith(q.module + ".") for m in modules):

@@ -93,3 +93,12 @@ def incarnations(meta: dict) -> list[list[int]]:
     """Tensor ids of the rows of each resized storage, in order (``meta.fsdp.incarnations``)."""
     f = fsdp_meta(meta)
     return [list(map(int, rows)) for rows in (f or {}).get("incarnations", [])]
+
+
+def planned_layout(recorded: dict | None, reshard: dict | None) -> dict | None:
+    """The layout a plan runs the job in: the recorded one (``trace.layout``) with each unit's
+    ``reshard_after_forward`` as the plan sets it (``decisions.reshard_after_forward``, v5)."""
+    if recorded is None or not reshard:
+        return recorded
+    setting = {u["module"]: u["reshard_after_forward"] for u in reshard.get("units", [])}
+    return {**recorded, "units": [[m, setting.get(m, r)] for m, r in recorded["units"]]}

@@ -19,10 +19,11 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
-# the sharding kinds below and meta.fsdp (docs/sharding.md)
-READABLE_VERSIONS = (1, 2, 3)
+# the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
+# drew random numbers; older traces are read by op name)
+READABLE_VERSIONS = (1, 2, 3, 4)
 PHASES = ("forward", "backward", "optimizer", "other")
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary",
          "unsharded_parameter", "unsharded_gradient", "all_gather", "reduce_scatter")

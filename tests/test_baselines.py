@@ -367,3 +367,33 @@ def test_each_checkpointed_region_re_runs_its_forward_once(gpt2_9_layers, name):
     checkpointed = np.isin(region, list(regions))
     assert sim.extra_cost == pytest.approx(sum(g.cost for g in by_region.values()))
     assert sim.extra_cost <= problem.op_cost[checkpointed].sum()
+
+
+@pytest.fixture(scope="module")
+def gpt2_cpu_attention():
+    """A 4-layer GPT-2 with this torch's CPU attention (its S x S matrices saved): the greedy
+    sweep alone stopped above checkpointing every block here."""
+    from taichi_plan.record import get_workload, record_workload
+
+    w = get_workload(model="gpt2", layers=4, hidden=64, heads=2, vocab=512, seq=64, batch=4)
+    return build_problem(record_workload(w, fake=True, device_profile="v100-16gb", steps=1, gpu_kernels=False))
+
+
+def test_the_heuristic_never_ends_above_one_line_checkpointing(gpt2_cpu_attention):
+    """Asked for checkpointing's own peak (every block, sqrt(n)), the heuristic (remat only,
+    and with partitions) returns a plan that fits: its sweep also starts from their drops and
+    adds per-tensor drops where still over (the sweep alone fails at every block's peak on
+    this model). The lowest peak its bisection reaches is never above every block's either."""
+    from taichi_plan.simulate import simulate_plan
+    from taichi_plan.solve import least_reached
+    from taichi_plan.solve.heuristic import plan_heuristic
+
+    problem = gpt2_cpu_attention
+    for name in ("full", "sqrt-n"):
+        peak = simulate(problem, BASELINES[name](problem, None).drops).peak_bytes
+        for partitions in (False, True):
+            dec = plan_heuristic(problem, peak, partitions=partitions)
+            assert simulate_plan(problem, dec.drops, dec.partitions)[0].peak_bytes <= peak, (name, partitions)
+    full = simulate(problem, BASELINES["full"](problem, None).drops).peak_bytes
+    reached = least_reached(problem, lambda p, b: plan_heuristic(p, b, partitions=False))[0]
+    assert reached <= full

@@ -57,7 +57,7 @@ def test_fake_rank_trace_agrees_with_fsdp_mem_tracker(gpt2_fsdp4):
 def test_trace_knows_the_sharded_layout(gpt2_fsdp4):
     trace, _ = gpt2_fsdp4
     f = trace.meta["fsdp"]
-    assert trace.meta["format_version"] == 3
+    assert trace.meta["format_version"] == 4
     assert f["world_size"] == 4 and f["mesh_shape"] == [4]
     assert [u["module"] for u in f["units"]] == ["", "transformer.h.0", "transformer.h.1"]
     kinds = set(trace.tensors["kind"])
@@ -144,6 +144,7 @@ def test_rank_plan_rebuilds_only_while_parameters_are_gathered(gpt2_fsdp4, tmp_p
     parameters, and each such read finds a row of that parameter's storage live (gathered
     again for backward), never the forward row FSDP resharded. Checked on the trace's own
     tables, apart from the problem's ``held``."""
+    from taichi_plan.optimizer_plan import problem_for_plan
     from taichi_plan.problem import build_problem, rebuildable
     from taichi_plan.solve import solve
     from taichi_plan.trace import baseline_peak
@@ -155,9 +156,14 @@ def test_rank_plan_rebuilds_only_while_parameters_are_gathered(gpt2_fsdp4, tmp_p
     assert plan.predicted["planned_peak_bytes"] <= peak // 2
     assert plan.trace["layout"]["world_size"] == 4
 
-    t = trace.tensors.set_index("tensor_id")
-    rows_of = {tid: rows for rows in incarnations(trace.meta) for tid in rows}
-    reads = trace.accesses[trace.accesses["role"] == "read"].groupby("op_id")["tensor_id"].apply(list).to_dict()
+    # The schedule's ids are those of the step as the plan runs it: its FSDP units that do not
+    # reshard keep one row of each gathered parameter from forward to backward (plan v5).
+    step = problem_for_plan(plan, trace).trace
+    t = step.tensors.set_index("tensor_id")
+    rows_of = {tid: rows for rows in incarnations(step.meta) for tid in rows}
+    single = t.index[t["kind"] == "unsharded_parameter"]
+    rows_of.update({int(tid): [int(tid)] for tid in single if int(tid) not in rows_of})
+    reads = step.accesses[step.accesses["role"] == "read"].groupby("op_id")["tensor_id"].apply(list).to_dict()
     param_reads = 0
     pending = []  # recompute events come right before the run event of the op they precede
     for kind, op, _a, _f in plan.schedule["events"]:

@@ -224,7 +224,7 @@ def test_trace_v3_keeps_the_mapping_and_inspect_shows_it(traces, tmp_path):
 
     write_trace(traces["gpu"], tmp_path / "t")
     back = read_trace(tmp_path / "t")
-    assert back.meta["format_version"] == 3 and back.meta["gpu_kernels"] == traces["gpu"].meta["gpu_kernels"]
+    assert back.meta["format_version"] == 4 and back.meta["gpu_kernels"] == traces["gpu"].meta["gpu_kernels"]
     s = trace_summary(back)
     assert s["kernels"] == "a100-40gb sm80 (mapped): native_dropout, efficient SDPA, foreach"
     assert "kernels" in render_trace_summary(s, width=200)

@@ -19,6 +19,7 @@ from taichi_plan.errors import PlanError
 from taichi_plan.partition import (
     allow_random,
     apply_partitions,
+    draws_random,
     module_spans,
     partitionable_spans,
     random_draws,
@@ -152,7 +153,7 @@ def test_solve_partitions_random_modules_only_when_asked():
 def test_plan_file_records_it_and_inspect_says_so(problem, trace_dir, tmp_path):
     path = _plan(problem, tmp_path, [ATTN, "transformer.h.1.mlp"])
     obj = json.loads(path.read_text())
-    assert obj["format_version"] == 4 and obj["solver"]["partition_random"] is True
+    assert obj["format_version"] == 5 and obj["solver"]["partition_random"] is True
     assert {p["module"]: p["random_draws"] for p in obj["decisions"]["partitions"]} == {
         ATTN: "per-chunk", "transformer.h.1.mlp": "as-unpartitioned"}
     assert [p.random_draws for p in load_plan(path).partitions] == ["per-chunk", "as-unpartitioned"]
@@ -249,3 +250,21 @@ def test_loss_curves_with_per_chunk_masks_match_statistically(problem, trace_dir
     drop = plain[0] - mean_plain
     assert drop > 0 and parted[0] - mean_parted >= drop / 2
     assert np.isfinite(parted).all()
+
+
+@pytest.mark.parametrize("entry, random", [("tiny_models:sdpa_blocks", True),
+                                           ("tiny_models:sdpa_blocks_no_dropout", False)])
+def test_random_ops_are_decided_from_the_call_not_the_op_name(entry, random):
+    """SDPA is tagged ``nondeterministic_seeded`` whether or not it drops: the recording keeps
+    the ops that drew (``meta.random_ops``), so an attention module whose only dropout is
+    SDPA's ``dropout_p`` (a GPU's fused kernel, as a fake a100 recording maps it) is random
+    (a span holding it is never partitioned without the opt-in), and with ``dropout_p=0`` not.
+    A trace without ``meta.random_ops`` (v3) falls back to names, which miss it."""
+    trace = record_workload(get_workload(entry=entry, batch=4), fake=True, device_profile="a100-40gb")
+    sdpa = [i for i, n in enumerate(trace.ops["op"]) if "scaled_dot_product" in n and trace.ops["phase"][i] == "forward"]
+    assert len(sdpa) == 2
+    assert all((i in trace.meta["random_ops"]) == random for i in sdpa)
+    problem = build_problem(trace)
+    assert [draws_random(problem, i) for i in sdpa] == [random] * 2
+    del trace.meta["random_ops"]  # a v3 trace: found by op name, which misses SDPA's dropout
+    assert not any(draws_random(build_problem(trace), i) for i in sdpa)

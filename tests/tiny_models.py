@@ -19,3 +19,45 @@ def swin(batch: int = 2, dtype: str = "fp32", **_):
     batch_ = {"pixel_values": torch.randn(batch, 3, 32, 32, generator=g),
               "labels": torch.randint(0, 10, (batch,), generator=g)}
     return model, batch_, (lambda out, _b: out.loss), torch.optim.AdamW(model.parameters())
+
+
+def sdpa_blocks(batch: int = 4, dtype: str = "fp32", dropout_p: float = 0.1, **_):
+    """Two residual blocks whose attention draws its dropout inside SDPA (``dropout_p``): no op
+    named after dropout, so only the recorded draws say the module is random."""
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    class Attn(nn.Module):
+        def __init__(self, h: int, heads: int):
+            super().__init__()
+            self.qkv, self.proj, self.heads = nn.Linear(h, 3 * h), nn.Linear(h, h), heads
+
+        def forward(self, x):
+            b, s, h = x.shape
+            q, k, v = self.qkv(x).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p if self.training else 0.0)
+            return self.proj(y.transpose(1, 2).reshape(b, s, h))
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, heads: int = 2, n: int = 2):
+            super().__init__()
+            self.attn = nn.ModuleList(Attn(h, heads) for _ in range(n))
+            self.head = nn.Linear(h, 8)
+
+        def forward(self, x):
+            for a in self.attn:
+                x = x + a(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 16, 32, generator=g), torch.randint(0, 8, (batch, 16), generator=g)
+    return model, x, (lambda out, _b: F.cross_entropy(out.flatten(0, 1), y.flatten())), \
+        torch.optim.AdamW(model.parameters())
+
+
+def sdpa_blocks_no_dropout(batch: int = 4, dtype: str = "fp32", **_):
+    """:func:`sdpa_blocks` with ``dropout_p=0``: SDPA is tagged seeded but draws nothing."""
+    return sdpa_blocks(batch, dtype, dropout_p=0.0)

@@ -72,6 +72,11 @@ def render_sharded(r: dict) -> str:
             f"{format_bytes(k['baseline_measured_peak_bytes'])}; {k['recompute_ops']} ops re-run; gradient shards "
             f"{'match' if k['grads_match'] and k['params_match'] else 'DIFFER'}")
     lines.append(f"  gradients          {'match' if r['grads_match'] else 'DIFFER'} ({r['grads_check']})")
+    units = r["ranks"][0].get("reshard_after_forward") if r["ranks"] else None
+    off = [m for m, on in units or () if not on]
+    if units:
+        lines.append(f"  reshard            as run: not resharding after forward: {', '.join(off)}" if off
+                     else "  reshard            as run: every FSDP unit reshards after forward")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from ..allocator import AllocatorConfig
 from ..optimizer_plan import CHOICES
 from ..plan import check_plan_output, save_plan
 from ..problem import build_problem
-from ..solve import MIN_TIME_LIMIT_S, methods, solve
+from ..solve import MIN_TIME_LIMIT_S, RESHARD_CHOICES, methods, solve
 from ..trace import read_trace
 from ..units import format_bytes, format_cost, parse_budget
 from ._common import Status, handle_errors, units_option
@@ -41,6 +41,11 @@ def render_solve_summary(plan, units: str = "auto") -> str:
         + (f"; the replay runtime adds about {format_cost(p['runtime_overhead'], unit)}"
            if p.get("runtime_overhead") else ""),
     ]
+    off = [u["module"] or "<root>" for u in (plan.reshard or {}).get("units", []) if u["reshard_after_forward"] is False
+           and u["recorded"] is True]
+    if off:
+        lines.append(f"FSDP       not resharding after forward: {', '.join(off)} (saves "
+                     f"{format_cost(plan.reshard['step_compute_saved'], unit)} of backward all-gathers)")
     if plan.optimizer is not None:
         lines.append(f"Optimizer  {plan.optimizer['mode']} ({plan.optimizer.get('chosen_by', 'asked')}): "
                      f"{plan.optimizer['why']}")
@@ -97,6 +102,10 @@ def default_plan_path(trace_dir: Path) -> Path:
                    "is complete, gradients freed at once; loops without accumulation or clipping); groups (a foreach "
                    "step over subsets of the parameters); auto: the recorded step whenever a plan fits with it, "
                    "else what the loop allows.")
+@click.option("--reshard", "reshard", type=click.Choice(list(RESHARD_CHOICES)), default="auto", show_default=True,
+              help="Sharded traces (record --fsdp N): auto lets the planner choose which FSDP units keep their "
+                   "gathered parameters from forward to backward (reshard_after_forward=False: no backward "
+                   "all-gather, more memory); as-recorded keeps every unit as recorded.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed (same seed, same plan).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Plan file [default: plans/<TRACE directory's name>.plan.json].")
@@ -106,8 +115,8 @@ def default_plan_path(trace_dir: Path) -> Path:
                    "masks, so training changes statistically, not bitwise. The plan, inspect and replay say so.")
 @units_option
 @handle_errors
-def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, optimizer, seed, output,
-            force, partition_random, units) -> None:
+def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, optimizer, reshard, seed,
+            output, force, partition_random, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     started = command_started()
     if method not in methods():
@@ -130,14 +139,14 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
     plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on,
                                 allocator=allocator, work_limit=work_limit, started=started, optimizer=optimizer,
-                                partition_random=partition_random)
+                                partition_random=partition_random, reshard=reshard)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
 
 
 def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated", allocator=None,
-                         work_limit=None, started=None, optimizer="auto", partition_random=False):
+                         work_limit=None, started=None, optimizer="auto", partition_random=False, reshard="auto"):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -147,4 +156,4 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
                      problem=problem, on=on, allocator=allocator, work_limit=work_limit, started=started,
-                     optimizer=optimizer, partition_random=partition_random)
+                     optimizer=optimizer, partition_random=partition_random, reshard=reshard)

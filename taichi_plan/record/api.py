@@ -306,6 +306,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "step_definition": meta["step_definition"],
         "filtered_ops": ["prim.*", "profiler.*"],
         "model_calls": kept.calls,
+        "random_ops": kept.random_ops,
         "loop": loop.to_json(),
         "gpu_kernels": meta.get("gpu_kernels"),
         "runtime_overhead": dict(calibrate_overhead()),

@@ -80,17 +80,28 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def shard_model(model, mesh, reshard_after_forward: bool = True) -> list[str]:
+def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = True) -> list[str]:
     """``fully_shard`` each repeated block of ``model``, then the root; the units' FQNs in
-    order (the root is ``''``)."""
+    order (the root is ``''``). ``reshard_after_forward``: one setting for every unit, or per
+    unit FQN (units not named reshard)."""
     from torch.distributed.fsdp import fully_shard
 
     from ..solve.baselines import find_blocks
 
+    def setting(fqn: str) -> bool:
+        if isinstance(reshard_after_forward, dict):
+            return bool(reshard_after_forward.get(fqn, True))
+        return bool(reshard_after_forward)
+
     blocks = find_blocks([name for name, _ in model.named_modules()])
+    if isinstance(reshard_after_forward, dict):
+        unknown = sorted(set(reshard_after_forward) - {*blocks, ""})
+        if unknown:
+            raise UsageError(f"reshard_after_forward names {unknown[0]!r}, which is not an FSDP unit of this model "
+                             f"(units: {', '.join(repr(b) for b in [*blocks, ''])}).")
     for b in blocks:
-        fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=setting(b))
+    fully_shard(model, mesh=mesh, reshard_after_forward=setting(""))
     return [*blocks, ""]
 
 
@@ -114,6 +125,27 @@ def fsdp_units(model) -> list[tuple[str, object]]:
         if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None:
             out.append((name, m))
     return out
+
+
+def set_reshard(model, settings: dict[str, bool]) -> Callable[[], None]:
+    """Set each FSDP unit named in ``settings`` (FQN -> ``reshard_after_forward``) with
+    ``FSDPModule.set_reshard_after_forward(value, recurse=False)``, also where it already has
+    that value: that pins it (FSDP2's default, ``reshard_after_forward=None``, would otherwise
+    turn the root's off at its lazy init, after ``apply``). Returns a function that restores
+    the previous values."""
+    changed = []
+    for fqn, m in fsdp_units(model):
+        value = settings.get(fqn)
+        if value is None:
+            continue
+        changed.append((m, _group(m).post_forward_mesh_info is not None))
+        m.set_reshard_after_forward(bool(value), recurse=False)
+
+    def undo() -> None:
+        for m, was in changed:
+            m.set_reshard_after_forward(was, recurse=False)
+
+    return undo
 
 
 def _group(module):
@@ -257,7 +289,7 @@ def record_fsdp_workload(
     steps: int = 2,
     warmup: int = 1,
     loop: Loop | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | dict[str, bool] = True,
     check_tracker: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
@@ -294,7 +326,7 @@ def record_fsdp_workload(
 
 
 def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, profile, steps: int, warmup: int,
-                loop: Loop, reshard_after_forward: bool, check_tracker: bool, record: bool = True,
+                loop: Loop, reshard_after_forward: bool | dict[str, bool], check_tracker: bool, record: bool = True,
                 progress: Callable[[str], None] | None = None) -> Trace | None:
     """This rank's part of a sharded recording, inside its process group: build (fake when
     ``backend`` is ``fake``), shard, warm up, then ``steps`` steps, recorded when ``record``

@@ -109,6 +109,7 @@ class _OpInfo:
     flop_fn: object
     collective: str | None = None  # ring kind (allgather, reduce_scatter, allreduce) of a collective
     no_recompute: bool = False
+    seeded: bool = False  # tagged ``nondeterministic_seeded``: may draw from the RNG (see draws_random)
 
 
 def input_signature(args, kwargs) -> list[list]:
@@ -146,7 +147,39 @@ def _op_info(func) -> _OpInfo:
     packet = func.overloadpacket
     flop_fn = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
     return _OpInfo(name, skip, bool(write_args), write_args, flop_fn, collective_kind(name),
-                   func.namespace in _NO_RECOMPUTE_NAMESPACES)
+                   func.namespace in _NO_RECOMPUTE_NAMESPACES, _SEEDED is not None and _SEEDED in func.tags)
+
+
+_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
+# Arguments that, at these values, make a seeded op draw nothing: SDPA's ``dropout_p`` (every
+# attention kernel is tagged seeded), dropout's ``p``, ``native_dropout``'s ``train``.
+_NO_DRAW_ARGS = ("dropout_p", "p", "train")
+
+
+def draws_random(func, args, kwargs) -> bool:
+    """Does this call of a ``nondeterministic_seeded`` op draw random numbers? Decided from the
+    call, not only the schema: SDPA with ``dropout_p=0``, dropout with ``p=0`` or ``train=False``
+    draw nothing; everything else tagged seeded (``rand``, ``randn_like``, ``bernoulli_``,
+    ``native_dropout``, SDPA with ``dropout_p > 0``...) does."""
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return True
+    for i, a in enumerate(schema.arguments):
+        if a.name not in _NO_DRAW_ARGS:
+            continue
+        if not a.kwarg_only and i < len(args):
+            value = args[i]
+        elif a.name in kwargs:
+            value = kwargs[a.name]
+        elif a.has_default_value():
+            value = a.default_value
+        else:
+            continue
+        if a.name == "train" and value is False:
+            return False
+        if a.name != "train" and isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+            return False
+    return True
 
 
 @dataclass
@@ -161,6 +194,7 @@ class StepRecord:
     calls: list = field(default_factory=list)  # the model's forward calls (see Recorder.model_hooks)
     incarnations: dict = field(default_factory=dict)  # storage key -> its rows (tensor ids), when resized
     extras: dict = field(default_factory=dict)  # what add-ons (record.fsdp) note about the step
+    random_ops: list = field(default_factory=list)  # op ids that drew random numbers (draws_random)
 
     @property
     def num_ops(self) -> int:
@@ -451,6 +485,8 @@ class Recorder(TorchDispatchMode):
         ops = rec.ops
         ops["op"].append(info.name)
         ops["phase"].append(phase)
+        if info.seeded and draws_random(func, args, kwargs):
+            rec.random_ops.append(op_id)
         ops["module"].append(self._module())
 
         acc = rec.accesses

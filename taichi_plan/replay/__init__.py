@@ -251,28 +251,44 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     from .partition import install_partitions
 
     plan, trace = plan_and_trace(plan, trace)
-    _check_sharding(model, plan)
-    step_handles = install_optimizer(plan, optimizer)  # first: refuses a plan that needs the optimizer
     rt = runtime_for(plan, trace, on_mismatch)
+    unshard = apply_sharding(model, plan, "apply()")
+    try:
+        step_handles = install_optimizer(plan, optimizer)  # refuses a plan that needs the optimizer
+    except BaseException:
+        unshard()
+        raise
     handles = install(model, rt, optimizer) + step_handles
-    undo = install_partitions(model, plan.partitions, rt)
+    undo_parts = install_partitions(model, plan.partitions, rt)
+
+    def undo() -> None:
+        undo_parts()
+        unshard()
+
     model._taichi_plan = {"runtime": rt, "handles": handles, "undo": undo, "plan": plan}
     return model
 
 
-def _check_sharding(model, plan: Plan) -> None:
+def apply_sharding(model, plan: Plan, where: str):
     """A plan of a sharded trace holds for that FSDP layout only, and a plan of one process for
     an unsharded model only (``trace.layout``; the model's after FSDP's lazy init, i.e. after
-    its first step)."""
+    its first step): refuse another. Then set each FSDP unit's ``reshard_after_forward`` as the
+    plan decides (``decisions.reshard_after_forward``, v5; a model already set so is accepted
+    too). Returns a function that restores the settings changed."""
     import sys
 
     want = plan.trace.get("layout")
     if want is None and "torch.distributed.fsdp" not in sys.modules:
-        return  # an unsharded plan, and nothing in this process can have sharded the model
-    from ..record.fsdp import live_layout
-    from ..sharding import check_layout
+        return lambda: None  # an unsharded plan, and nothing in this process can have sharded the model
+    from ..record.fsdp import live_layout, set_reshard
+    from ..sharding import check_layout, planned_layout
 
-    check_layout(want, live_layout(model), "apply()")
+    live = live_layout(model)
+    if live is None or live != planned_layout(want, plan.reshard):
+        check_layout(want, live, where)
+    if not plan.reshard:
+        return lambda: None
+    return set_reshard(model, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]})
 
 
 def install(model, rt, optimizer=None) -> list:

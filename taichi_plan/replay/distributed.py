@@ -118,13 +118,11 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
     from ..record.fsdp import live_layout, rebuild_optimizer, shard_model
     from ..record.recorder import Recorder
-    from ..sharding import check_layout
     from ..trace import baseline_peak
-    from . import install, runtime_for
+    from . import apply_sharding, install, runtime_for
 
     units = (trace.meta.get("fsdp") or {}).get("units", [])
-    blocks = [u for u in units if u["module"]]
-    reshard = all(u["reshard_after_forward"] for u in blocks) if blocks else True
+    reshard = {u["module"]: bool(u["reshard_after_forward"]) for u in units}  # as recorded, per unit
     torch.manual_seed(seed)
     model, batch, loss_fn, optimizer = workload.build(False)
     shard_model(model, mesh, reshard)
@@ -135,9 +133,10 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
     step()  # warm-up, unplanned: FSDP's lazy init, optimizer state
     handles = []
     rt = None
+    unshard = None
     if plan is not None:
-        check_layout(plan.trace.get("layout"), live_layout(model), "replay")
         rt = runtime_for(plan, trace)
+        unshard = apply_sharding(model, plan, "replay")  # the plan's reshard_after_forward per unit
         handles = install(model, rt, optimizer)
     try:
         for _ in range(steps):
@@ -156,15 +155,18 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
             for h in hooks:
                 h.remove()
             recorder.close()
+        units = live_layout(model)["units"]  # as the measured step ran: the plan's reshard_after_forward
     finally:
         for h in handles:
             h.remove()
+        if unshard is not None:
+            unshard()
     peak, peak_op = baseline_peak(step_to_trace(rec, 0, "measured", {}))
     params = [p.detach().to_local().clone() for p in model.parameters()]
     return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "params": params,
             "dropped": rt.dropped_storages if rt is not None else 0,
             "recompute_ops": rt.recompute_ops if rt is not None else 0,
-            "mismatches": rt.mismatches if rt is not None else 0}
+            "mismatches": rt.mismatches if rt is not None else 0, "units": units}
 
 
 def _same(a: list, b: list) -> bool:
@@ -197,6 +199,7 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
                 "params_match": _same(base["params"], planned["params"]),
                 "dropped_storages": planned["dropped"], "recompute_ops": planned["recompute_ops"],
                 "mismatches": planned["mismatches"],
+                "reshard_after_forward": [[m or "<root>", r] for m, r in planned["units"]],
             })
         finally:
             dist.destroy_process_group()

@@ -49,6 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..errors import MismatchError
+from ..record.recorder import draws_random
 
 _Tensor = torch.Tensor
 _SKIP_NAMESPACES = ("prim", "profiler")
@@ -358,7 +359,7 @@ class PlanRuntime(TorchDispatchMode):
             self._op_mismatch(frame, i, info.name)
             return func(*args, **kwargs)
         keep = call.recipe_ops is None or i in call.recipe_ops
-        rng = _rng_state(args, kwargs) if info.random and keep else None
+        rng = _rng_state(args, kwargs) if info.random and keep and draws_random(func, args, kwargs) else None
         out = func(*args, **kwargs)
         sizes = call.ops[i][2]
         if not keep:

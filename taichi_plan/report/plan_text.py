@@ -252,6 +252,7 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
     summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "over": p.over, "why": p.why,
                               "random_draws": p.random_draws} for p in plan.partitions]
     summary["partition_random"] = bool(plan.solver.get("partition_random"))
+    summary["reshard_after_forward"] = plan.reshard  # v5, sharded traces: FSDP2's setting per unit
     summary["schedule_peak_bytes"] = peak_from_schedule(plan.schedule)[0] if plan.schedule else None
     summary["modules"] = module_table(problem, plan, sim, parted) if problem is not None else None
     summary["resimulated"] = None
@@ -411,6 +412,20 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
             lines += wrap(f"Training changes: the chunks of {', '.join(own)} draw their own dropout masks "
                           "(solved with --partition-random), so the planned run matches the unplanned one "
                           "statistically, not bitwise.", "  ")
+
+    rs_units = (s.get("reshard_after_forward") or {}).get("units")
+    if rs_units:
+        lines.append("")
+        saved = s["reshard_after_forward"].get("step_compute_saved")
+        lines.append("FSDP units (reshard_after_forward)" +
+                     (f": the plan saves {cost(saved)} of backward all-gathers" if saved else ""))
+        uw = max(30, min(width - 30, max(len(u["module"] or "<root>") for u in rs_units)))
+        lines.append(f"  {'unit':<{uw}} {'planned':>8} {'recorded':>9}")
+        for u in rs_units:
+            lines.append(f"  {_cut(u['module'] or '<root>', uw):<{uw}} {str(u['reshard_after_forward']):>8} "
+                         f"{str(u['recorded']):>9}")
+            if u.get("why"):
+                lines += wrap(u["why"], " " * 6)
 
     if s["modules"] is not None:
         lines.append("")

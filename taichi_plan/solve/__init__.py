@@ -28,14 +28,17 @@ from ..optimizer_plan import (
 from ..partition import allow_random, floor_bytes
 from ..plan import Plan
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
+from ..reshard import reshard_units
 from ..simulate import simulate_plan
 from ..trace import Trace
 from ..units import format_bytes
-from .heuristic import plan_heuristic
+from .fsdp import solve_with_reshard
+from .heuristic import best_by_simulator, plan_heuristic
 from .ilp import plan_ilp
 from .result import Decisions, make_plan
 
 OURS = ("auto", "ilp", "heuristic")
+RESHARD_CHOICES = ("auto", "as-recorded")  # FSDP units' reshard_after_forward (taichi_plan/solve/fsdp.py)
 
 
 def baseline_table() -> dict[str, Callable]:
@@ -105,23 +108,11 @@ def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float)
     return best, next(name for name, dec in tried.items() if dec is best)
 
 
-def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Decisions]) -> Decisions:
-    """The best of ``candidates`` as the simulator judges them: the cheapest that fits the
-    budget; if none fits, the one with the lowest peak. Ties go to the earlier candidate."""
-
-    def key(dec: Decisions) -> tuple:
-        sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
-        fits = sim.peak_bytes <= budget_bytes
-        return (0, sim.extra_cost, sim.peak_bytes) if fits else (1, sim.peak_bytes, sim.extra_cost)
-
-    return min(candidates, key=key)
-
-
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
           problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
           work_limit: float | None = None, started: float | None = None, optimizer: str = "auto",
-          partition_random: bool = False) -> Plan:
+          partition_random: bool = False, reshard: str = "auto") -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
 
     ``optimizer`` (:mod:`taichi_plan.optimizer_plan`): ``as-recorded`` plans activations only;
@@ -141,6 +132,10 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     (summed over its rounds): the same trace, budget, seed and work limit give the same plan,
     provided the time limit is not reached first.
 
+    ``reshard`` (sharded traces, :mod:`taichi_plan.solve.fsdp`): ``auto`` (default) lets our
+    planners choose which FSDP units stop resharding after forward; ``as-recorded`` keeps every
+    unit as recorded. Baselines keep the recorded setting.
+
     ``partition_random``: the planners may partition modules that draw random numbers
     (dropout); their chunks then draw their own, which changes training statistically, and
     the plan records it (:mod:`taichi_plan.partition`). Off, nothing random is partitioned.
@@ -153,9 +148,11 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         return solve_on_reserved(
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
                                  problem=problem, allocator=allocator, work_limit=work_limit, started=began,
-                                 optimizer=optimizer, partition_random=partition_random),
+                                 optimizer=optimizer, partition_random=partition_random, reshard=reshard),
             budget_bytes, method)
     check_choice(trace, optimizer)
+    if reshard not in RESHARD_CHOICES:
+        raise UsageError(f"--reshard must be one of {', '.join(RESHARD_CHOICES)}, not {reshard!r}.")
     t0 = time.perf_counter() if started is None else started
     problem = problem or build_problem(trace)
     # Whether the trace allows the other options is asked only once the recorded step fails (on
@@ -184,9 +181,15 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         if budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0] and not is_last():
             skipped.append(prob)
             continue  # below what this step can reach at all: the next option
+        def step(p: Problem) -> Plan:
+            return _solve_step(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
+                               problem=p, on=on, allocator=allocator, work_limit=work_limit, started=t0)
+
         try:
-            plan = _solve_step(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
-                               problem=prob, on=on, allocator=allocator, work_limit=work_limit, started=t0)
+            if reshard == "auto" and method in OURS and mode == "as-recorded" and reshard_units(trace.meta):
+                plan = solve_with_reshard(prob, budget_bytes, seed, time_limit * (1 - FINISH_SHARE), t0, step)
+            else:
+                plan = step(prob)
         except InfeasibleBudgetError as e:
             failed.append(e)
             end = t0 + time_limit * (1 - FINISH_SHARE)

@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 
+from ..errors import PlanError
 from ..partition import (
     _under,
     apply_partitions,
@@ -53,6 +54,18 @@ def sim_over(problem: Problem, sim: SimResult) -> np.ndarray:
     return over
 
 
+def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Decisions]) -> Decisions:
+    """The best of ``candidates`` as the simulator judges them: the cheapest that fits the
+    budget; if none fits, the one with the lowest peak. Ties go to the earlier candidate."""
+
+    def key(dec: Decisions) -> tuple:
+        sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
+        fits = sim.peak_bytes <= budget_bytes
+        return (0, sim.extra_cost, sim.peak_bytes) if fits else (1, sim.peak_bytes, sim.extra_cost)
+
+    return min(candidates, key=key)
+
+
 def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
                    time_limit: float = 60.0, partitions: bool = True, local_max_s: float = LOCAL_MAX_S) -> Decisions:
     """Rematerialization alone first; if that cannot meet the budget, partition modules one
@@ -63,8 +76,11 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     dec = plan_remat(problem, budget_bytes, deadline=deadline)
     if budget_bytes is not None and problem.every_gap:
         dec = _with_local_search(problem, budget_bytes, dec, min(deadline, time.perf_counter() + local_max_s))
+    if budget_bytes is not None and not _fits(problem, dec, budget_bytes):
+        dec = best_by_simulator(problem, budget_bytes, [dec, *_on_checkpointing(problem, budget_bytes, deadline)])
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
         return dec
+    remat_only = dec
     # Each module's savings at its most chunks, once; then rounds that add the best-scoring
     # modules at the worst op, 1, 2, 4, ... per round, re-planning rematerialization around them.
     options = []
@@ -98,7 +114,31 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
             break
         take *= 2
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
-    return best
+    return best_by_simulator(problem, budget_bytes, [best, remat_only])
+
+
+def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float) -> list[Decisions]:
+    """The sweep started from what one-line checkpointing drops (every block, sqrt(n) segments:
+    each region's forward re-run once), adding drops of other tensors where still over: where
+    the sweep alone cannot reach as low, these can, so the heuristic never ends above them."""
+    from .baselines import plan_full, plan_sqrt_n
+
+    out = []
+    for fn, what in ((plan_full, "checkpointing every block"), (plan_sqrt_n, "sqrt(n) checkpointing")):
+        if time.perf_counter() > deadline:
+            break
+        base = fn(problem, budget_bytes)
+        if not base.drops:
+            continue
+        try:
+            dec = plan_remat(problem, budget_bytes, deadline=deadline, fixed=base.drops)
+        except PlanError:
+            # the sweep's drops and the fixed ones together cannot be rebuilt (a fixed region's
+            # rebuild needs a tensor the sweep dropped): no plan from this start
+            continue
+        dec.notes = [f"greedy sweep on top of {what}'s drops", *dec.notes]
+        out.append(dec)
+    return out
 
 
 def _with_local_search(problem: Problem, budget_bytes: int, swept: Decisions, deadline: float) -> Decisions:
@@ -123,9 +163,11 @@ def _fits(problem: Problem, dec: Decisions, budget_bytes: int) -> bool:
 
 
 def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] | None = None,
-               deadline: float | None = None) -> Decisions:
+               deadline: float | None = None, fixed: list[Drop] | None = None) -> Decisions:
     """The greedy rematerialization sweep (no partitions), starting from the ``initial`` drops
-    that are options of ``problem``; no new round starts past ``deadline`` (perf_counter)."""
+    that are options of ``problem``; no new round starts past ``deadline`` (perf_counter).
+    ``fixed`` drops (any, e.g. a baseline's region rebuilds) are kept as they are: the sweep
+    starts from the memory they leave and adds drops of other tensors."""
     if budget_bytes is None or problem.num_ops == 0:
         return Decisions(notes=["no budget: nothing to do"])
     n = problem.num_ops
@@ -141,14 +183,21 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
         if k is not None and opts.free_after[k] == d.free_after and not chosen[group == group[k]].any():
             chosen[k] = True
 
+    fixed = list(fixed or [])
+    if fixed:
+        held = np.isin(opts.tensor, [d.tensor for d in fixed])
+        chosen[held] = False
+        est = sim_over(problem, simulate(problem, fixed))
+    else:
+        held = None
+        est = problem.baseline_live.astype(np.int64)
     target = np.full(n, budget_bytes, dtype=np.int64)
-    est = problem.baseline_live.astype(np.int64)
     best: tuple[list[Drop], SimResult] | None = None
     rounds = 0
     for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007
         before = int(chosen.sum())
-        _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group)
-        drops = [Drop(int(opts.tensor[k]), int(a_arr[k]), int(b_arr[k])) for k in np.nonzero(chosen)[0]]
+        _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group, held)
+        drops = fixed + [Drop(int(opts.tensor[k]), int(a_arr[k]), int(b_arr[k])) for k in np.nonzero(chosen)[0]]
         sim = simulate(problem, drops)
         if best is None or sim.peak_bytes <= budget_bytes or (
                 best[1].peak_bytes > budget_bytes and sim.peak_bytes < best[1].peak_bytes):
@@ -168,12 +217,14 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
                      stats={"rounds": rounds, "candidates": int(len(sizes)), "dropped": len(drops)})
 
 
-def _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group) -> None:
+def _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group, held=None) -> None:
     """Greedy left-to-right pass adding drops to ``chosen`` until ``est - saved <= target``;
-    at most one option per ``group`` (tensor)."""
+    at most one option per ``group`` (tensor), none of the ``held`` options' tensors."""
     n = len(est)
     taken = np.zeros(int(group.max()) + 1 if len(group) else 0, dtype=bool)
     taken[group[chosen]] = True
+    if held is not None:
+        taken[group[held]] = True
     over_ops = (est - gap_bytes(n, a_arr[chosen], b_arr[chosen], sizes[chosen])) > target
     prefix = np.concatenate([[0], np.cumsum(over_ops)])
     cover = prefix[b_arr] - prefix[np.minimum(a_arr + 1, n)]

@@ -17,6 +17,7 @@ from ..overhead import runtime_overhead_s
 from ..partition import find_span, partition_cost, partition_savings, random_draws
 from ..plan import Partition, Plan, Recompute
 from ..problem import Problem
+from ..reshard import describe as describe_reshard
 from ..sharding import layout
 from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
 from ..units import format_bytes, format_cost
@@ -118,6 +119,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
         schedule=schedule if with_schedule else None,
         optimizer=describe_optimizer(problem),
+        reshard=describe_reshard(problem),
     )
 
 

@@ -1,0 +1,216 @@
+"""FSDP2's ``reshard_after_forward`` per unit, derived from the recorded trace (issue 10).
+
+The view of a trace recorded with every unit resharding, with some units set not to
+reshard (:func:`taichi_plan.reshard.reshard_view`), equals a recording made with that
+setting, table by table: every tensor row, every access, every op (the ``module`` label of
+backward ops excepted: ModTracker's labels there differed between two recordings of the same
+setting here, e.g. an embedding's backward filed under its neighbour).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from taichi_plan.errors import PlanError
+from taichi_plan.reshard import regather_ops, reshard_units, reshard_view, view_of_choice
+from taichi_plan.trace import read_trace
+
+# A tiny GPT-2 whose gathered parameters weigh against its activations (batch 1): at 80% of its
+# per-rank peak, keeping every unit gathered does not pay, keeping none is FSDP's default.
+RECORD = """
+import json, sys
+from taichi_plan.record import get_workload
+from taichi_plan.record.fsdp import record_fsdp_workload
+from taichi_plan.trace import write_trace
+w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
+for out, setting in json.loads(sys.argv[1]):
+    write_trace(record_fsdp_workload(w, 2, reshard_after_forward=setting, check_tracker=False), out)
+"""
+
+# FSDP2's own default leaves the root gathered (fully_shard's reshard_after_forward=None);
+# the last block is the usual hand-set choice (backward gathers it again at once).
+SETTINGS = {"all": {}, "root+last": {"": False, "transformer.h.3": False},
+            "none": {"": False, **{f"transformer.h.{k}": False for k in range(4)}}}
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory):
+    d = tmp_path_factory.mktemp("reshard")
+    jobs = [[str(d / name), setting] for name, setting in SETTINGS.items()]
+    r = subprocess.run([sys.executable, "-c", RECORD, json.dumps(jobs)], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    return {name: read_trace(d / name) for name in SETTINGS}
+
+
+def _differences(view, rec) -> list:
+    out = []
+    for name in ("ops", "tensors", "accesses"):
+        x, y = getattr(view, name), getattr(rec, name)
+        if x.shape != y.shape:
+            out.append((name, x.shape, y.shape))
+            continue
+        for c in x.columns:
+            if c == "shape":
+                d = np.asarray([list(p) != list(q) for p, q in zip(x[c], y[c], strict=True)], dtype=bool)
+            else:
+                d = x[c].to_numpy() != y[c].to_numpy()
+            if name == "ops" and c == "module":
+                d &= x["phase"].to_numpy() != "backward"
+            if d.any():
+                out.append((name, c, int(d.sum()), np.nonzero(d)[0][:5].tolist()))
+    for key in ("units", "op_spans", "incarnations"):
+        if view.meta["fsdp"][key] != rec.meta["fsdp"][key]:
+            out.append(("meta.fsdp", key))
+    for key in ("model_calls", "random_ops"):
+        if view.meta.get(key) != rec.meta.get(key):
+            out.append(("meta", key))
+    return out
+
+
+@pytest.mark.parametrize("name", ["root+last", "none"])
+def test_view_equals_a_recording_with_that_setting(recordings, name):
+    base = recordings["all"]
+    view = view_of_choice(base, SETTINGS[name])
+    rec = recordings[name]
+    assert _differences(view, rec) == []
+    assert len(view.ops) < len(base.ops)  # the backward gatherings are gone
+    assert view.meta["fsdp"]["units"] == rec.meta["fsdp"]["units"]
+    # the ops removed are FSDP's own (inside its spans), all in backward, with one all-gather per unit
+    units = [k for k, u in enumerate(base.meta["fsdp"]["units"]) if u["module"] in SETTINGS[name]]
+    gone = regather_ops(base, units)
+    assert set(base.ops["phase"][gone]) == {"backward"}
+    assert sum(base.ops["op"][gone].str.startswith("c10d._allgather_base_")) == len(units)
+
+
+def test_a_unit_recorded_without_resharding_cannot_be_turned(recordings):
+    none = recordings["none"]
+    assert reshard_units(none.meta) == []
+    with pytest.raises(PlanError, match="recorded not resharding"):
+        reshard_view(none, [1])
+    with pytest.raises(PlanError, match="does not have"):
+        view_of_choice(recordings["all"], {"transformer.h.9": False})
+
+
+# --- The planner's choice, applied and measured -------------------------------------------------
+
+APPLY = """
+import json, sys
+from taichi_plan.record import get_workload
+from taichi_plan.record.fsdp import fake_process_group, shard_model, live_layout
+from taichi_plan.errors import PlanError
+import taichi_plan
+plan, settings = sys.argv[1], json.loads(sys.argv[2])
+w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
+out = []
+with fake_process_group(2) as mesh:
+    for setting in settings:
+        model, *_ = w.build(False)
+        shard_model(model, mesh, setting)
+        before = live_layout(model)["units"]
+        try:
+            taichi_plan.apply(model, plan)
+        except PlanError as e:
+            out.append({"error": str(e)})
+            continue
+        during = live_layout(model)["units"]
+        taichi_plan.finish(model)
+        out.append({"before": before, "during": during, "after": live_layout(model)["units"]})
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def chosen(recordings, tmp_path_factory):
+    from click.testing import CliRunner
+
+    from taichi_plan.cli import main
+
+    d = tmp_path_factory.mktemp("reshard-plan")
+    trace = recordings["all"].path
+    plans = {}
+    for how in ("auto", "as-recorded"):
+        out = d / "plans" / f"{how}.plan.json"
+        r = CliRunner().invoke(main, ["solve", str(trace), "--budget", "80%", "--method", "heuristic",
+                                      "--reshard", how, "-o", str(out)])
+        assert r.exit_code == 0, r.output
+        plans[how] = out
+    return plans
+
+
+def _off(plan: dict) -> list[str]:
+    return [u["module"] for u in plan["decisions"]["reshard_after_forward"]["units"] if not u["reshard_after_forward"]]
+
+
+def test_planner_keeps_some_units_gathered_between_the_extremes(chosen):
+    plan = json.loads(chosen["auto"].read_text())
+    kept = json.loads(chosen["as-recorded"].read_text())
+    assert plan["format_version"] == 5
+    units = plan["decisions"]["reshard_after_forward"]["units"]
+    off = _off(plan)
+    assert 0 < len(off) < len(units), units  # some units, not every one
+    assert _off(kept) == [] and all(u["recorded"] for u in units)
+    assert all("saves its backward all-gather" in u["why"] for u in units if not u["reshard_after_forward"])
+    for p in (plan, kept):
+        assert p["predicted"]["planned_peak_bytes"] <= p["budget_bytes"]
+    # the choice's predicted step (compute, collectives and recomputation) is shorter than the default's
+    p, k = plan["predicted"], kept["predicted"]
+    assert p["step_compute"] + p["extra_compute"] < k["step_compute"] + k["extra_compute"]
+    saved = plan["decisions"]["reshard_after_forward"]["step_compute_saved"]
+    assert saved == pytest.approx(k["step_compute"] - p["step_compute"]) and saved > 0
+
+
+def test_two_gloo_ranks_run_the_chosen_setting_measured_equals_predicted(chosen):
+    from click.testing import CliRunner
+
+    from taichi_plan.cli import main
+
+    r = CliRunner().invoke(main, ["replay", str(chosen["auto"]), "--nproc", "2", "--steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
+    plan = json.loads(chosen["auto"].read_text())
+    want = [[u["module"] or "<root>", u["reshard_after_forward"]]
+            for u in plan["decisions"]["reshard_after_forward"]["units"]]
+    for rank in report["ranks"]:
+        assert rank["reshard_after_forward"] == want, rank  # the plan's setting, as the measured step ran
+        assert rank["measured_peak_bytes"] == plan["predicted"]["planned_peak_bytes"], rank
+        assert rank["grads_match"] and rank["params_match"], rank
+    assert report["within_budget"] and report["grads_match"]
+
+
+def test_apply_sets_the_plan_setting_and_refuses_another_layout(chosen):
+    plan = json.loads(chosen["auto"].read_text())
+    off = _off(plan)
+
+    other = next(u["module"] for u in plan["decisions"]["reshard_after_forward"]["units"] if u["module"] not in off)
+    settings = [{}, dict.fromkeys(off, False), {other: False}]
+    r = subprocess.run([sys.executable, "-c", APPLY, str(chosen["auto"]), json.dumps(settings)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    as_recorded, as_planned, refused = json.loads(r.stdout.strip().splitlines()[-1])
+    assert [m for m, on in as_recorded["during"] if not on] == off
+    assert as_recorded["after"] == as_recorded["before"]  # finish() restores the model's own setting
+    assert "error" not in as_planned  # already set as the plan says: accepted
+    assert "solved for 2 ranks" in refused["error"] and "record this layout" in refused["error"]
+
+
+def test_inspect_shows_the_setting_and_rejects_an_impossible_one(chosen, tmp_path):
+    from click.testing import CliRunner
+
+    from taichi_plan.cli import main
+
+    r = CliRunner().invoke(main, ["inspect", str(chosen["auto"])])
+    assert r.exit_code == 0, r.output
+    assert "FSDP units (reshard_after_forward)" in r.output and "recorded" in r.output
+    obj = json.loads(chosen["auto"].read_text())
+    obj["decisions"]["reshard_after_forward"]["units"][0]["module"] = "transformer.h.9"
+    obj["trace"]["path"] = obj["trace"]["path_absolute"]
+    bad = tmp_path / "bad.plan.json"
+    bad.write_text(json.dumps(obj))
+    r = CliRunner().invoke(main, ["replay", str(bad), "--nproc", "2"])
+    assert r.exit_code != 0 and "transformer.h.9" in r.output and "Traceback" not in r.output
