@@ -18,6 +18,7 @@ from pathlib import Path
 from rich.progress import Progress
 
 from benchmarks import (
+    bench_bounds,
     bench_floor,
     bench_fsdp,
     bench_graphs,
@@ -96,6 +97,12 @@ def solve_rows(trace, label, fractions, methods, bar=None, time_limit=None):
             print(f"  {label} {frac} {method}: {row['status']} {fmt(row['ratio'])} {row['seconds']:.1f}s",
                   file=sys.stderr, flush=True)
     return rows
+
+
+def bounds_section(rows) -> str:
+    return ("## Bounds on recorded traces (issue 11)\n\n`auto` at 30 s per solve, without and with the bound phase "
+            "(docs/planner.md, `solve/bound.py`); gap = (cost - bound) / cost; wall seconds on this machine, "
+            "whole solve.\n\n" + bench_bounds.markdown(rows))
 
 
 MAXBATCH = [  # (label, record flags, budget, device profile): the issue's five models
@@ -200,6 +207,11 @@ def main() -> None:
                                time_limit=RECORDED_TIME_LIMIT)
         sections.append("## Recorded traces (fake mode, a100-40gb profile)\n\n`heuristic` may partition "
                         "modules too; `partitions` counts them.\n\n" + table(rows))
+
+        # 3a. Bounds on the recorded traces, with and without the bound phase (issue 11).
+        progress.update(task, description="bounds on recorded traces")
+        sections.append(_guarded("Bounds on recorded traces", lambda: bounds_section(bench_bounds.run(
+            say=lambda line: print(f"  {line}", file=sys.stderr, flush=True)))))
 
         # 3b. The least reachable peak per lever (remat, partition, both, baselines).
         progress.update(task, description="least reachable peaks")

@@ -22,7 +22,8 @@ MAX_OPTIONS options or MAX_PLANS plans are skipped; the imported space takes mor
 For every (trace, budget) pair:
 * when some plan of the space fits, ``auto`` and ``ilp`` return a plan that fits, and CP-SAT
   alone (no warm start) finds one too;
-* no reported lower bound is above the exhaustive optimum;
+* no reported lower bound is above the exhaustive optimum, nor is the bound phase's own
+  (the MIP relaxation of solve/bound.py), which must prove a bound on nearly every pair;
 * when no plan of the space fits, CP-SAT alone proves it (status infeasible, not a time-out),
   and ``auto`` raises InfeasibleBudgetError.
 
@@ -57,6 +58,7 @@ PARTITIONED_SEEDS = range(70, 86)
 WORK_LIMIT = 30.0  # CP-SAT deterministic time per solve: far more than these models need
 TIME_LIMIT = 120.0  # wall seconds per solve, never reached here (the work limit binds first)
 TOL = 1e-6  # costs here are sums of a few numbers like 0.5, 1, 2, 4
+MIP_BOUNDS: list[bool] = []  # per feasible pair: did the bound phase prove a bound
 
 
 def partition_sets(problem: Problem) -> list[list[Partition]]:
@@ -136,6 +138,11 @@ def check_case(seed: int, space: str = "recorded") -> int:
         else:
             assert raw.solver["status"] != "infeasible", f"{where}: CP-SAT alone found no plan"
             assert raw.solver["lower_bound"] <= opt + TOL, f"{where}: CP-SAT's bound {raw.solver['lower_bound']}"
+            # The bound phase's own bound (the MIP relaxation, bound.py), whether or not it is
+            # the one reported.
+            mip = dec.stats.get("mip_bound")
+            assert mip is None or mip <= opt + TOL, f"{where}: the MIP relaxation's bound {mip}"
+            MIP_BOUNDS.append(mip is not None)
             assert raw.predicted["extra_compute"] >= opt - TOL, f"{where}: a plan cheaper than the optimum"
             if raw.solver["status"] == "optimal":
                 assert raw.predicted["extra_compute"] <= opt + TOL, f"{where}: 'optimal' costs more"
@@ -170,6 +177,7 @@ def test_planners_match_exhaustive_search():
         per_space[space] = pairs
     print(f"{per_space} (trace, budget) pairs in {time.perf_counter() - t0:.1f} s")
     assert not failures, f"{len(failures)} failing seed(s):\n" + "\n".join(failures)
+    assert sum(MIP_BOUNDS) >= 0.9 * len(MIP_BOUNDS), f"the bound phase proved {sum(MIP_BOUNDS)} of {len(MIP_BOUNDS)}"
     for space, pairs in per_space.items():
         least = 40 if space == "partitioned" else 250
         assert pairs >= least, f"only {pairs} pairs in the {space} space: the generator changed, widen the seeds"

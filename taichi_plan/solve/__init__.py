@@ -155,14 +155,30 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         raise UsageError(f"--reshard must be one of {', '.join(RESHARD_CHOICES)}, not {reshard!r}.")
     t0 = time.perf_counter() if started is None else started
     problem = problem or build_problem(trace)
-    modes = [optimizer] if optimizer != "auto" else ["as-recorded", *(m for m in OPTION_ORDER if refusal(trace, m) is None)]
+    # Whether the trace allows the other options is asked only once the recorded step fails (on
+    # a large trace the answer builds the step's per-parameter view: seconds of the time limit).
+    modes = [optimizer] if optimizer != "auto" else ["as-recorded", *OPTION_ORDER]
+    refused: dict[str, bool] = {}
+
+    def allowed(m: str) -> bool:
+        if optimizer != "auto" or m == "as-recorded":
+            return True
+        if m not in refused:
+            refused[m] = refusal(trace, m) is not None
+        return not refused[m]
+
     failed: list[InfeasibleBudgetError] = []
     skipped: list[Problem] = []  # options below whose floor the budget is (their error only if all fail)
     for k, mode in enumerate(modes):
-        last = k == len(modes) - 1
+        if not allowed(mode):
+            continue
+
+        def is_last(k: int = k) -> bool:
+            return not any(allowed(m) for m in modes[k + 1:])
+
         prob = allow_random(view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups"
                                          else None), partition_random)
-        if not last and budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0]:
+        if budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0] and not is_last():
             skipped.append(prob)
             continue  # below what this step can reach at all: the next option
         def step(p: Problem) -> Plan:
@@ -177,7 +193,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         except InfeasibleBudgetError as e:
             failed.append(e)
             end = t0 + time_limit * (1 - FINISH_SHARE)
-            if last or time.perf_counter() > end:
+            if time.perf_counter() > end or is_last():
                 # the option that is known to reach the lowest budget says what to ask for
                 failed += [infeasible_error(q, budget_bytes, method, deadline=end) for q in skipped]
                 raise min(failed, key=lambda x: x.min_budget_bytes or 0) from None

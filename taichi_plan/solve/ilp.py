@@ -57,6 +57,7 @@ from ..problem import (
     rebuild_set,
 )
 from ..simulate import Drop, SimResult, rebuild_overhead, simulate_plan
+from .bound import BoundLog, relaxation_bound
 from .heuristic import plan_remat, sim_over
 from .result import Decisions
 
@@ -66,6 +67,10 @@ MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain
 # the square of the options per gap; past this many options the model leaves them out, which
 # keeps it a relaxation (a tensor counts as away over its whole gap), only a weaker one.
 CHAIN_MAX_OPTIONS = 2_000
+# The bound phase (bound.py) gets this share of the time limit first; with a work limit, this
+# many branch-and-bound nodes per unit of work instead (a limit that does not depend on load).
+BOUND_SHARE = 0.6
+BOUND_NODES_PER_WORK = 200
 
 
 @dataclass
@@ -200,9 +205,17 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
     return out
 
 
+def _bound_by(lower_bound: float | None, mip_bound: float | None) -> str | None:
+    """Which method proved the reported bound."""
+    if lower_bound is None:
+        return None
+    return "mip-relaxation" if mip_bound is not None and mip_bound >= lower_bound else "cp-sat"
+
+
 def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_limit: float = 60.0,
              hint: Decisions | None = None, progress: Callable[[float, float], None] | None = None,
-             workers: int = 2, partitions: bool = True, work_limit: float | None = None) -> Decisions:
+             workers: int = 2, partitions: bool = True, work_limit: float | None = None,
+             bound_share: float = BOUND_SHARE) -> Decisions:
     """Search the plan space for the cheapest plan the simulator accepts.
 
     ``time_limit``: wall seconds from this call, model building included. ``work_limit``:
@@ -262,7 +275,68 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         hint_sim, _ = simulate_plan(problem, hint.drops, hint.partitions)
         offer(hint, hint_sim)
         model.forbid_plan(hint)
+
+    def learn(sim: SimResult, parted: Problem, deadline: float | None) -> bool:
+        """Constraints valid for every plan at the ops and groups ``sim`` finds over budget,
+        in the main model and the bound model; whether any was new."""
+        over = sim_over(parted, sim) - budget_bytes
+        new = [int(i) for i in np.nonzero(over > 0)[0] if req[i] > 0]
+        new_main = [i for i in new if i not in model.ops]
+        if new_main and model.terms < MAX_TERMS:
+            for i in sorted(new_main, key=lambda i: -over[i])[:64]:
+                model.add_op(i)
+        groups = sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes)
+        fresh = [i for i in new if bmodel is not None and i not in bmodel.ops]
+        fresh_groups = [g for g in groups if bmodel is not None and g not in bmodel.groups]
+        for r in groups:
+            model.add_group(r, budget_bytes, deadline)
+        if bmodel is not None:
+            for i in fresh:
+                bmodel.add_op(i)
+            for r in fresh_groups:
+                bmodel.add_group(r, budget_bytes, deadline)
+        return bool(new_main or fresh or fresh_groups)
+
+    # The bound phase (bound.py): the relaxation at every binding op, solved by a MIP solver,
+    # in a cutting-plane loop; its plans are offered, its bound kept. With a work limit, a
+    # node limit (not the wall clock) bounds it, so the same inputs give the same result.
+    bmodel = None
+    mip_bound: float | None = None
+    blog = BoundLog()
+    # Past CHAIN_MAX_OPTIONS options (forward-only graphs with every rebuild point) building
+    # the bound model alone took more than a 5 s limit allows: CP-SAT's bound only there.
+    if bound_share > 0 and len(st.sizes) <= CHAIN_MAX_OPTIONS:
+        bmodel = _Model(problem, st, parts, req, ops_all, cost_unit)
+        bmodel.chains = False
+        b_deadline = t0 + time_limit * (1.0 if work_limit is not None else bound_share)
+        nodes = None if work_limit is None else max(1, int(BOUND_NODES_PER_WORK * work_limit))
+
+        def plan_of(values: dict[int, int]) -> tuple[SimResult, Problem] | None:
+            dec = Decisions(
+                drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k, v in enumerate(bmodel.x)
+                       if values[v.Index()]],
+                partitions=[as_partition(parts[j].span, parts[j].chunks) for j, v in enumerate(bmodel.y)
+                            if values[v.Index()]])
+            try:
+                sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
+            except PlanError:
+                return None
+            offer(dec, sim)
+            return sim, parted
+
+        def add_cuts(got: tuple[SimResult, Problem]) -> bool:
+            sim, parted = got
+            return sim.peak_bytes > budget_bytes and learn(sim, parted, b_deadline)
+
+        found = relaxation_bound(bmodel, ops_all, b_deadline, plan_of, add_cuts, blog, nodes)
+        if found is not None:
+            mip_bound = found * cost_unit
+            lower_bound = mip_bound  # of every plan: no cut, no cutoff in its model
+        log += blog.lines
     while True:
+        if incumbent is not None and lower_bound is not None and incumbent[1].extra_cost <= lower_bound + slack:
+            status_final = "optimal"  # the bound phase proved it
+            break
         remaining = time_limit - (time.perf_counter() - t0)
         if remaining <= 0.05 or (work_limit is not None and work_used >= work_limit):
             timed_out = True
@@ -285,6 +359,11 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             timed_out = True
             log.append(f"round {rounds}: no model solution within the limit")
+            # CP-SAT's bound holds without a solution too (the incumbent covers what was cut).
+            bound = solver.BestObjectiveBound() * cost_unit
+            if incumbent is not None:
+                bound = min(bound, incumbent[1].extra_cost)
+            lower_bound = bound if lower_bound is None else max(lower_bound, bound)
             break
         # Valid for every plan not yet simulated; the incumbent covers the simulated ones.
         bound = solver.BestObjectiveBound() * cost_unit
@@ -308,12 +387,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             rejected += 1
             over = sim_over(parted, sim) - budget_bytes
             new = [int(i) for i in np.nonzero(over > 0)[0] if int(i) not in model.ops and req[i] > 0]
-            if new and model.terms < MAX_TERMS:
-                for i in sorted(new, key=lambda i: -over[i])[:64]:
-                    model.add_op(i)
             deadline = t0 + time_limit  # constraints left out past it only weaken the relaxation
-            for r in sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes):
-                model.add_group(r, budget_bytes, deadline)
+            learn(sim, parted, deadline)
             # A plan for now: complete the rejected one greedily (never a bound, never a cut).
             fixed = _repair(problem, dec, budget_bytes, deadline)
             if fixed is not None:
@@ -331,7 +406,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
                 log.append(f"round {rounds}: tightened search " + ("found a plan" if found else "found none"))
                 if found is not None:
                     offer(*found)
-        if incumbent is not None and code == cp_model.OPTIMAL and incumbent[1].extra_cost <= lower_bound + slack:
+        if incumbent is not None and incumbent[1].extra_cost <= lower_bound + slack:
             status_final = "optimal"
             break
     if timed_out:
@@ -340,6 +415,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     stats = {"rounds": rounds, "rejected": rejected, "repaired": repaired, "modelled_ops": len(model.ops),
              "binding_ops": int(len(ops_all)), "candidates": int(len(st.sizes)), "partition_options": len(parts),
              "no_good_cuts": model.cuts, "scaling": model.scale_note, "log": log,
+             "bound_by": _bound_by(lower_bound, mip_bound), "bound_rounds": blog.rounds, "mip_bound": mip_bound,
              "work": round(work_used, 3), "timed_out": timed_out, "proven": proven_none}
     if incumbent is None:
         why = ("no plan of this plan space fits: CP-SAT ruled out every one the simulator did not reject"
@@ -438,6 +514,10 @@ class _Model:
         self.cand_set = set(st.tensor.tolist())
         self.terms = 0
         self.cuts = 0
+        # Chain constraints at each modelled op (a dropped tensor brought back early by a
+        # rebuild that needs it); without them a tensor counts as away over its whole gap,
+        # a weaker relaxation with one row per op (the bound model, bound.py).
+        self.chains = True
         # [Constraint] partitions: one chunk count per module, never a module and one inside it,
         # and a partitioned module's insides are not dropped on their own.
         by_module: dict[str, list[int]] = {}
@@ -647,6 +727,9 @@ class _Model:
         away = {}
         forced = {}
         for k in cover:
+            if not self.chains:  # away over its whole gap: the weaker relaxation
+                away[k] = x[k]
+                continue
             direct = [c for c in st.needers[k] if st.b[c] <= i and st.a[c] < i]
             chain = [c for c in st.needers[k] if c in cov_set]
             if not direct and not chain:

@@ -1,0 +1,178 @@
+"""Lower bounds of the whole plan space, from a MIP solver on the ILP's own relaxation.
+
+CP-SAT proves bounds slowly on the recorded transformers (covering constraints with byte
+coefficients: at its time limit its best bound was 25-73% below the plan's cost). A MIP
+solver (HiGHS, shipped with OR-Tools) proves them from the LP relaxation with cuts and
+branching, which is what these models need. Its model is *the same* CP-SAT model
+(:class:`~taichi_plan.solve.ilp._Model`, so every kind of option the builder knows flows
+through), translated constraint by constraint (:func:`mip_of`):
+
+* a linear constraint ``lo <= expr <= hi`` enforced by literals ``e``: the big-M form
+  ``expr >= lo - (lo - min(expr)) * sum(1 - e)`` (and the same for ``hi``), exact for 0/1
+  literals; a constraint on several disjoint intervals keeps only its hull (a relaxation);
+* ``bool_or``, ``bool_and``, ``at_most_one``, ``exactly_one``: their linear forms.
+
+The model holds memory constraints at *every* binding op (one per stretch of ops with the
+same covering set, :func:`~taichi_plan.solve.ilp.binding_ops`) and at the recompute groups
+the simulator found over budget, all valid for every plan the simulator accepts (the ILP's
+invariant), but neither the no-good cuts nor the cutoff at the incumbent: its dual bound
+(what HiGHS proves, also when stopped by its limit) is a lower bound on every plan of the
+space. It is then a cutting-plane loop: the relaxation's optimum is simulated; ops and groups
+the simulator finds over budget get their constraints and the relaxation is solved again; a
+plan that fits is offered as a plan, and is optimal when its simulated cost meets the bound.
+
+A MIP solver works in floating point: the bound is lowered by :data:`SAFETY` of itself plus
+one cost unit before it is used, far more than HiGHS's feasibility tolerances can move it on
+these models (coefficients are integers below 2^40).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SAFETY = 1e-6  # relative, plus one cost unit: see the module docstring
+INT_MAX = 2**62
+_KINDS = ("linear", "bool_or", "bool_and", "at_most_one", "exactly_one")
+
+
+@dataclass
+class MipResult:
+    bound: float | None  # proven lower bound on the objective, in model units (None: nothing proven)
+    values: dict[int, int] | None  # an optimal or best solution: CP-SAT variable index -> value
+    optimal: bool
+    seconds: float
+
+
+def _hull(domain) -> tuple[int, int]:
+    """(min, max) of a CP-SAT domain (a flat list of interval ends)."""
+    d = list(domain)
+    return int(d[0]), int(d[len(d) - 1])
+
+
+def mip_of(proto, deadline: float | None = None) -> tuple[object, list] | None:
+    """A MIP of ``proto`` (a ``CpModelProto``): the same integer variables, the linear
+    forms of its constraints (see the module docstring), and its objective; None when
+    ``deadline`` (perf_counter) passes while translating."""
+    from ortools.math_opt.python import mathopt  # here: the GPU check's stand-in has only cp_model
+
+    model = mathopt.Model()
+    inf = math.inf
+    xs = []
+    bounds = []
+    for v in proto.variables:
+        lo, hi = _hull(v.domain)
+        bounds.append((lo, hi))
+        xs.append(model.add_integer_variable(lb=float(lo), ub=float(hi)))
+
+    def lit(ref: int) -> tuple[float, int, float]:
+        """(coefficient, variable index, constant) of a literal: x or 1 - x."""
+        return (1.0, ref, 0.0) if ref >= 0 else (-1.0, -ref - 1, 1.0)
+
+    def add(terms: list[tuple[float, int]], const: float, lo: float, hi: float, enforce) -> None:
+        """lo <= sum(terms) + const <= hi, when every literal of ``enforce`` is true."""
+        mn = const + sum(c * bounds[v][0 if c > 0 else 1] for c, v in terms)
+        mx = const + sum(c * bounds[v][1 if c > 0 else 0] for c, v in terms)
+        off = [(-c, v, 1.0 - k) for c, v, k in map(lit, enforce)]  # sum of (1 - e): 0 when enforced
+        off_const = sum(k for _c, _v, k in off)
+        if lo > mn:
+            m = lo - mn
+            expr = mathopt.fast_sum([c * xs[v] for c, v in terms] + [m * c * xs[v] for c, v, _k in off])
+            model.add_linear_constraint(expr >= lo - const - m * off_const)
+        if hi < mx:
+            m = mx - hi
+            expr = mathopt.fast_sum([c * xs[v] for c, v in terms] + [-m * c * xs[v] for c, v, _k in off])
+            model.add_linear_constraint(expr <= hi - const + m * off_const)
+
+    def lits_sum(refs) -> tuple[list[tuple[float, int]], float]:
+        got = [lit(r) for r in refs]
+        return [(c, v) for c, v, _k in got], sum(k for _c, _v, k in got)
+
+    for n, ct in enumerate(proto.constraints):
+        if deadline is not None and n % 256 == 0 and time.perf_counter() > deadline:
+            return None
+        kind = next((k for k in _KINDS if getattr(ct, f"has_{k}")()), None)
+        enforce = list(ct.enforcement_literal)
+        if kind == "linear":
+            lo, hi = _hull(ct.linear.domain)
+            terms = [(float(c), int(v)) for v, c in zip(ct.linear.vars, ct.linear.coeffs, strict=True)]
+            add(terms, 0.0, lo if lo > -INT_MAX else -inf, hi if hi < INT_MAX else inf, enforce)
+        elif kind == "bool_or":
+            add(*lits_sum(ct.bool_or.literals), 1.0, inf, enforce)
+        elif kind == "bool_and":
+            for r in ct.bool_and.literals:
+                add(*lits_sum([r]), 1.0, inf, enforce)
+        elif kind == "at_most_one":
+            add(*lits_sum(ct.at_most_one.literals), -inf, 1.0, enforce)
+        elif kind == "exactly_one":
+            add(*lits_sum(ct.exactly_one.literals), 1.0, 1.0, enforce)
+        # any other kind is left out: that keeps a relaxation
+    model.minimize(mathopt.fast_sum([float(c) * xs[v] for v, c in zip(proto.objective.vars, proto.objective.coeffs,
+                                                                       strict=True)]) + float(proto.objective.offset))
+    return model, xs
+
+
+def solve_mip(proto, time_limit: float, node_limit: int | None = None) -> MipResult:
+    """Solve the MIP form of ``proto`` with HiGHS within ``time_limit`` wall seconds (and
+    ``node_limit`` branch-and-bound nodes: a limit that does not depend on the load)."""
+    from ortools.math_opt.python import mathopt
+
+    t0 = time.perf_counter()
+    built = mip_of(proto, t0 + time_limit)
+    if built is None:
+        return MipResult(None, None, False, time.perf_counter() - t0)
+    model, xs = built
+    params = mathopt.SolveParameters(time_limit=dt.timedelta(seconds=max(time_limit - (time.perf_counter() - t0),
+                                                                         0.01)),
+                                     node_limit=node_limit, random_seed=0)
+    res = mathopt.solve(model, mathopt.SolverType.HIGHS, params=params)
+    seconds = time.perf_counter() - t0
+    reason = res.termination.reason
+    if reason == mathopt.TerminationReason.INFEASIBLE:
+        return MipResult(math.inf, None, True, seconds)
+    dual = res.termination.objective_bounds.dual_bound
+    bound = None if not math.isfinite(dual) else dual - SAFETY * abs(dual) - 1.0
+    values = None
+    if res.has_primal_feasible_solution():
+        sol = res.variable_values()
+        values = {i: int(round(sol[v])) for i, v in enumerate(xs)}
+    return MipResult(bound, values, reason == mathopt.TerminationReason.OPTIMAL, seconds)
+
+
+@dataclass
+class BoundLog:
+    rounds: int = 0
+    lines: list[str] = field(default_factory=list)
+
+
+def relaxation_bound(model, ops_all: np.ndarray, deadline: float,
+                     plan_of: Callable[[dict[int, int]], object | None],
+                     add_cuts: Callable[[object], bool], log: BoundLog, node_limit: int | None = None) -> float | None:
+    """The cutting-plane loop of the module docstring on ``model`` (a fresh ILP relaxation):
+    returns the best proven lower bound (model units) or None. ``plan_of(values)`` simulates
+    the relaxation's solution (and offers it as a plan); ``add_cuts(sim)`` adds the
+    constraints its excess calls for and says whether any was new."""
+    best = None
+    for i in ops_all.tolist():
+        if time.perf_counter() > deadline:
+            break
+        model.add_op(i)
+    while True:
+        left = deadline - time.perf_counter()
+        if left <= 0.05:
+            return best
+        log.rounds += 1
+        res = solve_mip(model.model.Proto(), left, node_limit)
+        log.lines.append(f"bound round {log.rounds}: MIP {'optimal' if res.optimal else 'stopped'}, bound {res.bound}")
+        if res.bound is not None:
+            best = res.bound if best is None else max(best, res.bound)
+        if res.values is None:
+            return best
+        sim = plan_of(res.values)  # offered as a plan, optimal or not
+        if not res.optimal or sim is None or not add_cuts(sim):
+            return best
