@@ -60,6 +60,7 @@ How each column is decided:
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -222,6 +223,7 @@ class Recorder(TorchDispatchMode):
     def __init__(self, profile: DeviceProfile | None = None, model: torch.nn.Module | None = None,
                  world_size: int = 1):
         super().__init__()
+        self._gc_was_enabled = False  # begin_step turned the cyclic collector off (end_step/close: on)
         self.profile = profile
         self.clock = op_clock()
         self.world_size = world_size  # devices a fake run's collectives are costed over
@@ -350,6 +352,9 @@ class Recorder(TorchDispatchMode):
     # -- step bookkeeping -----------------------------------------------------------------------
     def begin_step(self, registered: list[tuple[str, list[torch.Tensor]]]) -> None:
         """Start a new step; ``registered`` = [(kind, tensors)] that exist before it."""
+        gc.collect()
+        self._gc_was_enabled = gc.isenabled()
+        gc.disable()
         self._rec = StepRecord(
             ops={k: [] for k in ("op", "module", "phase", "duration_s", "flops", "mutates", "recomputable")},
             tensors={k: [] for k in ("nbytes", "dtype", "shape", "kind", "producer_op", "alloc_op", "free_op")},
@@ -368,9 +373,16 @@ class Recorder(TorchDispatchMode):
     def end_step(self, late_kinds: list[tuple[str, list[torch.Tensor]]]) -> StepRecord:
         """Stop the step (after its locals died); ``late_kinds`` re-label storages alive now.
 
-        No ``gc.collect()``: a storage kept by a reference cycle is live until the collector
-        runs, in the step as in training; one still uncollected at the end outlives the step.
+        The cyclic garbage collector is off during the step (:meth:`begin_step` collects, then
+        disables it; this turns it back on): a storage kept by a reference cycle is live until
+        the step ends, in every recording and measurement alike. With the collector on, when
+        it runs inside a step depends on how many Python objects came before (another rank's
+        messages, a warm-up's leftovers), and two measurements of one step differed by what a
+        cycle held (FSDP2 on gloo ranks: 0.4 MB). Off is also the prediction's safe side.
         """
+        if self._gc_was_enabled:
+            gc.enable()
+            self._gc_was_enabled = False
         rec = self._rec
         kinds = rec.tensors["kind"]
         for kind, tensors in late_kinds:
@@ -410,7 +422,10 @@ class Recorder(TorchDispatchMode):
 
     def close(self) -> None:
         """Drop the weakrefs (and their callbacks) and the module tracker: no cycle keeps the
-        model alive after recording."""
+        model alive after recording. The cyclic collector is on again if a step left it off."""
+        if self._gc_was_enabled:
+            gc.enable()
+            self._gc_was_enabled = False
         self._alive.clear()
         self._tid = {}
         self._rec = None
