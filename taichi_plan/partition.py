@@ -171,14 +171,9 @@ def draws_random(problem: Problem, op: int) -> bool:
     """Did op ``op`` draw random numbers? From the trace's ``meta.random_ops`` (v4: decided from
     each call, so SDPA with ``dropout_p > 0`` is random and without it is not), else, for older
     traces, from the op's name."""
-    recorded = problem.trace.meta.get("random_ops")
-    if recorded is None:
+    if problem.random_ops is None:
         return any(k in problem.op_name[op] for k in RANDOM)
-    ids = getattr(problem, "_random_op_set", None)
-    if ids is None:
-        ids = frozenset(recorded)
-        object.__setattr__(problem, "_random_op_set", ids)
-    return op in ids
+    return op in problem.random_ops
 
 
 def random_draws(problem: Problem, span: Span, chunks: int = 2) -> str | None:

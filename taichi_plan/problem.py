@@ -61,6 +61,8 @@ class Problem:
     # May planners partition modules that draw random numbers (dropout)? Their chunks then
     # draw their own numbers: training changes. Off unless a solve opts in (partition.py).
     partition_random: bool = False
+    # Op ids that drew random numbers (trace v4 ``meta.random_ops``); None for older traces.
+    random_ops: frozenset | None = None
     # Per tensor index of a storage FSDP resized (meta.fsdp.incarnations): the other rows of
     # that storage. An unsharded parameter freed after forward is gathered again for backward:
     # a rebuild that read its forward row reads the row live when the rebuild runs, if any.
@@ -267,6 +269,7 @@ def build_problem(trace: Trace) -> Problem:
         rebuild_ops=rebuild_ops,
         remat_deadline=deadline,
         baseline_live=baseline_live_bytes(trace),
+        random_ops=None if trace.meta.get("random_ops") is None else frozenset(trace.meta["random_ops"]),
         initial=tensors["alloc_op"].to_numpy() < 0,
         persists=tensors["free_op"].to_numpy() < 0,
     )
