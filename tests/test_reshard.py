@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from taichi_plan.errors import PlanError
+from taichi_plan.prefetch import gatherings, setting_of, view_of_prefetch
 from taichi_plan.reshard import regather_ops, reshard_units, reshard_view, view_of_choice
 from taichi_plan.trace import read_trace
 
@@ -28,20 +29,27 @@ from taichi_plan.record import get_workload
 from taichi_plan.record.fsdp import record_fsdp_workload
 from taichi_plan.trace import write_trace
 w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
-for out, setting in json.loads(sys.argv[1]):
-    write_trace(record_fsdp_workload(w, 2, reshard_after_forward=setting, check_tracker=False), out)
+for out, setting, prefetch in json.loads(sys.argv[1]):
+    write_trace(record_fsdp_workload(w, 2, reshard_after_forward=setting, prefetch=prefetch, check_tracker=False), out)
 """
 
 # FSDP2's own default leaves the root gathered (fully_shard's reshard_after_forward=None);
 # the last block is the usual hand-set choice (backward gathers it again at once).
 SETTINGS = {"all": {}, "root+last": {"": False, "transformer.h.3": False},
-            "none": {"": False, **{f"transformer.h.{k}": False for k in range(4)}}}
+            "none": {"": False, **{f"transformer.h.{k}": False for k in range(4)}},
+            "prefetch": {"transformer.h.3": False}}
+# FSDP2's explicit prefetching (taichi_plan/prefetch.py), recorded with the "prefetch" setting: the
+# root and h.1 gather the next block in forward; h.1 and h.2 do not prefetch in backward (FSDP's
+# default gathers the block before), so h.0 and h.1 gather their own; h.3 stays gathered.
+PREFETCH = {"": {"forward": ["transformer.h.0"]},
+            "transformer.h.1": {"forward": ["transformer.h.2"], "backward": []},
+            "transformer.h.2": {"backward": []}}
 
 
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory):
     d = tmp_path_factory.mktemp("reshard")
-    jobs = [[str(d / name), setting] for name, setting in SETTINGS.items()]
+    jobs = [[str(d / name), setting, PREFETCH if name == "prefetch" else None] for name, setting in SETTINGS.items()]
     r = subprocess.run([sys.executable, "-c", RECORD, json.dumps(jobs)], capture_output=True, text=True,
                        timeout=300)
     assert r.returncode == 0, r.stderr
@@ -88,6 +96,30 @@ def test_view_equals_a_recording_with_that_setting(recordings, name):
     assert sum(base.ops["op"][gone].str.startswith("c10d._allgather_base_")) == len(units)
 
 
+def test_prefetch_view_equals_a_recording_with_that_prefetching(recordings):
+    """The step with some all-gathers issued early in forward and FSDP's default backward
+    prefetch turned off for some units, derived from the default recording (on top of a unit
+    not resharding), equals the recording made with those FSDP2 settings, table by table."""
+    base, rec = recordings["all"], recordings["prefetch"]
+    h = [f"transformer.h.{k}" for k in range(4)]
+    choice = {"forward": [h[0], h[2]], "backward": [h[2]]}
+    assert setting_of(rec) == {"forward": {1, 3}, "backward": {3}}  # unit indices: the root is 0
+    assert setting_of(base) == {"forward": set(), "backward": {1, 2, 3, 4}}  # FSDP's defaults
+    view = view_of_prefetch(view_of_choice(base, SETTINGS["prefetch"]), choice)
+    assert _differences(view, rec) == []
+    assert view.meta["fsdp"]["op_spans"] == rec.meta["fsdp"]["op_spans"]
+    # the early forward all-gather holds its buffer from the earlier unit's pre-forward on
+    g = next(g for g in gatherings(rec) if g.phase == "forward" and g.unit == 3)
+    assert g.early and g.by == 2 and g.start == g.by_hook_end + 1
+    # and back: issuing the forward gatherings in their own hooks again gives the default's
+    back = view_of_prefetch(rec, {"forward": []})
+    assert _differences(back, view_of_prefetch(view_of_choice(base, SETTINGS["prefetch"]),
+                                               {"backward": [h[2]]})) == []
+    # a backward gathering the recording issues by itself is not turned into an early one
+    with pytest.raises(PlanError, match="cannot have its backward all-gather issued early"):
+        view_of_prefetch(rec, {"backward": [h[0], h[1], h[2]]})
+
+
 def test_a_unit_recorded_without_resharding_cannot_be_turned(recordings):
     none = recordings["none"]
     assert reshard_units(none.meta) == []
@@ -104,6 +136,7 @@ import json, sys
 from taichi_plan.record import get_workload
 from taichi_plan.record.fsdp import fake_process_group, shard_model, live_layout
 from taichi_plan.errors import PlanError
+from taichi_plan.prefetch import gatherings, setting_of, view_of_prefetch
 import taichi_plan
 plan, settings = sys.argv[1], json.loads(sys.argv[2])
 w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
