@@ -246,7 +246,8 @@ def prefetch_view(trace, early: dict[str, set[int] | list[int]]):
     o2["op_id"] = np.arange(n, dtype=np.int32)
     o2 = o2.reset_index(drop=True)
 
-    meta = _view_meta(trace.meta, spans, members, pos, new_tid, row_of, want)
+    early_forward = [g for g in gatherings(trace) if g.phase == "forward" and g.early]
+    meta = _view_meta(trace.meta, spans, members, pos, new_tid, row_of, want, moves, early_forward)
     view = Trace(ops=o2, tensors=t2, accesses=a2, meta=meta, path=trace.path)
     base_pos = getattr(trace, "position", None)
     view.recorded = getattr(trace, "recorded", None) or trace
@@ -256,7 +257,8 @@ def prefetch_view(trace, early: dict[str, set[int] | list[int]]):
 
 
 def _view_meta(meta: dict, spans: list, members: list[set[int]], pos: np.ndarray, new_tid: np.ndarray,
-               row_of: np.ndarray, want: dict[str, set[int]]) -> dict:
+               row_of: np.ndarray, want: dict[str, set[int]], moves: list[Gathering],
+               early_forward: list[Gathering]) -> dict:
     import copy
 
     out = copy.deepcopy(meta)
@@ -279,7 +281,33 @@ def _view_meta(meta: dict, spans: list, members: list[set[int]], pos: np.ndarray
         out["random_ops"] = sorted(int(pos[int(i)]) for i in out["random_ops"])
     names = [u["module"] for u in f.get("units", [])]
     out["prefetch_view"] = {ph: [names[u] for u in sorted(want[ph])] for ph in PHASES}
+    out["prefetch_view"]["units"] = unit_settings(meta, moves, names, early_forward)
     return out
+
+
+def unit_settings(meta: dict, moves: list[Gathering], names: list[str],
+                  recorded_early_forward: list[Gathering]) -> dict[str, dict]:
+    """FSDP2's settings that run the view (:func:`taichi_plan.record.fsdp.set_prefetch`): per
+    unit that differs from FSDP's default, ``{"forward": [module, ...], "backward": [] | None}``
+    (None: the default backward prefetch), from the base trace's own settings and ``moves``."""
+    base = (meta.get("prefetch_view") or {}).get("units")
+    out = {m: {"forward": list(v["forward"]), "backward": v["backward"]} for m, v in (base or {}).items()}
+    if base is None:  # a recording: its forward prefetching shows in where its gatherings ran
+        for g in recorded_early_forward:
+            out.setdefault(names[g.by], {"forward": [], "backward": None})["forward"].append(names[g.unit])
+
+    def entry(unit: int) -> dict:
+        return out.setdefault(names[unit], {"forward": [], "backward": None})
+
+    for g in moves:
+        if g.phase == "forward" and not g.early:
+            entry(g.by)["forward"].append(names[g.unit])
+        elif g.phase == "forward":
+            e = entry(g.by)
+            e["forward"] = [m for m in e["forward"] if m != names[g.unit]]
+        elif g.early:  # backward, turned off: the unit whose pre-backward issued it no longer does
+            entry(g.by)["backward"] = []
+    return {m: v for m, v in sorted(out.items()) if v["forward"] or v["backward"] is not None}
 
 
 def view_of_prefetch(trace, choice: dict | None):
@@ -299,3 +327,71 @@ def view_of_prefetch(trace, choice: dict | None):
                             "have: the plan was made for another trace. Solve this trace again.")
         early[ph] = {index[m] for m in choice[ph]}
     return prefetch_view(trace, early)
+
+
+def prefetch_problem(problem, early: dict[str, set[int]]):
+    """The problem of the step with ``early`` gatherings per pass (:func:`prefetch_view` of
+    ``problem``'s trace, which may be a reshard view); cached on the recorded problem. Its
+    ``recorded_problem`` is the recorded step's, for the unplanned baseline."""
+    from .problem import build_problem
+
+    rec = getattr(problem, "recorded_problem", None) or problem
+    key = (tuple(sorted((problem.trace.meta.get("reshard_view") or {}).get("units", []))),
+           tuple(tuple(sorted(int(u) for u in early.get(ph, ()))) if ph in early else None for ph in PHASES))
+    cache = rec.__dict__.setdefault("_prefetch_problems", {})
+    if key not in cache:
+        view = prefetch_view(problem.trace, early)
+        if view is problem.trace:
+            cache[key] = problem
+        else:
+            prob = build_problem(view)
+            prob.partition_random = rec.partition_random
+            prob.recorded_problem = rec
+            cache[key] = prob
+    return cache[key]
+
+
+def problem_for_prefetch(problem, choice: dict | None):
+    """The problem a plan's ``decisions.fsdp_prefetch`` describes, from the problem of its
+    reshard setting (``problem`` itself when the plan keeps the recorded prefetching)."""
+    if not choice or choice.get("units") is None:
+        return problem
+    return problem_for_early(problem, {ph: choice.get(ph, []) for ph in PHASES})
+
+
+def problem_for_early(problem, choice: dict[str, list[str]]):
+    f = fsdp_meta(problem.trace.meta) or {}
+    index = {u["module"]: k for k, u in enumerate(f.get("units", []))}
+    missing = [m for ph in PHASES for m in choice.get(ph, []) if m not in index]
+    if missing:
+        raise PlanError(f"The plan prefetches FSDP unit {missing[0] or '<root>'!r}, which its trace does not "
+                        "have: the plan was made for another trace. Solve this trace again.")
+    return prefetch_problem(problem, {ph: {index[m] for m in choice.get(ph, [])} for ph in PHASES})
+
+
+def describe(problem) -> dict | None:
+    """``decisions.fsdp_prefetch`` of a plan on ``problem`` (plan v6): the units whose
+    all-gather is issued early in each pass, the FSDP2 settings per unit that run it so
+    (``units``; those at FSDP's default are left out), and the step's time in the overlap
+    model (:func:`taichi_plan.overlap.overlapped_step_time`) beside the recorded setting's;
+    None for a trace that is not FSDP-sharded."""
+    from .overlap import overlapped_step_time
+
+    f = fsdp_meta(problem.trace.meta)
+    if f is None:
+        return None
+    names = [u["module"] for u in f["units"]]
+    pv = problem.trace.meta.get("prefetch_view")
+    if pv is None:
+        setting = setting_of(problem.trace)
+        early = {ph: [names[u] for u in sorted(setting[ph])] for ph in PHASES}
+        units = unit_settings(problem.trace.meta, [], names,
+                              [g for g in gatherings(problem.trace) if g.phase == "forward" and g.early])
+    else:
+        early = {ph: list(pv[ph]) for ph in PHASES}
+        units = pv["units"]
+    rec = getattr(problem, "recorded_problem", None) or problem
+    return {**early, "units": [{"module": m, "forward_prefetch": v["forward"], "backward_prefetch": v["backward"]}
+                               for m, v in units.items()],
+            "overlap": overlapped_step_time(problem).to_json(),
+            "recorded_overlap": overlapped_step_time(rec).to_json(), "chosen_by": None}

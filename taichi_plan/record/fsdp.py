@@ -182,6 +182,22 @@ def set_prefetch(model, settings: dict[str, dict]) -> Callable[[], None]:
     return undo
 
 
+def live_prefetch(model) -> dict[str, dict]:
+    """Each FSDP unit's explicit prefetching, as :func:`set_prefetch` takes it (units at FSDP's
+    default left out; a backward list naming only the unit itself reads as ``[]``)."""
+    units = fsdp_units(model)
+    name = {id(m._get_fsdp_state()): fqn for fqn, m in units}
+    out = {}
+    for fqn, m in units:
+        state = m._get_fsdp_state()
+        fwd = [name.get(id(s), "?") for s in state._states_to_forward_prefetch]
+        bwd = [name.get(id(s), "?") for s in state._states_to_backward_prefetch]
+        back = None if not bwd else [t for t in bwd if t != fqn]
+        if fwd or back is not None:
+            out[fqn] = {"forward": fwd, "backward": back}
+    return out
+
+
 def _group(module):
     return module._get_fsdp_state()._fsdp_param_group
 
