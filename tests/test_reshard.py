@@ -21,8 +21,9 @@ from taichi_plan.prefetch import gatherings, setting_of, view_of_prefetch
 from taichi_plan.reshard import regather_ops, reshard_units, reshard_view, view_of_choice
 from taichi_plan.trace import read_trace
 
-# A tiny GPT-2 whose gathered parameters weigh against its activations (batch 1): at 80% of its
-# per-rank peak, keeping every unit gathered does not pay, keeping none is FSDP's default.
+# A tiny GPT-2 whose gathered parameters weigh against its activations (batch 1): at 75% of its
+# per-rank peak, keeping every unit gathered does not pay, keeping none is FSDP's default; so is
+# prefetching every all-gather.
 RECORD = """
 import json, sys
 from taichi_plan.record import get_workload
@@ -134,7 +135,7 @@ def test_a_unit_recorded_without_resharding_cannot_be_turned(recordings):
 APPLY = """
 import json, sys
 from taichi_plan.record import get_workload
-from taichi_plan.record.fsdp import fake_process_group, shard_model, live_layout
+from taichi_plan.record.fsdp import fake_process_group, shard_model, live_layout, live_prefetch
 from taichi_plan.errors import PlanError
 from taichi_plan.prefetch import gatherings, setting_of, view_of_prefetch
 import taichi_plan
@@ -151,9 +152,10 @@ with fake_process_group(2) as mesh:
         except PlanError as e:
             out.append({"error": str(e)})
             continue
-        during = live_layout(model)["units"]
+        during, prefetch = live_layout(model)["units"], live_prefetch(model)
         taichi_plan.finish(model)
-        out.append({"before": before, "during": during, "after": live_layout(model)["units"]})
+        out.append({"before": before, "during": during, "after": live_layout(model)["units"], "prefetch": prefetch,
+                    "prefetch_after": live_prefetch(model)})
 print(json.dumps(out))
 """
 
@@ -169,8 +171,8 @@ def chosen(recordings, tmp_path_factory):
     plans = {}
     for how in ("auto", "as-recorded"):
         out = d / "plans" / f"{how}.plan.json"
-        r = CliRunner().invoke(main, ["solve", str(trace), "--budget", "80%", "--method", "heuristic",
-                                      "--reshard", how, "-o", str(out)])
+        r = CliRunner().invoke(main, ["solve", str(trace), "--budget", "75%", "--method", "heuristic",
+                                      "--reshard", how, "--prefetch", how, "-o", str(out)])
         assert r.exit_code == 0, r.output
         plans[how] = out
     return plans
@@ -183,7 +185,7 @@ def _off(plan: dict) -> list[str]:
 def test_planner_keeps_some_units_gathered_between_the_extremes(chosen):
     plan = json.loads(chosen["auto"].read_text())
     kept = json.loads(chosen["as-recorded"].read_text())
-    assert plan["format_version"] == 5
+    assert plan["format_version"] == 6
     units = plan["decisions"]["reshard_after_forward"]["units"]
     off = _off(plan)
     assert 0 < len(off) < len(units), units  # some units, not every one
@@ -196,6 +198,52 @@ def test_planner_keeps_some_units_gathered_between_the_extremes(chosen):
     assert p["step_compute"] + p["extra_compute"] < k["step_compute"] + k["extra_compute"]
     saved = plan["decisions"]["reshard_after_forward"]["step_compute_saved"]
     assert saved == pytest.approx(k["step_compute"] - p["step_compute"]) and saved > 0
+
+
+def test_planner_chooses_prefetching_per_unit(chosen):
+    """At 75%, the plan issues forward all-gathers early and turns FSDP's default backward
+    prefetch off for some units (less memory in backward, where the budget binds), and its
+    predicted step (overlapped, plus recomputation) beats FSDP's defaults on the same setting."""
+    plan = json.loads(chosen["auto"].read_text())
+    kept = json.loads(chosen["as-recorded"].read_text())
+    pf = plan["decisions"]["fsdp_prefetch"]
+    assert pf["chosen_by"] == "auto" and kept["decisions"]["fsdp_prefetch"]["units"] == []
+    assert pf["forward"], pf  # some all-gathers issued early in forward
+    units = {u["module"]: u for u in pf["units"]}
+    assert any(u["forward_prefetch"] for u in units.values())
+    assert any(u["backward_prefetch"] == [] for u in units.values()), units  # and some default turned off
+    assert any(u["backward_prefetch"] is None for u in units.values()) or len(pf["backward"]) > 0
+    screened = plan["solver"]["stats"]["prefetch_screen"]
+    recorded = screened[0]  # FSDP's defaults on the chosen reshard setting, screened first
+    chosen = min((t for t in screened if t["fits"]), key=lambda t: t["step_time"])
+    assert chosen["step_time"] < recorded["step_time"]
+    assert pf["overlap"]["step_time"] + plan["predicted"]["extra_compute"] == pytest.approx(chosen["step_time"],
+                                                                                            rel=0.05)
+
+
+def test_overlap_model_counts_the_all_gathers_prefetching_hides(recordings):
+    """Issued early, each forward all-gather of this step hides behind the unit before it:
+    the overlapped step is shorter by exactly their cost; with every all-gather issued by its
+    own unit, no collective overlaps anything."""
+    from taichi_plan.overlap import is_collective, overlapped_step_time
+    from taichi_plan.prefetch import prefetch_problem
+    from taichi_plan.problem import build_problem
+
+    base = build_problem(recordings["all"])
+    default = overlapped_step_time(base)
+    assert default.compute_time + default.collective_time == pytest.approx(base.step_cost, rel=1e-12)
+    early = prefetch_problem(base, {"forward": {1, 2, 3, 4}})
+    moved = [g for g in gatherings(base.trace) if g.phase == "forward" and g.unit in (1, 2, 3, 4)]
+    hidden = sum(base.op_cost[i] for g in moved for i in range(g.start, g.end + 1) if is_collective(base.op_name[i]))
+    assert hidden > 0
+    assert default.step_time - overlapped_step_time(early).step_time == pytest.approx(hidden, rel=1e-9)
+    lean = prefetch_problem(base, {"forward": set(), "backward": set()})
+    o = overlapped_step_time(lean)
+    assert o.exposed_time == pytest.approx(o.collective_time, rel=1e-9)
+    # memory: FSDP's default backward prefetch holds the next unit's all-gather buffer over a
+    # unit's backward; without it the peak is lower
+    assert lean.baseline_peak[0] < base.baseline_peak[0]
+    assert early.baseline_peak[0] >= base.baseline_peak[0]
 
 
 def test_two_gloo_ranks_run_the_chosen_setting_measured_equals_predicted(chosen):
@@ -211,6 +259,8 @@ def test_two_gloo_ranks_run_the_chosen_setting_measured_equals_predicted(chosen)
             for u in plan["decisions"]["reshard_after_forward"]["units"]]
     for rank in report["ranks"]:
         assert rank["reshard_after_forward"] == want, rank  # the plan's setting, as the measured step ran
+        assert rank["fsdp_prefetch"] == {u["module"]: {"forward": u["forward_prefetch"], "backward": u["backward_prefetch"]}
+                                         for u in plan["decisions"]["fsdp_prefetch"]["units"]}, rank
         assert rank["measured_peak_bytes"] == plan["predicted"]["planned_peak_bytes"], rank
         assert rank["grads_match"] and rank["params_match"], rank
     assert report["within_budget"] and report["grads_match"]
@@ -228,6 +278,9 @@ def test_apply_sets_the_plan_setting_and_refuses_another_layout(chosen):
     as_recorded, as_planned, refused = json.loads(r.stdout.strip().splitlines()[-1])
     assert [m for m, on in as_recorded["during"] if not on] == off
     assert as_recorded["after"] == as_recorded["before"]  # finish() restores the model's own setting
+    assert as_recorded["prefetch"] == {u["module"]: {"forward": u["forward_prefetch"], "backward": u["backward_prefetch"]}
+                                       for u in plan["decisions"]["fsdp_prefetch"]["units"]} != {}
+    assert as_recorded["prefetch_after"] == {}  # and FSDP's default prefetching
     assert "error" not in as_planned  # already set as the plan says: accepted
     assert "solved for 2 ranks" in refused["error"] and "record this layout" in refused["error"]
 
