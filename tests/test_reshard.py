@@ -143,9 +143,9 @@ plan, settings = sys.argv[1], json.loads(sys.argv[2])
 w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
 out = []
 with fake_process_group(2) as mesh:
-    for setting in settings:
+    for setting, own_prefetch in settings:
         model, *_ = w.build(False)
-        shard_model(model, mesh, setting)
+        shard_model(model, mesh, setting, own_prefetch)
         before = live_layout(model)["units"]
         try:
             taichi_plan.apply(model, plan)
@@ -271,16 +271,19 @@ def test_apply_sets_the_plan_setting_and_refuses_another_layout(chosen):
     off = _off(plan)
 
     other = next(u["module"] for u in plan["decisions"]["reshard_after_forward"]["units"] if u["module"] not in off)
-    settings = [{}, dict.fromkeys(off, False), {other: False}]
+    mine = {"transformer.h.3": {"forward": [], "backward": []}}  # a user's own setting, not the plan's
+    settings = [[{}, None], [dict.fromkeys(off, False), None], [{other: False}, None], [{}, mine]]
     r = subprocess.run([sys.executable, "-c", APPLY, str(chosen["auto"]), json.dumps(settings)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    as_recorded, as_planned, refused = json.loads(r.stdout.strip().splitlines()[-1])
+    as_recorded, as_planned, refused, own = json.loads(r.stdout.strip().splitlines()[-1])
     assert [m for m, on in as_recorded["during"] if not on] == off
     assert as_recorded["after"] == as_recorded["before"]  # finish() restores the model's own setting
     assert as_recorded["prefetch"] == {u["module"]: {"forward": u["forward_prefetch"], "backward": u["backward_prefetch"]}
                                        for u in plan["decisions"]["fsdp_prefetch"]["units"]} != {}
     assert as_recorded["prefetch_after"] == {}  # and FSDP's default prefetching
+    assert own["prefetch"] == as_recorded["prefetch"]  # every unit pinned as the plan says
+    assert own["prefetch_after"] == mine  # and the user's own setting back after finish()
     assert "error" not in as_planned  # already set as the plan says: accepted
     assert "solved for 2 ranks" in refused["error"] and "record this layout" in refused["error"]
 

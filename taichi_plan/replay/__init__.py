@@ -305,7 +305,7 @@ def apply_sharding(model, plan: Plan, where: str):
         return lambda: None
     if want is None and "torch.distributed.fsdp" not in sys.modules:
         return lambda: None  # an unsharded plan, and nothing in this process can have sharded the model
-    from ..record.fsdp import live_layout, set_prefetch, set_reshard
+    from ..record.fsdp import fsdp_units, live_layout, set_prefetch, set_reshard
     from ..sharding import planned_layout
 
     live = live_layout(model)
@@ -315,10 +315,11 @@ def apply_sharding(model, plan: Plan, where: str):
     if plan.reshard:
         undo.append(set_reshard(model, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]}))
     prefetch = getattr(plan, "prefetch", None)
-    if prefetch and prefetch.get("units"):  # v6: FSDP2's explicit prefetching per unit
-        undo.append(set_prefetch(model, {u["module"]: {"forward": u["forward_prefetch"],
-                                                       "backward": u["backward_prefetch"]}
-                                         for u in prefetch["units"]}))
+    if prefetch is not None:  # v6: FSDP2's prefetching, every unit pinned (FSDP's default where not named)
+        named = {u["module"]: {"forward": u["forward_prefetch"], "backward": u["backward_prefetch"]}
+                 for u in prefetch["units"]}
+        undo.append(set_prefetch(model, {fqn: named.get(fqn, {"forward": [], "backward": None})
+                                         for fqn, _m in fsdp_units(model)}))
 
     def restore() -> None:
         for fn in reversed(undo):
