@@ -67,7 +67,10 @@ def gatherings(trace) -> list[Gathering]:
     cached = trace.__dict__.get("_gatherings")
     if cached is not None:
         return cached
-    f = fsdp_meta(trace.meta) or {}
+    f = fsdp_meta(trace.meta)
+    if f is None or not f.get("op_spans"):
+        trace._gatherings = []
+        return []
     spans = [[int(x) for x in s[:3]] for s in f.get("op_spans", [])]
     n = len(trace.ops)
     inner = innermost_spans(spans, n)

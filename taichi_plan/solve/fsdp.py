@@ -199,4 +199,7 @@ def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: 
             f"FSDP prefetch: {len(changed)} unit(s) set apart from FSDP's defaults; " + pf["why"]))
         plan.solver.setdefault("stats", {})["prefetch_screen"] = tried_pf
         pf["chosen_by"] = "auto"
+    if plan.solver.get("lower_bound") is not None:
+        plan.solver["notes"].append("the lower bound and gap are the activation plan's for this FSDP setting "
+                                    "(reshard and prefetch fixed as chosen), not a bound over every setting")
     return plan
