@@ -129,7 +129,7 @@ def movable(trace) -> dict[str, list[Gathering]]:
     early (FSDP's default, which a plan may turn off)."""
     out: dict[str, list[Gathering]] = {ph: [] for ph in PHASES}
     for g in gatherings(trace):
-        if g.phase == "forward" and g.by is not None and (g.early or g.by_hook_end is not None):
+        if g.phase == "forward" and g.by is not None:
             out["forward"].append(g)
         elif g.phase == "backward" and g.early:
             out["backward"].append(g)

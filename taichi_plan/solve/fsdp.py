@@ -189,14 +189,13 @@ def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: 
     if prefetch and plan.prefetch is not None:
         pf = plan.prefetch
         was, now = pf["recorded_overlap"]["step_time"], pf["overlap"]["step_time"]
-        changed = [u for u in pf["units"]]
         pf["why"] = (f"of {len(tried_pf)} prefetch setting(s) screened, the one with the least predicted step time "
                      f"(collectives overlapping compute, plus recomputation) that fits: early all-gathers "
                      f"forward {', '.join(m or '<root>' for m in pf['forward']) or 'none'}, backward "
                      f"{', '.join(m or '<root>' for m in pf['backward']) or 'none'}; step "
                      f"{format_cost(now, unit)} against {format_cost(was, unit)} as recorded, before recomputation")
         plan.solver["notes"].insert(0 if not reshard else 1, (
-            f"FSDP prefetch: {len(changed)} unit(s) set apart from FSDP's defaults; " + pf["why"]))
+            f"FSDP prefetch: {len(pf['units'])} unit(s) set apart from FSDP's defaults; " + pf["why"]))
         plan.solver.setdefault("stats", {})["prefetch_screen"] = tried_pf
         pf["chosen_by"] = "auto"
     if plan.solver.get("lower_bound") is not None:
