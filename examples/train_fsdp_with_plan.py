@@ -12,8 +12,9 @@ On GPUs: ``init_process_group("nccl")``, ``init_device_mesh("cuda", ...)`` and
 ``torch.cuda.set_device(local_rank)``; across nodes, torchrun's ``--nnodes``/``--rdzv-endpoint``.
 The model must be sharded as it was recorded (each repeated block, then the root, with the
 same ``reshard_after_forward``): ``apply`` refuses a plan of another layout. ``apply`` then sets
-each unit's ``reshard_after_forward`` as the plan decides (``decisions.reshard_after_forward``),
-and ``finish`` restores it.
+each unit's ``reshard_after_forward`` as the plan decides (``decisions.reshard_after_forward``)
+and its prefetching (``decisions.fsdp_prefetch``: ``set_modules_to_forward_prefetch`` /
+``set_modules_to_backward_prefetch``), and ``finish`` restores them.
 """
 
 from __future__ import annotations

@@ -380,6 +380,7 @@ def choose_groups(problem, budget_bytes: int) -> list[list[int]]:
 def problem_for_plan(plan, trace, problem=None):
     """The problem a plan's op ids refer to: the step as its optimizer option runs it, with its
     FSDP units resharding as it says."""
+    from .prefetch import problem_for_prefetch
     from .problem import build_problem
     from .reshard import problem_for_choice
 
@@ -387,7 +388,8 @@ def problem_for_plan(plan, trace, problem=None):
     problem = view_problem(problem or build_problem(trace), plan_mode(plan), opt.get("groups"))
     # v5: the step with the plan's FSDP units not resharding after forward (sharded traces,
     # on which the optimizer options are refused: the two never combine)
-    return problem_for_choice(problem, getattr(plan, "reshard", None))
+    problem = problem_for_choice(problem, getattr(plan, "reshard", None))
+    return problem_for_prefetch(problem, getattr(plan, "prefetch", None))  # v6: its prefetching
 
 
 def plan_mode(plan) -> str:

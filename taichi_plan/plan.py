@@ -1,4 +1,4 @@
-"""Plan format v5: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v6: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
@@ -12,7 +12,9 @@ draw random numbers (``solver.partition_random``); version 5 FSDP2's ``reshard_a
 per unit (``decisions.reshard_after_forward``: the plan's op and tensor ids are then those of the
 step with those units not resharding, :mod:`taichi_plan.reshard`), a partition of one chunk
 along the batch (``chunks: 1``: the module checkpointed whole) and the DDP settings of a DDP
-trace's layout (``trace.layout.ddp``). Version 4 files, version 3 files (no ``over``: every
+trace's layout (``trace.layout.ddp``); version 6 FSDP2's prefetching per unit
+(``decisions.fsdp_prefetch``: the op and tensor ids are then those of the step with those
+all-gathers issued so, :mod:`taichi_plan.prefetch`). Version 5 files, version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
@@ -28,8 +30,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 5
-READABLE_VERSIONS = (1, 2, 3, 4, 5)
+FORMAT_VERSION = 6
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 
@@ -82,6 +84,11 @@ class Plan:
     # one process; else {"units": [{"module", "reshard_after_forward", "recorded", "why"?}],
     # "step_compute_saved": seconds, "chosen_by": "auto"|"asked"|None} (taichi_plan/reshard.py).
     reshard: dict | None = None
+    # FSDP2's prefetching (v6, ``decisions.fsdp_prefetch``): None for one process; else
+    # {"forward": [module], "backward": [module] (the units gathered early in each pass),
+    # "units": [{"module", "forward_prefetch", "backward_prefetch"}], "overlap", "recorded_overlap",
+    # "why"?, "chosen_by"} (taichi_plan/prefetch.py).
+    prefetch: dict | None = None
     format_version: int = FORMAT_VERSION
     # The file the plan was read from (not written): a relative ``trace['path']`` is
     # relative to it. None for a plan made in memory, whose path is as ``solve`` was given it.
@@ -101,6 +108,8 @@ class Plan:
             decisions["optimizer"] = self.optimizer
         if self.reshard is not None:
             decisions["reshard_after_forward"] = self.reshard
+        if self.prefetch is not None:
+            decisions["fsdp_prefetch"] = self.prefetch
         return {
             "format_version": version,
             "trace": self._trace_json(plan_dir),
@@ -155,6 +164,7 @@ class Plan:
             schedule=obj.get("schedule"),
             optimizer=dict(dec["optimizer"]) if dec.get("optimizer") is not None else None,
             reshard=dict(dec["reshard_after_forward"]) if dec.get("reshard_after_forward") is not None else None,
+            prefetch=dict(dec["fsdp_prefetch"]) if dec.get("fsdp_prefetch") is not None else None,
             format_version=version,
         )
 

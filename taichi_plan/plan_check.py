@@ -193,6 +193,23 @@ def check_plan_json(obj: dict, where: str) -> None:
                 _kind(where, f"{f}.{key}", u.get(key), bool, "true or false")
         _num(where, "decisions.reshard_after_forward.step_compute_saved", rs.get("step_compute_saved"), none=True)
 
+    pf = (obj.get("decisions") or {}).get("fsdp_prefetch")
+    if pf is not None:  # v6: FSDP2's prefetching (taichi_plan/prefetch.py)
+        _kind(where, "decisions.fsdp_prefetch", pf, dict, "an object")
+        for key in ("forward", "backward", "units"):
+            _kind(where, f"decisions.fsdp_prefetch.{key}", pf.get(key), list, "a list")
+        for key in ("forward", "backward"):
+            for i, m in enumerate(pf[key]):
+                _str(where, f"decisions.fsdp_prefetch.{key}[{i}]", m)
+        for i, u in enumerate(pf["units"]):
+            f = f"decisions.fsdp_prefetch.units[{i}]"
+            _kind(where, f, u, dict, "an object")
+            _str(where, f"{f}.module", u.get("module"))
+            _kind(where, f"{f}.forward_prefetch", u.get("forward_prefetch"), list, "a list of modules")
+            if u.get("backward_prefetch") not in (None, []):
+                raise _bad(where, f"{f}.backward_prefetch", u.get("backward_prefetch"),
+                           "null (FSDP's default) or [] (no backward prefetch)")
+
     if obj.get("schedule") is not None:
         _check_schedule(obj["schedule"], where, n)
 
@@ -261,6 +278,10 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
         from .reshard import view_of_choice
 
         trace = view_of_choice(trace, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]})
+    if getattr(plan, "prefetch", None):  # v6: ids are the step's with those all-gathers issued so
+        from .prefetch import view_of_prefetch
+
+        trace = view_of_prefetch(trace, {ph: plan.prefetch[ph] for ph in ("forward", "backward")})
     tids = trace.tensors["tensor_id"].tolist()
     producer = dict(zip(tids, trace.tensors["producer_op"].tolist(), strict=True))
     names = trace.ops["op"].tolist()

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from .errors import PlanError
-from .sharding import fsdp_meta, incarnations
+from .sharding import fsdp_meta, incarnations, innermost_spans
 
 __all__ = ["choice_units", "describe", "problem_for_choice", "regather_ops", "reshard_problem", "reshard_units",
            "reshard_view", "unit_index", "view_of_choice"]
@@ -56,16 +56,6 @@ def unit_index(meta: dict, module: str) -> int:
                     "does not have: the plan was made for another trace. Solve this trace again.")
 
 
-def _innermost_spans(spans: list, n: int) -> np.ndarray:
-    """Per op, the index of the innermost span holding it (-1 for none)."""
-    out = np.full(n, -1, dtype=np.int64)
-    for k in sorted(range(len(spans)), key=lambda k: spans[k][1] - spans[k][0]):  # shortest first
-        s, e = int(spans[k][0]), int(spans[k][1])
-        sel = out[s:e + 1] == -1
-        out[s:e + 1][sel] = k
-    return out
-
-
 def regather_ops(trace, units: set[int] | list[int]) -> np.ndarray:
     """Op ids of the backward gathering of each unit in ``units``: the ops of its innermost
     backward spans (``meta.fsdp.op_spans``) that allocate an all-gather buffer or write one
@@ -84,7 +74,7 @@ def _regather_by_unit(trace) -> dict[int, np.ndarray]:
     f = fsdp_meta(trace.meta) or {}
     spans = f.get("op_spans", [])
     n = len(trace.ops)
-    inner = _innermost_spans(spans, n)
+    inner = innermost_spans(spans, n)
     phase = trace.ops["phase"].to_numpy()
     tensors = trace.tensors
     kind = tensors["kind"].to_numpy()

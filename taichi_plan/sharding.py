@@ -103,6 +103,16 @@ def fsdp_internal_ops(meta: dict, n: int) -> np.ndarray:
     return out
 
 
+def innermost_spans(spans: list, n: int) -> np.ndarray:
+    """Per op, the index of the innermost span holding it (-1 for none)."""
+    out = np.full(n, -1, dtype=np.int64)
+    for k in sorted(range(len(spans)), key=lambda k: spans[k][1] - spans[k][0]):  # shortest first
+        s, e = int(spans[k][0]), int(spans[k][1])
+        sel = out[s:e + 1] == -1
+        out[s:e + 1][sel] = k
+    return out
+
+
 def incarnations(meta: dict) -> list[list[int]]:
     """Tensor ids of the rows of each resized storage, in order (``meta.fsdp.incarnations``)."""
     f = fsdp_meta(meta)

@@ -78,6 +78,13 @@ def render_sharded(r: dict) -> str:
     if units:
         lines.append(f"  reshard            as run: not resharding after forward: {', '.join(off)}" if off
                      else "  reshard            as run: every FSDP unit reshards after forward")
+    prefetch = r["ranks"][0].get("fsdp_prefetch") if r["ranks"] else None
+    if units and prefetch is not None:
+        said = [f"{m or '<root>'} " + ", ".join(
+            ([f"forward {'+'.join(t or '<root>' for t in v['forward'])}"] if v["forward"] else [])
+            + (["no backward prefetch"] if v["backward"] == [] else [])) for m, v in prefetch.items()]
+        lines.append(f"  prefetch           as run: {'; '.join(said)}" if said
+                     else "  prefetch           as run: FSDP's defaults")
     return "\n".join(lines)
 
 

@@ -13,7 +13,7 @@ from ..allocator import AllocatorConfig
 from ..optimizer_plan import CHOICES
 from ..plan import check_plan_output, save_plan
 from ..problem import build_problem
-from ..solve import MIN_TIME_LIMIT_S, RESHARD_CHOICES, methods, solve
+from ..solve import MIN_TIME_LIMIT_S, PREFETCH_CHOICES, RESHARD_CHOICES, methods, solve
 from ..trace import read_trace
 from ..units import format_bytes, format_cost, parse_budget
 from ._common import Status, handle_errors, units_option
@@ -46,6 +46,12 @@ def render_solve_summary(plan, units: str = "auto") -> str:
     if off:
         lines.append(f"FSDP       not resharding after forward: {', '.join(off)} (saves "
                      f"{format_cost(plan.reshard['step_compute_saved'], unit)} of backward all-gathers)")
+    pf = plan.prefetch or {}
+    if pf.get("units"):
+        lines.append(f"FSDP       prefetch: early all-gathers forward {', '.join(m or '<root>' for m in pf['forward']) or '-'}"
+                     f", backward {', '.join(m or '<root>' for m in pf['backward']) or '-'}; overlapped step "
+                     f"{format_cost(pf['overlap']['step_time'], unit)} (FSDP's defaults "
+                     f"{format_cost(pf['recorded_overlap']['step_time'], unit)})")
     if plan.optimizer is not None:
         lines.append(f"Optimizer  {plan.optimizer['mode']} ({plan.optimizer.get('chosen_by', 'asked')}): "
                      f"{plan.optimizer['why']}")
@@ -106,6 +112,10 @@ def default_plan_path(trace_dir: Path) -> Path:
               help="Sharded traces (record --fsdp N): auto lets the planner choose which FSDP units keep their "
                    "gathered parameters from forward to backward (reshard_after_forward=False: no backward "
                    "all-gather, more memory); as-recorded keeps every unit as recorded.")
+@click.option("--prefetch", "prefetch", type=click.Choice(list(PREFETCH_CHOICES)), default="auto", show_default=True,
+              help="Sharded traces: auto lets the planner choose which FSDP all-gathers are issued early (FSDP2's "
+                   "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: the all-gather overlaps the "
+                   "unit before, its buffer is held longer); as-recorded keeps FSDP's defaults.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Solver seed (same seed, same plan).")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Plan file [default: plans/<TRACE directory's name>.plan.json].")
@@ -115,8 +125,8 @@ def default_plan_path(trace_dir: Path) -> Path:
                    "masks, so training changes statistically, not bitwise. The plan, inspect and replay say so.")
 @units_option
 @handle_errors
-def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, optimizer, reshard, seed,
-            output, force, partition_random, units) -> None:
+def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, optimizer, reshard, prefetch,
+            seed, output, force, partition_random, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     started = command_started()
     if method not in methods():
@@ -139,14 +149,15 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
     plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on,
                                 allocator=allocator, work_limit=work_limit, started=started, optimizer=optimizer,
-                                partition_random=partition_random, reshard=reshard)
+                                partition_random=partition_random, reshard=reshard, prefetch=prefetch)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
 
 
 def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated", allocator=None,
-                         work_limit=None, started=None, optimizer="auto", partition_random=False, reshard="auto"):
+                         work_limit=None, started=None, optimizer="auto", partition_random=False, reshard="auto",
+                         prefetch="auto"):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -156,4 +167,4 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
                      problem=problem, on=on, allocator=allocator, work_limit=work_limit, started=started,
-                     optimizer=optimizer, partition_random=partition_random, reshard=reshard)
+                     optimizer=optimizer, partition_random=partition_random, reshard=reshard, prefetch=prefetch)

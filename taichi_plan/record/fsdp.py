@@ -80,10 +80,12 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
-def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = True) -> list[str]:
+def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = True,
+                prefetch: dict[str, dict] | None = None) -> list[str]:
     """``fully_shard`` each repeated block of ``model``, then the root; the units' FQNs in
     order (the root is ``''``). ``reshard_after_forward``: one setting for every unit, or per
-    unit FQN (units not named reshard)."""
+    unit FQN (units not named reshard). ``prefetch``: explicit prefetching per unit FQN
+    (:func:`set_prefetch`; units not named keep FSDP's default)."""
     from torch.distributed.fsdp import fully_shard
 
     from ..solve.baselines import find_blocks
@@ -102,6 +104,8 @@ def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = Tru
     for b in blocks:
         fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=setting(b))
     fully_shard(model, mesh=mesh, reshard_after_forward=setting(""))
+    if prefetch:
+        set_prefetch(model, prefetch)
     return [*blocks, ""]
 
 
@@ -146,6 +150,52 @@ def set_reshard(model, settings: dict[str, bool]) -> Callable[[], None]:
             m.set_reshard_after_forward(was, recurse=False)
 
     return undo
+
+
+def set_prefetch(model, settings: dict[str, dict]) -> Callable[[], None]:
+    """Set FSDP2's explicit prefetching of the units named in ``settings`` (FQN ->
+    ``{"forward": [FQN, ...], "backward": [FQN, ...] | None}``): ``forward`` with
+    ``set_modules_to_forward_prefetch`` (``[]``: none, FSDP's default), ``backward`` with
+    ``set_modules_to_backward_prefetch`` (None: FSDP's default, the unit that ran forward just
+    before; ``[]``: none, set as the unit itself, which is gathered by then: a no-op target that
+    turns the default off, since an empty list means the default). Returns a function that
+    restores the previous lists."""
+    units = dict(fsdp_units(model))
+    saved = []
+    for fqn, s in settings.items():
+        if fqn not in units:
+            raise UsageError(f"prefetch names {fqn!r}, which is not an FSDP unit of this model "
+                             f"(units: {', '.join(repr(u) for u in units)}).")
+        m = units[fqn]
+        state = m._get_fsdp_state()
+        saved.append((state, list(state._states_to_forward_prefetch), list(state._states_to_backward_prefetch)))
+        targets = [units[t] for t in s.get("forward") or []]
+        m.set_modules_to_forward_prefetch(targets)
+        back = s.get("backward")
+        m.set_modules_to_backward_prefetch([] if back is None else [units[t] for t in back] or [m])
+
+    def undo() -> None:
+        for state, fwd, bwd in saved:
+            state._states_to_forward_prefetch = fwd
+            state._states_to_backward_prefetch = bwd
+
+    return undo
+
+
+def live_prefetch(model) -> dict[str, dict]:
+    """Each FSDP unit's explicit prefetching, as :func:`set_prefetch` takes it (units at FSDP's
+    default left out; a backward list naming only the unit itself reads as ``[]``)."""
+    units = fsdp_units(model)
+    name = {id(m._get_fsdp_state()): fqn for fqn, m in units}
+    out = {}
+    for fqn, m in units:
+        state = m._get_fsdp_state()
+        fwd = [name.get(id(s), "?") for s in state._states_to_forward_prefetch]
+        bwd = [name.get(id(s), "?") for s in state._states_to_backward_prefetch]
+        back = None if not bwd else [t for t in bwd if t != fqn]
+        if fwd or back is not None:
+            out[fqn] = {"forward": fwd, "backward": back}
+    return out
 
 
 def _group(module):
@@ -290,6 +340,7 @@ def record_fsdp_workload(
     warmup: int = 1,
     loop: Loop | None = None,
     reshard_after_forward: bool | dict[str, bool] = True,
+    prefetch: dict[str, dict] | None = None,
     check_tracker: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
@@ -301,7 +352,8 @@ def record_fsdp_workload(
     loopback (CPU; :func:`taichi_plan.replay.distributed.spawn_ranks`), run the real job; rank 0
     records it (measured durations) and the others run the same steps. ``check_tracker``: run
     one more step under ``FSDPMemTracker`` and keep its peak in ``meta.fsdp.mem_tracker`` (the
-    reference the trace's peak is checked against).
+    reference the trace's peak is checked against). ``prefetch``: explicit prefetching per unit
+    (:func:`set_prefetch`; fake runs only).
     """
     check_counts(steps, warmup)
     if warmup < 1:
@@ -310,6 +362,8 @@ def record_fsdp_workload(
         raise UsageError(f"--fsdp must be at least 1 rank, got {world_size}.")
     loop = loop or Loop()
     if not fake:
+        if prefetch:
+            raise UsageError("Explicit prefetching is recorded on the fake process group only.")
         if device_profile:
             get_profile(device_profile)  # metadata only for a real run, but checked
         return _record_real(workload, world_size, device_profile=device_profile, steps=steps, warmup=warmup,
@@ -322,12 +376,12 @@ def record_fsdp_workload(
     with fake_process_group(world_size) as mesh, FakeTensorMode():
         return record_rank(workload, mesh, world_size, backend="fake", profile=profile, steps=steps, warmup=warmup,
                            loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
-                           progress=progress)
+                           progress=progress, prefetch=prefetch)
 
 
 def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, profile, steps: int, warmup: int,
                 loop: Loop, reshard_after_forward: bool | dict[str, bool], check_tracker: bool, record: bool = True,
-                progress: Callable[[str], None] | None = None) -> Trace | None:
+                progress: Callable[[str], None] | None = None, prefetch: dict[str, dict] | None = None) -> Trace | None:
     """This rank's part of a sharded recording, inside its process group: build (fake when
     ``backend`` is ``fake``), shard, warm up, then ``steps`` steps, recorded when ``record``
     (rank 0) and run alike otherwise (the other ranks take part in every collective), then
@@ -337,7 +391,7 @@ def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, prof
     say(f"building {workload.name}")
     model, batch, loss_fn, optimizer = workload.build(fake)
     say(f"sharding over {world_size} ranks")
-    shard_model(model, mesh, reshard_after_forward)
+    shard_model(model, mesh, reshard_after_forward, prefetch)
     optimizer = rebuild_optimizer(optimizer, model)
     step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
     inputs = [batch, list(getattr(loss_fn, "inputs", ()))]

@@ -292,7 +292,8 @@ def apply_sharding(model, plan: Plan, where: str):
     unwrapped, unsharded model only (``trace.layout``; the model's after FSDP's lazy init, i.e.
     after its first step): refuse another. Then set each FSDP unit's ``reshard_after_forward``
     as the plan decides (``decisions.reshard_after_forward``, v5; a model already set so is
-    accepted too). Returns a function that restores the settings changed."""
+    accepted too), and its prefetching (``decisions.fsdp_prefetch``, v6). Returns a function
+    that restores the settings changed."""
     import sys
 
     from ..record import ddp
@@ -304,15 +305,27 @@ def apply_sharding(model, plan: Plan, where: str):
         return lambda: None
     if want is None and "torch.distributed.fsdp" not in sys.modules:
         return lambda: None  # an unsharded plan, and nothing in this process can have sharded the model
-    from ..record.fsdp import live_layout, set_reshard
+    from ..record.fsdp import fsdp_units, live_layout, set_prefetch, set_reshard
     from ..sharding import planned_layout
 
     live = live_layout(model)
     if live is None or live != planned_layout(want, plan.reshard):
         check_layout(want, live, where)
-    if not plan.reshard:
-        return lambda: None
-    return set_reshard(model, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]})
+    undo = []
+    if plan.reshard:
+        undo.append(set_reshard(model, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]}))
+    prefetch = getattr(plan, "prefetch", None)
+    if prefetch is not None:  # v6: FSDP2's prefetching, every unit pinned (FSDP's default where not named)
+        named = {u["module"]: {"forward": u["forward_prefetch"], "backward": u["backward_prefetch"]}
+                 for u in prefetch["units"]}
+        undo.append(set_prefetch(model, {fqn: named.get(fqn, {"forward": [], "backward": None})
+                                         for fqn, _m in fsdp_units(model)}))
+
+    def restore() -> None:
+        for fn in reversed(undo):
+            fn()
+
+    return restore
 
 
 def install(model, rt, optimizer=None) -> list:

@@ -119,7 +119,7 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
 
     from ..record import ddp as ddp_record
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
-    from ..record.fsdp import live_layout, rebuild_optimizer, shard_model
+    from ..record.fsdp import live_layout, live_prefetch, rebuild_optimizer, shard_model
     from ..record.recorder import Recorder, local_tensor
     from ..trace import baseline_peak
     from . import apply_sharding, install, runtime_for
@@ -172,6 +172,7 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
             recorder.close()
         # as the measured step ran: the plan's reshard_after_forward (DDP has no units)
         units = live_layout(model)["units"] if ddp is None else []
+        prefetch = live_prefetch(model) if ddp is None else {}
     finally:
         for h in handles:
             h.remove()
@@ -182,7 +183,7 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
     return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "params": params,
             "dropped": rt.dropped_storages if rt is not None else 0,
             "recompute_ops": rt.recompute_ops if rt is not None else 0,
-            "mismatches": rt.mismatches if rt is not None else 0, "units": units}
+            "mismatches": rt.mismatches if rt is not None else 0, "units": units, "prefetch": prefetch}
 
 
 def _same(a: list, b: list) -> bool:
@@ -216,6 +217,7 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
                 "dropped_storages": planned["dropped"], "recompute_ops": planned["recompute_ops"],
                 "mismatches": planned["mismatches"],
                 "reshard_after_forward": [[m or "<root>", r] for m, r in planned["units"]],
+                "fsdp_prefetch": planned["prefetch"],  # as the measured step ran (FSDP's defaults left out)
             })
         finally:
             dist.destroy_process_group()

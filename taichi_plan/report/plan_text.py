@@ -253,6 +253,7 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
                               "random_draws": p.random_draws} for p in plan.partitions]
     summary["partition_random"] = bool(plan.solver.get("partition_random"))
     summary["reshard_after_forward"] = plan.reshard  # v5, sharded traces: FSDP2's setting per unit
+    summary["fsdp_prefetch"] = getattr(plan, "prefetch", None)  # v6, sharded traces: FSDP2's prefetching
     summary["schedule_peak_bytes"] = peak_from_schedule(plan.schedule)[0] if plan.schedule else None
     summary["modules"] = module_table(problem, plan, sim, parted) if problem is not None else None
     summary["resimulated"] = None
@@ -426,6 +427,19 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
                          f"{str(u['recorded']):>9}")
             if u.get("why"):
                 lines += wrap(u["why"], " " * 6)
+
+    pf = s.get("fsdp_prefetch")
+    if pf and pf.get("units"):
+        lines.append("")
+        lines.append(f"FSDP prefetching: overlapped step {cost(pf['overlap']['step_time'])} "
+                     f"(FSDP's defaults {cost(pf['recorded_overlap']['step_time'])}), before recomputation")
+        for u in pf["units"]:
+            said = ([f"forward prefetches {', '.join(t or '<root>' for t in u['forward_prefetch'])}"]
+                    if u["forward_prefetch"] else []) + (["no backward prefetch"] if u["backward_prefetch"] == []
+                                                         else [])
+            lines.append(f"  {u['module'] or '<root>'}: {'; '.join(said)}")
+        if pf.get("why"):
+            lines += wrap(pf["why"], "  ")
 
     if s["modules"] is not None:
         lines.append("")

@@ -27,18 +27,20 @@ from ..optimizer_plan import (
 )
 from ..partition import allow_random, floor_bytes
 from ..plan import Plan
+from ..prefetch import movable
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
 from ..reshard import reshard_units
 from ..simulate import simulate_plan
 from ..trace import Trace
 from ..units import format_bytes
-from .fsdp import solve_with_reshard
+from .fsdp import solve_with_fsdp
 from .heuristic import best_by_simulator, plan_heuristic
 from .ilp import plan_ilp
 from .result import Decisions, make_plan
 
 OURS = ("auto", "ilp", "heuristic")
 RESHARD_CHOICES = ("auto", "as-recorded")  # FSDP units' reshard_after_forward (taichi_plan/solve/fsdp.py)
+PREFETCH_CHOICES = ("auto", "as-recorded")  # FSDP2's prefetching (taichi_plan/prefetch.py, solve/fsdp.py)
 
 
 def baseline_table() -> dict[str, Callable]:
@@ -112,7 +114,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
           seed: int = 0, progress: Callable[[float, float], None] | None = None,
           problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
           work_limit: float | None = None, started: float | None = None, optimizer: str = "auto",
-          partition_random: bool = False, reshard: str = "auto") -> Plan:
+          partition_random: bool = False, reshard: str = "auto", prefetch: str = "auto") -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
 
     ``optimizer`` (:mod:`taichi_plan.optimizer_plan`): ``as-recorded`` plans activations only;
@@ -134,7 +136,8 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
 
     ``reshard`` (sharded traces, :mod:`taichi_plan.solve.fsdp`): ``auto`` (default) lets our
     planners choose which FSDP units stop resharding after forward; ``as-recorded`` keeps every
-    unit as recorded. Baselines keep the recorded setting.
+    unit as recorded. Baselines keep the recorded setting. ``prefetch``, likewise, for FSDP2's
+    prefetching (which all-gathers are issued early, :mod:`taichi_plan.prefetch`).
 
     ``partition_random``: the planners may partition modules that draw random numbers
     (dropout); their chunks then draw their own, which changes training statistically, and
@@ -148,11 +151,14 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         return solve_on_reserved(
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
                                  problem=problem, allocator=allocator, work_limit=work_limit, started=began,
-                                 optimizer=optimizer, partition_random=partition_random, reshard=reshard),
+                                 optimizer=optimizer, partition_random=partition_random, reshard=reshard,
+                                 prefetch=prefetch),
             budget_bytes, method)
     check_choice(trace, optimizer)
     if reshard not in RESHARD_CHOICES:
         raise UsageError(f"--reshard must be one of {', '.join(RESHARD_CHOICES)}, not {reshard!r}.")
+    if prefetch not in PREFETCH_CHOICES:
+        raise UsageError(f"--prefetch must be one of {', '.join(PREFETCH_CHOICES)}, not {prefetch!r}.")
     t0 = time.perf_counter() if started is None else started
     problem = problem or build_problem(trace)
     # Whether the trace allows the other options is asked only once the recorded step fails (on
@@ -186,8 +192,11 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
                                problem=p, on=on, allocator=allocator, work_limit=work_limit, started=t0)
 
         try:
-            if reshard == "auto" and method in OURS and mode == "as-recorded" and reshard_units(trace.meta):
-                plan = solve_with_reshard(prob, budget_bytes, seed, time_limit * (1 - FINISH_SHARE), t0, step)
+            by_reshard = reshard == "auto" and bool(reshard_units(trace.meta))
+            by_prefetch = prefetch == "auto" and any(movable(trace).values())
+            if (by_reshard or by_prefetch) and method in OURS and mode == "as-recorded":
+                plan = solve_with_fsdp(prob, budget_bytes, seed, time_limit * (1 - FINISH_SHARE), t0, step,
+                                       reshard=by_reshard, prefetch=by_prefetch)
             else:
                 plan = step(prob)
         except InfeasibleBudgetError as e:

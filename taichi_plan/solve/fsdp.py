@@ -1,4 +1,4 @@
-"""FSDP2's ``reshard_after_forward`` per unit, decided together with the activation plan.
+"""FSDP2's ``reshard_after_forward`` and prefetching per unit, decided with the activation plan.
 
 A unit that does not reshard after forward keeps its gathered parameters from the end of its
 forward to its backward (memory), and skips its backward all-gather and copy-out (time on the
@@ -10,9 +10,20 @@ step is over the budget), per second of gathering saved, and screens each prefix
 compute and communication plus the plan's extra compute, of the cheapest plan that fits the
 budget picks the setting. The chosen method (CP-SAT for ``auto``) then plans that setting.
 
+Prefetching (:mod:`taichi_plan.prefetch`) is screened next, on the chosen reshard setting: from
+the leanest setting (every all-gather issued by its own unit, FSDP's backward default off), the
+gatherings a plan may issue early are ordered by what holding their all-gather buffer early
+costs where the budget binds (its bytes times the ops, over the interval it is held longer, at
+which the unplanned step is over the budget) per second of all-gather it may hide; the recorded
+setting (FSDP's defaults), every prefix of that order from the longest down, are screened with
+the heuristic as above.
+
+Predicted step time, here, is the step's time with collectives overlapping compute
+(:func:`taichi_plan.overlap.overlapped_step_time`) plus the plan's recomputation.
+
 The search is over settings, outside the activation model (a setting changes the op sequence,
-which the ILP indexes): the setting is chosen by the heuristic's plans, the activations of the
-chosen one by the method asked for.
+which the ILP indexes), one after the other (reshard, then prefetch: not jointly): the setting
+is chosen by the heuristic's plans, the activations of the chosen one by the method asked for.
 """
 
 from __future__ import annotations
@@ -23,14 +34,29 @@ from collections.abc import Callable
 import numpy as np
 
 from ..errors import InfeasibleBudgetError
+from ..overlap import is_collective, overlapped_step_time
 from ..plan import Plan
+from ..prefetch import PHASES, movable, prefetch_problem, setting_of
 from ..problem import Problem
 from ..reshard import held_bytes, regather_cost, reshard_problem, reshard_units
 from ..simulate import simulate_plan
 from ..units import format_bytes, format_cost
 from .heuristic import plan_heuristic
 
-SCREEN_SHARE = 1 / 3  # of the time left, for screening the settings with the heuristic
+SCREEN_SHARE = 1 / 3  # of the time left, for screening the settings with the heuristic (reshard, then prefetch)
+
+
+def evaluate(prob: Problem, budget_bytes: int, seed: int, deadline: float) -> dict:
+    """The heuristic's plan of ``prob`` under ``budget_bytes``: whether it fits, its peak, its
+    recomputation and the predicted step time (overlapped step time + recomputation)."""
+    if prob.baseline_peak[0] <= budget_bytes:
+        peak, extra = prob.baseline_peak[0], 0.0
+    else:
+        dec = plan_heuristic(prob, budget_bytes, seed=seed, time_limit=max(deadline - time.perf_counter(), 0.1))
+        sim, _ = simulate_plan(prob, dec.drops, dec.partitions)
+        peak, extra = sim.peak_bytes, sim.extra_cost
+    return {"fits": bool(peak <= budget_bytes), "peak_bytes": int(peak), "step_compute": prob.step_cost,
+            "extra_compute": float(extra), "step_time": overlapped_step_time(prob).step_time + float(extra)}
 
 
 def unit_order(problem: Problem, budget_bytes: int) -> list[int]:
@@ -53,7 +79,7 @@ def unit_order(problem: Problem, budget_bytes: int) -> list[int]:
 def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[list[int], list[dict]]:
     """The setting (units not resharding) whose heuristic plan fits ``budget_bytes`` with the
     least predicted step time, among the prefixes of :func:`unit_order`; and what each setting
-    screened gave (``[{"units", "fits", "peak_bytes", "step_compute", "extra_compute"}]``)."""
+    screened gave (``[{"units", "fits", "peak_bytes", "step_compute", "extra_compute", "step_time"}]``)."""
     order = unit_order(problem, budget_bytes)
     tried = []
     best: tuple[float, int] | None = None
@@ -62,51 +88,117 @@ def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> t
         if j > 0 and time.perf_counter() > deadline:
             break
         units = sorted(order[:j])
-        prob = reshard_problem(problem, units)
-        if prob.baseline_peak[0] <= budget_bytes:
-            peak, extra = prob.baseline_peak[0], 0.0
-        else:
-            dec = plan_heuristic(prob, budget_bytes, seed=seed, time_limit=max(deadline - time.perf_counter(), 0.1))
-            sim, _ = simulate_plan(prob, dec.drops, dec.partitions)
-            peak, extra = sim.peak_bytes, sim.extra_cost
-        fits = peak <= budget_bytes
-        tried.append({"units": units, "fits": fits, "peak_bytes": int(peak), "step_compute": prob.step_cost,
-                      "extra_compute": extra})
-        total = prob.step_cost + extra
-        if fits and (best is None or total < best[0]):
-            best, best_units = (total, j), units
+        got = evaluate(reshard_problem(problem, units), budget_bytes, seed, deadline)
+        tried.append({"units": units, **got})
+        if got["fits"] and (best is None or got["step_time"] < best[0]):
+            best, best_units = (got["step_time"], j), units
     return best_units, tried
 
 
-def solve_with_reshard(problem: Problem, budget_bytes: int, seed: int, time_limit: float, started: float,
-                       solve_step: Callable[[Problem], Plan]) -> Plan:
-    """Choose the units that stop resharding (:func:`screen`), then plan that setting with
-    ``solve_step`` (the method asked for); the recorded setting when no other fits better."""
+def prefetch_order(problem: Problem, budget_bytes: int) -> list[tuple[str, int]]:
+    """The gatherings a plan may issue early (``(pass, unit)``), cheapest first: the bytes of
+    the all-gather buffer held longer, times the ops of that interval at which the unplanned
+    step is over ``budget_bytes``, per second of all-gather it may hide (its collective's cost);
+    ties by that time, more first."""
+    over = problem.baseline_live > budget_bytes
+    cum = np.concatenate([[0], np.cumsum(over)])
+    trace = problem.trace
+    kind = trace.tensors["kind"].to_numpy()
+    alloc = trace.tensors["alloc_op"].to_numpy().astype(np.int64)
+    nbytes = trace.tensors["nbytes"].to_numpy().astype(np.int64)
+    keys = []
+    for ph, gs in movable(trace).items():
+        for g in gs:
+            size = int(nbytes[(kind == "all_gather") & (alloc >= g.start) & (alloc <= g.end)].sum())
+            hide = float(sum(problem.op_cost[i] for i in range(g.start, g.end + 1) if is_collective(problem.op_name[i])))
+            if hide <= 0:
+                continue
+            lo, hi = (g.start, g.wait) if g.early else (int(g.by_hook_end), g.start)  # held longer when early
+            binding = int(cum[hi] - cum[lo]) if hi > lo else 0
+            keys.append((size * binding / hide, -hide, PHASES.index(ph), g.unit))
+    return [(PHASES[p], u) for *_, p, u in sorted(keys)]
+
+
+def screen_prefetch(problem: Problem, budget_bytes: int, seed: int,
+                    deadline: float) -> tuple[dict[str, set[int]], list[dict]]:
+    """The prefetch setting (units gathered early per pass) whose heuristic plan fits
+    ``budget_bytes`` with the least predicted step time: the recorded one, then each prefix of
+    :func:`prefetch_order` over the leanest setting, the longest first, while time is left;
+    and what each gave (``[{"forward", "backward", "fits", ...}]``)."""
+    recorded = setting_of(problem.trace)
+    order = prefetch_order(problem, budget_bytes)
+    moved = {(ph, u) for ph, u in order}
+    lean = {ph: {u for u in recorded[ph] if (ph, u) not in moved} for ph in PHASES}
+    settings = [recorded] + [{ph: lean[ph] | {u for p, u in order[:j] if p == ph} for ph in PHASES}
+                             for j in range(len(order), -1, -1)]
+    tried: list[dict] = []
+    best: tuple[float, dict] | None = None
+    seen = []
+    for k, early in enumerate(settings):
+        if early in seen:
+            continue
+        if k > 0 and time.perf_counter() > deadline:
+            break
+        seen.append(early)
+        got = evaluate(prefetch_problem(problem, early), budget_bytes, seed, deadline)
+        tried.append({**{ph: sorted(early[ph]) for ph in PHASES}, **got})
+        if got["fits"] and (best is None or got["step_time"] < best[0]):
+            best = (got["step_time"], early)
+    return (best[1] if best else recorded), tried
+
+
+def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: float, started: float,
+                    solve_step: Callable[[Problem], Plan], *, reshard: bool = True, prefetch: bool = True) -> Plan:
+    """Choose the units that stop resharding (``reshard``: :func:`screen`), then, on that
+    setting, the all-gathers issued early (``prefetch``: :func:`screen_prefetch`), then plan
+    the chosen step with ``solve_step`` (the method asked for); the recorded setting where the
+    method cannot plan the chosen one."""
     end = started + time_limit
-    deadline = time.perf_counter() + max(end - time.perf_counter(), 0.0) * SCREEN_SHARE
-    units, tried = screen(problem, budget_bytes, seed, deadline)
+    share = max(end - time.perf_counter(), 0.0) * SCREEN_SHARE
+    units, tried = screen(problem, budget_bytes, seed, time.perf_counter() + share / 2) if reshard else ([], [])
+    base = reshard_problem(problem, units)
+    early, tried_pf = (screen_prefetch(base, budget_bytes, seed, time.perf_counter() + share / 2) if prefetch
+                       else (setting_of(base.trace), []))
     plan = None
-    if units:
+    for prob in (prefetch_problem(base, early), base):
         try:
-            plan = solve_step(reshard_problem(problem, units))
+            plan = solve_step(prob)
+            break
         except InfeasibleBudgetError:
-            plan = None  # the method could not plan it: the recorded setting (its error if none fits)
+            continue  # the method could not plan it: the next (its error if none fits)
     if plan is None:
         units = []
         plan = solve_step(problem)
     unit = problem.trace.cost_unit
     names = [u["module"] or "<root>" for u in problem.trace.meta["fsdp"]["units"]]
-    if units:
-        saved = plan.reshard["step_compute_saved"]
-        note = (f"FSDP units {', '.join(names[k] for k in units)} do not reshard after forward: keeping "
-                f"{format_bytes(sum(held_bytes(problem, k)[0] for k in units))} gathered saves "
-                f"{format_cost(saved, unit)} of backward all-gathers, for {format_cost(plan.solver['extra_compute'], unit)} "
-                f"of recomputation ({len(tried)} setting(s) screened)")
-    else:
-        note = (f"every FSDP unit reshards after forward as recorded: of {len(tried)} setting(s) screened, no "
-                "other fits the budget in less predicted time")
-    plan.solver["notes"].insert(0, note)
-    plan.solver.setdefault("stats", {})["reshard_screen"] = tried
-    if plan.reshard is not None:
-        plan.reshard["chosen_by"] = "auto"
+    if reshard:
+        if units:
+            saved = plan.reshard["step_compute_saved"]
+            note = (f"FSDP units {', '.join(names[k] for k in units)} do not reshard after forward: keeping "
+                    f"{format_bytes(sum(held_bytes(problem, k)[0] for k in units))} gathered saves "
+                    f"{format_cost(saved, unit)} of backward all-gathers, for "
+                    f"{format_cost(plan.solver['extra_compute'], unit)} of recomputation ({len(tried)} setting(s) "
+                    "screened)")
+        else:
+            note = (f"every FSDP unit reshards after forward as recorded: of {len(tried)} setting(s) screened, no "
+                    "other fits the budget in less predicted time")
+        plan.solver["notes"].insert(0, note)
+        plan.solver.setdefault("stats", {})["reshard_screen"] = tried
+        if plan.reshard is not None:
+            plan.reshard["chosen_by"] = "auto"
+    if prefetch and plan.prefetch is not None:
+        pf = plan.prefetch
+        was, now = pf["recorded_overlap"]["step_time"], pf["overlap"]["step_time"]
+        pf["why"] = (f"of {len(tried_pf)} prefetch setting(s) screened, the one with the least predicted step time "
+                     f"(collectives overlapping compute, plus recomputation) that fits: early all-gathers "
+                     f"forward {', '.join(m or '<root>' for m in pf['forward']) or 'none'}, backward "
+                     f"{', '.join(m or '<root>' for m in pf['backward']) or 'none'}; step "
+                     f"{format_cost(now, unit)} against {format_cost(was, unit)} as recorded, before recomputation")
+        plan.solver["notes"].insert(0 if not reshard else 1, (
+            f"FSDP prefetch: {len(pf['units'])} unit(s) set apart from FSDP's defaults; " + pf["why"]))
+        plan.solver.setdefault("stats", {})["prefetch_screen"] = tried_pf
+        pf["chosen_by"] = "auto"
+    if plan.solver.get("lower_bound") is not None:
+        plan.solver["notes"].append("the lower bound and gap are the activation plan's for this FSDP setting "
+                                    "(reshard and prefetch fixed as chosen), not a bound over every setting")
     return plan

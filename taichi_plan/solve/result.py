@@ -16,6 +16,7 @@ from ..optimizer_plan import recorded_problem, recorded_trace
 from ..overhead import runtime_overhead_s
 from ..partition import find_span, partition_cost, partition_savings, random_draws
 from ..plan import Partition, Plan, Recompute
+from ..prefetch import describe as describe_prefetch
 from ..problem import Problem
 from ..reshard import describe as describe_reshard
 from ..sharding import layout
@@ -120,6 +121,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         schedule=schedule if with_schedule else None,
         optimizer=describe_optimizer(problem),
         reshard=describe_reshard(problem),
+        prefetch=describe_prefetch(problem),
     )
 
 
