@@ -266,3 +266,22 @@ def test_compared_planners_can_be_chosen():
     assert "sqrt-n" not in render_max_batch(res)
     with pytest.raises(UsageError):
         max_batch(chain_at, 2000, compared=("full",))
+
+
+def test_cli_guide_on_a_recorded_mlp():
+    """``--guide`` on fake recordings: the guesses come from steps drawn through batch 2 and 3,
+    the answers from recordings (``none``'s checked here against recordings by hand)."""
+    args = ["maxbatch", "--model", "mlp", "--layers", "2", "--hidden", "64", "--optimizer", "sgd", "--budget",
+            "200KB", "--device-profile", "v100-16gb", "--max-overhead", "100%", "--method", "heuristic",
+            "--time-limit", "2", "--limit", "4096", "--guide"]
+    r = CliRunner().invoke(main, [*args, "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["guide"]["batches"] == [2, 3] and res["guide"]["why_not"] is None
+    by = {p["planner"]: p for p in res["planners"]}
+    none = by["none"]["max_batch"]
+    assert by["none"]["guess"] is not None and {2, 3} <= set(res["batches_recorded"])
+    record = fake_recorder("mlp", layers=2, hidden=64, optimizer="sgd", device_profile="v100-16gb")
+    assert build_problem(record(none)).baseline_peak[0] <= 200_000 < build_problem(record(none + 1)).baseline_peak[0]
+    r = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert r.exit_code == 0 and "Guided:" in r.output
