@@ -74,8 +74,9 @@ def run(cases=CASES) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for label, ranks, sizes in cases:
-            record_s, record_cpu_s = record(sizes, ranks, Path(d) / "t")
-            trace = read_trace(Path(d) / "t")
+            out = Path(d) / f"rank0-of-{ranks}"  # one directory per case: record refuses to overwrite
+            record_s, record_cpu_s = record(sizes, ranks, out)
+            trace = read_trace(out)
             peak, _, _ = trace_by_tracker_category(trace)
             budget = int(BUDGET * peak)
             auto, solve_s, solve_cpu_s = _timed(solve, trace, budget, "auto", time_limit=TIME_LIMIT_S)
