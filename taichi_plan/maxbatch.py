@@ -95,6 +95,9 @@ class TraceCache:
             self._problems[batch] = build_problem(self._record(batch))
         return self._problems[batch]
 
+    def __contains__(self, batch: int) -> bool:
+        return batch in self._problems
+
     @property
     def recorded(self) -> list[int]:
         return sorted(self._problems)
@@ -230,12 +233,17 @@ class LineGuide:
     def problem(self, batch: int) -> Problem:
         from .batch_line import line_trace
 
-        if batch in self.batches:
+        if batch in self.batches or batch in self.cache:  # recorded: the step itself
             return self.cache.problem(batch)
         if batch not in self._problems:
             (a, b) = self.batches
             self._problems[batch] = build_problem(line_trace(self.lo, a, self.hi, b, batch))
         return self._problems[batch]
+
+    @property
+    def drawn(self) -> list[int]:
+        """The batch sizes whose steps were drawn, not recorded."""
+        return sorted(self._problems)
 
 
 GUIDE_BATCHES = (2, 3)  # recorded first when the search is guided: the line the guesses are drawn on
@@ -320,7 +328,7 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
         "batches_recorded": cache.recorded,
         "limit": limit,
         "guide": None if line is None else {"batches": list(line.batches), "why_not": line.why_not,
-                                            "drawn": sorted(line._problems) if drawn else []},
+                                            "drawn": line.drawn},
     }
 
 
