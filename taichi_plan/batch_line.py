@@ -65,7 +65,8 @@ def line_trace(lo: Trace, b_lo: int, hi: Trace, b_hi: int, b: int) -> Trace:
     tensors = hi.tensors.copy()
     tensors["nbytes"] = _line(lo.tensors["nbytes"], hi.tensors["nbytes"], b_lo, b_hi, b, integer=True)
     tensors["shape"] = pd.Series([_shape(x, y, b_lo, b_hi, b) for x, y in
-                                  zip(lo.tensors["shape"], hi.tensors["shape"], strict=True)], dtype=object)
+                                  zip(lo.tensors["shape"], hi.tensors["shape"], strict=True)],
+                                 index=tensors.index, dtype=object)
     meta = copy.deepcopy(hi.meta)
     for key in ("name", "content_hash", "signature", "signatures"):
         meta.pop(key, None)
