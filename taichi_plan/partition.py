@@ -209,10 +209,10 @@ def random_draws(problem: Problem, span: Span, chunks: int = 2) -> str | None:
 
 
 def _module_spans(problem: Problem) -> list[Span]:
-    phases = np.asarray(problem.op_phase)
-    under = ops_under(problem.op_module)
     if not problem.trace.meta.get("workload"):
         return []  # no model to run the module of (hand-built traces): nothing to replay
+    phases = np.asarray(problem.op_phase)
+    under = ops_under(problem.op_module)
     batch = _batch_size(problem) or 1
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)
