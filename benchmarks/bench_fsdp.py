@@ -1,18 +1,30 @@
 """Sharded planning at scale: rank 0 of Llama-style 7B on 8 ranks and 70B on 64 ranks (FSDP2,
-fake, h100-80gb), recorded and solved.
+fake, h100-80gb), recorded and solved, and the largest batch per rank on the device's memory.
 
-``python -m benchmarks.bench_fsdp`` prints the rows; ``section()`` is the ``make bench``
-section. Each recording runs ``taichi-plan record --fsdp N --fake`` in its own process (a
-process group is global state); ``record_s`` is that process's wall time, imports included.
-Per row: the trace's peak against ``FSDPMemTracker``'s on the same step, and at a budget of
-60% of the per-rank peak the plan of ``auto`` (``solve_s``: its wall time) beside FSDP's
-default (no activation plan: the trace's own peak) and FSDP with every block checkpointed
-(the ``full`` baseline). Fake traces hold CPU attention kernels (the O(s^2) attention matrix
-a GPU's fused kernels never allocate).
+``python -m benchmarks.bench_fsdp`` prints the section; ``section()`` is the ``make bench``
+section (``python -m benchmarks.bench_fsdp record`` or ``maxbatch`` prints one half). Each
+recording of the first table runs ``taichi-plan record --fsdp N --fake`` in its own process
+(a process group is global state): ``record`` is that process's wall time, imports and the
+``FSDPMemTracker`` check included, and its CPU time; ``solve`` is ``auto`` at a budget of 60%
+of the per-rank peak under a 30 s limit (which it uses: CP-SAT searches until then). Beside
+it, at the same budget, FSDP with every block checkpointed (the ``full`` baseline).
+
+The second table is ``maxbatch --fsdp N`` at the profile's memory per rank (extra compute at
+most 33%): FSDP's default (every unit reshards after forward, no activation plan), FSDP with
+every block checkpointed, and ours (``heuristic``: the activation plan and each unit's
+``reshard_after_forward``). Guided (``max_batch(guide=True)``): the search runs first on steps
+drawn through the recordings at batch 2 and 3, then recordings at each guess and one above
+confirm it.
+
+The fake traces hold CPU kernels: ``--fsdp`` recordings do not map GPU kernels
+(``record/gpu_ops.py``), so attention is CPU flash attention (output and logsumexp saved,
+no S x S matrix, like a GPU's flash kernel) and AdamW steps one parameter at a time (a GPU's
+foreach step holds more temporaries at once).
 """
 
 from __future__ import annotations
 
+import resource
 import subprocess
 import sys
 import tempfile
@@ -24,19 +36,34 @@ CASES = [  # (label, ranks, sizes)
     ("Llama-style 7B", 8, {"layers": 32, "hidden": 4096, "heads": 32, **LLAMA}),
     ("Llama-style 70B", 64, {"layers": 80, "hidden": 8192, "heads": 64, **LLAMA}),
 ]
+PROFILE = "h100-80gb"
 BUDGET = 0.6
 TIME_LIMIT_S = 30.0
+MAXBATCH_METHOD = "heuristic"
+MAXBATCH_COMPARED = ("none", "full")
 
 
-def record(sizes: dict, ranks: int, out: Path) -> float:
+def _child_cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def record(sizes: dict, ranks: int, out: Path) -> tuple[float, float]:
+    """Record in a fresh process: (wall s, CPU s)."""
     args = [a for k, v in sizes.items() for a in (f"--{k}", str(v))]
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), _child_cpu_s()
     r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", "--model", "llama", *args, "--fake",
-                        "--fsdp", str(ranks), "--device-profile", "h100-80gb", "-o", str(out)],
+                        "--fsdp", str(ranks), "--device-profile", PROFILE, "-o", str(out)],
                        capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(r.stderr[-2000:])
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, _child_cpu_s() - c0
+
+
+def _timed(fn, *args, **kwargs):
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - t0, time.process_time() - c0
 
 
 def run(cases=CASES) -> list[dict]:
@@ -47,21 +74,21 @@ def run(cases=CASES) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as d:
         for label, ranks, sizes in cases:
-            record_s = record(sizes, ranks, Path(d) / "t")
-            trace = read_trace(Path(d) / "t")
+            out = Path(d) / f"rank0-of-{ranks}"  # one directory per case: record refuses to overwrite
+            record_s, record_cpu_s = record(sizes, ranks, out)
+            trace = read_trace(out)
             peak, _, _ = trace_by_tracker_category(trace)
             budget = int(BUDGET * peak)
-            t0 = time.perf_counter()
-            auto = solve(trace, budget, "auto", time_limit=TIME_LIMIT_S)
-            solve_s = time.perf_counter() - t0
-            full = solve(trace, 10**15, "full")
+            auto, solve_s, solve_cpu_s = _timed(solve, trace, budget, "auto", time_limit=TIME_LIMIT_S)
+            full = solve(trace, budget, "full")
             kept = [u["module"] for u in (auto.reshard or {}).get("units", []) if not u["reshard_after_forward"]]
             rows.append({
                 "workload": label, "ranks": ranks, "ops": len(trace.ops), "record_s": round(record_s, 1),
+                "record_cpu_s": round(record_cpu_s, 1), "solve_s": round(solve_s, 1),
+                "solve_cpu_s": round(solve_cpu_s, 1),
                 "units_kept_gathered": len(kept), "units": len((auto.reshard or {}).get("units", [])),
                 "allgather_saved_s": (auto.reshard or {}).get("step_compute_saved") or 0.0,
-                "solve_s": round(solve_s, 1), "peak_bytes": peak,
-                "tracker_peak_bytes": trace.meta["fsdp"]["mem_tracker"]["peak_bytes"],
+                "peak_bytes": peak, "tracker_peak_bytes": trace.meta["fsdp"]["mem_tracker"]["peak_bytes"],
                 "budget_bytes": budget, "planned_peak_bytes": auto.predicted["planned_peak_bytes"],
                 "planned_extra_pct": auto.predicted.get("extra_compute_pct"), "status": auto.solver["status"],
                 "full_peak_bytes": full.predicted["planned_peak_bytes"],
@@ -74,57 +101,72 @@ def _gb(x) -> str:
     return f"{x / 1e9:.2f}"
 
 
-def section() -> str:
-    rows = run()
-    head = ("## Sharded: rank 0 of an FSDP2 job (fake, h100-80gb)\n\n" + __doc__.split("\n\n", 1)[1].strip()
-            + "\n\n| workload | ranks | ops | record s | solve s | peak GB | FSDPMemTracker GB | budget GB | auto GB "
-              "(extra %) | auto: units kept gathered (all-gather ms saved) | every block checkpointed GB (extra %) |"
-              "\n|---|---|---|---|---|---|---|---|---|---|---|\n")
-    table = head + "\n".join(
-        f"| {r['workload']} | {r['ranks']} | {r['ops']} | {r['record_s']} | {r['solve_s']} | {_gb(r['peak_bytes'])} | "
-        f"{_gb(r['tracker_peak_bytes'])} | {_gb(r['budget_bytes'])} | {_gb(r['planned_peak_bytes'])} "
-        f"({r['planned_extra_pct']:.1f}, {r['status']}) | {r['units_kept_gathered']} of {r['units']} "
-        f"({1e3 * r['allgather_saved_s']:.2f}) | {_gb(r['full_peak_bytes'])} ({r['full_extra_pct']:.1f}) |"
-        for r in rows) + ("\n\nNot measured here: the largest batch per rank on 80 GB at these sizes. `maxbatch "
-                          "--fsdp N` searches it, but each probe is a fake recording of minutes; below, at a small "
-                          "size.")
-    return table + "\n\n" + maxbatch_section()
+def record_section(cases=CASES) -> str:
+    rows = run(cases)
+    head = ("| workload | ranks | ops | record s (CPU s) | solve s (CPU s) | peak GB | FSDPMemTracker GB | budget GB | "
+            "auto GB (extra %, status) | auto: units kept gathered (all-gather ms saved) | every block "
+            "checkpointed GB (extra %) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    return head + "\n".join(
+        f"| {r['workload']} | {r['ranks']} | {r['ops']} | {r['record_s']} ({r['record_cpu_s']}) | {r['solve_s']} "
+        f"({r['solve_cpu_s']}) | {_gb(r['peak_bytes'])} | {_gb(r['tracker_peak_bytes'])} | {_gb(r['budget_bytes'])} | "
+        f"{_gb(r['planned_peak_bytes'])} ({r['planned_extra_pct']:.1f}, {r['status']}) | {r['units_kept_gathered']} "
+        f"of {r['units']} ({1e3 * r['allgather_saved_s']:.2f}) | {_gb(r['full_peak_bytes'])} "
+        f"({r['full_extra_pct']:.1f}) |" for r in rows)
 
 
-# The largest batch per rank, at a small size (each probe is a fake recording): FSDP's default
-# (every unit resharding, no activation plan), FSDP + every block checkpointed, and ours (the
-# activation plan and each unit's reshard_after_forward).
-SMALL = ("Llama-style 4 x 256", 8, {"layers": 4, "hidden": 256, "heads": 4, "vocab": 1000, "seq": 256})
-SMALL_BUDGET = 64 * 10**6
+NAMES = {"none": "FSDP default (every unit reshards, no activation plan)", "full": "FSDP + every block checkpointed",
+         "sqrt-n": "FSDP + sqrt(n) checkpointing", "dtr": "FSDP + DTR's greedy"}
 
 
-def maxbatch_rows(case=SMALL, budget_bytes: int = SMALL_BUDGET, method: str = "heuristic") -> dict:
+def maxbatch_rows(case, budget_bytes: int | None = None, method: str = MAXBATCH_METHOD,
+                  compared=MAXBATCH_COMPARED, guide: bool = True) -> dict:
+    """``max_batch`` of one case (batch per rank) at ``budget_bytes`` (None: the profile's
+    memory), with its wall and CPU seconds and the recordings it made."""
+    from taichi_plan.devices import get_profile
     from taichi_plan.maxbatch import fake_recorder, max_batch
 
     _label, ranks, sizes = case
-    record = fake_recorder("llama", device_profile="h100-80gb", fsdp=ranks, **sizes)
-    return max_batch(record, budget_bytes, method=method, time_limit=TIME_LIMIT_S)
+    sizes = {k: v for k, v in sizes.items() if k != "batch"}
+    budget_bytes = budget_bytes or get_profile(PROFILE).memory_bytes
+    record = fake_recorder("llama", device_profile=PROFILE, fsdp=ranks, **sizes)
+    result, wall_s, cpu_s = _timed(max_batch, record, budget_bytes, method=method, time_limit=TIME_LIMIT_S,
+                                   compared=compared, guide=guide)
+    result.update(wall_s=round(wall_s, 1), cpu_s=round(cpu_s, 1))
+    return result
 
 
-def maxbatch_section(case=SMALL, budget_bytes: int = SMALL_BUDGET) -> str:
-    result = maxbatch_rows(case, budget_bytes)
-    label, ranks, _ = case
-    names = {"none": "FSDP default (every unit reshards, no activation plan)", "full": "FSDP + every block checkpointed",
-             "sqrt-n": "FSDP + sqrt(n) checkpointing", "dtr": "FSDP + DTR's greedy"}
+def maxbatch_table(case, result: dict) -> str:
+    from taichi_plan.maxbatch import guide_notes
+
+    label, ranks, sizes = case
     rows = []
     for r in result["planners"]:
-        name = names.get(r["planner"], r["planner"] + " (ours: activations and reshard_after_forward)")
-        peak = f"{r['peak_bytes'] / 1e6:.1f}" if r["peak_bytes"] else "-"
+        name = NAMES.get(r["planner"], f"ours ({r['planner']}: activations and reshard_after_forward)")
+        peak = f"{r['peak_bytes'] / 1e9:.2f}" if r["peak_bytes"] else "-"
         extra = "-" if r["extra_pct"] is None else f"{r['extra_pct']:.1f}"
-        rows.append(f"| {name} | {r['max_batch']} | {peak} | {extra} |")
-    return (f"Largest batch per rank of {label} (`maxbatch --fsdp {ranks}`, fake, h100-80gb, seq "
-            f"{case[2]['seq']}) at {budget_bytes / 1e6:g} MB per rank, extra compute at most "
-            f"{result['max_overhead_pct']:g}%:\n\n| planner | max batch | peak MB | extra % |\n|---|---|---|---|\n"
-            + "\n".join(rows))
+        guess = "-" if r["guess"] is None else r["guess"]
+        rows.append(f"| {name} | {r['max_batch']} | {peak} | {extra} | {guess} |")
+    notes = [r["excluded"] for r in result["planners"] if r.get("excluded")] + guide_notes(result)
+    return (f"{label}, {ranks} ranks (seq {sizes['seq']}, {sizes['dtype']}, AdamW) at "
+            f"{result['budget_bytes'] / 1e9:.2f} GB per rank, extra compute at most {result['max_overhead_pct']:g}%: "
+            f"{len(result['batches_recorded'])} recordings (batch "
+            f"{', '.join(map(str, result['batches_recorded']))}), {result['wall_s']} s ({result['cpu_s']} s CPU).\n\n"
+            "| planner | max batch per rank | peak GB | extra % | guess |\n|---|---|---|---|---|\n"
+            + "\n".join(rows) + "".join(f"\n\n{n}" for n in notes))
+
+
+def maxbatch_section(cases=CASES) -> str:
+    return "\n\n".join(maxbatch_table(case, maxbatch_rows(case)) for case in cases)
+
+
+def section() -> str:
+    return ("## Sharded: rank 0 of an FSDP2 job (fake, h100-80gb)\n\n" + __doc__.split("\n\n", 1)[1].strip()
+            + "\n\n" + record_section() + "\n\n### Largest batch per rank\n\n" + maxbatch_section())
 
 
 def main() -> None:
-    print(section())
+    part = sys.argv[1] if len(sys.argv) > 1 else "all"
+    print({"record": record_section, "maxbatch": maxbatch_section}.get(part, section)())
 
 
 if __name__ == "__main__":

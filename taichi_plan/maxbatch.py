@@ -41,7 +41,7 @@ DEFAULT_MAX_OVERHEAD_PCT = 33.0
 DEFAULT_TIME_LIMIT = 30.0
 MAX_BATCH = 1 << 16
 COMPARED = ("none", "sqrt-n", "full", "dtr")
-RATIO_TO = ("none", "sqrt-n")  # the table's ratio columns (MegTaiChi's two headline ratios)
+RATIO_TO = {"none": 10, "sqrt-n": 11}  # the table's ratio columns and widths (MegTaiChi's two headline ratios)
 _LABEL = {"none": "none", "sqrt-n": "sqrt(n)", "full": "every block", "dtr": "DTR"}
 
 _PCT_RE = re.compile(r"^([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)%$")
@@ -94,6 +94,9 @@ class TraceCache:
         if batch not in self._problems:
             self._problems[batch] = build_problem(self._record(batch))
         return self._problems[batch]
+
+    def __contains__(self, batch: int) -> bool:
+        return batch in self._problems
 
     @property
     def recorded(self) -> list[int]:
@@ -151,33 +154,45 @@ def probe_planner(problem: Problem, batch: int, budget_bytes: int, planner: str,
     return Probe(batch, ok, int(p["planned_peak_bytes"]), extra, "fits" if ok else "over overhead")
 
 
-def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int = MAX_BATCH) -> PlannerResult:
+def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int = MAX_BATCH,
+           guess: int | None = None) -> PlannerResult:
     """Largest batch that fits: double from ``start`` (a probe known to fit) or from 1, then
-    bisect. Returns the fitting probe with the probes made (``max_batch`` 0 if 1 fails)."""
+    bisect. With ``guess`` (where the answer is expected: :class:`LineGuide`), that batch
+    and the one above it are probed first: if the first fits and the second does not, that is
+    the answer (two probes); otherwise the search goes on from what they showed (the batch
+    below a failing guess next, then bisection; doubling above a fitting one). Returns the
+    fitting probe with the probes made (``max_batch`` 0 if 1 fails)."""
     probes: list[Probe] = []
     best = start
     lo = start.batch if start else 0
-    b = max(1, 2 * lo)
     hi = None
-    while b <= limit:
+
+    def run(b: int) -> Probe:
+        nonlocal best, lo, hi
         p = probe(b)
         probes.append(p)
-        if not p.fits:
+        if p.fits:
+            best, lo = p, b
+        else:
             hi = b
-            break
-        best, lo = p, b
-        b *= 2
+        return p
+
+    if guess is not None:
+        g = min(max(guess, lo + 1), limit)
+        if g > lo and run(g).fits:
+            if g + 1 <= limit:
+                run(g + 1)
+        elif g - 1 > lo:  # the guess failed: most often by one batch
+            run(g - 1)
+    b = max(1, 2 * lo)
+    while hi is None and b <= limit:
+        if run(b).fits:
+            b = 2 * b
     capped = hi is None
     if capped and lo < limit:  # the doubling jumped past the limit: bisect up to it
         hi = limit + 1
     while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        p = probe(mid)
-        probes.append(p)
-        if p.fits:
-            best, lo = p, mid
-        else:
-            hi = mid
+        run((lo + hi) // 2)
     capped = capped and lo >= limit
     stop = next((p for p in probes if p.batch == lo + 1 and not p.fits), None)
     if best is None:
@@ -200,17 +215,61 @@ def exclusion(row: dict, max_overhead_pct: float) -> str | None:
             f"+{stop['extra_pct']:.1f}% > {max_overhead_pct:g}%.")
 
 
+class LineGuide:
+    """Problems at any batch size drawn through the recordings at :data:`GUIDE_BATCHES`
+    (:func:`taichi_plan.batch_line.line_trace`): where each planner's search is run first, to
+    guess its answer (:func:`search` on them: a guess, never an answer). ``why_not``: why
+    no line could be drawn (the two recordings differ in more than sizes), else None."""
+
+    def __init__(self, cache: TraceCache, batches: tuple[int, int] | None = None):
+        from .batch_line import same_structure
+
+        self.cache = cache
+        self.batches = batches or GUIDE_BATCHES
+        self.lo, self.hi = (cache.problem(b).trace for b in self.batches)
+        self.why_not = same_structure(self.lo, self.hi)
+        self._problems: dict[int, Problem] = {}
+
+    def problem(self, batch: int) -> Problem:
+        from .batch_line import line_trace
+
+        if batch in self.batches or batch in self.cache:  # recorded: the step itself
+            return self.cache.problem(batch)
+        if batch not in self._problems:
+            (a, b) = self.batches
+            self._problems[batch] = build_problem(line_trace(self.lo, a, self.hi, b, batch))
+        return self._problems[batch]
+
+    @property
+    def drawn(self) -> list[int]:
+        """The batch sizes whose steps were drawn, not recorded."""
+        return sorted(self._problems)
+
+
+GUIDE_BATCHES = (2, 3)  # recorded first when the search is guided: the line the guesses are drawn on
+
+
 def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str = "auto",
               max_overhead_pct: float = DEFAULT_MAX_OVERHEAD_PCT, time_limit: float = DEFAULT_TIME_LIMIT,
-              seed: int = 0, limit: int = MAX_BATCH, progress: Callable[[str], None] | None = None) -> dict:
-    """Max batch for ``method`` (ours) and each of :data:`COMPARED`; see the module docstring.
+              seed: int = 0, limit: int = MAX_BATCH, progress: Callable[[str], None] | None = None,
+              compared: tuple[str, ...] = COMPARED, guide: bool = False) -> dict:
+    """Max batch for ``method`` (ours) and each of ``compared`` (``none`` and any of
+    :data:`COMPARED`); see the module docstring.
+
+    ``guide``: record the step at :data:`GUIDE_BATCHES` first and search each planner on steps
+    drawn through them (:class:`LineGuide`: planning only, no recording); each planner's real
+    search then starts with that guess and the batch above it, and goes on from there where
+    the recordings disagree. An answer holds as an unguided one does (it fits on its
+    recording, the batch above does not); where fitting is not monotone in the batch, the two
+    searches may stop at different such batches. The guide saves recordings (one at a large
+    size is minutes). ``result["guide"]`` says what it did.
 
     Returns ``{"budget_bytes", "max_overhead_pct", "method", "planners": [...],
-    "ratios": {"ours/none", "ours/sqrt-n", "ours/full", "ours/dtr"}, "batches_recorded"}``;
+    "ratios": {"ours/none", ...}, "batches_recorded", "guide"}``;
     each planner row has ``planner``, ``ours``, ``max_batch``, ``peak_bytes``, ``extra_pct``,
-    ``capped``, ``probes``, ``stop`` (the failed probe one batch above, or None) and
-    ``excluded`` (:func:`exclusion`'s sentence, or None). A ratio is None when the denominator
-    is 0.
+    ``capped``, ``probes``, ``stop`` (the failed probe one batch above, or None), ``guess``
+    (None unguided) and ``excluded`` (:func:`exclusion`'s sentence, or None). A ratio is None
+    when the denominator is 0.
     """
     if method not in OURS:
         raise UsageError(f"--method {method!r}: maxbatch compares one of our planners ({', '.join(OURS)}) "
@@ -221,31 +280,43 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
         raise UsageError(f"max_overhead_pct must be in (0, 1000], got {max_overhead_pct!r}.")
     if not (isinstance(limit, int) and limit >= 1):
         raise UsageError(f"limit must be a positive integer, got {limit!r}.")
+    unknown = [c for c in compared if c not in COMPARED]
+    if unknown or "none" not in compared:
+        raise UsageError(f"compared must hold 'none' and any of {', '.join(COMPARED)}, got {list(compared)!r}.")
+    compared = tuple(c for c in COMPARED if c in compared)
     cache = TraceCache(record)
     say = progress or (lambda msg: None)
 
-    def prober(planner: str) -> Callable[[int], Probe]:
+    def prober(planner: str, problem_at: Callable[[int], Problem], what: str = "") -> Callable[[int], Probe]:
         def probe(batch: int) -> Probe:
-            problem = cache.problem(batch)
-            say(f"{planner}: batch {batch}")
+            problem = problem_at(batch)
+            say(f"{planner}: batch {batch}{what}")
             return probe_planner(problem, batch, budget_bytes, planner, max_overhead_pct,
                                  time_limit=time_limit, seed=seed)
         return probe
 
+    line = LineGuide(cache) if guide and limit >= max(GUIDE_BATCHES) else None
+    drawn = line if line is not None and line.why_not is None else None
     results: dict[str, PlannerResult] = {}
-    none = search(prober("none"), None, limit)
-    none.planner = "none"
-    results["none"] = none
-    start = _start_probe(none)
-    for planner in (method, *COMPARED[1:]):
-        r = search(prober(planner), start, limit)
+    guesses: dict[str, int] = {}
+    start = guess_start = None
+    for planner in (*compared[:1], method, *compared[1:]):  # none first: the others start from its answer
+        if drawn is not None:
+            g = search(prober(planner, drawn.problem, " (drawn)"), guess_start, limit)
+            guesses[planner] = g.max_batch
+            if planner == "none":
+                guess_start = _start_probe(g)
+        r = search(prober(planner, cache.problem), start, limit, guesses.get(planner))
         r.planner = planner
         results[planner] = r
+        if planner == "none":
+            start = _start_probe(r)
     ours = results[method].max_batch
     rows = []
-    for planner in (method, *COMPARED):
+    for planner in (method, *compared):
         row = asdict(results[planner])
         row["ours"] = planner in OURS
+        row["guess"] = guesses.get(planner)
         row["excluded"] = exclusion(row, max_overhead_pct)
         rows.append(row)
     return {
@@ -253,9 +324,11 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
         "max_overhead_pct": max_overhead_pct,
         "method": method,
         "planners": rows,
-        "ratios": {f"ours/{c}": (ours / results[c].max_batch if results[c].max_batch else None) for c in COMPARED},
+        "ratios": {f"ours/{c}": (ours / results[c].max_batch if results[c].max_batch else None) for c in compared},
         "batches_recorded": cache.recorded,
         "limit": limit,
+        "guide": None if line is None else {"batches": list(line.batches), "why_not": line.why_not,
+                                            "drawn": line.drawn},
     }
 
 
@@ -278,18 +351,21 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
     lines += wrap(f"Budget {size(result['budget_bytes'])}, extra compute at most {result['max_overhead_pct']:g}% "
                   "of the step")
     lines.append("")
-    lines.append(f"{'planner':<16}{'max batch':>10}{'peak at it':>14}{'extra %':>10}{'vs none':>10}{'vs sqrt-n':>11}")
-    lines.append("-" * 71)
     by = {r["planner"]: r for r in result["planners"]}
+    ratio_to = [c for c in RATIO_TO if c in by]  # the planners compared (max_batch's ``compared``)
+    head = "".join(f"{'vs ' + c:>{RATIO_TO[c]}}" for c in ratio_to)
+    lines.append(f"{'planner':<16}{'max batch':>10}{'peak at it':>14}{'extra %':>10}" + head)
+    lines.append("-" * (50 + len(head)))
     for r in result["planners"]:
         name = r["planner"] + (" (ours)" if r["ours"] else "")
         mb = f"{r['max_batch']}" + ("+" if r["capped"] else "")
         extra = f"{r['extra_pct']:.2f}" if r["extra_pct"] is not None else "-"
-        ratios = []
-        for c in RATIO_TO:
+        ratios = ""
+        for c in ratio_to:
             den = by[c]["max_batch"]
-            ratios.append("-" if r["planner"] == c else (f"{r['max_batch'] / den:.2f}x" if den else "n/a"))
-        lines.append(f"{name:<16}{mb:>10}{size(r['peak_bytes']):>14}{extra:>10}{ratios[0]:>10}{ratios[1]:>11}")
+            cell = "-" if r["planner"] == c else (f"{r['max_batch'] / den:.2f}x" if den else "n/a")
+            ratios += f"{cell:>{RATIO_TO[c]}}"
+        lines.append(f"{name:<16}{mb:>10}{size(r['peak_bytes']):>14}{extra:>10}" + ratios)
     lines.append("")
     notes = []
     if by["none"]["max_batch"] == 0:
@@ -303,10 +379,26 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
     notes.append("MegTaiChi (ICS 2022) reports 5x over no planning and 2.4x over sqrt(n).")
     notes.append(f"Recorded {len(result['batches_recorded'])} fake step(s), batch sizes "
                  + ", ".join(map(str, result["batches_recorded"])) + ".")
+    notes += guide_notes(result)
     for note in notes:
         lines += wrap(note)
     return "\n".join(lines) + "\n"
 
 
+def guide_notes(result: dict) -> list[str]:
+    """What the guide (``max_batch(guide=True)``) did, for the notes under the table."""
+    g = result.get("guide")
+    if not g:
+        return []
+    a, b = g["batches"]
+    if g["why_not"]:
+        return [f"No guide: the steps recorded at batch {a} and {b} differ in {g['why_not']}, not only in sizes; "
+                "every probe was a recording."]
+    guesses = ", ".join(f"{_LABEL.get(r['planner'], r['planner'])} {r['guess']}" for r in result["planners"])
+    return [f"Guided: each search ran first on steps drawn through the recordings at batch {a} and {b} "
+            f"(guesses: {guesses}); every answer is the recordings' (it fits, the batch above does not)."]
+
+
 __all__ = ["COMPARED", "DEFAULT_MAX_OVERHEAD_PCT", "MAX_BATCH", "PlannerResult", "Probe", "TraceCache",
-           "exclusion", "fake_recorder", "max_batch", "parse_overhead", "probe_planner", "render_max_batch", "search"]
+           "GUIDE_BATCHES", "LineGuide", "exclusion", "fake_recorder", "guide_notes",
+           "max_batch", "parse_overhead", "probe_planner", "render_max_batch", "search"]

@@ -106,6 +106,23 @@ def _under(name: str, module: str) -> bool:
     return name == module or name.startswith(module + ".")
 
 
+def ops_under(op_module: list[str]) -> dict[str, np.ndarray]:
+    """Each module that ran ops, and each module above one -> the ids, ascending, of the ops
+    run in it or in a module below it (``_under``). One pass over the ops and one over the
+    distinct names: a trace's modules repeat (one name per op), so this costs the ops times
+    the nesting depth, not the ops times the modules."""
+    by_name: dict[str, list[int]] = {}
+    for i, x in enumerate(op_module):
+        by_name.setdefault(x, []).append(i)
+    parts_of: dict[str, list] = {}
+    for x, ids in by_name.items():
+        parts = x.split(".") if x else []
+        for i in range(1, len(parts) + 1):
+            parts_of.setdefault(".".join(parts[:i]), []).append(ids)
+    return {m: np.sort(np.concatenate([np.asarray(ids, dtype=np.int64) for ids in lists]))
+            for m, lists in parts_of.items()}
+
+
 MAX_SPANS = 48  # options considered, split and whole apart: the modules with the most bytes inside
 
 
@@ -192,23 +209,18 @@ def random_draws(problem: Problem, span: Span, chunks: int = 2) -> str | None:
 
 
 def _module_spans(problem: Problem) -> list[Span]:
-    names = problem.op_module
-    phases = np.asarray(problem.op_phase)
-    fqns: set[str] = set()
-    for m in set(names):
-        parts = m.split(".") if m else []
-        for i in range(1, len(parts) + 1):
-            fqns.add(".".join(parts[:i]))
     if not problem.trace.meta.get("workload"):
         return []  # no model to run the module of (hand-built traces): nothing to replay
+    phases = np.asarray(problem.op_phase)
+    under = ops_under(problem.op_module)
     batch = _batch_size(problem) or 1
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)
     out = []
-    for m in sorted(fqns):
-        mask = np.fromiter((_under(x, m) for x in names), dtype=bool, count=len(names))
-        f = np.nonzero(mask & (phases == "forward"))[0]
-        b = np.nonzero(mask & (phases == "backward"))[0]
+    for m in sorted(under):
+        ops = under[m]
+        f = ops[phases[ops] == "forward"]
+        b = ops[phases[ops] == "backward"]
         if len(f) < 2 or len(b) < 1:
             continue
         if f[-1] - f[0] + 1 != len(f) or b[-1] - b[0] + 1 != len(b):

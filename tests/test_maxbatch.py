@@ -17,6 +17,7 @@ from taichi_plan.maxbatch import (
     max_batch,
     parse_overhead,
     probe_planner,
+    render_max_batch,
     search,
 )
 from taichi_plan.problem import build_problem
@@ -211,3 +212,76 @@ def test_render_keeps_every_note_whole():
             "with the batch.") in joined
     assert f"batch sizes {', '.join(map(str, res['batches_recorded']))}." in joined
     assert "a title " * 19 in joined + " "
+
+
+@pytest.mark.parametrize("n", [0, 1, 5, 37, 100])
+@pytest.mark.parametrize("guess", [0, 1, 4, 5, 6, 36, 37, 38, 99, 100, 500])
+def test_search_from_a_guess_finds_the_threshold(n, guess):
+    seen = []
+    r = search(threshold(n, seen), None, limit=4096, guess=guess)
+    assert r.max_batch == n and not r.capped
+    assert len(seen) == len(set(seen))
+    if n:
+        assert n + 1 in seen and r.stop is not None and r.stop.batch == n + 1
+    if guess == n and n:  # a right guess costs two probes
+        assert seen == [n, n + 1]
+    if guess == n + 1 and n:  # one above: the guess, then the batch below it
+        assert seen == [n + 1, n]
+
+
+def test_search_from_a_guess_at_the_limit():
+    r = search(threshold(10**9), None, limit=100, guess=100)
+    assert r.max_batch == 100 and r.capped and [p.batch for p in r.probes] == [100]
+
+
+class Counted:
+    def __init__(self, record):
+        self.record, self.batches = record, []
+
+    def __call__(self, batch: int):
+        self.batches.append(batch)
+        return self.record(batch)
+
+
+@pytest.mark.parametrize("budget", [2000, 5000])
+def test_guided_search_gives_the_unguided_answers_from_fewer_recordings(budget):
+    """The chain's sizes are affine in the batch, so the drawn steps are its steps: each guess
+    is the answer, each planner's real search makes two probes, and no batch is recorded twice."""
+    plain = max_batch(Counted(chain_at), budget, method="heuristic", time_limit=5, limit=1000)
+    rec = Counted(chain_at)
+    guided = max_batch(rec, budget, method="heuristic", time_limit=5, limit=1000, guide=True)
+    assert [r["max_batch"] for r in guided["planners"]] == [r["max_batch"] for r in plain["planners"]]
+    assert guided["guide"]["why_not"] is None and guided["guide"]["drawn"]
+    for r in guided["planners"]:
+        assert r["guess"] == r["max_batch"] and len(r["probes"]) <= 2
+        assert r["stop"]["batch"] == r["max_batch"] + 1
+    assert len(rec.batches) == len(set(rec.batches)) < len(plain["batches_recorded"])
+    assert "Guided: each search ran first on steps drawn" in " ".join(render_max_batch(guided).split())
+
+
+def test_compared_planners_can_be_chosen():
+    res = max_batch(chain_at, 2000, method="heuristic", time_limit=5, limit=1000, compared=("none", "full"))
+    assert [r["planner"] for r in res["planners"]] == ["heuristic", "none", "full"]
+    assert set(res["ratios"]) == {"ours/none", "ours/full"}
+    assert "sqrt-n" not in render_max_batch(res)
+    with pytest.raises(UsageError):
+        max_batch(chain_at, 2000, compared=("full",))
+
+
+def test_cli_guide_on_a_recorded_mlp():
+    """``--guide`` on fake recordings: the guesses come from steps drawn through batch 2 and 3,
+    the answers from recordings (``none``'s checked here against recordings by hand)."""
+    args = ["maxbatch", "--model", "mlp", "--layers", "2", "--hidden", "64", "--optimizer", "sgd", "--budget",
+            "200KB", "--device-profile", "v100-16gb", "--max-overhead", "100%", "--method", "heuristic",
+            "--time-limit", "2", "--limit", "4096", "--guide"]
+    r = CliRunner().invoke(main, [*args, "--json"], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    res = json.loads(r.stdout)
+    assert res["guide"]["batches"] == [2, 3] and res["guide"]["why_not"] is None
+    by = {p["planner"]: p for p in res["planners"]}
+    none = by["none"]["max_batch"]
+    assert by["none"]["guess"] is not None and {2, 3} <= set(res["batches_recorded"])
+    record = fake_recorder("mlp", layers=2, hidden=64, optimizer="sgd", device_profile="v100-16gb")
+    assert build_problem(record(none)).baseline_peak[0] <= 200_000 < build_problem(record(none + 1)).baseline_peak[0]
+    r = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert r.exit_code == 0 and "Guided:" in r.output

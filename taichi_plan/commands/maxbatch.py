@@ -41,11 +41,14 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 @click.option("--limit", default=MAX_BATCH, show_default=True, type=int, help="Largest batch the search tries.")
 @click.option("--fsdp", type=int, default=None, metavar="N",
               help="Search the batch per rank of an N-rank FSDP2 job (rank 0 recorded fake, docs/sharding.md).")
+@click.option("--guide", is_flag=True,
+              help="Record batch 2 and 3 first and search each planner on steps drawn through them; then "
+                   "recordings confirm each answer (fewer recordings: for large models).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the table.")
 @units_option
 @handle_errors
 def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, device_profile,
-            budget, max_overhead, method, time_limit, seed, limit, fsdp, as_json, units) -> None:
+            budget, max_overhead, method, time_limit, seed, limit, fsdp, guide, as_json, units) -> None:
     """The largest batch size whose training step fits the budget with extra compute within
     --max-overhead: for our planner, for no planning, sqrt(n) checkpointing, checkpointing every
     block and DTR (offline); a planner stopped by the overhead cap rather than the budget is
@@ -70,7 +73,7 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
                                image_size=image_size, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                                dtype=dtype, optimizer=optimizer)
         result = max_batch(record, budget_bytes, method=method, max_overhead_pct=overhead, time_limit=time_limit,
-                           seed=seed, limit=limit, progress=status)
+                           seed=seed, limit=limit, progress=status, guide=guide)
     result["workload"] = {"model": model_name, "entry": entry, "seq": seq, "image_size": image_size,
                           "layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "dtype": dtype,
                           "optimizer": optimizer}

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from copy import deepcopy
 from pathlib import Path
 
 from ..devices import get_profile
@@ -311,14 +312,37 @@ class FsdpInstrument:
         self._patch.remove()
 
 
-def tracker_peak(model, optimizer, step_fn: Callable[[], None], inputs, set_to_none: bool = True) -> dict:
-    """Run one more step under ``FSDPMemTracker`` (PyTorch's per-rank estimate) and return
-    its peak: ``{"peak_bytes": int, "by_category": {category: bytes}}``, categories as
-    :data:`TRACKER_KINDS` (activations and temporaries summed)."""
+def peak_tracker(model, optimizer, per_module: bool = False):
+    """PyTorch's ``FSDPMemTracker`` over ``model`` and ``optimizer``. Unless ``per_module``,
+    it keeps only the step's peak: after every op the tracker also walks every module it
+    tracks to update that module's own peak (``MemTracker._update_peak_stats``), which is
+    the ops times the modules (a 70B model's check spent most of its time there) and feeds
+    only its per-module snapshots; the whole step's peak and its snapshot are updated by the
+    same code as PyTorch's."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
+    if per_module:
+        return FSDPMemTracker(model, optimizer)
+
+    class StepPeakTracker(FSDPMemTracker):
+        def _update_peak_stats(self, peak_state) -> None:  # the global half of PyTorch's
+            for dev, dev_snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < dev_snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = dev_snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = deepcopy(dev_snap)
+
+    return StepPeakTracker(model, optimizer)
+
+
+def tracker_peak(model, optimizer, step_fn: Callable[[], None], inputs, set_to_none: bool = True,
+                 per_module: bool = False) -> dict:
+    """Run one more step under ``FSDPMemTracker`` (PyTorch's per-rank estimate, as
+    :func:`peak_tracker` makes it) and return its peak: ``{"peak_bytes": int, "by_category":
+    {category: bytes}}``, categories as :data:`TRACKER_KINDS` (activations and temporaries
+    summed)."""
     optimizer.zero_grad(set_to_none=set_to_none)
-    fmt = FSDPMemTracker(model, optimizer)
+    fmt = peak_tracker(model, optimizer, per_module)
     fmt.track_inputs(tuple(inputs))
     with fmt:
         step_fn()
