@@ -33,7 +33,9 @@ from dataclasses import asdict, dataclass, field
 from .errors import InfeasibleBudgetError, UsageError
 from .partition import floor_bytes
 from .problem import Problem, build_problem, min_live_bytes
-from .solve import OURS, solve
+from .reshard import reshard_units
+from .simulate import simulate_plan
+from .solve import OURS, run_method, solve
 from .trace import Trace
 from .units import format_bytes
 
@@ -139,16 +141,36 @@ def probe_planner(problem: Problem, batch: int, budget_bytes: int, planner: str,
     # The same test solve() starts with (it would raise); skipping it saves its error's search.
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         return Probe(batch, False, None, None, "over budget")
-    try:
-        # activation plans against the baselines: the recorded optimizer step (the options are another lever)
-        plan = solve(problem.trace, budget_bytes, planner, time_limit=time_limit, seed=seed, problem=problem,
-                     optimizer="as-recorded")
-    except InfeasibleBudgetError:
-        return Probe(batch, False, None, None, "over budget")
-    p = plan.predicted
-    extra = float(p["extra_compute_pct"])
+    if reshard_units(problem.trace.meta):
+        # sharded traces: solve() chooses the FSDP units' resharding too (solve/fsdp.py)
+        try:
+            # activation plans against the baselines: the recorded optimizer step (the options are another lever)
+            plan = solve(problem.trace, budget_bytes, planner, time_limit=time_limit, seed=seed, problem=problem,
+                         optimizer="as-recorded")
+        except InfeasibleBudgetError:
+            return Probe(batch, False, None, None, "over budget")
+        peak, extra = int(plan.predicted["planned_peak_bytes"]), float(plan.predicted["extra_compute_pct"])
+    else:
+        peak, extra = plan_once(problem, budget_bytes, planner, time_limit=time_limit, seed=seed)
+        if peak > budget_bytes:
+            return Probe(batch, False, None, None, "over budget")
     ok = extra <= max_overhead_pct
-    return Probe(batch, ok, int(p["planned_peak_bytes"]), extra, "fits" if ok else "over overhead")
+    return Probe(batch, ok, peak, extra, "fits" if ok else "over overhead")
+
+
+def plan_once(problem: Problem, budget_bytes: int, planner: str, *, time_limit: float = DEFAULT_TIME_LIMIT,
+              seed: int = 0) -> tuple[int, float]:
+    """(peak bytes, extra compute %) of ``planner``'s plan for the budget, as the simulator
+    judges it, with the recorded optimizer step (activation plans against the baselines; the
+    optimizer options are another lever). What :func:`taichi_plan.solve.solve` plans for a
+    budget it can meet, without what it does when the plan does not fit: its fallback plans
+    for lower budgets and its error's diagnosis (the least reachable budget, the floor's parts
+    under each optimizer option) cost minutes a probe on a large trace, and a probe needs only
+    whether this plan fits. A batch at which only such a fallback would fit counts as not
+    fitting: the search's answer is a batch some plan is known to fit."""
+    dec = run_method(problem, budget_bytes, planner, time_limit=time_limit, seed=seed)
+    sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
+    return int(sim.peak_bytes), float(sim.extra_pct)
 
 
 def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int = MAX_BATCH) -> PlannerResult:
