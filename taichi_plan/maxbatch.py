@@ -43,6 +43,7 @@ DEFAULT_MAX_OVERHEAD_PCT = 33.0
 DEFAULT_TIME_LIMIT = 30.0
 MAX_BATCH = 1 << 16
 COMPARED = ("none", "sqrt-n", "full", "dtr")
+BUDGET_FREE = ("none", "sqrt-n", "full")  # plans that do not depend on the budget: their peak grows with the batch
 RATIO_TO = ("none", "sqrt-n")  # the table's ratio columns (MegTaiChi's two headline ratios)
 _LABEL = {"none": "none", "sqrt-n": "sqrt(n)", "full": "every block", "dtr": "DTR"}
 
@@ -153,7 +154,7 @@ def probe_planner(problem: Problem, batch: int, budget_bytes: int, planner: str,
     else:
         peak, extra = plan_once(problem, budget_bytes, planner, time_limit=time_limit, seed=seed)
         if peak > budget_bytes:
-            return Probe(batch, False, None, None, "over budget")
+            return Probe(batch, False, peak, extra, "over budget")
     ok = extra <= max_overhead_pct
     return Probe(batch, ok, peak, extra, "fits" if ok else "over overhead")
 
@@ -173,38 +174,78 @@ def plan_once(problem: Problem, budget_bytes: int, planner: str, *, time_limit: 
     return int(sim.peak_bytes), float(sim.extra_pct)
 
 
-def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int = MAX_BATCH) -> PlannerResult:
+def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int = MAX_BATCH,
+           target: int | None = None) -> PlannerResult:
     """Largest batch that fits: double from ``start`` (a probe known to fit) or from 1, then
-    bisect. Returns the fitting probe with the probes made (``max_batch`` 0 if 1 fails)."""
+    bisect. Returns the fitting probe with the probes made (``max_batch`` 0 if 1 fails).
+
+    ``target`` (bytes; for planners whose plan does not depend on the budget, so that their
+    peak grows with the batch about linearly): a step may instead go where the line through
+    the two nearest probes' peaks crosses ``target`` (:func:`_crossing`), and the next to the
+    batch after it, which ends the search in two probes where the peak is linear. A guess on
+    the wrong side of the threshold is followed by a plain step, so the search never takes
+    more than about twice bisection's probes; its answer is the same either way (a batch that
+    fits next to one that does not). Two guesses in a row that each leave more than half the
+    bracket are followed by a plain step too (the line's crossing creeps where the peak bends)."""
     probes: list[Probe] = []
     best = start
+    fitted: list[Probe] = []  # this search's fitting probes (``start`` is not one: its peak may be no plan's)
     lo = start.batch if start else 0
-    b = max(1, 2 * lo)
-    hi = None
-    while b <= limit:
+    hi: Probe | None = None
+    guess_ok = True  # the last guess landed on the side the line predicted, and guesses still halve the bracket
+    slow = 0  # guesses in a row that left more than half the bracket (a line bent one way creeps up on it)
+    while True:
+        if hi is not None and hi.batch - lo <= 1:
+            break
+        b, predicted = (max(1, 2 * lo), None) if hi is None else ((lo + hi.batch) // 2, None)
+        if target is not None and guess_ok:
+            if hi is None:
+                g = _crossing(*fitted[-2:], target) if len(fitted) >= 2 else None
+            else:
+                g = _crossing(best, hi, target) if fitted else None
+            if g is not None:
+                g_fit = int(math.floor(g))
+                top = limit if hi is None else hi.batch - 1
+                if lo < g_fit <= top:
+                    b, predicted = g_fit, True
+                elif g_fit <= lo:
+                    b, predicted = lo + 1, False
+        if b > limit:
+            if lo >= limit:
+                break
+            b = limit if hi is None else b  # the doubling jumped past the limit: try the limit
+        width = None if hi is None else hi.batch - lo
         p = probe(b)
         probes.append(p)
-        if not p.fits:
-            hi = b
-            break
-        best, lo = p, b
-        b *= 2
-    capped = hi is None
-    if capped and lo < limit:  # the doubling jumped past the limit: bisect up to it
-        hi = limit + 1
-    while hi is not None and hi - lo > 1:
-        mid = (lo + hi) // 2
-        p = probe(mid)
-        probes.append(p)
+        if predicted is not None and width is not None:
+            left = (hi.batch - b) if p.fits else (b - lo)
+            slow = slow + 1 if 2 * left > width else 0
+        guess_ok = (predicted is None or predicted == p.fits) and slow < 2
+        if slow >= 2:
+            slow = 0
         if p.fits:
-            best, lo = p, mid
+            best, lo = p, b
+            fitted.append(p)
+            if lo >= limit:
+                break
         else:
-            hi = mid
-    capped = capped and lo >= limit
+            hi = p
+    capped = lo >= limit and hi is None
     stop = next((p for p in probes if p.batch == lo + 1 and not p.fits), None)
     if best is None:
         return PlannerResult("", 0, None, None, False, probes, stop)
     return PlannerResult("", best.batch, best.peak_bytes, best.extra_pct, capped, probes, stop)
+
+
+def _crossing(a: Probe, b: Probe, target: int) -> float | None:
+    """The batch where the line through two probes' peaks reaches ``target`` (None without
+    peaks that grow)."""
+    if a.peak_bytes is None or b.peak_bytes is None or b.batch == a.batch:
+        return None
+    slope = (b.peak_bytes - a.peak_bytes) / (b.batch - a.batch)
+    if slope <= 0:
+        return None
+    return a.batch + (target - a.peak_bytes) / slope
 
 
 def exclusion(row: dict, max_overhead_pct: float) -> str | None:
@@ -255,14 +296,27 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
         return probe
 
     results: dict[str, PlannerResult] = {}
-    none = search(prober("none"), None, limit)
+    none = search(prober("none"), None, limit, target=budget_bytes)
     none.planner = "none"
     results["none"] = none
     start = _start_probe(none)
-    for planner in (method, *COMPARED[1:]):
-        r = search(prober(planner), start, limit)
+    for planner in COMPARED[1:]:
+        r = search(prober(planner), start, limit, target=budget_bytes if planner in BUDGET_FREE else None)
         r.planner = planner
         results[planner] = r
+    # Ours from the best baseline's answer when it fits there (a batch already recorded), so
+    # its search does not walk up through what the baselines already showed fits.
+    ours_start = start
+    top = max(COMPARED[1:], key=lambda c: results[c].max_batch)
+    if results[top].max_batch > (start.batch if start else 0):
+        p = prober(method)(results[top].max_batch)
+        if p.fits:
+            ours_start = p
+    r = search(prober(method), ours_start, limit)
+    if ours_start is not start:
+        r.probes.insert(0, ours_start)
+    r.planner = method
+    results[method] = r
     ours = results[method].max_batch
     rows = []
     for planner in (method, *COMPARED):
