@@ -7,8 +7,9 @@ of the step (33% is about one extra forward):
 
 * ``none``: the trace's own (baseline) peak fits the budget;
 * the baselines ``sqrt-n``, ``full`` (checkpoint every block) and ``dtr``, and ours (``auto``,
-  ``ilp`` or ``heuristic``): :func:`taichi_plan.solve.solve` finds a plan that fits, and the
-  simulator's extra compute is within the overhead.
+  ``ilp`` or ``heuristic``): the planner's plan for the budget fits it, and the simulator's
+  extra compute is within the overhead (on sharded traces, :func:`taichi_plan.solve.solve`'s
+  plan, which also chooses the FSDP units' resharding).
 
 A planner whose search ends on a batch above which its plan fits the budget but costs more
 than the overhead is *excluded by the overhead cap* there; each result says so
@@ -16,10 +17,17 @@ than the overhead is *excluded by the overhead cap* there; each result says so
 the cap, and the table prints it under the rows.
 
 Search: every planner fits wherever ``none`` does (a budget that does not bind needs no
-plan), so ``none`` is searched first from batch 1 and the others start from its answer.
-Each search doubles the batch until it does not fit, then bisects; it ends on a batch that
-fits next to one that does not (``batch + 1`` was tried and failed), unless it reached
-``limit``. No torch here; the recorder is passed in (:func:`fake_recorder` builds one).
+plan), so ``none`` is searched first from batch 1 and the baselines start from its answer;
+ours starts from the best baseline's answer when it fits there. Each search doubles the batch
+until it does not fit, then bisects; it ends on a batch that fits next to one that does not
+(``batch + 1`` was tried and failed), unless it reached ``limit``. Every new batch costs a fake
+recording, so the plans that do not depend on the budget (``none``, ``sqrt-n``, ``full``:
+their peak grows about linearly with the batch) are searched along the line through their
+last two peaks (:func:`search`'s ``target``), which ends in about four probes. A probe asks
+the planner for its plan at the budget and the simulator for its peak and extra compute
+(:func:`plan_once`), not :func:`taichi_plan.solve.solve`'s fallbacks and diagnosis when the
+plan does not fit (minutes per probe on a large trace). No torch here; the recorder is
+passed in (:func:`fake_recorder` builds one).
 """
 
 from __future__ import annotations
