@@ -114,7 +114,9 @@ MAXBATCH = [  # (label, record flags, budget, device profile): the issue's five 
 ]
 
 
-def maxbatch_section() -> str:
+def maxbatch_section(say=lambda msg: None, only: tuple[int, ...] | None = None) -> str:
+    """The max-batch tables of :data:`MAXBATCH` (``only``: their indices), each with its search
+    time and the batch sizes it recorded; ``say`` gets the search's progress."""
     from taichi_plan.devices import get_profile
     from taichi_plan.maxbatch import fake_recorder, max_batch, render_max_batch
     from taichi_plan.units import parse_budget
@@ -123,16 +125,23 @@ def maxbatch_section() -> str:
              "MegTaiChi reports 5x the batch of no planning and 2.4x that of sqrt(n). Ours here is "
              "the `heuristic` planner (20 s limit per solve), with the optimizer step as recorded; "
              "the baselines are no planning, sqrt(n) and every-block checkpointing (each region re-run "
-             "once) and DTR's offline heuristic. Fake recordings map the GPU's kernels (fused "
-             "attention, no S x S matrix: docs/gpu.md).\n"]
-    for label, flags, budget, profile in MAXBATCH:
+             "once) and DTR's offline heuristic. A batch fits a planner when its plan for the budget "
+             "fits and adds at most 33% compute (`taichi_plan/maxbatch.py`). Fake recordings map the "
+             "GPU's kernels (fused attention, no S x S matrix: docs/gpu.md).\n"]
+    total = time.perf_counter()
+    for i, (label, flags, budget, profile) in enumerate(MAXBATCH):
+        if only is not None and i not in only:
+            continue
         t0 = time.perf_counter()
         flags = dict(flags)
         model = flags.pop("model")
-        record = fake_recorder(model, None, device_profile=get_profile(profile).name, **flags)
-        res = max_batch(record, parse_budget(budget), method="heuristic", max_overhead_pct=33.0, time_limit=20)
+        record = fake_recorder(model, None, device_profile=get_profile(profile).name, progress=say, **flags)
+        res = max_batch(record, parse_budget(budget), method="heuristic", max_overhead_pct=33.0, time_limit=20,
+                        progress=say)
         parts.append(f"### {label}\n\n```\n{render_max_batch(res)}\n```\n\n"
                      f"Search took {time.perf_counter() - t0:.0f} s.\n")
+        say(f"{label}: {time.perf_counter() - t0:.0f} s")
+    parts.append(f"All searches: {time.perf_counter() - total:.0f} s.\n")
     return "\n".join(parts)
 
 
@@ -241,7 +250,8 @@ def main() -> None:
 
         # 6. Max batch under a budget.
         progress.update(task, description="maxbatch")
-        sections.append(_guarded("Max batch", maxbatch_section))
+        sections.append(_guarded("Max batch", lambda: maxbatch_section(
+            lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))))
 
         # 7. Sharded: rank 0 of FSDP2 jobs (7B at 8 ranks, 70B at 64).
         progress.update(task, description="sharded")

@@ -7,8 +7,9 @@ of the step (33% is about one extra forward):
 
 * ``none``: the trace's own (baseline) peak fits the budget;
 * the baselines ``sqrt-n``, ``full`` (checkpoint every block) and ``dtr``, and ours (``auto``,
-  ``ilp`` or ``heuristic``): :func:`taichi_plan.solve.solve` finds a plan that fits, and the
-  simulator's extra compute is within the overhead.
+  ``ilp`` or ``heuristic``): the planner's plan for the budget fits it, and the simulator's
+  extra compute is within the overhead (on sharded traces, :func:`taichi_plan.solve.solve`'s
+  plan, which also chooses the FSDP units' resharding).
 
 A planner whose search ends on a batch above which its plan fits the budget but costs more
 than the overhead is *excluded by the overhead cap* there; each result says so
@@ -16,10 +17,17 @@ than the overhead is *excluded by the overhead cap* there; each result says so
 the cap, and the table prints it under the rows.
 
 Search: every planner fits wherever ``none`` does (a budget that does not bind needs no
-plan), so ``none`` is searched first from batch 1 and the others start from its answer.
-Each search doubles the batch until it does not fit, then bisects; it ends on a batch that
-fits next to one that does not (``batch + 1`` was tried and failed), unless it reached
-``limit``. No torch here; the recorder is passed in (:func:`fake_recorder` builds one).
+plan), so ``none`` is searched first from batch 1 and the baselines start from its answer;
+ours starts from the best baseline's answer when it fits there. Each search doubles the batch
+until it does not fit, then bisects; it ends on a batch that fits next to one that does not
+(``batch + 1`` was tried and failed), unless it reached ``limit``. Every new batch costs a fake
+recording, so the plans that do not depend on the budget (``none``, ``sqrt-n``, ``full``:
+their peak grows about linearly with the batch) are searched along the line through their
+last two peaks (:func:`search`'s ``target``), which ends in about four probes. A probe asks
+the planner for its plan at the budget and the simulator for its peak and extra compute
+(:func:`plan_once`), not :func:`taichi_plan.solve.solve`'s fallbacks and diagnosis when the
+plan does not fit (minutes per probe on a large trace). No torch here; the recorder is
+passed in (:func:`fake_recorder` builds one).
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from dataclasses import asdict, dataclass, field
 from .errors import InfeasibleBudgetError, UsageError
 from .partition import floor_bytes
 from .problem import Problem, build_problem, min_live_bytes
-from .solve import OURS, solve
+from .reshard import reshard_units
+from .simulate import simulate_plan
+from .solve import OURS, run_method, solve
 from .trace import Trace
 from .units import format_bytes
 
@@ -41,6 +51,7 @@ DEFAULT_MAX_OVERHEAD_PCT = 33.0
 DEFAULT_TIME_LIMIT = 30.0
 MAX_BATCH = 1 << 16
 COMPARED = ("none", "sqrt-n", "full", "dtr")
+BUDGET_FREE = ("none", "sqrt-n", "full")  # plans that do not depend on the budget: their peak grows with the batch
 RATIO_TO = {"none": 10, "sqrt-n": 11}  # the table's ratio columns and widths (MegTaiChi's two headline ratios)
 _LABEL = {"none": "none", "sqrt-n": "sqrt(n)", "full": "every block", "dtr": "DTR"}
 
@@ -142,30 +153,61 @@ def probe_planner(problem: Problem, batch: int, budget_bytes: int, planner: str,
     # The same test solve() starts with (it would raise); skipping it saves its error's search.
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
         return Probe(batch, False, None, None, "over budget")
-    try:
-        # activation plans against the baselines: the recorded optimizer step (the options are another lever)
-        plan = solve(problem.trace, budget_bytes, planner, time_limit=time_limit, seed=seed, problem=problem,
-                     optimizer="as-recorded")
-    except InfeasibleBudgetError:
-        return Probe(batch, False, None, None, "over budget")
-    p = plan.predicted
-    extra = float(p["extra_compute_pct"])
+    if reshard_units(problem.trace.meta):
+        # sharded traces: solve() chooses the FSDP units' resharding too (solve/fsdp.py)
+        try:
+            # activation plans against the baselines: the recorded optimizer step (the options are another lever)
+            plan = solve(problem.trace, budget_bytes, planner, time_limit=time_limit, seed=seed, problem=problem,
+                         optimizer="as-recorded")
+        except InfeasibleBudgetError:
+            return Probe(batch, False, None, None, "over budget")
+        peak, extra = int(plan.predicted["planned_peak_bytes"]), float(plan.predicted["extra_compute_pct"])
+    else:
+        peak, extra = plan_once(problem, budget_bytes, planner, time_limit=time_limit, seed=seed)
+        if peak > budget_bytes:
+            return Probe(batch, False, peak, extra, "over budget")
     ok = extra <= max_overhead_pct
-    return Probe(batch, ok, int(p["planned_peak_bytes"]), extra, "fits" if ok else "over overhead")
+    return Probe(batch, ok, peak, extra, "fits" if ok else "over overhead")
+
+
+def plan_once(problem: Problem, budget_bytes: int, planner: str, *, time_limit: float = DEFAULT_TIME_LIMIT,
+              seed: int = 0) -> tuple[int, float]:
+    """(peak bytes, extra compute %) of ``planner``'s plan for the budget, as the simulator
+    judges it, with the recorded optimizer step (activation plans against the baselines; the
+    optimizer options are another lever). What :func:`taichi_plan.solve.solve` plans for a
+    budget it can meet, without what it does when the plan does not fit: its fallback plans
+    for lower budgets and its error's diagnosis (the least reachable budget, the floor's parts
+    under each optimizer option) cost minutes a probe on a large trace, and a probe needs only
+    whether this plan fits. A batch at which only such a fallback would fit counts as not
+    fitting: the search's answer is a batch some plan is known to fit."""
+    dec = run_method(problem, budget_bytes, planner, time_limit=time_limit, seed=seed)
+    sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
+    return int(sim.peak_bytes), float(sim.extra_pct)
 
 
 def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int = MAX_BATCH,
-           guess: int | None = None) -> PlannerResult:
+           target: int | None = None, guess: int | None = None) -> PlannerResult:
     """Largest batch that fits: double from ``start`` (a probe known to fit) or from 1, then
-    bisect. With ``guess`` (where the answer is expected: :class:`LineGuide`), that batch
-    and the one above it are probed first: if the first fits and the second does not, that is
-    the answer (two probes); otherwise the search goes on from what they showed (the batch
-    below a failing guess next, then bisection; doubling above a fitting one). Returns the
-    fitting probe with the probes made (``max_batch`` 0 if 1 fails)."""
+    bisect. Returns the fitting probe with the probes made (``max_batch`` 0 if 1 fails).
+
+    ``guess`` (where the answer is expected: :class:`LineGuide`): that batch and the one above
+    it are probed first: if the first fits and the second does not, that is the answer (two
+    probes); otherwise the search goes on from what they showed (the batch below a failing
+    guess next, then as below).
+
+    ``target`` (bytes; for planners whose plan does not depend on the budget, so that their
+    peak grows with the batch about linearly): a step may instead go where the line through
+    the two nearest probes' peaks crosses ``target`` (:func:`_crossing`), and the next to the
+    batch after it, which ends the search in two probes where the peak is linear. A guess on
+    the wrong side of the threshold is followed by a plain step, so the search never takes
+    more than about twice bisection's probes; its answer is the same either way (a batch that
+    fits next to one that does not). Two guesses in a row that each leave more than half the
+    bracket are followed by a plain step too (the line's crossing creeps where the peak bends)."""
     probes: list[Probe] = []
     best = start
+    fitted: list[Probe] = []  # this search's fitting probes (``start`` is not one: its peak may be no plan's)
     lo = start.batch if start else 0
-    hi = None
+    hi: Probe | None = None
 
     def run(b: int) -> Probe:
         nonlocal best, lo, hi
@@ -173,8 +215,9 @@ def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int
         probes.append(p)
         if p.fits:
             best, lo = p, b
-        else:
-            hi = b
+            fitted.append(p)
+        elif hi is None or b < hi.batch:
+            hi = p
         return p
 
     if guess is not None:
@@ -184,20 +227,60 @@ def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int
                 run(g + 1)
         elif g - 1 > lo:  # the guess failed: most often by one batch
             run(g - 1)
-    b = max(1, 2 * lo)
-    while hi is None and b <= limit:
-        if run(b).fits:
-            b = 2 * b
-    capped = hi is None
-    if capped and lo < limit:  # the doubling jumped past the limit: bisect up to it
-        hi = limit + 1
-    while hi is not None and hi - lo > 1:
-        run((lo + hi) // 2)
-    capped = capped and lo >= limit
+    guess_ok = True  # the last guess landed on the side the line predicted, and guesses still halve the bracket
+    slow = 0  # guesses in a row that left more than half the bracket (a line bent one way creeps up on it)
+    while True:
+        if (hi is not None and hi.batch - lo <= 1) or (hi is None and lo >= limit):
+            break
+        b, predicted = (max(1, 2 * lo), None) if hi is None else ((lo + hi.batch) // 2, None)
+        if target is not None and guess_ok:
+            if hi is None:
+                g = _crossing(*fitted[-2:], target) if len(fitted) >= 2 else None
+            else:
+                g = _crossing(best, hi, target) if fitted else None
+            if g is not None:
+                g_fit = int(math.floor(g))
+                top = limit if hi is None else hi.batch - 1
+                if lo < g_fit <= top:
+                    b, predicted = g_fit, True
+                elif g_fit <= lo:
+                    b, predicted = lo + 1, False
+        if b > limit:
+            if lo >= limit:
+                break
+            b = limit if hi is None else b  # the doubling jumped past the limit: try the limit
+        width = None if hi is None else hi.batch - lo
+        p = probe(b)
+        probes.append(p)
+        if predicted is not None and width is not None:
+            left = (hi.batch - b) if p.fits else (b - lo)
+            slow = slow + 1 if 2 * left > width else 0
+        guess_ok = (predicted is None or predicted == p.fits) and slow < 2
+        if slow >= 2:
+            slow = 0
+        if p.fits:
+            best, lo = p, b
+            fitted.append(p)
+            if lo >= limit:
+                break
+        else:
+            hi = p
+    capped = lo >= limit and hi is None
     stop = next((p for p in probes if p.batch == lo + 1 and not p.fits), None)
     if best is None:
         return PlannerResult("", 0, None, None, False, probes, stop)
     return PlannerResult("", best.batch, best.peak_bytes, best.extra_pct, capped, probes, stop)
+
+
+def _crossing(a: Probe, b: Probe, target: int) -> float | None:
+    """The batch where the line through two probes' peaks reaches ``target`` (None without
+    peaks that grow)."""
+    if a.peak_bytes is None or b.peak_bytes is None or b.batch == a.batch:
+        return None
+    slope = (b.peak_bytes - a.peak_bytes) / (b.batch - a.batch)
+    if slope <= 0:
+        return None
+    return a.batch + (target - a.peak_bytes) / slope
 
 
 def exclusion(row: dict, max_overhead_pct: float) -> str | None:
@@ -299,18 +382,41 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
     drawn = line if line is not None and line.why_not is None else None
     results: dict[str, PlannerResult] = {}
     guesses: dict[str, int] = {}
-    start = guess_start = None
-    for planner in (*compared[:1], method, *compared[1:]):  # none first: the others start from its answer
-        if drawn is not None:
-            g = search(prober(planner, drawn.problem, " (drawn)"), guess_start, limit)
-            guesses[planner] = g.max_batch
-            if planner == "none":
-                guess_start = _start_probe(g)
-        r = search(prober(planner, cache.problem), start, limit, guesses.get(planner))
+    guess_start = None
+
+    def guessed(planner: str) -> int | None:
+        """The answer the search on drawn steps gives (no recording), when the search is guided."""
+        nonlocal guess_start
+        if drawn is None:
+            return None
+        g = search(prober(planner, drawn.problem, " (drawn)"), guess_start, limit,
+                   target=budget_bytes if planner in BUDGET_FREE else None)
+        guesses[planner] = g.max_batch
+        if planner == "none":
+            guess_start = _start_probe(g)
+        return g.max_batch
+
+    def searched(planner: str, start: Probe | None) -> PlannerResult:
+        r = search(prober(planner, cache.problem), start, limit,
+                   target=budget_bytes if planner in BUDGET_FREE else None, guess=guessed(planner))
         r.planner = planner
         results[planner] = r
-        if planner == "none":
-            start = _start_probe(r)
+        return r
+
+    start = _start_probe(searched("none", None))  # none first: the others start from its answer
+    for planner in compared[1:]:
+        searched(planner, start)
+    # Ours from the best baseline's answer when it fits there (a batch already recorded), so
+    # its search does not walk up through what the baselines already showed fits.
+    ours_start = start
+    top = max(compared, key=lambda c: results[c].max_batch)
+    if results[top].max_batch > (start.batch if start else 0):
+        p = prober(method, cache.problem)(results[top].max_batch)
+        if p.fits:
+            ours_start = p
+    r = searched(method, ours_start)
+    if ours_start is not start:
+        r.probes.insert(0, ours_start)
     ours = results[method].max_batch
     rows = []
     for planner in (method, *compared):

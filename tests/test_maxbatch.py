@@ -48,6 +48,44 @@ def test_search_finds_the_threshold(n):
     assert search(threshold(n), start, limit=4096).max_batch == n
 
 
+def peaked(n: int, peak, seen: list[int]):
+    """Fits up to ``n``; the probe's peak is ``peak(batch)`` (the search sees only that)."""
+    def probe(b: int) -> Probe:
+        seen.append(b)
+        return Probe(b, b <= n, peak(b), 0.0, "fits" if b <= n else "over budget")
+    return probe
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 57, 100, 201, 1000])
+def test_guided_search_on_a_linear_peak_needs_few_probes(n):
+    # peak = 2 GB + 0.3 GB per sample; the budget is crossed between n and n + 1
+    per, fixed = 300_000_000, 2_000_000_000
+    target = fixed + per * n + per // 2
+    plain, guided = [], []
+    assert search(peaked(n, lambda b: fixed + per * b, plain), None, 4096).max_batch == n
+    r = search(peaked(n, lambda b: fixed + per * b, guided), None, 4096, target=target)
+    assert r.max_batch == n and r.stop is not None and r.stop.batch == n + 1
+    assert len(guided) == len(set(guided))
+    assert len(guided) <= 4  # 1, 2, then the line's crossing and the batch after it
+    assert len(guided) <= len(plain)
+
+
+@pytest.mark.parametrize("n", [3, 40, 201, 999])
+@pytest.mark.parametrize("shape", ["quadratic", "steps", "flat", "wrong side"])
+def test_guided_search_stays_exact_where_the_line_is_wrong(n, shape):
+    # peaks that mislead the line: it must still end on n, with at most about twice bisection's probes
+    peak = {"quadratic": lambda b: b * b, "steps": lambda b: 1000 * (b // 16), "flat": lambda b: 5,
+            "wrong side": lambda b: (n + 1) * 10 - b}[shape]
+    plain, guided = [], []
+    search(peaked(n, peak, plain), None, 4096)
+    start = Probe(1, True, None, 0.0, "fits")
+    for target in (n * n, 1000 * (n // 16), 10, 0):
+        guided.clear()
+        r = search(peaked(n, peak, guided), start, 4096, target=target)
+        assert r.max_batch == n and len(guided) == len(set(guided))
+        assert len(guided) <= 2 * len(plain) + 2
+
+
 def test_search_stops_at_the_limit():
     r = search(threshold(10**9), None, limit=100)
     assert r.max_batch == 100 and r.capped

@@ -428,3 +428,20 @@ def test_cli_work_limit(golden_dir, tmp_path):
     r = CliRunner().invoke(main, ["solve", str(golden_dir), "--budget", "300", "--work-limit", "0", "-o",
                                   str(tmp_path / "x.plan.json")])
     assert r.exit_code == UsageError.exit_code and "--work-limit must be a positive number" in r.output
+
+
+def test_the_heuristic_weighs_a_costlier_partition_that_frees_what_the_budget_needs():
+    # GPT-2 small's width and vocabulary, 4 blocks, fake: at 20% of the peak the LM head + loss
+    # over tokens is what must be partitioned; ranked by bytes per cost alone, each block's cheap
+    # GELU chunks came first and left the sweep short (0.21 of the peak, over the budget).
+    from taichi_plan.record import get_workload, record_workload
+
+    trace = record_workload(get_workload(model="gpt2", layers=4, hidden=768, heads=12, seq=1024, batch=16),
+                            fake=True, device_profile="v100-16gb", steps=1)
+    problem = build_problem(trace)
+    budget = int(0.2 * problem.baseline_peak[0])
+    dec = plan_heuristic(problem, budget, time_limit=60)
+    sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
+    assert sim.peak_bytes <= budget
+    assert any(p.over == "tokens" for p in dec.partitions)
+    assert sim.extra_pct < 25.0

@@ -11,6 +11,7 @@ runs again, keeping what was dropped.
 from __future__ import annotations
 
 import heapq
+import re
 import time
 
 import numpy as np
@@ -81,44 +82,88 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
         return dec
     remat_only = dec
-    # Each module's savings at its most chunks, once; then rounds that add the best-scoring
-    # modules at the worst op, 1, 2, 4, ... per round, re-planning rematerialization around them.
+    # Each module's savings at its most chunks, once. Split modules only: ranked by what they
+    # free at the worst op alone, a module checkpointed whole (one chunk) would win where it
+    # merely moves the peak into its backward (GPT-2's whole transformer), and rule out every
+    # module inside it. The ILP weighs those options (docs/planner.md).
     options = []
     for span in module_spans(problem):
-        # Split modules only: ranked by what they free at the worst op alone, a module
-        # checkpointed whole (one chunk) would win where it merely moves the peak into its
-        # backward (GPT-2's whole transformer), and rule out every module inside it. The ILP
-        # weighs those options (docs/planner.md).
         k = max(span.chunk_choices, default=0)
         if k >= 2:
             options.append((span, k, partition_savings(problem, span, k), partition_cost(problem, span, k)))
-    chosen: list[Partition] = []
-    best = dec
-    take = 1
-    while options:
-        sim, parted = simulate_plan(problem, best.drops, best.partitions)
-        worst = int(np.argmax(sim_over(parted, sim)))
-        ranked = sorted((o for o in options if o[2][worst] > 0), key=lambda o: -o[2][worst] / max(o[3], 1e-12))
-        added = 0
-        for span, k, _sav, _cost in ranked:
-            if added == take:
-                break
-            if any(_under(span.module, c.module) or _under(c.module, span.module) for c in chosen):
-                continue
-            chosen.append(as_partition(span, k))
-            added += 1
-        if not added:
-            break
-        options = [o for o in options if not any(o[0].module == c.module for c in chosen)]
-        parted, _ = apply_partitions(problem, chosen)
-        dec = plan_remat(parted, budget_bytes, deadline=deadline)
-        dec.partitions = list(chosen)
-        best = dec
-        if _fits(problem, dec, budget_bytes) or time.perf_counter() > deadline:
-            break
-        take *= 2
+    best = _add_partitions(problem, budget_bytes, dec, options, deadline)
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
     return best_by_simulator(problem, budget_bytes, [best, remat_only])
+
+
+TRIES = 4  # per round: the best-ranked option classes tried, by each of the two rankings
+
+
+def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, options: list,
+                    deadline: float) -> Decisions:
+    """Rounds that add partitions at the worst op, rematerialization re-planned around them,
+    the simulator choosing each round's step among trials: the best-scoring options (bytes
+    freed at the worst op per unit of cost), 1, 2, 4, ... of them; and, each alone, the
+    :data:`TRIES` best option classes by that score and by the bytes alone. A class is a
+    module and its repeats in the other blocks (the same name up to block indices: repeated
+    blocks tie at the worst op, so one of them alone moves the peak, not lowers it). Ranking
+    by score alone would take cheap small savings first (an activation's chunks) where one
+    costlier option frees what the budget needs (the LM head + loss over tokens), and the
+    small ones, once chosen, leave less to drop. Stops when a plan fits or no trial improves
+    on the round before."""
+    best = start
+    chosen: list[Partition] = []
+    take = 1
+    while options and time.perf_counter() <= deadline:
+        sim, parted = simulate_plan(problem, best.drops, best.partitions)
+        worst = int(np.argmax(sim_over(parted, sim)))
+        free = [o for o in options if o[2][worst] > 0
+                and not any(_under(o[0].module, c.module) or _under(c.module, o[0].module) for c in chosen)]
+        if not free:
+            break
+        trials = [_compatible(chosen, sorted(free, key=lambda o: -o[2][worst] / max(o[3], 1e-12)), take)]
+        classes: dict[str, list] = {}
+        for o in free:
+            classes.setdefault(_BLOCK_INDEX.sub(".#", o[0].module), []).append(o)
+        freed = {name: -max(o[2][worst] for o in cls) for name, cls in classes.items()}
+        per_cost = {name: f / max(sum(o[3] for o in classes[name]), 1e-12) for name, f in freed.items()}
+        for rank in (per_cost, freed):
+            for name in sorted(classes, key=rank.__getitem__)[:TRIES]:
+                cls = classes[name]
+                trial = _compatible(chosen, cls, len(cls))
+                if trial not in trials:
+                    trials.append(trial)
+        decs = []
+        for trial in trials:
+            if time.perf_counter() > deadline and decs:
+                break
+            parts, _ = apply_partitions(problem, trial)
+            dec = plan_remat(parts, budget_bytes, deadline=deadline)
+            dec.partitions = list(trial)
+            decs.append(dec)
+        pick = best_by_simulator(problem, budget_bytes, [best, *decs])
+        if pick is best:
+            break
+        take = take * 2 if pick is decs[0] else 1
+        best, chosen = pick, list(pick.partitions)
+        options = [o for o in options if not any(o[0].module == c.module for c in chosen)]
+        if _fits(problem, best, budget_bytes):
+            break
+    return best
+
+
+_BLOCK_INDEX = re.compile(r"\.\d+(?=\.|$)")
+
+
+def _compatible(chosen: list[Partition], ranked: list, take: int) -> list[Partition]:
+    """``chosen`` plus up to ``take`` of ``ranked`` (in order), none nested in another."""
+    out = list(chosen)
+    for span, k, _sav, _cost in ranked:
+        if len(out) - len(chosen) == take:
+            break
+        if not any(_under(span.module, c.module) or _under(c.module, span.module) for c in out):
+            out.append(as_partition(span, k))
+    return out
 
 
 def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float) -> list[Decisions]:
