@@ -47,6 +47,11 @@ def install_partitions(model, partitions, rt) -> callable:
     return restore
 
 
+def chunk_sizes(batch: int, chunks: int) -> list[int]:
+    """Rows of each chunk: ``torch.tensor_split``'s (the first ``batch % chunks`` one larger)."""
+    return [batch // chunks + (c < batch % chunks) for c in range(chunks)]
+
+
 def _chunked(forward, chunks: int, rt, name: str):
     def run(*args, **kwargs):
         leaves, spec = tree_flatten((args, kwargs))
@@ -59,8 +64,9 @@ def _chunked(forward, chunks: int, rt, name: str):
             if chunks == 1:  # checkpointed whole: its outputs are the module's own, nothing to join
                 return checkpoint(forward, *args, use_reentrant=False, **kwargs)
             pieces = [[] for _ in range(chunks)]
+            sizes = chunk_sizes(batch, chunks)
             for x in leaves:
-                parts = (torch.tensor_split(x, chunks, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0
+                parts = (torch.split(x, sizes, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0
                          and x.shape[0] == batch else [x] * chunks)
                 for c in range(chunks):
                     pieces[c].append(parts[c])
