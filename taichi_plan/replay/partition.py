@@ -1,7 +1,9 @@
 """Partition replay: run a module on chunks of its batch, each chunk checkpointed.
 
 The module's ``forward`` is replaced by one that splits every tensor argument whose first
-dimension is the batch into ``chunks`` pieces, runs the original forward on each piece under
+dimension is the batch into ``chunks`` pieces (``torch.split``: in backward one node joins
+the pieces' gradients, once all have arrived, with one ``cat``; ``tensor_split``'s slices
+would each fill a zero tensor of the whole batch and sum them), runs the original forward on each piece under
 non-reentrant ``torch.utils.checkpoint`` (so only the piece's inputs are kept for backward),
 and concatenates the outputs along dim 0. One chunk is the module checkpointed whole: no
 split, no join. Each checkpoint stashes the RNG state its forward ran with and restores it
@@ -48,7 +50,7 @@ def install_partitions(model, partitions, rt) -> callable:
 
 
 def chunk_sizes(batch: int, chunks: int) -> list[int]:
-    """Rows of each chunk: ``torch.tensor_split``'s (the first ``batch % chunks`` one larger)."""
+    """Rows of each chunk, as ``torch.tensor_split`` cuts them (the first ``batch % chunks`` one larger)."""
     return [batch // chunks + (c < batch % chunks) for c in range(chunks)]
 
 
