@@ -293,7 +293,10 @@ def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, st
         else:
             end[t] = max(int(end[t]), b0)
     work = span.chunk_bytes(chunks)
-    new.append((-1, work, span.reduce_op, span.reduce_op))
+    # The chunked forward's running total (a later chunk's loss is added to it), then the count
+    # of rows it divides by (an int64, made after the chunks), which it saves for its backward.
+    new.append((-1, work + (span.compute_elem if chunks > 1 else 0), span.reduce_op, span.reduce_op))
+    new.append((-1, 8, min(span.reduce_op + 1, b0), b0))
     new.append((-1, work, b0, b0))
     if span.copies_hidden:
         new.append((-1, span.rows * row_bytes, span.copy_op, b0))
