@@ -19,7 +19,10 @@ what that function allocates, exactly:
   gradients): they get 0 bytes;
 * forward, at the loss op: one chunk's logits and their log-softmax
   (``ceil(rows/k) * V * max(head + compute, 2 * compute)`` bytes, element sizes in bytes: a
-  cast to the compute dtype holds both for a moment), freed before the next chunk;
+  cast to the compute dtype holds both for a moment), freed before the next chunk, beside
+  the running total of the chunks' losses (one compute element); then the int64 count of
+  rows (the mean's divisor), saved until the backward; nothing of a chunk is held into the
+  next (``replay/chunked_loss.py`` deletes it);
 * backward, at the span's first backward op: the gradients the span hands on (the hidden
   states', the weight's, the bias's) are allocated whole, and one chunk's logits and their
   softmax live at a time (the same bytes as in forward);
