@@ -3,17 +3,19 @@
 What the simulator models for a partitioned module ``m`` (called once per step, with a
 contiguous forward span and a contiguous backward span in the trace):
 
-* each chunk runs checkpointed, so the module keeps only its inputs across the step;
-* tensors made and freed inside the forward span (its transients) shrink to 1/k;
-* tensors made in the forward span and used only inside the module (saved for its own
-  backward) shrink to 1/k, are freed after their last forward use, and come back at 1/k
-  for the module's backward span (the chunk's forward is re-run there);
-* tensors made and freed inside the backward span shrink to 1/k;
-* the module's outputs (read outside it) and everything else keep their size; its inputs
-  are held by the checkpointed chunks until its backward is done;
-* joining the chunks' outputs (forward) and input gradients (backward) holds both the pieces
-  and the joined tensor for a moment; in backward the ``k - 1`` input-gradient pieces before
-  the last chunk's are held through the module's backward span;
+* each chunk runs checkpointed (``replay/partition.py``: the inputs ``split`` along dim 0,
+  non-reentrant ``torch.utils.checkpoint`` per chunk, the outputs joined by ``cat``), so the
+  module keeps only its inputs across the step;
+* the span's own tensors are modelled event by event (:func:`_chunked_peaks`): each of its
+  ops runs ``k`` times on ``1/k`` pieces, the chunks' outputs wait for the ``cat``, the
+  backward runs the chunks one after the other, each re-running its forward (early stop)
+  before its first op that reads a saved tensor, holding the input-gradient pieces until
+  ``split``'s backward joins them, and adding each later chunk's parameter gradients to the
+  first chunk's out of place; the timeline gets, at each op of the span, the bytes of the
+  span's own tensors at the worst of those moments, so measured == predicted to the byte
+  (tests/test_partition_exact.py);
+* the module's outputs and input gradients re-enter the timeline whole after the span,
+  joined; chunk counts divide the batch, so every piece is exactly ``1/k``;
 * extra compute: the module's forward once more, plus a launch overhead per op per chunk.
 
 One chunk (``k = 1``) is the module checkpointed whole: the same model with nothing shrunk
@@ -81,7 +83,8 @@ class Span:
 
     @property
     def chunk_choices(self) -> tuple[int, ...]:
-        return (1, *(c for c in CHUNK_CHOICES if c <= self.batch)) if self.split else (1,)
+        # Chunks of equal size only (k divides the batch): each tensor's piece is exactly 1/k.
+        return (1, *(c for c in CHUNK_CHOICES if c <= self.batch and self.batch % c == 0)) if self.split else (1,)
 
 
 def span_key(x) -> tuple[str, str]:
@@ -332,20 +335,6 @@ def module_inputs(problem: Problem, span: Span) -> list[int]:
     return sorted(ins)
 
 
-def boundary_bytes(problem: Problem, span: Span) -> tuple[int, int]:
-    """(bytes of the module's outputs, bytes of its batch inputs) in the trace."""
-    f0, f1 = span.fwd
-    b0, b1 = span.bwd
-    outs = set()
-    for i in range(f0, f1 + 1):
-        for t in problem.op_outputs[i].tolist():
-            u = problem.uses[t]
-            if np.any((u > f1) & ((u < b0) | (u > b1))):
-                outs.add(t)
-    ins = module_inputs(problem, span)
-    return int(problem.nbytes[list(outs)].sum()) if outs else 0, int(problem.nbytes[ins].sum()) if ins else 0
-
-
 def span_tensors(problem: Problem, span: Span) -> set[int]:
     """Tensors a partition owns: everything its forward ops read or make (its inputs are held
     by the checkpointed chunks, its outputs are rebuilt by concatenation), plus its insides."""
@@ -416,54 +405,16 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 new_e.append(s1)
             cost += partition_cost(problem, span, k)
             continue
-        f_trans, saved, b_trans = internal_tensors(problem, span)
-        for arr in (f_trans, saved, b_trans):
-            nbytes[arr] = -(-problem.nbytes[arr] // k)
-        internal.update(span_tensors(problem, span))
-        for t in saved.tolist():
-            last_fwd = problem.uses[t][problem.uses[t] <= span.fwd[1]]
-            end[t] = int(last_fwd[-1]) if len(last_fwd) else int(problem.start[t])
-            new_t.append(t)
-            new_id.append(-1 - int(problem.tensor_id[t]))
-            new_nb.append(int(nbytes[t]))
-            new_s.append(span.bwd[0])
-            new_e.append(int(min(problem.end[t], span.bwd[1])))
-        # Gradients of the module's parameters: the first chunk's backward makes all of them,
-        # so they are live from the start of the module's backward, and every later chunk's
-        # gradient is added to them out of place (old, new piece and sum live at once).
-        b0, b1 = span.bwd
-        # One chunk (checkpointed whole): its backward runs once, and no piece is joined.
-        for t in (np.nonzero((problem.kind == "gradient") & (problem.producer >= b0) & (problem.producer <= b1))[0]
-                  if k > 1 else ()):
-            start[t] = min(int(start[t]), b0)
-            new_t.append(-1)
-            new_id.append(_SYNTHETIC_ID - len(new_id))
-            new_nb.append(2 * int(problem.nbytes[t]))
-            new_s.append(int(problem.producer[t]))
-            new_e.append(int(problem.producer[t]))
-        # The checkpointed chunks keep the module's inputs until its backward is done.
-        for t in module_inputs(problem, span):
-            if not problem.persists[t]:
-                end[t] = max(int(end[t]), span.bwd[1])
-        # Concatenations: the chunks' outputs and the joined output are both live while the
-        # forward joins them; the chunks' input gradients and the joined one while backward does.
-        out_bytes, in_bytes = boundary_bytes(problem, span) if k > 1 else (0, 0)
-        for nb, at in ((out_bytes, span.fwd[1]), (in_bytes, span.bwd[1])):
-            if nb > 0:
+        if k == 1:
+            internal.update(_checkpointed_whole(problem, span, nbytes, end, new_t, new_id, new_nb, new_s, new_e))
+        else:
+            internal.update(span_tensors(problem, span))
+            for at, nb in _chunked_peaks(problem, span, k, nbytes, start, end).items():
                 new_t.append(-1)
                 new_id.append(_SYNTHETIC_ID - len(new_id))
                 new_nb.append(nb)
                 new_s.append(at)
                 new_e.append(at)
-        # Each chunk's input gradient waits for the others (autograd joins them once all have
-        # arrived): while the last chunk's backward runs, the k - 1 pieces before it are live.
-        held = in_bytes - -(-in_bytes // k)
-        if held > 0 and span.bwd[1] > span.bwd[0]:
-            new_t.append(-1)
-            new_id.append(_SYNTHETIC_ID - len(new_id))
-            new_nb.append(held)
-            new_s.append(span.bwd[0])
-            new_e.append(span.bwd[1] - 1)
         cost += partition_cost(problem, span, k)
     clash = [d.tensor for d in drops if d.tensor in internal]
     if clash:
@@ -503,6 +454,24 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     )
     out.baseline_live = _live(out)
     return out, cost
+
+
+def _checkpointed_whole(problem: Problem, span: Span, nbytes, end, new_t, new_id, new_nb, new_s, new_e) -> set[int]:
+    """One chunk: the module's saved tensors are gone from their last forward use until its
+    backward, its inputs are held until its backward is done (see the module docstring)."""
+    _f_trans, saved, _b_trans = internal_tensors(problem, span)
+    for t in saved.tolist():
+        last_fwd = problem.uses[t][problem.uses[t] <= span.fwd[1]]
+        end[t] = int(last_fwd[-1]) if len(last_fwd) else int(problem.start[t])
+        new_t.append(t)
+        new_id.append(-1 - int(problem.tensor_id[t]))
+        new_nb.append(int(nbytes[t]))
+        new_s.append(span.bwd[0])
+        new_e.append(int(min(problem.end[t], span.bwd[1])))
+    for t in module_inputs(problem, span):
+        if not problem.persists[t]:
+            end[t] = max(int(end[t]), span.bwd[1])
+    return span_tensors(problem, span)
 
 
 def _without(mask: np.ndarray, tensors: set[int]) -> np.ndarray:
@@ -553,3 +522,185 @@ def floor_bytes(problem: Problem) -> np.ndarray:
             floor = floor - sav
     problem._floor_bytes = (spans, floor)
     return floor
+
+
+def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> dict[int, int]:
+    """The span run in ``k`` chunks, each checkpointed (``replay/partition.py``), event by
+    event: the bytes of the span's own tensors at the worst moment of each of its ops, over
+    the ``k`` times each op runs (and the re-run forward and the joins in between).
+
+    The span's own tensors (made by its forward or backward ops) leave the per-op timeline
+    (``nbytes`` 0); its outputs and input gradients re-enter it whole, joined, after the
+    span; the returned bytes stand for all the rest. A chunk runs the span's ops as the trace
+    did, each of its tensors a ``1/k`` piece (a full copy for one with no batch rows), with
+    the trace's lifetimes, except:
+
+    * forward: a tensor its backward uses is freed at its last forward use (the checkpoint
+      keeps none); each chunk's outputs wait for the others; then ``cat`` holds the pieces
+      and the joined outputs at once;
+    * backward (the chunks in reverse order, each whole before the next): before the first
+      op that reads what the forward saved, the chunk's forward is re-run up to the last
+      tensor its backward needs (non-reentrant checkpoint's early stop); each chunk's input
+      gradients wait for the others and are joined after the last chunk (``split``'s
+      backward); a parameter's gradient is made by the first chunk and every later chunk's
+      is added to it out of place (old, new and sum at once); a tensor made before the span
+      and freed inside it (the output's gradient, an input the backward reads) stays until
+      the last chunk is done with it.
+    """
+    f0, f1 = span.fwd
+    b0, b1 = span.bwd
+    shapes = problem.trace.tensors["shape"].tolist()
+    batch = span.batch
+
+    def piece(t: int) -> int:
+        nb = int(problem.nbytes[t])
+        shp = shapes[t] if t < len(shapes) else []
+        if _constant(problem, t) or problem.kind[t] == "gradient" or not len(shp) or shp[0] < batch or shp[0] % batch:
+            return nb
+        return -(-nb // k)
+
+    own = np.isin(problem.kind, ("activation", "temporary", "input", "gradient")) & ~problem.initial & ~problem.persists
+    made_f = np.nonzero(own & (problem.start >= f0) & (problem.start <= f1))[0].tolist()
+    made_b = np.nonzero(~problem.initial & (problem.start >= b0) & (problem.start <= b1)
+                        & (problem.producer >= b0) & (problem.producer <= b1))[0].tolist()
+    made_b = [t for t in made_b if problem.kind[t] != "parameter"]
+
+    def uses_in(t, lo, hi):
+        u = problem.uses[t]
+        return u[(u >= lo) & (u <= hi)]
+
+    outputs, fwd_life, needed = [], {}, []
+    for t in made_f:
+        in_b = uses_in(t, b0, b1)
+        after = problem.uses[t][(problem.uses[t] > f1) & ((problem.uses[t] < b0) | (problem.uses[t] > b1))]
+        if len(after) or (problem.end[t] > f1 and not len(in_b) and problem.end[t] < b0) or problem.end[t] > b1:
+            outputs.append(t)
+            fwd_life[t] = f1
+        elif problem.end[t] > f1:  # saved for the backward: gone after its last forward use
+            last = uses_in(t, f0, f1)
+            last = int(last[-1]) if len(last) else int(problem.start[t])
+            fwd_life[t] = min(problem.release_after(t, last), f1)
+        else:
+            fwd_life[t] = int(problem.end[t])
+        if len(in_b):
+            needed.append(t)
+    for t in made_f:
+        nbytes[t] = 0
+    for t in outputs:  # joined after the forward span, whole
+        start[t] = f1 + 1
+        nbytes[t] = problem.nbytes[t]
+    out_piece = sum(piece(t) for t in outputs)
+
+    # Forward: the last chunk, with the k - 1 chunks' outputs before it waiting; then the cat.
+    peaks: dict[int, int] = {}
+    delta = np.zeros(f1 - f0 + 2, dtype=np.int64)
+    for t in made_f:
+        delta[int(problem.start[t]) - f0] += piece(t)
+        delta[fwd_life[t] - f0 + 1] -= piece(t)
+    live = np.cumsum(delta)[:-1] + (k - 1) * out_piece
+    for i in range(f0, f1 + 1):
+        peaks[i] = int(live[i - f0])
+    peaks[f1] = max(peaks[f1], k * out_piece + sum(int(problem.nbytes[t]) for t in outputs))
+    # The inputs: held by the chunks at least until the forward returns.
+    for t in module_inputs(problem, span):
+        if not problem.persists[t]:
+            end[t] = max(int(end[t]), f1)
+
+    # Backward.
+    grads = [t for t in made_b if problem.kind[t] == "gradient"]
+    in_grads = [t for t in made_b if problem.kind[t] != "gradient" and problem.end[t] > b1]
+    local_b = [t for t in made_b if problem.kind[t] != "gradient" and problem.end[t] <= b1]
+    for t in made_b:
+        nbytes[t] = 0
+    for t in in_grads + grads:  # joined (or accumulated) after the backward span, whole
+        start[t] = b1 + 1
+        nbytes[t] = problem.nbytes[t]
+    made_f_set, needed_set = set(made_f), set(needed)
+    ext = {t for t in np.nonzero((problem.start < b0) & (problem.end >= b0) & (problem.end <= b1) & ~problem.persists
+                                 & ~np.isin(problem.kind, ("parameter", "buffer", "optimizer_state")))[0].tolist()
+           if t not in made_f_set and len(uses_in(t, b0, b1))}
+    reads_saved = [i for i in range(b0, b1 + 1)
+                   if any(x in needed_set or problem.kind[x] == "parameter" or (problem.start[x] < f0 and x in ext)
+                          for x in problem.op_reads[i].tolist())]
+    r = reads_saved[0] if reads_saved and needed else None
+    n = b1 - b0 + 1
+    base = np.zeros(n + 1, dtype=np.int64)  # one chunk's own backward tensors, per op
+    for t in local_b:
+        base[int(problem.start[t]) - b0] += piece(t)
+        base[int(problem.end[t]) - b0 + 1] -= piece(t)
+    gpiece = np.zeros(n + 1, dtype=np.int64)
+    for t in in_grads:
+        gpiece[int(problem.producer[t]) - b0] += piece(t)
+    gpiece = np.cumsum(gpiece)[:-1]
+    saved_b = np.zeros(n + 1, dtype=np.int64)
+    back_until: dict[int, int] = {}  # a re-made tensor the backward needs -> its last op
+    if r is not None:
+        for t in needed:
+            last = uses_in(t, b0, b1)
+            back_until[t] = e = min(int(problem.release_after(t, int(last[-1]))), b1) if len(last) else r
+            saved_b[r - b0] += piece(t)
+            saved_b[e - b0 + 1] -= piece(t)
+    own_b = np.cumsum(base)[:-1] + gpiece + np.cumsum(saved_b)[:-1]
+    ext_after = np.zeros(n, dtype=np.int64)  # outside tensors the last chunk has freed by op i
+    for t in ext:
+        e = int(problem.end[t])
+        if e < b1:
+            ext_after[e - b0 + 1:] += int(problem.nbytes[t])
+    grad_w = np.zeros(n, dtype=np.int64)  # the parameters' gradients made by op i
+    for t in grads:
+        grad_w[int(problem.producer[t]) - b0:] += int(problem.nbytes[t])
+    # A later chunk's parameter gradients are added to the first chunk's once the node that
+    # made them is done: after the first op from their making on that frees a tensor (its
+    # saved inputs), i.e. before the next op. Old, new and one sum at a time are live then.
+    accumulate: dict[int, list[int]] = {}
+    frees_at = np.zeros(n, dtype=bool)
+    ends = problem.end[(problem.end >= b0) & (problem.end <= b1)]
+    frees_at[ends - b0] = True
+    for t in grads:
+        e = int(problem.producer[t])
+        while e < b1 and not frees_at[e - b0]:
+            e += 1
+        accumulate.setdefault(min(e + 1, b1), []).append(t)
+    pending = np.zeros(n + 1, dtype=np.int64)  # a later chunk's gradients, made, not yet added
+    for at, ts in accumulate.items():
+        for t in ts:
+            pending[int(problem.producer[t]) - b0] += int(problem.nbytes[t])
+            pending[at - b0] -= int(problem.nbytes[t])
+    pending = np.cumsum(pending)[:-1]
+    all_w = int(sum(int(problem.nbytes[t]) for t in grads))
+    in_piece = sum(piece(t) for t in in_grads)
+    # The forward re-run (early stop: up to the last op making a tensor the backward needs).
+    if r is not None:
+        stop = max(int(problem.producer[t]) if problem.producer[t] >= 0 else f0 for t in needed)
+        rec = np.zeros(stop - f0 + 2, dtype=np.int64)
+        for t in made_f:
+            s = int(problem.start[t])
+            if s > stop:
+                continue
+            e = stop if t in needed_set else min(fwd_life[t], stop)
+            rec[s - f0] += piece(t)
+            rec[e - f0 + 1] -= piece(t)
+        rec_peak = int(np.cumsum(rec)[:-1].max())
+        # this chunk's tensors alive right before op r: started before it and not freed before it
+        before_r = sum(piece(t) for t in local_b if problem.start[t] < r <= problem.end[t])
+        before_r += sum(piece(t) for t in in_grads if problem.producer[t] < r)
+    for q in range(k):  # q chunks' backward done before this one's
+        held = q * in_piece
+        last = q == k - 1
+        v = held + own_b + (all_w + pending if q else grad_w) + (0 if last else ext_after)
+        if r is not None:
+            j = r - b0
+            wr = (all_w if q else int(grad_w[j - 1]) if j else 0)
+            v[j] = max(v[j], held + before_r + rec_peak + wr + (0 if last else int(ext_after[j])))
+        for at, ts in accumulate.items() if q else ():
+            j = at - b0
+            carried = sum(piece(t) for t in local_b if problem.start[t] < at <= problem.end[t])
+            carried += sum(piece(t) for t in in_grads if problem.producer[t] < at)
+            carried += sum(piece(t) for t, e in back_until.items() if r < at <= e)
+            new = sum(int(problem.nbytes[t]) for t in ts) + max(int(problem.nbytes[t]) for t in ts)
+            v[j] = max(v[j], held + carried + all_w + new + (0 if last else int(ext_after[j])))
+        for i in range(b0, b1 + 1):
+            peaks[i] = max(peaks.get(i, 0), int(v[i - b0]))
+    join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w
+    peaks[b1] = max(peaks[b1], join)
+    return {i: nb for i, nb in peaks.items() if nb > 0}

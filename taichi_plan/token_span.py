@@ -19,7 +19,10 @@ what that function allocates, exactly:
   gradients): they get 0 bytes;
 * forward, at the loss op: one chunk's logits and their log-softmax
   (``ceil(rows/k) * V * max(head + compute, 2 * compute)`` bytes, element sizes in bytes: a
-  cast to the compute dtype holds both for a moment), freed before the next chunk;
+  cast to the compute dtype holds both for a moment), freed before the next chunk, beside
+  the running total of the chunks' losses (one compute element); then the int64 count of
+  rows (the mean's divisor), saved until the backward; nothing of a chunk is held into the
+  next (``replay/chunked_loss.py`` deletes it);
 * backward, at the span's first backward op: the gradients the span hands on (the hidden
   states', the weight's, the bias's) are allocated whole, and one chunk's logits and their
   softmax live at a time (the same bytes as in forward);
@@ -293,7 +296,10 @@ def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, st
         else:
             end[t] = max(int(end[t]), b0)
     work = span.chunk_bytes(chunks)
-    new.append((-1, work, span.reduce_op, span.reduce_op))
+    # The chunked forward's running total (a later chunk's loss is added to it), then the count
+    # of rows it divides by (an int64, made after the chunks), which it saves for its backward.
+    new.append((-1, work + (span.compute_elem if chunks > 1 else 0), span.reduce_op, span.reduce_op))
+    new.append((-1, 8, min(span.reduce_op + 1, b0), b0))
     new.append((-1, work, b0, b0))
     if span.copies_hidden:
         new.append((-1, span.rows * row_bytes, span.copy_op, b0))

@@ -112,11 +112,12 @@ def test_partition_reaches_what_remat_cannot():
     assert not plan_heuristic(p, 230, partitions=False).drops  # nothing to drop
     plan = solve(trace, 230, "auto", time_limit=10)
     assert [(q.module, q.chunks) for q in plan.partitions] == [("m", 4)]
-    # x 40 + t1/4 100 + y 40, plus y's 4 chunks (40) while they are joined into y.
-    assert plan.predicted["planned_peak_bytes"] == 220
+    # At the last chunk's relu: x 40 + its t1 piece 100 + its y piece 10 + the 3 earlier
+    # chunks' y pieces 30 (then the cat: x 40 + 4 pieces 40 + y 40 = 120).
+    assert plan.predicted["planned_peak_bytes"] == 180
     # Extra: the module's forward once more (2.0) plus 4 chunks x 3 ops of launch overhead.
     assert plan.predicted["extra_compute"] == pytest.approx(2.0 + 4 * 3 * 1e-5)
-    assert peak_from_schedule(plan.schedule)[0] == 220
+    assert peak_from_schedule(plan.schedule)[0] == 180
 
 
 # ---------------------------------------------------------------------------------------------

@@ -97,6 +97,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 per_row[r0:r1] = part
             else:
                 total = part if total is None else total + part
+            del part  # not held into the next chunk (the simulator counts the running total only)
         if per_row is not None:
             out = per_row
             count = None
@@ -142,7 +143,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 grad_w.addmm_(g.t(), hw)
             if grad_b is not None:
                 grad_b.add_(g.sum(0))
-            del p, g
+            del p, g, hw, valid, idx, rows  # nothing of a chunk is held into the next one
         return grad_h, grad_w, grad_b, None, None, None, None, None, None, None
 
 

@@ -1,7 +1,9 @@
 """Partition replay: run a module on chunks of its batch, each chunk checkpointed.
 
 The module's ``forward`` is replaced by one that splits every tensor argument whose first
-dimension is the batch into ``chunks`` pieces, runs the original forward on each piece under
+dimension is the batch into ``chunks`` pieces (``torch.split``: in backward one node joins
+the pieces' gradients, once all have arrived, with one ``cat``; ``tensor_split``'s slices
+would each fill a zero tensor of the whole batch and sum them), runs the original forward on each piece under
 non-reentrant ``torch.utils.checkpoint`` (so only the piece's inputs are kept for backward),
 and concatenates the outputs along dim 0. One chunk is the module checkpointed whole: no
 split, no join. Each checkpoint stashes the RNG state its forward ran with and restores it
@@ -47,6 +49,11 @@ def install_partitions(model, partitions, rt) -> callable:
     return restore
 
 
+def chunk_sizes(batch: int, chunks: int) -> list[int]:
+    """Rows of each chunk, as ``torch.tensor_split`` cuts them (the first ``batch % chunks`` one larger)."""
+    return [batch // chunks + (c < batch % chunks) for c in range(chunks)]
+
+
 def _chunked(forward, chunks: int, rt, name: str):
     def run(*args, **kwargs):
         leaves, spec = tree_flatten((args, kwargs))
@@ -59,8 +66,9 @@ def _chunked(forward, chunks: int, rt, name: str):
             if chunks == 1:  # checkpointed whole: its outputs are the module's own, nothing to join
                 return checkpoint(forward, *args, use_reentrant=False, **kwargs)
             pieces = [[] for _ in range(chunks)]
+            sizes = chunk_sizes(batch, chunks)
             for x in leaves:
-                parts = (torch.tensor_split(x, chunks, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0
+                parts = (torch.split(x, sizes, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0
                          and x.shape[0] == batch else [x] * chunks)
                 for c in range(chunks):
                     pieces[c].append(parts[c])
