@@ -153,3 +153,87 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
     with torch.no_grad():
         again = rt._run_recipe(frame, sid)
     assert torch.equal(torch.empty(0).set_(again, 0, logits.shape, logits.stride()), logits)
+
+
+def _under(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def test_partition_cost_is_the_calibrated_rates_times_the_ops_each_chunk_runs(gpt2):
+    """A partitioned module's cost: its recorded forward once more, ``checkpoint_op_s`` per
+    forward op, and ``chunk_op_s`` per op each further chunk runs again (its forward, that
+    forward's re-run in backward, its backward), the ops counted here from the trace."""
+    from taichi_plan.partition import find_span, launch_overhead_s, partition_cost
+    from taichi_plan.plan import Partition
+
+    problem = build_problem(gpt2)
+    module = "transformer.h.0"
+    span = find_span(problem, Partition(module, 0, 2))
+    ops = gpt2.ops
+    mine = ops["module"].map(lambda m: _under(m, module))
+    n_fwd = int((mine & (ops["phase"] == "forward")).sum())
+    n_bwd = int((mine & (ops["phase"] == "backward")).sum())
+    redo = float(ops.loc[mine & (ops["phase"] == "forward"), "duration_s"].sum())
+    assert n_fwd > 10 and n_bwd > 10
+    saved = dict(gpt2.meta["runtime_overhead"])
+    try:
+        gpt2.meta["runtime_overhead"].update(checkpoint_op_s=3e-6, chunk_op_s=7e-6)
+        for k in (1, 2, 4):
+            want = redo + n_fwd * 3e-6 + (k - 1) * (2 * n_fwd + n_bwd) * 7e-6
+            assert partition_cost(problem, span, k) == pytest.approx(want)
+        for key in ("checkpoint_op_s", "chunk_op_s"):  # an older trace: the launch overhead per op per chunk
+            del gpt2.meta["runtime_overhead"][key]
+            assert partition_cost(problem, span, 2) == pytest.approx(
+                redo + 2 * (n_fwd + n_bwd) * launch_overhead_s(problem))
+    finally:
+        gpt2.meta["runtime_overhead"] = saved
+
+
+def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
+    """What the partition terms are measured on: modules of the call the planner may split
+    (never a container such as a ModuleList, which is never called), disjoint; checkpointed
+    whole, each runs its forward once in the forward and once more in backward; split into K,
+    K times each; the call's ops still match the trace."""
+    from taichi_plan import replay
+    from taichi_plan.partition import partitionable_spans
+    from taichi_plan.replay.calibrate import _partition_probes
+    from taichi_plan.replay.partition import install_partitions
+
+    cal = gpt2.meta["runtime_overhead"]
+    assert cal["checkpoint_op_s"] >= 0 and cal["chunk_op_s"] >= 0
+    model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
+    call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
+    problem, spans, k_most, probes = _partition_probes(gpt2, call, model)
+    names = [s.module for s in spans]
+    assert names == cal["partition_probe"]["modules"] and k_most == cal["partition_probe"]["chunks"] == 4
+    assert "transformer.h" in {s.module for s in partitionable_spans(problem)} and "transformer.h" not in names
+    assert "transformer.h.0" in names
+    for a in spans:
+        for b in spans:
+            assert a is b or a.fwd[1] < b.fwd[0] or b.fwd[1] < a.fwd[0]
+    for k, (cp, parts) in probes.items():
+        runs = dict.fromkeys(names, 0)
+        for name in names:
+            sub = model.get_submodule(name)
+            original = sub.forward
+
+            def counted(*a, _name=name, _f=original, _runs=runs, **kw):
+                _runs[_name] += 1
+                return _f(*a, **kw)
+
+            sub.forward = counted
+        rt = PlanRuntime([cp])
+        handles = replay.install(model, rt)
+        undo = install_partitions(model, parts, rt)
+        try:
+            out = model(**batch)
+            assert runs == dict.fromkeys(names, k)
+            loss_fn(out, batch).backward()
+            assert runs == dict.fromkeys(names, 2 * k)
+        finally:
+            undo()
+            for h in handles:
+                h.remove()
+            for name in names:
+                del model.get_submodule(name).forward
+        assert rt.mismatches == 0 and rt.planned_calls == 1  # (a call with other ops than the trace's raises)

@@ -29,6 +29,9 @@ from dataclasses import replace
 # there the runtime's cost is a small part of the step, and an error in it matters less).
 BUDGET_S = 15.0
 REPEATS = 7
+# Partitions are calibrated checkpointed whole and split into this many chunks (fewer when the
+# batch is smaller): the planner's chunk choices are 2, 4 and 8.
+PROBE_CHUNKS = 4
 
 
 def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budget_s: float = BUDGET_S) -> dict | None:
@@ -44,6 +47,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     from ..record.loop import AUTOCAST_DTYPES, Loop
     from ..record.recorder import op_clock
     from . import call_ops, install
+    from .partition import install_partitions
     from .runtime import CallPlan, PlanRuntime
 
     grad_calls = grad_model_calls(trace.meta) or []
@@ -56,7 +60,11 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
         return None
     probe = CallPlan(0, ops, {}, set(), {}, call.get("inputs", []), None, bool(call.get("training", True)),
                      probe=True)
-    variants = {"plain": None, "check": probe, "recipe": replace(probe, recipe_ops=None)}
+    variants = {"plain": (None, []), "check": (probe, []), "recipe": (replace(probe, recipe_ops=None), [])}
+    chunked = _partition_probes(trace, call, model)
+    if chunked is not None:
+        problem, spans, k_most, probes = chunked
+        variants.update({f"part{k}": v for k, v in probes.items()})
     clock = op_clock()
 
     loop = Loop.from_meta(trace.meta)
@@ -64,9 +72,11 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     runtimes = []
     rebuilds: list[float] = []  # per recipe forward: the rebuild path's own seconds per re-run op
 
-    def forward(plan: CallPlan | None) -> float:
+    def forward(variant: tuple) -> tuple[float, float]:
+        plan, parts = variant
         rt = PlanRuntime([plan], on_mismatch="warn") if plan is not None else None
         handles = install(model, rt) if rt is not None else []
+        undo_parts = install_partitions(model, parts, rt) if parts else (lambda: None)
         runtimes.extend([rt] if rt is not None else [])
         frames = []
         if plan is not None and plan.recipe_ops is None:
@@ -88,12 +98,14 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
                 loss = loss_fn(out, batch)
                 del out
                 loss.backward()
+                total = clock() - t0
                 if frames and frames[0].enabled:  # after the backward, as a rebuild runs: its inputs gone
                     rebuilds.extend(_rebuild_all(rt, frames[0], clock))
         finally:
+            undo_parts()
             for h in handles:
                 h.remove()
-        return dt
+        return dt, total
 
     was_training = model.training
     model.train(bool(call.get("training", True)))
@@ -104,11 +116,16 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     if any(rt.mismatches for rt in runtimes):  # the forward is not the recorded call: nothing measured
         return None
 
-    def per_op(name: str) -> float:
-        return max(statistics.median(a - b for a, b in zip(times[name], times["plain"], strict=True)) / n_ops, 0.0)
+    def extra(name: str, base: str, which: int = 0) -> float:
+        """Median over the repetitions of ``name``'s seconds minus ``base``'s (0: the forward,
+        1: forward and backward)."""
+        return statistics.median(a[which] - b[which] for a, b in zip(times[name], times[base], strict=True))
 
-    out = {"check_op_s": per_op("check"), "recipe_op_s": per_op("recipe"), "ops": n_ops,
+    out = {"check_op_s": max(extra("check", "plain") / n_ops, 0.0),
+           "recipe_op_s": max(extra("recipe", "plain") / n_ops, 0.0), "ops": n_ops,
            "repeats": len(times["plain"])}
+    if chunked is not None:
+        out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
     if rebuilds:
         out["rebuild_op_s"] = max(statistics.median(rebuilds), 0.0)
     return out
@@ -158,11 +175,65 @@ def _rebuild_all(rt, frame, clock) -> list[float]:
         frame.cache.clear()
     n = rt.recompute_ops - n0
     return [(dt - op_s[0]) / n] if n else []
+def _partition_probes(trace, call: dict, model):
+    """What partitions are calibrated on: the model's own modules that the planner may split
+    along the batch, inside the measured call, disjoint, most forward ops first (containers
+    such as a ``ModuleList``, which are never called, left out); returns
+    (problem, those spans, K, {chunks: (CallPlan, partitions)} for 1 and K chunks), or None
+    when the call has no such module."""
+    import torch
+
+    from ..partition import as_partition, partitionable_spans
+    from ..plan import Plan
+    from ..problem import build_problem
+    from . import call_plans
+
+    problem = build_problem(trace)
+    start, end = int(call["start"]), int(call["end"])
+    def called(name: str) -> bool:
+        try:
+            return type(model.get_submodule(name)).forward is not torch.nn.Module.forward
+        except AttributeError:
+            return False
+
+    chosen: list = []
+    for s in sorted((s for s in partitionable_spans(problem) if s.over == "batch" and s.split and s.batch >= 2
+                     and start <= s.fwd[0] and s.fwd[1] <= end and called(s.module)),
+                    key=lambda s: (s.fwd[0] - s.fwd[1], s.module)):
+        if all(s.fwd[1] < c.fwd[0] or s.fwd[0] > c.fwd[1] for c in chosen):
+            chosen.append(s)
+    if not chosen:
+        return None
+    k_most = min(PROBE_CHUNKS, *(s.batch for s in chosen))
+    probes = {}
+    for k in (1, k_most):
+        parts = [as_partition(s, k) for s in chosen]
+        plan = Plan(trace={}, budget_bytes=None, solver={}, predicted={}, partitions=parts)
+        # (grads_alive None: the repetitions' gradients are alive, which the guard would refuse)
+        probes[k] = (replace(call_plans(plan, trace, problem)[0], probe=True, grads_alive=None), parts)
+    return problem, chosen, k_most, probes
+
+
+def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
+    """The two per-op terms of a partition's cost (:func:`taichi_plan.partition.partition_cost`)
+    from the step's extra seconds with ``spans`` checkpointed whole (``whole_s``, against the
+    call with every op checked) and split into ``k_most`` chunks (``more_s``, against whole):
+    ``checkpoint_op_s``, per forward op of a span, what checkpointing it whole costs beyond
+    re-running its recorded forward; ``chunk_op_s``, per op that each further chunk runs again
+    (the span's forward, its re-run in backward, its backward)."""
+    n_fwd = sum(s.fwd[1] - s.fwd[0] + 1 for s in spans)
+    n_bwd = sum(s.bwd[1] - s.bwd[0] + 1 for s in spans)
+    redo_s = sum(float(problem.op_cost[s.fwd[0]:s.fwd[1] + 1].sum()) for s in spans)
+    return {"checkpoint_op_s": max((whole_s - redo_s) / n_fwd, 0.0),
+            "chunk_op_s": max(more_s / ((k_most - 1) * (2 * n_fwd + n_bwd)), 0.0),
+            "partition_probe": {"modules": [s.module for s in spans], "chunks": k_most}}
+
+
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock) -> dict[str, list[float]]:
     """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when one round
     takes more than ``budget_s / repeats``), each round in another order."""
     t0 = clock()
-    forward(None)  # a warm-up, and about how long each forward (with its backward) takes
+    forward(next(iter(variants.values())))  # a warm-up, and about how long each forward (with its backward) takes
     names = list(variants)
     reps = max(1, min(repeats, int(budget_s / max(len(names) * (clock() - t0), 1e-9))))
     times: dict[str, list[float]] = {n: [] for n in names}
