@@ -33,6 +33,10 @@ def test_real_recording_measures_the_runtime_on_its_model(gpt2):
     assert cal["ops"] == call["end"] - call["start"] + 1
     assert cal["repeats"] >= 1
     assert cal["check_op_s"] >= 0 and cal["recipe_op_s"] >= 0 and cal["rebuild_op_s"] >= 0
+    # Re-timed per op name, among the names of the call's ops (a GPT-2 re-runs its matmuls).
+    ops = call_ops(gpt2)[0]
+    assert cal["rebuild_time_ratio"] and set(cal["rebuild_time_ratio"]) <= {o[0] for o in ops}
+    assert "aten.mm.default" in cal["rebuild_time_ratio"] and all(r > 0 for r in cal["rebuild_time_ratio"].values())
 
 
 def test_fake_recording_keeps_the_microbenchmark():
@@ -75,9 +79,13 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
     in_calls = [o for k in planned for o in range(calls[k]["start"], calls[k]["end"] + 1)]
     n_checked, n_recipes = len(in_calls), len(set(in_calls) & rerun)
 
-    def predicted(check, recipe, rebuild) -> float:
-        gpt2.meta["runtime_overhead"] = {"check_op_s": check, "recipe_op_s": recipe, "rebuild_op_s": rebuild}
-        return runtime_overhead_s(problem, drops, plan.partitions, rerun, sim.recompute_ops)
+    reruns = [op for g in sim.groups.values() for op in g.ops]
+    assert len(reruns) == sim.recompute_ops
+
+    def predicted(check, recipe, rebuild, ratio=None) -> float:
+        gpt2.meta["runtime_overhead"] = {"check_op_s": check, "recipe_op_s": recipe, "rebuild_op_s": rebuild,
+                                         "rebuild_time_ratio": ratio or {}}
+        return runtime_overhead_s(problem, drops, plan.partitions, rerun, reruns)
 
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
@@ -86,6 +94,14 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
         assert predicted(2e-6, 4e-6, 2e-6) - base == pytest.approx(n_checked * 1e-6)  # recipe - check unchanged
         assert predicted(1e-6, 5e-6, 2e-6) - base == pytest.approx(n_recipes * 2e-6)
         assert predicted(1e-6, 3e-6, 7e-6) - base == pytest.approx(sim.recompute_ops * 5e-6)
+        # A measured time ratio re-times each re-run of an op of that name (the simulator
+        # charged its recorded time once per re-run).
+        ops = gpt2.ops
+        name = ops["op"][reruns[0]]
+        recorded = sum(float(ops["duration_s"][i]) for i in reruns if ops["op"][i] == name)
+        assert recorded > 0
+        assert predicted(1e-6, 3e-6, 2e-6, {name: 2.5, "aten.not_rerun.default": 9.0}) - base == \
+            pytest.approx(1.5 * recorded)
     finally:
         gpt2.meta["runtime_overhead"] = saved
 
@@ -146,9 +162,13 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
     sid = frame.sid_of[out.logits.untyped_storage()._cdata]
     del out
     steps = sum(len(s) for s in frame.recipes.values())
-    got = _rebuild_all(rt, frame, time.thread_time)
+    op_seconds: dict[int, float] = {}
+    got = _rebuild_all(rt, frame, time.thread_time, op_seconds)
     assert rt.recompute_ops == steps > 0
     assert len(got) == 1
+    # Each re-run op's seconds, by its counted index in the call: every recipe's ops, once.
+    assert set(op_seconds) == {step.op for s in frame.recipes.values() for step in s}
+    assert all(v >= 0 for v in op_seconds.values())
     assert not frame.cache
     with torch.no_grad():
         again = rt._run_recipe(frame, sid)

@@ -13,7 +13,11 @@ from the same allocator state); a term is the median of the per-repetition diffe
 the plain forward, divided by the call's ops. ``rebuild_op_s``: after each recipe forward
 and its backward (a rebuild's inputs are gone by then, as in a real rebuild), every recipe of
 the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
-minus the seconds of the ops themselves (timed inside it), per re-run op, median over the runs.
+minus the seconds of the ops themselves (timed inside it), per re-run op, median over the runs;
+and ``rebuild_time_ratio``: per op name, the seconds its ops took re-run there over the seconds
+the trace recorded for them (a rebuilt ``native_batch_norm`` on ResNet-50 takes about 3x its
+recorded time, a ``relu`` half: a rebuild's inputs, its ``no_grad`` path and the caches differ
+from the recorded forward's).
 
 Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.record.recorder.op_clock`).
 """
@@ -71,6 +75,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     device = next((p.device.type for p in model.parameters()), "cpu")
     runtimes = []
     rebuilds: list[float] = []  # per recipe forward: the rebuild path's own seconds per re-run op
+    rebuilt_s: dict[int, float] = {}  # counted op of the call -> seconds it ran in the rebuilds (all runs)
 
     def forward(variant: tuple) -> tuple[float, float]:
         plan, parts = variant
@@ -100,7 +105,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
                 loss.backward()
                 total = clock() - t0
                 if frames and frames[0].enabled:  # after the backward, as a rebuild runs: its inputs gone
-                    rebuilds.extend(_rebuild_all(rt, frames[0], clock))
+                    rebuilds.extend(_rebuild_all(rt, frames[0], clock, rebuilt_s))
         finally:
             undo_parts()
             for h in handles:
@@ -110,6 +115,9 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     was_training = model.training
     model.train(bool(call.get("training", True)))
     with torch.random.fork_rng(devices=[]):  # the forwards' random draws leave the generator as it was
+        if chunked is not None and not _runs_cleanly(forward, [variants[f"part{k}"] for k in probes], runtimes):
+            chunked = None  # a module that cannot run in chunks here: partitions keep the launch overhead
+            variants = {n: v for n, v in variants.items() if not n.startswith("part")}
         times = _interleaved(forward, variants, repeats, budget_s, clock)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
@@ -128,15 +136,34 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
         out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
     if rebuilds:
         out["rebuild_op_s"] = max(statistics.median(rebuilds), 0.0)
+        out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s, len(rebuilds))
     return out
 
 
-def _rebuild_all(rt, frame, clock) -> list[float]:
+def _time_ratios(trace, call: dict, ops: list, rebuilt_s: dict[int, float], runs: int) -> dict[str, float]:
+    """Per op name: the seconds its ops took re-run in the rebuilds (``rebuilt_s``, counted op
+    of the call -> seconds over ``runs`` runs) over the seconds the trace recorded for them."""
+    from . import counted_ops
+
+    counted = counted_ops(trace)
+    op_ids = [o for o in range(int(call["start"]), int(call["end"]) + 1) if counted[o]]
+    recorded = trace.ops["duration_s"].to_numpy()
+    ran: dict[str, float] = {}
+    rec: dict[str, float] = {}
+    for i, sec in rebuilt_s.items():
+        name = ops[i][0]
+        ran[name] = ran.get(name, 0.0) + sec / runs
+        rec[name] = rec.get(name, 0.0) + float(recorded[op_ids[i]])
+    return {n: ran[n] / rec[n] for n in sorted(ran) if rec[n] > 0}
+
+
+def _rebuild_all(rt, frame, clock, op_seconds: dict[int, float] | None = None) -> list[float]:
     """Re-run every recipe of ``frame`` (a call run with every recipe kept) through the runtime's
     rebuild path, in op order, each storage held until its last reader has re-run; returns
     [(seconds - the seconds of the ops themselves) / re-run ops]: the path's own cost per op,
-    the ops timed where they run. [] when a recipe cannot re-run here (an input overwritten in
-    place, say): then nothing is measured."""
+    the ops timed where they run (and added, per counted op of the call, to ``op_seconds``).
+    [] when a recipe cannot re-run here (an input overwritten in place, say): then nothing is
+    measured."""
     from . import runtime
     from .runtime import TRef
 
@@ -150,12 +177,16 @@ def _rebuild_all(rt, frame, clock) -> list[float]:
     run_op = runtime._run
     op_s = [0.0]
 
+    per_op: dict[int, float] = {}
+
     def timed_op(step, args, kwargs):
         t = clock()
         try:
             return run_op(step, args, kwargs)
         finally:
-            op_s[0] += clock() - t
+            dt = clock() - t
+            op_s[0] += dt
+            per_op[step.op] = per_op.get(step.op, 0.0) + dt
 
     n0 = rt.recompute_ops
     runtime._run = timed_op
@@ -174,7 +205,25 @@ def _rebuild_all(rt, frame, clock) -> list[float]:
         runtime._run = run_op
         frame.cache.clear()
     n = rt.recompute_ops - n0
+    if n and op_seconds is not None:
+        for i, sec in per_op.items():
+            op_seconds[i] = op_seconds.get(i, 0.0) + sec
     return [(dt - op_s[0]) / n] if n else []
+def _runs_cleanly(forward, variants: list, runtimes: list) -> bool:
+    """Whether each of ``variants`` runs once, forward and backward, with no error and no
+    mismatch (a trial run: its runtime is not kept among ``runtimes``)."""
+    n = len(runtimes)
+    try:
+        for v in variants:
+            forward(v)
+    except Exception:  # noqa: BLE001  (calibration only: a module that cannot run in chunks is not timed)
+        return False
+    finally:
+        ok = not any(rt.mismatches for rt in runtimes[n:])
+        del runtimes[n:]
+    return ok
+
+
 def _partition_probes(trace, call: dict, model):
     """What partitions are calibrated on: the model's own modules that the planner may split
     along the batch, inside the measured call, disjoint, most forward ops first (containers
@@ -183,13 +232,15 @@ def _partition_probes(trace, call: dict, model):
     when the call has no such module."""
     import torch
 
+    from ..errors import PlanError
     from ..partition import as_partition, partitionable_spans
     from ..plan import Plan
     from ..problem import build_problem
-    from . import call_plans
+    from . import call_plans, counted_ops
 
     problem = build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
+    counted = counted_ops(trace)
     def called(name: str) -> bool:
         try:
             return type(model.get_submodule(name)).forward is not torch.nn.Module.forward
@@ -198,7 +249,8 @@ def _partition_probes(trace, call: dict, model):
 
     chosen: list = []
     for s in sorted((s for s in partitionable_spans(problem) if s.over == "batch" and s.split and s.batch >= 2
-                     and start <= s.fwd[0] and s.fwd[1] <= end and called(s.module)),
+                     and start <= s.fwd[0] and s.fwd[1] <= end and counted[s.fwd[0]] and counted[s.fwd[1]]
+                     and called(s.module)),
                     key=lambda s: (s.fwd[0] - s.fwd[1], s.module)):
         if all(s.fwd[1] < c.fwd[0] or s.fwd[0] > c.fwd[1] for c in chosen):
             chosen.append(s)
@@ -209,8 +261,10 @@ def _partition_probes(trace, call: dict, model):
     for k in (1, k_most):
         parts = [as_partition(s, k) for s in chosen]
         plan = Plan(trace={}, budget_bytes=None, solver={}, predicted={}, partitions=parts)
-        # (grads_alive None: the repetitions' gradients are alive, which the guard would refuse)
-        probes[k] = (replace(call_plans(plan, trace, problem)[0], probe=True, grads_alive=None), parts)
+        try:  # (grads_alive None: the repetitions' gradients are alive, which the guard would refuse)
+            probes[k] = (replace(call_plans(plan, trace, problem)[0], probe=True, grads_alive=None), parts)
+        except PlanError:
+            return None
     return problem, chosen, k_most, probes
 
 
