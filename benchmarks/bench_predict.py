@@ -62,13 +62,16 @@ def partition_plans(trace, chunks=(1, 2, 4)) -> dict:
 
     from taichi_plan.partition import allow_random, as_partition, partitionable_spans, random_draws
     from taichi_plan.problem import build_problem
+    from taichi_plan.replay import counted_ops
     from taichi_plan.solve.result import Decisions, make_plan
 
     problem = allow_random(build_problem(trace), True)
     probed = set((trace.meta["runtime_overhead"].get("partition_probe") or {}).get("modules", ()))
     runs_ops = set(trace.ops["module"])  # (a container such as a ModuleList is never called: no op of its own)
+    counted = counted_ops(trace)  # (replay locates a module by its first and last counted op)
     chosen: list = []
     for s in sorted((s for s in partitionable_spans(problem) if s.over == "batch" and s.split and s.module in runs_ops
+                     and counted[s.fwd[0]] and counted[s.fwd[1]]
                      and not any(m == s.module or m.startswith(s.module + ".") for m in probed)),
                     key=lambda s: (s.fwd[0] - s.fwd[1], s.module)):
         if all(s.fwd[1] < c.fwd[0] or s.fwd[0] > c.fwd[1] for c in chosen):
