@@ -36,6 +36,9 @@ REPEATS = 7
 # Partitions are calibrated checkpointed whole and split into this many chunks (fewer when the
 # batch is smaller): the planner's chunk choices are 2, 4 and 8.
 PROBE_CHUNKS = 4
+# ... and only when those modules hold at least this share of the call's ops: a few ops (a
+# ResNet's classifier, its modules with batch norm being unsplittable) time noise, not a rate.
+PROBE_MIN_SHARE = 0.25
 
 
 def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budget_s: float = BUDGET_S) -> dict | None:
@@ -227,7 +230,8 @@ def _runs_cleanly(forward, variants: list, runtimes: list) -> bool:
 def _partition_probes(trace, call: dict, model):
     """What partitions are calibrated on: the model's own modules that the planner may split
     along the batch, inside the measured call, disjoint, most forward ops first (containers
-    such as a ``ModuleList``, which are never called, left out); returns
+    such as a ``ModuleList``, which are never called, left out), if they hold at least
+    ``PROBE_MIN_SHARE`` of the call's ops; returns
     (problem, those spans, K, {chunks: (CallPlan, partitions)} for 1 and K chunks), or None
     when the call has no such module."""
     import torch
@@ -254,7 +258,7 @@ def _partition_probes(trace, call: dict, model):
                     key=lambda s: (s.fwd[0] - s.fwd[1], s.module)):
         if all(s.fwd[1] < c.fwd[0] or s.fwd[0] > c.fwd[1] for c in chosen):
             chosen.append(s)
-    if not chosen:
+    if sum(s.fwd[1] - s.fwd[0] + 1 for s in chosen) < PROBE_MIN_SHARE * (end - start + 1):
         return None
     k_most = min(PROBE_CHUNKS, *(s.batch for s in chosen))
     probes = {}
