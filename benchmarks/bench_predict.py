@@ -1,8 +1,9 @@
 """Predicted against measured extra time per plan, in CPU time, phases split (issue 8).
 
-``python -m benchmarks.bench_predict REPS MODEL ...`` (models by key: llama gpt2 bert vit
-resnet50): per model, the bench_replay sizes are recorded (one torch thread), solved at the
-trace-peak fractions of :data:`FRACS`, and plain and every plan are stepped REPS times,
+``python -m benchmarks.bench_predict REPS MODEL ... [--partitions]`` (models by key: llama
+gpt2 bert vit resnet50): per model, the bench_replay sizes are recorded (one torch thread),
+solved at the trace-peak fractions of :data:`FRACS` (with ``--partitions``, also plans that
+only partition, :func:`partition_plans`), and plain and every plan are stepped REPS times,
 interleaved; forward, backward and optimizer are timed in the thread's CPU time
 (``time.thread_time``, so a loaded machine's waits are not counted), with minor page faults
 (``getrusage``) and the runtime's rebuild seconds. Prints predicted vs measured extra per plan.
@@ -12,6 +13,7 @@ A diagnostic: the replay section of ``make bench`` (bench_replay) is the one the
 from __future__ import annotations
 
 import gc
+import os
 import resource
 import statistics
 import sys
@@ -50,7 +52,38 @@ def phased(run) -> dict:
     return dict(fw=t1 - t0, bw=t2 - t1, opt=t3 - t2, tot=t3 - t0, rec=rec, flt_fw=f1 - f0, flt_bw=f2 - f1)
 
 
-def main(models: list[str], reps: int) -> list[dict]:
+def partition_plans(trace, chunks=(1, 2, 4)) -> dict:
+    """Plans that only partition, to check partition costs apart from drops: the modules the
+    planner may split along the batch that calibration did not time, nor their ancestors (so
+    the check is not circular: ``meta.runtime_overhead.partition_probe``), disjoint, most ops
+    first (on a transformer: each block's attention and MLP rather than the block), each
+    split into ``chunks`` (random ones too, their chunks drawing their own numbers)."""
+    import dataclasses
+
+    from taichi_plan.partition import allow_random, as_partition, partitionable_spans, random_draws
+    from taichi_plan.problem import build_problem
+    from taichi_plan.replay import counted_ops
+    from taichi_plan.solve.result import Decisions, make_plan
+
+    problem = allow_random(build_problem(trace), True)
+    probed = set((trace.meta["runtime_overhead"].get("partition_probe") or {}).get("modules", ()))
+    runs_ops = set(trace.ops["module"])  # (a container such as a ModuleList is never called: no op of its own)
+    counted = counted_ops(trace)  # (replay locates a module by its first and last counted op)
+    chosen: list = []
+    for s in sorted((s for s in partitionable_spans(problem) if s.over == "batch" and s.split and s.module in runs_ops
+                     and counted[s.fwd[0]] and counted[s.fwd[1]]
+                     and not any(m == s.module or m.startswith(s.module + ".") for m in probed)),
+                    key=lambda s: (s.fwd[0] - s.fwd[1], s.module)):
+        if all(s.fwd[1] < c.fwd[0] or s.fwd[0] > c.fwd[1] for c in chosen):
+            chosen.append(s)
+    out = {}
+    for k in (k for k in chunks if all(k <= s.batch for s in chosen)):
+        parts = [dataclasses.replace(as_partition(s, k), random_draws=random_draws(problem, s, k)) for s in chosen]
+        out[f"parts/{k}"] = make_plan(problem, None, "partitions", Decisions(partitions=parts), 0.0, 0)
+    return out
+
+
+def main(models: list[str], reps: int, partitions: bool = False) -> list[dict]:
     import torch
     import transformers  # noqa: F401  (import cost is nobody's)
 
@@ -66,6 +99,7 @@ def main(models: list[str], reps: int) -> list[dict]:
     torch.set_num_threads(1)
     runtime.time = types.SimpleNamespace(perf_counter=time.thread_time)  # rebuild timers in CPU time too
     out = []
+    tally = {True: 0, False: 0}
     for key in models:
         label = next(k for k, v in MODELS.items() if v.model == key)
         spec = MODELS[label]
@@ -76,13 +110,16 @@ def main(models: list[str], reps: int) -> list[dict]:
             peak = int(baseline_peak(trace)[0])
             runs = {"plain": MeasuredRun(wl, None, None, 0, "cpu")}
             preds = {}
-            for f in FRACS[key]:
-                plan = solve(trace, int(f * peak), "auto", time_limit=TIME_LIMIT, seed=0)
-                plan, ptrace = plan_and_trace(save_plan(plan, tmp / f"p{f}.plan.json", force=True))
+            plans = {f"@{f}": solve(trace, int(f * peak), "auto", time_limit=TIME_LIMIT, seed=0) for f in FRACS[key]}
+            plans.update(partition_plans(trace) if partitions else {})
+            for name, plan in plans.items():
+                plan, ptrace = plan_and_trace(save_plan(plan, tmp / f"{name.replace('/', '_')}.plan.json", force=True))
                 p = plan.predicted
-                preds[f"@{f}"] = dict(extra=p["extra_time"], compute=p["extra_compute"], rt=p["runtime_overhead"],
-                                      drops=len(plan.recompute), parts=len(plan.partitions), rops=p["recompute_ops"])
-                runs[f"@{f}"] = MeasuredRun(wl, plan, ptrace, 0, "cpu")
+                preds[name] = dict(extra=p["extra_time"], compute=p["extra_compute"], rt=p["runtime_overhead"],
+                                   part=p["partition_compute"], drops=len(plan.recompute), rops=p["recompute_ops"],
+                                   parts=" ".join(f"{x.module}{'~t' if x.over == 'tokens' else ''}/{x.chunks}"
+                                                  for x in plan.partitions) or "-")
+                runs[name] = MeasuredRun(wl, plan, ptrace, 0, "cpu")
             names = list(runs)
             res = {n: [] for n in names}
             for r in range(reps):
@@ -93,14 +130,16 @@ def main(models: list[str], reps: int) -> list[dict]:
             pl = med["plain"]
             cal = trace.meta["runtime_overhead"]
             print(f"== {label}: plain fw {pl['fw'] * 1e3:.1f} bw {pl['bw'] * 1e3:.1f} opt {pl['opt'] * 1e3:.1f} ms; "
-                  f"runtime us/op: " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cal.items() if k.endswith("_s")),
-                  flush=True)
+                  f"runtime us/op: " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cal.items() if k.endswith("_s"))
+                  + f"; partitions timed on {cal.get('partition_probe')}; load {os.getloadavg()[0]:.1f}", flush=True)
             for n in names[1:]:
                 m, p = med[n], preds[n]
                 ex = m["tot"] - pl["tot"]
                 ok = abs(p["extra"] - ex) <= max(0.2 * abs(ex), 0.005)
-                print(f"  {n}: drops {p['drops']} parts {p['parts']} rops {p['rops']} | predicted {p['extra'] * 1e3:.1f} "
-                      f"(compute {p['compute'] * 1e3:.1f} runtime {p['rt'] * 1e3:.1f}) | measured {ex * 1e3:.1f} "
+                tally[ok] += 1
+                print(f"  {n}: drops {p['drops']} rops {p['rops']} parts {p['parts']} | predicted {p['extra'] * 1e3:.1f} "
+                      f"(compute {p['compute'] * 1e3:.1f} of which partitions {p['part'] * 1e3:.1f}, "
+                      f"runtime {p['rt'] * 1e3:.1f}) | measured {ex * 1e3:.1f} "
                       f"[fw {1e3 * (m['fw'] - pl['fw']):+.1f} bw {1e3 * (m['bw'] - pl['bw']):+.1f} "
                       f"opt {1e3 * (m['opt'] - pl['opt']):+.1f}] rebuild {m['rec'] * 1e3:.1f} "
                       f"faults fw {m['flt_fw'] - pl['flt_fw']:+.0f} bw {m['flt_bw'] - pl['flt_bw']:+.0f} "
@@ -110,9 +149,10 @@ def main(models: list[str], reps: int) -> list[dict]:
                 run.close()
             del runs
             gc.collect()
+    print(f"within 20% or 5 ms on {tally[True]} of {tally[True] + tally[False]} plans; load {os.getloadavg()}", flush=True)
     return out
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    main(args[1:], int(args[0]))
+    args = [a for a in sys.argv[1:] if a != "--partitions"]
+    main(args[1:], int(args[0]), partitions="--partitions" in sys.argv)

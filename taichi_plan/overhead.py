@@ -5,7 +5,9 @@ The recorder measures the runtime's per-op bookkeeping on the recording machine
 that the plan changes (it drops a tensor made there, or partitions a module in it) runs under
 the runtime's dispatch mode: each of its ops pays ``check_op_s``, each op whose recipe a rebuild
 may need pays ``recipe_op_s`` instead, and each op re-run in a rebuild pays ``rebuild_op_s`` on
-top of its own time. Calls the plan leaves alone, and everything outside the model, pay nothing.
+top of its own time, which is its recorded time times ``rebuild_time_ratio`` of its op name
+where measured (trace v5). Calls the plan leaves alone, and everything outside the model, pay
+nothing.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import numpy as np
 from .problem import Problem
 
 
-def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], recompute_ops: int) -> float | None:
+def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], reruns: list[int]) -> float | None:
     """Predicted seconds the runtime adds to a step under this plan, or None when the trace
-    carries no measurement (imported graphs, older recordings)."""
+    carries no measurement (imported graphs, older recordings). ``rerun``: the ops whose
+    recipes are kept; ``reruns``: each op re-run in a rebuild, once per re-run."""
     cal = problem.trace.meta.get("runtime_overhead")
     if not cal or problem.trace.cost_unit != "s":
         return None
@@ -34,5 +37,10 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rec
     in_planned = np.isin(call, sorted(planned)) if planned else np.zeros(len(call), dtype=bool)
     checked = int(in_planned.sum())
     recipes = sum(1 for i in rerun if 0 <= i < len(call) and in_planned[i])
+    # A re-run op takes another time than the trace recorded for it (trace v5: measured per op
+    # name on the model's own rebuilds); the simulator charged the recorded time.
+    ratio = cal.get("rebuild_time_ratio") or {}
+    names, cost = problem.op_name, problem.op_cost
+    retimed = sum(float(cost[i]) * (ratio[names[i]] - 1.0) for i in reruns if names[i] in ratio)
     return float(checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
-                 + recompute_ops * cal["rebuild_op_s"])
+                 + len(reruns) * cal["rebuild_op_s"] + retimed)

@@ -16,7 +16,9 @@ contiguous forward span and a contiguous backward span in the trace):
   (tests/test_partition_exact.py);
 * the module's outputs and input gradients re-enter the timeline whole after the span,
   joined; chunk counts divide the batch, so every piece is exactly ``1/k``;
-* extra compute: the module's forward once more, plus a launch overhead per op per chunk.
+* extra compute: the module's forward once more, plus a launch overhead per op per chunk; on
+  a real recording, what the runtime measured on the model's own modules instead
+  (:func:`partition_cost`).
 
 One chunk (``k = 1``) is the module checkpointed whole: the same model with nothing shrunk
 and nothing joined (no concatenation, no gradient pieces, each parameter's gradient made
@@ -295,8 +297,15 @@ def partition_cost(problem: Problem, span: Span, chunks: int) -> float:
         return token_span.cost(problem, span, chunks, launch_overhead_s(problem))
     f0, f1 = span.fwd
     b0, b1 = span.bwd
-    n_ops = (f1 - f0 + 1) + (b1 - b0 + 1)
-    return float(problem.op_cost[f0:f1 + 1].sum()) + chunks * n_ops * launch_overhead_s(problem)
+    n_fwd, n_bwd = f1 - f0 + 1, b1 - b0 + 1
+    redo = float(problem.op_cost[f0:f1 + 1].sum())
+    cal = problem.trace.meta.get("runtime_overhead") or {}
+    if problem.trace.cost_unit == "s" and "chunk_op_s" in cal and "checkpoint_op_s" in cal:
+        # Measured on the recorded model's own modules (taichi_plan.replay.calibrate): what
+        # checkpointing costs per forward op beyond the re-run, and what each further chunk
+        # costs per op it runs again (forward, re-run, backward: each op launched once more).
+        return redo + n_fwd * cal["checkpoint_op_s"] + (chunks - 1) * (2 * n_fwd + n_bwd) * cal["chunk_op_s"]
+    return redo + chunks * (n_fwd + n_bwd) * launch_overhead_s(problem)
 
 
 def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

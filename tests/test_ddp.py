@@ -75,7 +75,7 @@ def _trace_of(plan):
 def test_buckets_are_ddp_own_buffers(ddp_plan):
     trace = _trace_of(ddp_plan)
     d = trace.meta["ddp"]
-    assert trace.meta["format_version"] == 4 and d["world_size"] == 2 and not d["gradient_as_bucket_view"]
+    assert trace.meta["format_version"] == 5 and d["world_size"] == 2 and not d["gradient_as_bucket_view"]
     want = _reference_buckets(GPT2, bucket_cap_mb=CAP_MB)
     assert len(want) > 2  # the cap splits the gradients
     assert [b["nbytes"] for b in d["buckets"]] == want

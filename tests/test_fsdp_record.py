@@ -57,7 +57,7 @@ def test_fake_rank_trace_agrees_with_fsdp_mem_tracker(gpt2_fsdp4):
 def test_trace_knows_the_sharded_layout(gpt2_fsdp4):
     trace, _ = gpt2_fsdp4
     f = trace.meta["fsdp"]
-    assert trace.meta["format_version"] == 4
+    assert trace.meta["format_version"] == 5
     assert f["world_size"] == 4 and f["mesh_shape"] == [4]
     assert [u["module"] for u in f["units"]] == ["", "transformer.h.0", "transformer.h.1"]
     kinds = set(trace.tensors["kind"])

@@ -33,6 +33,10 @@ def test_real_recording_measures_the_runtime_on_its_model(gpt2):
     assert cal["ops"] == call["end"] - call["start"] + 1
     assert cal["repeats"] >= 1
     assert cal["check_op_s"] >= 0 and cal["recipe_op_s"] >= 0 and cal["rebuild_op_s"] >= 0
+    # Re-timed per op name, among the names of the call's ops (a GPT-2 re-runs its matmuls).
+    ops = call_ops(gpt2)[0]
+    assert cal["rebuild_time_ratio"] and set(cal["rebuild_time_ratio"]) <= {o[0] for o in ops}
+    assert "aten.mm.default" in cal["rebuild_time_ratio"] and all(r > 0 for r in cal["rebuild_time_ratio"].values())
 
 
 def test_fake_recording_keeps_the_microbenchmark():
@@ -75,9 +79,13 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
     in_calls = [o for k in planned for o in range(calls[k]["start"], calls[k]["end"] + 1)]
     n_checked, n_recipes = len(in_calls), len(set(in_calls) & rerun)
 
-    def predicted(check, recipe, rebuild) -> float:
-        gpt2.meta["runtime_overhead"] = {"check_op_s": check, "recipe_op_s": recipe, "rebuild_op_s": rebuild}
-        return runtime_overhead_s(problem, drops, plan.partitions, rerun, sim.recompute_ops)
+    reruns = [op for g in sim.groups.values() for op in g.ops]
+    assert len(reruns) == sim.recompute_ops
+
+    def predicted(check, recipe, rebuild, ratio=None) -> float:
+        gpt2.meta["runtime_overhead"] = {"check_op_s": check, "recipe_op_s": recipe, "rebuild_op_s": rebuild,
+                                         "rebuild_time_ratio": ratio or {}}
+        return runtime_overhead_s(problem, drops, plan.partitions, rerun, reruns)
 
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
@@ -86,6 +94,14 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
         assert predicted(2e-6, 4e-6, 2e-6) - base == pytest.approx(n_checked * 1e-6)  # recipe - check unchanged
         assert predicted(1e-6, 5e-6, 2e-6) - base == pytest.approx(n_recipes * 2e-6)
         assert predicted(1e-6, 3e-6, 7e-6) - base == pytest.approx(sim.recompute_ops * 5e-6)
+        # A measured time ratio re-times each re-run of an op of that name (the simulator
+        # charged its recorded time once per re-run).
+        ops = gpt2.ops
+        name = ops["op"][reruns[0]]
+        recorded = sum(float(ops["duration_s"][i]) for i in reruns if ops["op"][i] == name)
+        assert recorded > 0
+        assert predicted(1e-6, 3e-6, 2e-6, {name: 2.5, "aten.not_rerun.default": 9.0}) - base == \
+            pytest.approx(1.5 * recorded)
     finally:
         gpt2.meta["runtime_overhead"] = saved
 
@@ -155,10 +171,98 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
         return st
 
     rt._run_recipe = keep_logits
-    got = _rebuild_all(rt, frame, time.thread_time)
+    op_seconds: dict[int, float] = {}
+    got = _rebuild_all(rt, frame, time.thread_time, op_seconds)
     assert rt.recompute_ops == steps > 0
     assert len(got) == 1
+    # Each re-run op's seconds, by its counted index in the call: every recipe's ops, once.
+    assert set(op_seconds) == {step.op for s in frame.recipes.values() for step in s}
+    assert all(v >= 0 for v in op_seconds.values())
     assert not frame.cache
     # (Not re-run from nothing here: with every storage gone a lone recipe rebuilds each shared
     # input once per reader, which is what _rebuild_all's op order avoids.)
     assert torch.equal(torch.empty(0).set_(rebuilt["logits"], 0, logits.shape, logits.stride()), logits)
+
+
+def _under(name: str, module: str) -> bool:
+    return name == module or name.startswith(module + ".")
+
+
+def test_partition_cost_is_the_calibrated_rates_times_the_ops_each_chunk_runs(gpt2):
+    """A partitioned module's cost: its recorded forward once more, ``checkpoint_op_s`` per
+    forward op, and ``chunk_op_s`` per op each further chunk runs again (its forward, that
+    forward's re-run in backward, its backward), the ops counted here from the trace."""
+    from taichi_plan.partition import find_span, launch_overhead_s, partition_cost
+    from taichi_plan.plan import Partition
+
+    problem = build_problem(gpt2)
+    module = "transformer.h.0"
+    span = find_span(problem, Partition(module, 0, 2))
+    ops = gpt2.ops
+    mine = ops["module"].map(lambda m: _under(m, module))
+    n_fwd = int((mine & (ops["phase"] == "forward")).sum())
+    n_bwd = int((mine & (ops["phase"] == "backward")).sum())
+    redo = float(ops.loc[mine & (ops["phase"] == "forward"), "duration_s"].sum())
+    assert n_fwd > 10 and n_bwd > 10
+    saved = dict(gpt2.meta["runtime_overhead"])
+    try:
+        gpt2.meta["runtime_overhead"].update(checkpoint_op_s=3e-6, chunk_op_s=7e-6)
+        for k in (1, 2, 4):
+            want = redo + n_fwd * 3e-6 + (k - 1) * (2 * n_fwd + n_bwd) * 7e-6
+            assert partition_cost(problem, span, k) == pytest.approx(want)
+        for key in ("checkpoint_op_s", "chunk_op_s"):  # an older trace: the launch overhead per op per chunk
+            del gpt2.meta["runtime_overhead"][key]
+            assert partition_cost(problem, span, 2) == pytest.approx(
+                redo + 2 * (n_fwd + n_bwd) * launch_overhead_s(problem))
+    finally:
+        gpt2.meta["runtime_overhead"] = saved
+
+
+def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
+    """What the partition terms are measured on: modules of the call the planner may split
+    (never a container such as a ModuleList, which is never called), disjoint; checkpointed
+    whole, each runs its forward once in the forward and once more in backward; split into K,
+    K times each; the call's ops still match the trace."""
+    from taichi_plan import replay
+    from taichi_plan.partition import partitionable_spans
+    from taichi_plan.replay.calibrate import _partition_probes
+    from taichi_plan.replay.partition import install_partitions
+
+    cal = gpt2.meta["runtime_overhead"]
+    assert cal["checkpoint_op_s"] >= 0 and cal["chunk_op_s"] >= 0
+    model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
+    call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
+    problem, spans, k_most, probes = _partition_probes(gpt2, call, model)
+    names = [s.module for s in spans]
+    assert names == cal["partition_probe"]["modules"] and k_most == cal["partition_probe"]["chunks"] == 4
+    assert "transformer.h" in {s.module for s in partitionable_spans(problem)} and "transformer.h" not in names
+    assert "transformer.h.0" in names
+    for a in spans:
+        for b in spans:
+            assert a is b or a.fwd[1] < b.fwd[0] or b.fwd[1] < a.fwd[0]
+    for k, (cp, parts) in probes.items():
+        runs = dict.fromkeys(names, 0)
+        for name in names:
+            sub = model.get_submodule(name)
+            original = sub.forward
+
+            def counted(*a, _name=name, _f=original, _runs=runs, **kw):
+                _runs[_name] += 1
+                return _f(*a, **kw)
+
+            sub.forward = counted
+        rt = PlanRuntime([cp])
+        handles = replay.install(model, rt)
+        undo = install_partitions(model, parts, rt)
+        try:
+            out = model(**batch)
+            assert runs == dict.fromkeys(names, k)
+            loss_fn(out, batch).backward()
+            assert runs == dict.fromkeys(names, 2 * k)
+        finally:
+            undo()
+            for h in handles:
+                h.remove()
+            for name in names:
+                del model.get_submodule(name).forward
+        assert rt.mismatches == 0 and rt.planned_calls == 1  # (a call with other ops than the trace's raises)

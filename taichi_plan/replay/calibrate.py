@@ -13,7 +13,11 @@ from the same allocator state); a term is the median of the per-repetition diffe
 the plain forward, divided by the call's ops. ``rebuild_op_s``: after each recipe forward
 and its backward (a rebuild's inputs are gone by then, as in a real rebuild), every recipe of
 the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
-minus the seconds of the ops themselves (timed inside it), per re-run op, median over the runs.
+minus the seconds of the ops themselves (timed inside it), per re-run op, median over the runs;
+and ``rebuild_time_ratio``: per op name, the seconds its ops took re-run there over the seconds
+the trace recorded for them (a rebuilt ``native_batch_norm`` on ResNet-50 takes about 3x its
+recorded time, a ``relu`` half: a rebuild's inputs, its ``no_grad`` path and the caches differ
+from the recorded forward's).
 
 Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.record.recorder.op_clock`).
 """
@@ -29,6 +33,12 @@ from dataclasses import replace
 # there the runtime's cost is a small part of the step, and an error in it matters less).
 BUDGET_S = 15.0
 REPEATS = 7
+# Partitions are calibrated checkpointed whole and split into this many chunks (fewer when the
+# batch is smaller): the planner's chunk choices are 2, 4 and 8.
+PROBE_CHUNKS = 4
+# ... and only when those modules hold at least this share of the call's ops: a few ops (a
+# ResNet's classifier, its modules with batch norm being unsplittable) time noise, not a rate.
+PROBE_MIN_SHARE = 0.25
 
 
 def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budget_s: float = BUDGET_S) -> dict | None:
@@ -44,6 +54,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
     from ..record.loop import AUTOCAST_DTYPES, Loop
     from ..record.recorder import op_clock
     from . import call_ops, install
+    from .partition import install_partitions
     from .runtime import CallPlan, PlanRuntime
 
     grad_calls = grad_model_calls(trace.meta) or []
@@ -56,17 +67,24 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
         return None
     probe = CallPlan(0, ops, {}, set(), {}, call.get("inputs", []), None, bool(call.get("training", True)),
                      probe=True)
-    variants = {"plain": None, "check": probe, "recipe": replace(probe, recipe_ops=None)}
+    variants = {"plain": (None, []), "check": (probe, []), "recipe": (replace(probe, recipe_ops=None), [])}
+    chunked = _partition_probes(trace, call, model)
+    if chunked is not None:
+        problem, spans, k_most, probes = chunked
+        variants.update({f"part{k}": v for k, v in probes.items()})
     clock = op_clock()
 
     loop = Loop.from_meta(trace.meta)
     device = next((p.device.type for p in model.parameters()), "cpu")
     runtimes = []
     rebuilds: list[float] = []  # per recipe forward: the rebuild path's own seconds per re-run op
+    rebuilt_s: dict[int, float] = {}  # counted op of the call -> seconds it ran in the rebuilds (all runs)
 
-    def forward(plan: CallPlan | None) -> float:
+    def forward(variant: tuple) -> tuple[float, float]:
+        plan, parts = variant
         rt = PlanRuntime([plan], on_mismatch="warn") if plan is not None else None
         handles = install(model, rt) if rt is not None else []
+        undo_parts = install_partitions(model, parts, rt) if parts else (lambda: None)
         runtimes.extend([rt] if rt is not None else [])
         frames = []
         if plan is not None and plan.recipe_ops is None:
@@ -88,38 +106,67 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budge
                 loss = loss_fn(out, batch)
                 del out
                 loss.backward()
+                total = clock() - t0
                 if frames and frames[0].enabled:  # after the backward, as a rebuild runs: its inputs gone
-                    rebuilds.extend(_rebuild_all(rt, frames[0], clock))
+                    rebuilds.extend(_rebuild_all(rt, frames[0], clock, rebuilt_s))
         finally:
+            undo_parts()
             for h in handles:
                 h.remove()
-        return dt
+        return dt, total
 
     was_training = model.training
     model.train(bool(call.get("training", True)))
     with torch.random.fork_rng(devices=[]):  # the forwards' random draws leave the generator as it was
+        if chunked is not None and not _runs_cleanly(forward, [variants[f"part{k}"] for k in probes], runtimes):
+            chunked = None  # a module that cannot run in chunks here: partitions keep the launch overhead
+            variants = {n: v for n, v in variants.items() if not n.startswith("part")}
         times = _interleaved(forward, variants, repeats, budget_s, clock)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
     if any(rt.mismatches for rt in runtimes):  # the forward is not the recorded call: nothing measured
         return None
 
-    def per_op(name: str) -> float:
-        return max(statistics.median(a - b for a, b in zip(times[name], times["plain"], strict=True)) / n_ops, 0.0)
+    def extra(name: str, base: str, which: int = 0) -> float:
+        """Median over the repetitions of ``name``'s seconds minus ``base``'s (0: the forward,
+        1: forward and backward)."""
+        return statistics.median(a[which] - b[which] for a, b in zip(times[name], times[base], strict=True))
 
-    out = {"check_op_s": per_op("check"), "recipe_op_s": per_op("recipe"), "ops": n_ops,
+    out = {"check_op_s": max(extra("check", "plain") / n_ops, 0.0),
+           "recipe_op_s": max(extra("recipe", "plain") / n_ops, 0.0), "ops": n_ops,
            "repeats": len(times["plain"])}
+    if chunked is not None:
+        out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
     if rebuilds:
         out["rebuild_op_s"] = max(statistics.median(rebuilds), 0.0)
+        out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s, len(rebuilds))
     return out
 
 
-def _rebuild_all(rt, frame, clock) -> list[float]:
+def _time_ratios(trace, call: dict, ops: list, rebuilt_s: dict[int, float], runs: int) -> dict[str, float]:
+    """Per op name: the seconds its ops took re-run in the rebuilds (``rebuilt_s``, counted op
+    of the call -> seconds over ``runs`` runs) over the seconds the trace recorded for them."""
+    from . import counted_ops
+
+    counted = counted_ops(trace)
+    op_ids = [o for o in range(int(call["start"]), int(call["end"]) + 1) if counted[o]]
+    recorded = trace.ops["duration_s"].to_numpy()
+    ran: dict[str, float] = {}
+    rec: dict[str, float] = {}
+    for i, sec in rebuilt_s.items():
+        name = ops[i][0]
+        ran[name] = ran.get(name, 0.0) + sec / runs
+        rec[name] = rec.get(name, 0.0) + float(recorded[op_ids[i]])
+    return {n: ran[n] / rec[n] for n in sorted(ran) if rec[n] > 0}
+
+
+def _rebuild_all(rt, frame, clock, op_seconds: dict[int, float] | None = None) -> list[float]:
     """Re-run every recipe of ``frame`` (a call run with every recipe kept) through the runtime's
     rebuild path, in op order, each storage held until its last reader has re-run; returns
     [(seconds - the seconds of the ops themselves) / re-run ops]: the path's own cost per op,
-    the ops timed where they run. [] when a recipe cannot re-run here (an input overwritten in
-    place, say): then nothing is measured."""
+    the ops timed where they run (and added, per counted op of the call, to ``op_seconds``).
+    [] when a recipe cannot re-run here (an input overwritten in place, say): then nothing is
+    measured."""
     from . import runtime
     from .runtime import TRef
 
@@ -133,12 +180,16 @@ def _rebuild_all(rt, frame, clock) -> list[float]:
     run_op = runtime._run
     op_s = [0.0]
 
+    per_op: dict[int, float] = {}
+
     def timed_op(step, args, kwargs):
         t = clock()
         try:
             return run_op(step, args, kwargs)
         finally:
-            op_s[0] += clock() - t
+            dt = clock() - t
+            op_s[0] += dt
+            per_op[step.op] = per_op.get(step.op, 0.0) + dt
 
     n0 = rt.recompute_ops
     runtime._run = timed_op
@@ -157,12 +208,90 @@ def _rebuild_all(rt, frame, clock) -> list[float]:
         runtime._run = run_op
         frame.cache.clear()
     n = rt.recompute_ops - n0
+    if n and op_seconds is not None:
+        for i, sec in per_op.items():
+            op_seconds[i] = op_seconds.get(i, 0.0) + sec
     return [(dt - op_s[0]) / n] if n else []
+def _runs_cleanly(forward, variants: list, runtimes: list) -> bool:
+    """Whether each of ``variants`` runs once, forward and backward, with no error and no
+    mismatch (a trial run: its runtime is not kept among ``runtimes``)."""
+    n = len(runtimes)
+    try:
+        for v in variants:
+            forward(v)
+    except Exception:  # noqa: BLE001  (calibration only: a module that cannot run in chunks is not timed)
+        return False
+    finally:
+        ok = not any(rt.mismatches for rt in runtimes[n:])
+        del runtimes[n:]
+    return ok
+
+
+def _partition_probes(trace, call: dict, model):
+    """What partitions are calibrated on: the model's own modules that the planner may split
+    along the batch, inside the measured call, disjoint, most forward ops first (containers
+    such as a ``ModuleList``, which are never called, left out), if they hold at least
+    ``PROBE_MIN_SHARE`` of the call's ops; returns
+    (problem, those spans, K, {chunks: (CallPlan, partitions)} for 1 and K chunks), or None
+    when the call has no such module."""
+    import torch
+
+    from ..errors import PlanError
+    from ..partition import as_partition, partitionable_spans
+    from ..plan import Plan
+    from ..problem import build_problem
+    from . import call_plans, counted_ops
+
+    problem = build_problem(trace)
+    start, end = int(call["start"]), int(call["end"])
+    counted = counted_ops(trace)
+    def called(name: str) -> bool:
+        try:
+            return type(model.get_submodule(name)).forward is not torch.nn.Module.forward
+        except AttributeError:
+            return False
+
+    chosen: list = []
+    for s in sorted((s for s in partitionable_spans(problem) if s.over == "batch" and s.split and s.batch >= 2
+                     and start <= s.fwd[0] and s.fwd[1] <= end and counted[s.fwd[0]] and counted[s.fwd[1]]
+                     and called(s.module)),
+                    key=lambda s: (s.fwd[0] - s.fwd[1], s.module)):
+        if all(s.fwd[1] < c.fwd[0] or s.fwd[0] > c.fwd[1] for c in chosen):
+            chosen.append(s)
+    if sum(s.fwd[1] - s.fwd[0] + 1 for s in chosen) < PROBE_MIN_SHARE * (end - start + 1):
+        return None
+    k_most = min(PROBE_CHUNKS, *(s.batch for s in chosen))
+    probes = {}
+    for k in (1, k_most):
+        parts = [as_partition(s, k) for s in chosen]
+        plan = Plan(trace={}, budget_bytes=None, solver={}, predicted={}, partitions=parts)
+        try:  # (grads_alive None: the repetitions' gradients are alive, which the guard would refuse)
+            probes[k] = (replace(call_plans(plan, trace, problem)[0], probe=True, grads_alive=None), parts)
+        except PlanError:
+            return None
+    return problem, chosen, k_most, probes
+
+
+def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
+    """The two per-op terms of a partition's cost (:func:`taichi_plan.partition.partition_cost`)
+    from the step's extra seconds with ``spans`` checkpointed whole (``whole_s``, against the
+    call with every op checked) and split into ``k_most`` chunks (``more_s``, against whole):
+    ``checkpoint_op_s``, per forward op of a span, what checkpointing it whole costs beyond
+    re-running its recorded forward; ``chunk_op_s``, per op that each further chunk runs again
+    (the span's forward, its re-run in backward, its backward)."""
+    n_fwd = sum(s.fwd[1] - s.fwd[0] + 1 for s in spans)
+    n_bwd = sum(s.bwd[1] - s.bwd[0] + 1 for s in spans)
+    redo_s = sum(float(problem.op_cost[s.fwd[0]:s.fwd[1] + 1].sum()) for s in spans)
+    return {"checkpoint_op_s": max((whole_s - redo_s) / n_fwd, 0.0),
+            "chunk_op_s": max(more_s / ((k_most - 1) * (2 * n_fwd + n_bwd)), 0.0),
+            "partition_probe": {"modules": [s.module for s in spans], "chunks": k_most}}
+
+
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock) -> dict[str, list[float]]:
     """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when one round
     takes more than ``budget_s / repeats``), each round in another order."""
     t0 = clock()
-    forward(None)  # a warm-up, and about how long each forward (with its backward) takes
+    forward(next(iter(variants.values())))  # a warm-up, and about how long each forward (with its backward) takes
     names = list(variants)
     reps = max(1, min(repeats, int(budget_s / max(len(names) * (clock() - t0), 1e-9))))
     times: dict[str, list[float]] = {n: [] for n in names}
