@@ -204,9 +204,12 @@ def _module_spans(problem: Problem) -> list[Span]:
     batch = _batch_size(problem) or 1
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)
+    # Ops by their module's index among the distinct names (a view of a large optimizer step
+    # has tens of thousands of ops and a few hundred names).
+    distinct, module_of_op = np.unique(np.asarray(names, dtype=object), return_inverse=True)
     out = []
     for m in sorted(fqns):
-        mask = np.fromiter((_under(x, m) for x in names), dtype=bool, count=len(names))
+        mask = np.fromiter((_under(x, m) for x in distinct.tolist()), dtype=bool, count=len(distinct))[module_of_op]
         f = np.nonzero(mask & (phases == "forward"))[0]
         b = np.nonzero(mask & (phases == "backward"))[0]
         if len(f) < 2 or len(b) < 1:
@@ -523,11 +526,13 @@ def floor_bytes(problem: Problem) -> np.ndarray:
     cached = getattr(problem, "_floor_bytes", None)
     if cached is not None and cached[0] is spans:  # (the options it was computed for, floor)
         return cached[1]
+    from .deadline import check
     from .problem import min_live_bytes
 
     floor = min_live_bytes(problem).astype(np.int64)
     own: dict[str, np.ndarray] = {}  # module -> the most any partition of it saves, per op
     for span in spans:
+        check("finding the least memory any plan needs (the floor)")
         for k in span.chunk_choices:
             sav = np.maximum(partition_savings(problem, span, k), 0)
             own[span.module] = np.maximum(own[span.module], sav) if span.module in own else sav
