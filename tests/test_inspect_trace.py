@@ -125,7 +125,7 @@ def test_plan_file_dispatch(tmp_path):
 
 def test_missing_path(tmp_path):
     r = CliRunner().invoke(main, ["inspect", str(tmp_path / "nothing")])
-    assert r.exit_code == 3 and "does not exist" in r.output
+    assert r.exit_code == 3 and "does not exist" in " ".join(r.output.split())  # (wrapped at any width)
 
 
 def test_empty_trace_summary(small):
