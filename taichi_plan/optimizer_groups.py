@@ -19,6 +19,7 @@ parameter's share; a share holding two parameters is refused.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import numpy as np
@@ -137,7 +138,14 @@ def balanced_groups(trace, step: ForeachStep, k: int) -> list[list[int]]:
 
 
 def groups_view(trace, step: ForeachStep, groups: list[list[int]]):
-    """The trace of the step run over ``groups`` (lists of indices into ``step.params``)."""
+    """The trace of the step run over ``groups`` (lists of indices into ``step.params``).
+
+    Built from row indices (no per-op table work): a per-parameter view of a large step has
+    tens of thousands of ops. Checks the current deadline (:mod:`taichi_plan.deadline`)
+    once per group."""
+    import pandas as pd
+
+    from .deadline import check
     from .trace import Trace
 
     ops, acc, tensors = trace.ops, trace.accesses, trace.tensors
@@ -145,38 +153,63 @@ def groups_view(trace, step: ForeachStep, groups: list[list[int]]):
     group_of = {u: g for g, us in enumerate(groups) for u in us}
     opt = step.ops
     first, last = opt[0], opt[-1]
-    by_op = {o: part for o, part in acc[np.isin(acc["op_id"].to_numpy(), opt)].groupby("op_id")}
+    in_opt = np.isin(acc["op_id"].to_numpy(), opt)
+    sub = acc[in_opt].reset_index(drop=True)
+    nbytes = dict(zip(tensors["tensor_id"].tolist(), tensors["nbytes"].tolist(), strict=True))
+    unit_of = step.unit_of
+    # Per op: its rows of no parameter (kept in every group), its rows per parameter share,
+    # and the bytes of each share (an op's work splits by them).
+    shared_rows: dict[int, list[int]] = {}
+    unit_rows: dict[int, dict[int, list[int]]] = {}
+    unit_bytes: dict[int, dict[int, int]] = {}
+    sub_tids = sub["tensor_id"].tolist()
+    for r, (o, t) in enumerate(zip(sub["op_id"].tolist(), sub_tids, strict=True)):
+        u = unit_of.get(t)
+        if u is None:
+            shared_rows.setdefault(o, []).append(r)
+        else:
+            unit_rows.setdefault(o, {}).setdefault(u, []).append(r)
+            ub = unit_bytes.setdefault(o, {})
+            ub[u] = ub.get(u, 0) + int(nbytes[t])
     emitted: list[tuple[int, int]] = []  # (original op, group) in view order
-    rows_acc = []
+    share: list[float] = []  # per emitted op, the share of its original op's work it does
+    keep_rows: list[list[int]] = []
+    keep_pos: list[int] = []
     copies: dict[tuple[int, int], int] = {}  # (shared tensor, group) -> its copy's id
-    next_copy = COPY_ID_BASE
-    for g in range(len(groups)):
+    for g, us in enumerate(groups):
+        check("stepping the optimizer in groups (its view of the step)")
+        uset = set(us)
         for o in opt:
-            part = by_op.get(o)
-            tids = part["tensor_id"].tolist() if part is not None else []
-            units = {step.unit_of[t] for t in tids if t in step.unit_of}
-            mine = {u for u in units if group_of[u] == g}
-            if units and not mine:
+            by_unit = unit_rows.get(o, {})
+            mine = [u for u in us if u in by_unit] if len(us) < len(by_unit) else [u for u in by_unit if u in uset]
+            if by_unit and not mine:
                 continue  # another group's op, or a foreach op with no element here
-            if units - mine and "._foreach_" not in names[o]:
+            if len(mine) < len(by_unit) and "._foreach_" not in names[o]:
                 return None
             pos = len(emitted)
             emitted.append((o, g))
-            if part is None:
-                continue
-            keep = [t not in step.unit_of or step.unit_of[t] in mine for t in tids]
-            sel = part[keep].copy()
-            new_ids = []
-            for t in sel["tensor_id"].tolist():
+            total = sum(unit_bytes.get(o, {}).values())
+            share.append(sum(unit_bytes[o][u] for u in mine) / total if total else 1.0)
+            rows = shared_rows.get(o, []) + [r for u in mine for r in by_unit[u]]
+            if rows:
+                rows.sort()
+                keep_rows.append(rows)
+                keep_pos.append(pos)
+    rows_acc = []
+    if keep_rows:
+        flat = np.fromiter((r for rows in keep_rows for r in rows), dtype=np.int64)
+        sel = sub.iloc[flat].copy()
+        new_ids = []
+        for rows, pos in zip(keep_rows, keep_pos, strict=True):
+            g = emitted[pos][1]
+            for r in rows:
+                t = sub_tids[r]
                 if t in step.shared_made:
-                    if (t, g) not in copies:
-                        copies[(t, g)] = next_copy
-                        next_copy -= 1
-                    t = copies[(t, g)]
+                    t = copies.setdefault((t, g), COPY_ID_BASE - len(copies))
                 new_ids.append(t)
-            sel["tensor_id"] = new_ids
-            sel["op_id"] = first + pos
-            rows_acc.append(sel)
+        sel["tensor_id"] = new_ids
+        sel["op_id"] = np.repeat(np.asarray(keep_pos, dtype=np.int64) + first, [len(r) for r in keep_rows])
+        rows_acc.append(sel)
     n_old = len(ops)
     grown = len(emitted) - len(opt)
     new_pos = np.arange(n_old, dtype=np.int64)
@@ -184,45 +217,53 @@ def groups_view(trace, step: ForeachStep, groups: list[list[int]]):
     for pos, (o, _g) in reversed(list(enumerate(emitted))):
         new_pos[o] = first + pos  # a split op: its first group's part
     # op rows
-    import pandas as pd
-
     head, tail = ops.iloc[:first], ops.iloc[last + 1:]
     mid = ops.iloc[[o for o, _g in emitted]].copy()
-    share = _byte_share(trace, step, emitted, groups, by_op)
-    mid["duration_s"] = mid["duration_s"].to_numpy() * share
-    mid["flops"] = (mid["flops"].to_numpy() * share).astype(np.int64)
+    share_arr = np.asarray(share, dtype=np.float64)
+    mid["duration_s"] = mid["duration_s"].to_numpy() * share_arr
+    mid["flops"] = (mid["flops"].to_numpy() * share_arr).astype(np.int64)
     new_ops = pd.concat([head, mid, tail], ignore_index=True)
     new_ops["op_id"] = np.arange(len(new_ops), dtype=np.int32)
-    other = acc[~np.isin(acc["op_id"].to_numpy(), opt)].copy()
+    other = acc[~in_opt].copy()
     other["op_id"] = new_pos[other["op_id"].to_numpy()]
     new_acc = pd.concat([other, *rows_acc], ignore_index=True).sort_values("op_id", kind="stable")
     new_acc["op_id"] = new_acc["op_id"].astype(np.int32)
     new_acc = new_acc.reset_index(drop=True)
 
-    # Where each group's run sits: per group, (original op, view position) in order.
-    runs: dict[int, list[tuple[int, int]]] = {}
+    # Where each group's run sits: per group, its original ops and their view positions, in
+    # order (both increase along a run); over all groups, per original op, the first and the
+    # last view position of a part of it at or after / at or before it.
+    runs: dict[int, tuple[list[int], list[int]]] = {}
+    span = last - first + 1
+    min_pos = np.full(span, np.iinfo(np.int64).max, dtype=np.int64)
+    max_pos = np.full(span, -1, dtype=np.int64)
     for pos, (o, g) in enumerate(emitted):
-        runs.setdefault(g, []).append((o, first + pos))
-    everything = sorted(((o, first + pos) for pos, (o, g) in enumerate(emitted)), key=lambda x: x[1])
+        run = runs.setdefault(g, ([], []))
+        run[0].append(o)
+        run[1].append(first + pos)
+        min_pos[o - first] = min(min_pos[o - first], first + pos)
+        max_pos[o - first] = max(max_pos[o - first], first + pos)
+    after_any = np.minimum.accumulate(min_pos[::-1])[::-1]  # first position of an op >= o
+    before_any = np.maximum.accumulate(max_pos)  # last position of an op <= o
 
-    def at_or_after(run, op):
-        return next((p for o, p in run if o >= op), None)
-
-    def at_or_before(run, op):
-        return next((p for o, p in reversed(run) if o <= op), None)
-
-    def remap(t, g, col, v):
+    def remap(g, col, v):
         if v < 0:
             return -1
         if v < first:
             return v
         if v > last:
             return int(new_pos[v])
-        run = runs.get(g) if g is not None else everything
-        if col == "free_op":
-            p = at_or_before(run, v)
+        if g is None:
+            p = int(before_any[v - first]) if col == "free_op" else int(after_any[v - first])
+            p = None if p < 0 or p == np.iinfo(np.int64).max else p
         else:
-            p = at_or_after(run, v)
+            os_, ps = runs.get(g, ([], []))
+            if col == "free_op":
+                i = bisect.bisect_right(os_, v) - 1
+                p = ps[i] if i >= 0 else None
+            else:
+                i = bisect.bisect_left(os_, v)
+                p = ps[i] if i < len(ps) else None
         return p if p is not None else (first if col != "free_op" else first + len(emitted) - 1)
 
     rows = []
@@ -235,26 +276,10 @@ def groups_view(trace, step: ForeachStep, groups: list[list[int]]):
             r = row._asdict()
             r["tensor_id"] = tid
             for col in ("producer_op", "alloc_op", "free_op"):
-                r[col] = remap(t, g, col, int(r[col]))
+                r[col] = remap(g, col, int(r[col]))
             rows.append(r)
     new_tensors = pd.DataFrame(rows, columns=list(tensors.columns))
     meta = dict(trace.meta)
     view = Trace(ops=new_ops, tensors=new_tensors, accesses=new_acc, meta=meta, path=trace.path)
     view.position = new_pos
     return view
-
-
-def _byte_share(trace, step, emitted, groups, by_op) -> np.ndarray:
-    """Per emitted op, the share of its original op's work it does (its elements' bytes over
-    all elements' bytes; 1 for an op of one parameter or a copy)."""
-    nbytes = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["nbytes"].tolist(), strict=True))
-    out = np.ones(len(emitted))
-    for i, (o, g) in enumerate(emitted):
-        part = by_op.get(o)
-        if part is None:
-            continue
-        tids = [t for t in part["tensor_id"].tolist() if t in step.unit_of]
-        total = sum(nbytes[t] for t in tids)
-        if total:
-            out[i] = sum(nbytes[t] for t in tids if step.unit_of[t] in set(groups[g])) / total
-    return out

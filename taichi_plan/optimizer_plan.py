@@ -361,6 +361,7 @@ def view_problem(problem, mode: str | None, groups: list[list[int]] | None = Non
 def choose_groups(problem, budget_bytes: int) -> list[list[int]]:
     """The fewest groups (2, 4, 8, 16, or one per parameter) whose step's floor is within
     ``budget_bytes``; else those with the lowest floor."""
+    from .deadline import check
     from .optimizer_groups import balanced_groups, foreach_step
     from .partition import floor_bytes
 
@@ -368,6 +369,7 @@ def choose_groups(problem, budget_bytes: int) -> list[list[int]]:
     step = foreach_step(rec.trace)
     best = None
     for k in sorted({k for k in (2, 4, 8, 16) if k < len(step.params)} | {len(step.params)}):
+        check(f"weighing the optimizer step in {k} groups")
         groups = balanced_groups(rec.trace, step, k)
         floor = int(floor_bytes(view_problem(rec, "groups", groups)).max())
         if floor <= budget_bytes:

@@ -513,11 +513,13 @@ def floor_bytes(problem: Problem) -> np.ndarray:
     cached = getattr(problem, "_floor_bytes", None)
     if cached is not None and cached[0] is spans:  # (the options it was computed for, floor)
         return cached[1]
+    from .deadline import check
     from .problem import min_live_bytes
 
     floor = min_live_bytes(problem).astype(np.int64)
     own: dict[str, np.ndarray] = {}  # module -> the most any partition of it saves, per op
     for span in spans:
+        check("finding the least memory any plan needs (the floor)")
         for k in span.chunk_choices:
             sav = np.maximum(partition_savings(problem, span, k), 0)
             own[span.module] = np.maximum(own[span.module], sav) if span.module in own else sav

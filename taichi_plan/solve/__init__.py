@@ -13,6 +13,7 @@ from collections.abc import Callable
 import numpy as np
 
 from ..allocator import AllocatorConfig
+from ..deadline import OutOfTime, check, lifted, until
 from ..errors import InfeasibleBudgetError, UsageError
 from ..optimizer_plan import (
     OPTION_ORDER,
@@ -55,6 +56,9 @@ def methods() -> list[str]:
 
 MIN_TIME_LIMIT_S = 5.0  # the time limit is honoured within 10% for limits at least this long
 FINISH_SHARE = 0.05  # of the time limit, kept for simulating the chosen plan and writing it
+# Of the time limit, kept after the optimizer options are screened (their views of the step, floors)
+# for saying what the heuristic reaches when no plan was found.
+REPORT_SHARE = 0.15
 BISECT_LOCAL_MAX_S = 1.0  # local search per bisection step for the least reachable budget (forward-only graphs)
 
 
@@ -154,13 +158,31 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
                                  optimizer=optimizer, partition_random=partition_random, reshard=reshard,
                                  prefetch=prefetch),
             budget_bytes, method)
-    check_choice(trace, optimizer)
     if reshard not in RESHARD_CHOICES:
         raise UsageError(f"--reshard must be one of {', '.join(RESHARD_CHOICES)}, not {reshard!r}.")
     if prefetch not in PREFETCH_CHOICES:
         raise UsageError(f"--prefetch must be one of {', '.join(PREFETCH_CHOICES)}, not {prefetch!r}.")
     t0 = time.perf_counter() if started is None else started
+    end = t0 + time_limit * (1 - FINISH_SHARE)
     problem = problem or build_problem(trace)
+    failed: list[InfeasibleBudgetError] = []
+    try:
+        # Phases without a limit of their own (an optimizer option's view of the step, its
+        # problem and floor) check this deadline (taichi_plan/deadline.py); the search, bounded
+        # by its own limit, does not (a plan it holds is never lost to a check).
+        with until(t0 + time_limit * (1 - REPORT_SHARE)):
+            return _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator,
+                                  work_limit, t0, optimizer, partition_random, reshard, prefetch, failed)
+    except OutOfTime as e:
+        raise stopped_error(problem, budget_bytes, method, e.phase, time_limit, work_limit, failed,
+                            deadline=end) from None
+
+
+def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator, work_limit, t0,
+                   optimizer, partition_random, reshard, prefetch, failed) -> Plan:
+    """:func:`solve`'s search over the optimizer options, in order; the errors of the options
+    that found no plan are added to ``failed``."""
+    check_choice(trace, optimizer)
     # Whether the trace allows the other options is asked only once the recorded step fails (on
     # a large trace the answer builds the step's per-parameter view: seconds of the time limit).
     modes = [optimizer] if optimizer != "auto" else ["as-recorded", *OPTION_ORDER]
@@ -173,7 +195,6 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
             refused[m] = refusal(trace, m) is not None
         return not refused[m]
 
-    failed: list[InfeasibleBudgetError] = []
     skipped: list[Problem] = []  # options below whose floor the budget is (their error only if all fail)
     for k, mode in enumerate(modes):
         if not allowed(mode):
@@ -182,6 +203,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         def is_last(k: int = k) -> bool:
             return not any(allowed(m) for m in modes[k + 1:])
 
+        check(f"building the step with the optimizer {WORDS.get(mode, 'as recorded')}")
         prob = allow_random(view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups"
                                          else None), partition_random)
         if budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0] and not is_last():
@@ -192,20 +214,23 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
                                problem=p, on=on, allocator=allocator, work_limit=work_limit, started=t0)
 
         try:
-            by_reshard = reshard == "auto" and bool(reshard_units(trace.meta))
-            by_prefetch = prefetch == "auto" and any(movable(trace).values())
-            if (by_reshard or by_prefetch) and method in OURS and mode == "as-recorded":
-                plan = solve_with_fsdp(prob, budget_bytes, seed, time_limit * (1 - FINISH_SHARE), t0, step,
-                                       reshard=by_reshard, prefetch=by_prefetch)
-            else:
-                plan = step(prob)
+            with lifted():
+                by_reshard = reshard == "auto" and bool(reshard_units(trace.meta))
+                by_prefetch = prefetch == "auto" and any(movable(trace).values())
+                if (by_reshard or by_prefetch) and method in OURS and mode == "as-recorded":
+                    plan = solve_with_fsdp(prob, budget_bytes, seed, time_limit * (1 - FINISH_SHARE), t0, step,
+                                           reshard=by_reshard, prefetch=by_prefetch)
+                else:
+                    plan = step(prob)
         except InfeasibleBudgetError as e:
             failed.append(e)
             end = t0 + time_limit * (1 - FINISH_SHARE)
-            if time.perf_counter() > end or is_last():
+            if is_last():
                 # the option that is known to reach the lowest budget says what to ask for
                 failed += [infeasible_error(q, budget_bytes, method, deadline=end) for q in skipped]
                 raise min(failed, key=lambda x: x.min_budget_bytes or 0) from None
+            if time.perf_counter() > end:  # options left untried: not a proof that none fits
+                raise OutOfTime("the optimizer options after the recorded step found no plan") from None
             continue
         if mode != "as-recorded":
             plan.optimizer["chosen_by"] = "auto" if optimizer == "auto" else "asked"
@@ -257,7 +282,10 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
                              allocator=allocator)
     if plan.solver["status"] == "infeasible":
         if dec.timed_out:
-            raise timed_out_error(problem, budget_bytes, method, plan, time_limit, work_limit, reached)
+            peak, op = plan.predicted["planned_peak_bytes"], plan.predicted["planned_peak_op"]
+            if reached is not None and reached[0] < peak:
+                peak, op = reached
+            raise timed_out_error(problem, budget_bytes, method, peak, op, time_limit, work_limit)
         raise infeasible_error(problem, budget_bytes, method, plan, deadline=end)
     return plan
 
@@ -317,19 +345,16 @@ def least_reached(problem: Problem, planner: Callable[[Problem, int], Decisions]
     return _bisect_heuristic(problem, steps, None, planner)[0]
 
 
-def timed_out_error(problem: Problem, budget_bytes: int, method: str, plan: Plan, time_limit: float,
-                    work_limit: float | None, reached: tuple[int, int] | None = None) -> InfeasibleBudgetError:
-    """No plan yet when the limit ran out (not a proof that none exists): say so, and the
-    lowest peak a plan found reaches: the best plan for this budget's, or, when lower, the
-    heuristic's when asked for less (``reached``: its peak and peak op)."""
-    peak = plan.predicted["planned_peak_bytes"]
-    op = plan.predicted["planned_peak_op"]
-    if reached is not None and reached[0] < peak:
-        peak, op = reached
+def timed_out_error(problem: Problem, budget_bytes: int, method: str, peak: int, op: int, time_limit: float,
+                    work_limit: float | None, stopped_in: str | None = None) -> InfeasibleBudgetError:
+    """No plan yet when the limit ran out (not a proof that none exists): say so (and in which
+    phase it stopped, ``stopped_in``), and the lowest peak a plan found reaches: ``peak``, at
+    ``op`` (the best plan for this budget's, or the heuristic's when asked for less)."""
     limit = f"the time limit of {time_limit:g} s" + ("" if work_limit is None else f" or the work limit of {work_limit:g}")
     at = f", during {describe_op(problem, op)}" if op >= 0 else ""
+    where = "the search" if stopped_in is None else f"it stopped while {stopped_in}: the search"
     msg = (f"No {method} plan found for a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) within "
-           f"{limit}: the search stopped before any plan fit, which does not prove that none exists. The lowest "
+           f"{limit}: {where} stopped before any plan fit, which does not prove that none exists. The lowest "
            f"peak a plan found so far reaches (the heuristic's and the baselines' included, also when asked "
            f"for less) is {format_bytes(peak)}{at}. "
            f"Give it more time (--time-limit), or ask for at least that (--budget {_suggest(peak)}). "
@@ -338,6 +363,18 @@ def timed_out_error(problem: Problem, budget_bytes: int, method: str, plan: Plan
     err.planned_peak_bytes = peak
     err.timed_out = True
     return err
+
+
+def stopped_error(problem: Problem, budget_bytes: int, method: str, phase: str, time_limit: float,
+                  work_limit: float | None, failed: list[InfeasibleBudgetError], deadline: float
+                  ) -> InfeasibleBudgetError:
+    """The time ran out during ``phase``, with no plan found (``failed``: the errors of the
+    options tried): :func:`timed_out_error` with the lowest peak known, the options' or the
+    heuristic's on the step as recorded (``problem``), bisected until ``deadline``."""
+    known = [(e.min_budget_bytes, e.op_id) for e in failed if e.min_budget_bytes]
+    peak, op = min(known) if known else lowest_reachable(problem, deadline=deadline)[:2]
+    return timed_out_error(problem, budget_bytes, method, peak, -1 if op is None else op, time_limit, work_limit,
+                           stopped_in=phase)
 
 
 def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Plan | None = None,
@@ -364,17 +401,17 @@ def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Pla
         msg = (f"{head} No plan of this trace can go below {format_bytes(int(floor[i]))}: {describe_op(problem, i)} "
                "needs that much live at once even with every droppable tensor dropped and every module "
                f"partitioned. {meet}: ask for at least that (--budget {_suggest(reach)})"
-               f"{_what_helps(problem, i, int(floor[i]))} No plan file was written.")
+               f"{_what_helps(problem, i, int(floor[i]), deadline)} No plan file was written.")
     err = InfeasibleBudgetError(msg, min_budget_bytes=reach, op_id=reach_op)
     err.planned_peak_bytes = peak
     return err
 
 
-def _what_helps(problem: Problem, op: int, floor: int) -> str:
+def _what_helps(problem: Problem, op: int, floor: int, deadline: float | None = None) -> str:
     """The floor's parts at ``op`` (parameters, optimizer state, gradients, activations) and
     the advice that fits them: the optimizer options with the floor each would reach (or why
-    the loop rules one out); when parameters, gradients and optimizer state make most of the
-    floor, what would shrink them, not a smaller batch, which cannot help."""
+    the loop rules one out; not past ``deadline``); when parameters, gradients and optimizer
+    state make most of the floor, what would shrink them, not a smaller batch, which cannot help."""
     parts = floor_parts(problem, op, floor).by_kind
     state = parts["parameter"] + parts["gradient"] + parts["optimizer_state"]
     names = {"parameter": "parameters", "optimizer_state": "optimizer state", "gradient": "gradients",
@@ -385,7 +422,22 @@ def _what_helps(problem: Problem, op: int, floor: int) -> str:
     used = (problem.trace.meta.get("optimizer_view") or {}).get("mode")
     if used is not None:
         text += f" That is with the optimizer {WORDS[used]}."
-    rec = recorded_problem(problem)
+    try:
+        with until(deadline):
+            text += _options_floor(recorded_problem(problem), used, floor)
+    except OutOfTime:  # the step's views under the other options can take long to build
+        text += " What the other optimizer options would reach was not weighed within the time limit."
+    if floor <= 0 or state < floor / 2:
+        return text + " Otherwise, reduce the batch size."
+    return (text + f" Parameters, gradients and optimizer state are {100 * state / floor:.0f}% of it: no "
+            "activation plan and no smaller batch frees them; sharding them across devices (FSDP), an optimizer "
+            "with less state, or lower-precision parameters and state would.")
+
+
+def _options_floor(rec: Problem, used: str | None, floor: int) -> str:
+    """Sentences on what each optimizer option other than ``used`` does to ``floor`` (or why
+    the loop rules it out); checks the deadline in force."""
+    text = ""
     for mode in OPTION_ORDER:
         if mode == used:
             continue
@@ -398,11 +450,7 @@ def _what_helps(problem: Problem, op: int, floor: int) -> str:
         if other < floor:
             text += (f" With the optimizer {WORDS[mode]} (--optimizer {mode}, or auto), no plan can go below "
                      f"{format_bytes(other)} instead: {format_bytes(floor - other)} less.")
-    if floor <= 0 or state < floor / 2:
-        return text + " Otherwise, reduce the batch size."
-    return (text + f" Parameters, gradients and optimizer state are {100 * state / floor:.0f}% of it: no "
-            "activation plan and no smaller batch frees them; sharding them across devices (FSDP), an optimizer "
-            "with less state, or lower-precision parameters and state would.")
+    return text
 
 
 def _suggest(nbytes: int) -> str:
