@@ -12,6 +12,19 @@ from taichi_plan.trace import Trace, frame, op_signature
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _short_calibration():
+    """Real recordings calibrate the replay runtime's cost on their model (replay/calibrate.py:
+    7 interleaved repetitions, up to 15 s). Tests count what calibration measures, never how
+    fast: 2 repetitions, 1 s, keep the suite short."""
+    from taichi_plan.replay import calibrate
+
+    saved = calibrate.REPEATS, calibrate.BUDGET_S
+    calibrate.REPEATS, calibrate.BUDGET_S = 2, 1.0
+    yield
+    calibrate.REPEATS, calibrate.BUDGET_S = saved
+
+
 def graphs_path() -> Path:
     """``$TAICHI_GRAPHS_DIR`` if set, else ``../shared/graphs`` beside the repository."""
     env = os.environ.get("TAICHI_GRAPHS_DIR")

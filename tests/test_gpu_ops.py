@@ -19,7 +19,7 @@ from taichi_plan.record.gpu_ops import GpuTarget, choose_sdpa, gpu_kernels
 pytest.importorskip("transformers")
 
 from taichi_plan.record import builtin_workload, record_workload  # noqa: E402
-from taichi_plan.trace import baseline_peak, read_trace, write_trace  # noqa: E402
+from taichi_plan.trace import FORMAT_VERSION, baseline_peak, read_trace, write_trace  # noqa: E402
 
 GPT2 = dict(layers=2, hidden=64, heads=2, vocab=256, seq=128, batch=4)
 B, H, S = GPT2["batch"], GPT2["heads"], GPT2["seq"]
@@ -219,12 +219,12 @@ def test_cpu_recordings_are_unchanged(traces):
     assert not any("native_dropout" in o or "efficient_attention" in o or "_foreach_" in o for o in ops)
 
 
-def test_trace_v3_keeps_the_mapping_and_inspect_shows_it(traces, tmp_path):
+def test_trace_round_trip_keeps_the_mapping_and_inspect_shows_it(traces, tmp_path):
     from taichi_plan.report.trace_text import render_trace_summary, trace_summary
 
     write_trace(traces["gpu"], tmp_path / "t")
     back = read_trace(tmp_path / "t")
-    assert back.meta["format_version"] == 4 and back.meta["gpu_kernels"] == traces["gpu"].meta["gpu_kernels"]
+    assert back.meta["format_version"] == FORMAT_VERSION and back.meta["gpu_kernels"] == traces["gpu"].meta["gpu_kernels"]
     s = trace_summary(back)
     assert s["kernels"] == "a100-40gb sm80 (mapped): native_dropout, efficient SDPA, foreach"
     assert "kernels" in render_trace_summary(s, width=200)

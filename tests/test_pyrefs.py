@@ -25,7 +25,7 @@ from taichi_plan.replay.measure import run_and_measure
 from taichi_plan.report.trace_text import render_trace_summary, trace_summary
 from taichi_plan.simulate import Drop, simulate
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace import FORMAT_VERSION, read_trace, write_trace
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +112,9 @@ def test_held_into_backward_is_no_candidate(traces):
     assert idx & set(build_problem(traces["local"]).candidates.tolist())
 
 
-def test_v4_round_trip_and_inspect(traces, tmp_path):
+def test_round_trip_and_inspect(traces, tmp_path):
     back = read_trace(write_trace(traces["tuple"], tmp_path / "t"))
-    assert back.meta["format_version"] == 4 and back.meta["python_refs"] == traces["tuple"].meta["python_refs"]
+    assert back.meta["format_version"] == FORMAT_VERSION and back.meta["python_refs"] == traces["tuple"].meta["python_refs"]
     s = trace_summary(back)["python_refs"]
     rel = back.meta["python_refs"]["release"]
     into = sum(1 for _t, op in rel if op < 0)  # the loss and what it reads: the step holds them

@@ -41,13 +41,19 @@ PROBE_CHUNKS = 4
 PROBE_MIN_SHARE = 0.25
 
 
-def measure_on_model(model, batch, loss_fn, trace, repeats: int = REPEATS, budget_s: float = BUDGET_S) -> dict | None:
+def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
+                     budget_s: float | None = None) -> dict | None:
     """``check_op_s`` and ``recipe_op_s`` measured on ``model``'s first grad-enabled call as the
     trace recorded it (in the recorded loop's autocast), with ``ops`` (the call's ops in the
     trace: the per-op terms are per op of the call, as :mod:`taichi_plan.overhead` charges them)
     and ``repeats`` (repetitions run); None when the trace has no model call to measure on, or
-    the model's call is not the recorded one (then the microbenchmark's terms stay)."""
+    the model's call is not the recorded one (then the microbenchmark's terms stay).
+    ``repeats``/``budget_s`` default to :data:`REPEATS`/:data:`BUDGET_S`, read at call time (the
+    test suite lowers them: its tests count, they do not time)."""
     import torch
+
+    repeats = REPEATS if repeats is None else repeats
+    budget_s = BUDGET_S if budget_s is None else budget_s
 
     from ..problem import grad_model_calls
     from ..record.api import call_model
