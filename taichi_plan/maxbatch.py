@@ -249,22 +249,14 @@ def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int
             if lo >= limit:
                 break
             b = limit if hi is None else b  # the doubling jumped past the limit: try the limit
-        width = None if hi is None else hi.batch - lo
-        p = probe(b)
-        probes.append(p)
-        if predicted is not None and width is not None:
-            left = (hi.batch - b) if p.fits else (b - lo)
-            slow = slow + 1 if 2 * left > width else 0
+        lo0, hi0 = lo, hi
+        p = run(b)
+        if predicted is not None and hi0 is not None:
+            left = (hi0.batch - b) if p.fits else (b - lo0)
+            slow = slow + 1 if 2 * left > hi0.batch - lo0 else 0
         guess_ok = (predicted is None or predicted == p.fits) and slow < 2
         if slow >= 2:
             slow = 0
-        if p.fits:
-            best, lo = p, b
-            fitted.append(p)
-            if lo >= limit:
-                break
-        else:
-            hi = p
     capped = lo >= limit and hi is None
     stop = next((p for p in probes if p.batch == lo + 1 and not p.fits), None)
     if best is None:
