@@ -385,12 +385,14 @@ def group_events(problem: Problem, members: tuple[set[int], ...]):
         for u in (*problem.op_reads[p].tolist(), *problem.op_outputs[p].tolist()):
             if u in trans or u in expiring:
                 last_use[u] = p
+    last_of: dict[int, list[int]] = defaultdict(list)  # group op -> the transients and expiring it frees
+    for u in trans | expiring:
+        last_of[last_use.get(u, ops[0])].append(u)
     events = []
     for p in ops:
         outs = problem.op_outputs[p].tolist()
         frees = [u for u in outs if u not in kept and u not in trans]
-        frees += [u for u in trans | expiring if last_use.get(u, ops[0]) == p]
-        events.append((p, outs, sorted(set(frees))))
+        events.append((p, outs, sorted(set(frees + last_of.get(p, [])))))
     return events
 
 

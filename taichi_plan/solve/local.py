@@ -35,6 +35,7 @@ from ..simulate import Drop, SimResult, rebuild_overhead, simulate
 from .heuristic import rebuild_cost, sim_over
 
 TRIALS = 48  # best-estimated moves simulated per step
+FIRST_SHARE = 0.4  # of the time: the search with revivals from the start (local_search)
 
 
 class _State:
@@ -51,6 +52,9 @@ class _State:
         self.own_cost = np.maximum(np.asarray([float(problem.op_cost[problem.rebuild_ops[t]].sum())
                                                for t in opts.tensor.tolist()]), 1e-12)
         self._dead: dict[int, list[int]] = {}
+        self.revive = True  # may moves add revivals?
+        # bytes each op allocates (its outputs), to estimate what crosses into a group
+        self.made = np.bincount(problem.start, weights=problem.nbytes, minlength=problem.num_ops).astype(np.int64)
         self.revivable = np.zeros(len(problem.nbytes), dtype=bool)
         self.revivable[revivable(problem)] = True
 
@@ -72,6 +76,8 @@ class _State:
     def dead_inputs(self, k: int) -> list[int]:
         """The inputs of option ``k``'s rebuild ops that are dead by its rebuild point and may
         be kept instead (revivals; cached)."""
+        if not self.revive:
+            return []
         if k not in self._dead:
             o, problem = self.opts, self.problem
             t, b = int(o.tensor[k]), int(o.remat_before[k])
@@ -83,7 +89,7 @@ class _State:
         ``first``) instead: kept past its last op; rebuilt before ``first``, before the last
         op its rebuild inputs are all still live, or where the plan's memory is lowest."""
         problem = self.problem
-        if not self.revivable[u]:
+        if not self.revive or not self.revivable[u]:
             return []
         end = int(problem.end[u])
         points = [end + 1]
@@ -112,15 +118,35 @@ class _State:
 def local_search(problem: Problem, opts: Options, budget: int, deadline: float | None = None
                  ) -> tuple[list[Drop], SimResult] | None:
     """Reach ``budget`` from no drops, then lower the cost; returns the plan found that fits,
-    or None. No move starts past ``deadline`` (perf_counter)."""
+    or None. No move starts past ``deadline`` (perf_counter).
+
+    Two searches: with revivals from the start (what reaches Moccasin's plans on n100), then,
+    with the time left, one without them (revival moves lead the greedy reach astray on some
+    graphs: ``random_layered`` n250 at 0.9 ends over budget with them) whose plan is then
+    lowered with revivals. The cheaper plan that fits wins."""
     st = _State(problem, opts, budget)
-    chosen: dict[int, int] = {}
-    cur = st.judge(chosen)
-    chosen, cur = _reach(st, chosen, cur, deadline)
-    if cur[0] > 0:
+    found = []
+    start = time.perf_counter()
+    for revive in (True, False):
+        if found and deadline is not None and time.perf_counter() > deadline:
+            break
+        st.revive = revive
+        # the first search gets FIRST_SHARE of the time, the second what is left
+        until = start + FIRST_SHARE * (deadline - start) if revive and deadline is not None else deadline
+        chosen: dict[int, int] = {}
+        cur = st.judge(chosen)
+        chosen, cur = _reach(st, chosen, cur, until)
+        if cur[0] > 0:
+            continue
+        chosen, cur = _lower_cost(st, chosen, cur, until)
+        if not revive and (deadline is None or time.perf_counter() <= deadline):
+            st.revive = True
+            chosen, cur = _lower_cost(st, chosen, cur, deadline)
+        found.append((cur[1], len(found), st.drops(chosen), cur[2]))
+    if not found:
         return None
-    chosen, cur = _lower_cost(st, chosen, cur, deadline)
-    return st.drops(chosen), cur[2]
+    _cost, _i, drops, sim = min(found)
+    return drops, sim
 
 
 def _reach(st: _State, chosen: dict[int, int], cur, deadline: float | None, banned: frozenset[int] = frozenset()):
@@ -160,7 +186,8 @@ def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None, 
         if prefix[b] - prefix[a + 1] == 0:
             continue
         gain = float(np.minimum(ex[a + 1:b], sizes[k]).sum())
-        group = int(live[b - 1]) - int(sizes[k]) + st.overhead(k) - st.budget
+        carried = int(live[b]) - int(st.made[b])  # what crosses into the group before op b
+        group = carried - int(sizes[k]) + st.overhead(k) - st.budget
         est[k] = gain - max(0, group - int(ex[b]))
         dead = st.dead_inputs(k)
         if dead:  # with its dead inputs kept (revivals): no chain re-made, but they are held
@@ -171,7 +198,7 @@ def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None, 
                 held[max(e - a, 0):] += int(sizes_of[u])
                 worse += int(sizes_of[u]) * int(np.count_nonzero(ex[e + 1:a + 1]))
             gain_keep = float(np.minimum(ex[a + 1:b], np.maximum(sizes[k] - held, 0)).sum())
-            group = int(live[b - 1]) + int(held[-1]) - st.budget
+            group = carried + int(held[-1]) - st.budget
             est_keep[k] = gain_keep - worse - max(0, group - int(ex[b]))
     moves = [(st.cost[k] / est[k], k, False) for k in np.nonzero(est > 0)[0].tolist()]
     moves += [(st.own_cost[k] / est_keep[k], k, True) for k in np.nonzero(est_keep > 0)[0].tolist()]
@@ -182,12 +209,19 @@ def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None, 
         if keep:
             trial.update({-1 - u: int(end[u]) + 1 for u in st.dead_inputs(k)})
         trials.append(trial)
-    # Transients of the group at w: revive them (made earlier, or kept); revivals held at w: undo.
+    # Transients of the group at w: revive them (made earlier, or kept); revivals: undo.
     for u in sorted(sim.transients.get(w, ())):
         trials += st.revivals(chosen, u, w, over)
     for c in chosen:
-        if c < 0 and -1 - c in sim.revived and sim.revived[-1 - c][0] <= w <= sim.revived[-1 - c][1] + 1:
+        if c < 0:
             trials.append({x: y for x, y in chosen.items() if x != c})
+            u = -1 - c
+            first, last = sim.revived.get(u, (w + 1, w))
+            if first <= w <= last and st.revivable[u] and st.problem.rematerializable[u]:
+                # held over w: rebuilt after it instead, or wherever memory is lowest before its reader
+                trials += [t for t in st.revivals(chosen, u, last + 1, over) if t[c] > w or t[c] == first]
+                if w + 1 <= min(last + 1, int(st.problem.remat_deadline[u])):
+                    trials.append({**chosen, c: w + 1})
     # Drops rebuilt in the group at w: move them elsewhere in their gap, or undo them.
     for c, k in chosen.items():
         if c < 0:
