@@ -244,7 +244,11 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
     pe = np.concatenate([ends, np.asarray(extra_e, dtype=np.int64)])
     live_by_kind = {}
     kinds = problem.kind[pt]
+    present = set(kinds.tolist())
     for k in KINDS:
+        if k not in present:  # (a kind no tensor has: zeros, without the sweep)
+            live_by_kind[k] = np.zeros(n, dtype=np.int64)
+            continue
         mask = kinds == k
         delta = np.zeros(n + 1, dtype=np.int64)
         np.add.at(delta, ps[mask], nbytes[pt[mask]])
