@@ -71,6 +71,7 @@ def foreach_step(trace) -> ForeachStep | str:
     sets = Components()
     parent, find, union = sets.parent, sets.find, sets.union
     order: list[int] = []  # parameters by first access
+    lists: dict[int, list[int]] = {}  # foreach op -> one tensor of each element, in element order
     for o in opt:
         entries = by_op.get(o, [])
         for t, _r, _i in entries:
@@ -87,6 +88,9 @@ def foreach_step(trace) -> ForeachStep | str:
                 per.setdefault(e, []).append(t)
         for ts in per.values():
             union(ts)
+        if per and sorted(per) == list(range(len(per))):
+            lists[o] = [per[e][0] for e in range(len(per))]
+    _tie_by_position(lists, sets, {t for t in parent if kind[t] == "parameter"})
     share: dict[int, int] = {}
     for t in list(parent):
         root = find(t)
@@ -98,6 +102,34 @@ def foreach_step(trace) -> ForeachStep | str:
     alloc = dict(zip(tensors["tensor_id"].tolist(), tensors["alloc_op"].tolist(), strict=True))
     made = {t for t in parent if t not in unit_of and alloc[t] in set(opt)}
     return ForeachStep(order, unit_of, opt, made)
+
+
+def _tie_by_position(lists: dict[int, list[int]], sets: Components, params: set[int]) -> None:
+    """Tie the elements of a ``foreach`` op that touches no parameter's tensors (AdamW's
+    ``_foreach_add_(state_steps, 1)``: the ``step`` counts) to the parameters, element by
+    element, through the nearest ``foreach`` op of the same length whose elements each hold a
+    different parameter's tensors (the next, else the previous). PyTorch's ``_multi_tensor_*``
+    steps pass every list of one device and dtype group in the same order, so element ``e``
+    of one op and element ``e`` of the next belong to the same parameter. Without this the
+    counts were shared by every group of a view, which then re-ran their ops once per group."""
+    roots = {sets.find(p) for p in params}
+
+    def tied(ts: list[int]) -> bool:
+        rs = [sets.find(t) for t in ts]
+        return all(r in roots for r in rs) and len(set(rs)) == len(rs)
+
+    ops = sorted(lists)
+    good = [o for o in ops if tied(lists[o])]
+    for o in ops:
+        ts = lists[o]
+        if any(sets.find(t) in roots for t in ts):
+            continue
+        same = [g for g in good if len(lists[g]) == len(ts)]
+        after = [g for g in same if g > o]
+        ref = after[0] if after else (same[-1] if same else None)
+        if ref is not None:
+            for t, u in zip(ts, lists[ref], strict=True):
+                sets.union([u, t])
 
 
 def element_map(name: str, entries: list[tuple[int, str, int]], producer: dict, op: int) -> dict[int, int] | None:

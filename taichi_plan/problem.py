@@ -432,6 +432,41 @@ def options(problem: Problem, early: bool = True) -> Options:
     )
 
 
+def revivable(problem: Problem) -> np.ndarray:
+    """Tensor indices that may be revived (simulate.py's module docstring), on forward-only
+    imported graphs: made in the step, not model state or an input, freed before its last two
+    ops, and read by the rebuild ops of a tensor that can be rebuilt (else no rebuild ever
+    needs it back)."""
+    if not problem.every_gap:
+        return np.zeros(0, dtype=np.int64)
+    read: set[int] = set()
+    for x in np.nonzero(problem.rematerializable)[0].tolist():
+        read.update(rebuild_inputs(problem, x))
+    ok = [u for u in sorted(read) if not problem.persists[u] and problem.kind[u] not in FIXED_KINDS
+          and problem.nbytes[u] > 0 and problem.end[u] + 1 < problem.num_ops - 1]
+    return np.asarray(ok, dtype=np.int64)
+
+
+def revival_points(problem: Problem, u: int) -> range:
+    """Where tensor ``u`` may be revived: kept (``end + 1``) or, if it can be rebuilt, rebuilt
+    before any later op up to its rebuild deadline (the last op is never a group's)."""
+    last = min(int(problem.remat_deadline[u]), problem.num_ops - 1) if problem.rematerializable[u] else -1
+    return range(int(problem.end[u]) + 1, max(last, int(problem.end[u]) + 1) + 1)
+
+
+def revival_options(problem: Problem) -> Options:
+    """Every revival a plan may hold (at most one per tensor); ``cand`` numbers the tensors,
+    after ``problem.candidates`` (so gap options and revivals never share one)."""
+    ts, pts = [], []
+    for u in revivable(problem).tolist():
+        pts.extend(revival_points(problem, u))
+        ts.extend([u] * len(revival_points(problem, u)))
+    tensor = np.asarray(ts, dtype=np.int64)
+    _, cand = np.unique(tensor, return_inverse=True)
+    return Options(tensor=tensor, cand=(cand.astype(np.int64) + len(problem.candidates)).reshape(-1),
+                   free_after=problem.end[tensor].astype(np.int64), remat_before=np.asarray(pts, dtype=np.int64))
+
+
 def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: set[int],
                     dead_candidates: bool = True) -> tuple[list[int], list[int]]:
     """The ops a rebuild of ``t`` certainly re-runs, and the candidates it reads.

@@ -15,6 +15,14 @@ Semantics (per-tensor rematerialization, the mechanism replay executes):
   reader in that group.
 * A group re-runs its ops in original op order; every output of a re-run op is allocated,
   and the outputs nobody needs are freed right after that op.
+* Imported graphs without a backward (``problem.every_gap``) also take *revivals*, a drop
+  whose ``free_after`` is the tensor's own last op (``end``): the tensor, dead by then, is
+  made available again for later rebuilds from the group before ``remat_before`` on. With
+  ``remat_before == end + 1`` it is *kept* (never freed: no re-run); later, it is *rebuilt*
+  there by re-running its rebuild ops (inputs resolved as above). Either way it is then held
+  until the last later group that reads it and freed right after its last reader in that
+  group (Moccasin's second interval of a node). At most one revival per tensor; a group
+  before ``remat_before`` that needs it re-makes it as a transient.
 * Partitions (see :mod:`taichi_plan.partition`) are applied to the problem before this.
 
 Memory is counted per op: a tensor is live during ops ``start..end`` inclusive. During a
@@ -31,7 +39,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import PlanError
-from .problem import Problem, rebuild_inputs
+from .problem import FIXED_KINDS, Problem, rebuild_inputs
 from .trace import KINDS
 
 
@@ -67,6 +75,8 @@ class SimResult:
     # (tensor, free_after) of each drop -> the group it is rebuilt in
     remat_at_drop: dict[tuple[int, int], int] = field(default_factory=dict)
     partition_cost: float = 0.0  # included in extra_cost
+    transients: dict[int, set[int]] = field(default_factory=dict)  # group -> tensors re-made and freed in it
+    revived: dict[int, tuple[int, int]] = field(default_factory=dict)  # revived tensor -> ops it is held
 
     @property
     def extra_pct(self) -> float:
@@ -77,12 +87,44 @@ class SimResult:
         return sum(len(g.ops) for g in self.groups.values())
 
 
+def is_revival(problem: Problem, d: Drop) -> bool:
+    """Is ``d`` a revival (module docstring): a drop, on a forward-only imported graph, whose
+    ``free_after`` is the tensor's own last op?"""
+    t = int(d.tensor)
+    return problem.every_gap and 0 <= t < len(problem.end) and int(d.free_after) == int(problem.end[t])
+
+
+def check_revivals(problem: Problem, drops: list[Drop]) -> dict[int, int]:
+    """Validate the revivals among ``drops``; return tensor index -> ``remat_before``."""
+    out: dict[int, int] = {}
+    for d in drops:
+        if not is_revival(problem, d):
+            continue
+        t, s = int(d.tensor), int(d.remat_before)
+        tid = int(problem.tensor_id[t])
+        if t in out:
+            raise PlanError(f"The plan revives tensor {tid} twice; a tensor has at most one revival.")
+        if problem.persists[t] or problem.kind[t] in FIXED_KINDS or problem.nbytes[t] <= 0:
+            raise PlanError(f"The plan revives tensor {tid}, which is model state, an input or outlives the step.")
+        if not problem.end[t] + 1 <= s < problem.num_ops:
+            raise PlanError(f"The plan revives tensor {tid} before op {s}, which is not after its last op "
+                            f"{int(problem.end[t])}. The plan was made for another trace.")
+        if s >= problem.end[t] + 2 and not problem.rematerializable[t]:
+            raise PlanError(f"The plan rebuilds tensor {tid} before op {s}, but it cannot be rebuilt (its "
+                            "producer is not recomputable).")
+        out[t] = s
+    return out
+
+
 def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, list[Drop]]:
     """Validate drops against the problem; return them keyed by tensor index, each tensor's
-    in gap order. Several gaps of one tensor are allowed on imported graphs only (replay
-    rebuilds a recorded tensor once), and never overlapping ones."""
+    in gap order (revivals, checked by :func:`check_revivals`, are left out). Several gaps of
+    one tensor are allowed on imported graphs only (replay rebuilds a recorded tensor once),
+    and never overlapping ones."""
     out: dict[int, list[Drop]] = {}
     for d in drops:
+        if is_revival(problem, d):
+            continue
         t = int(d.tensor)
         tid = int(problem.tensor_id[t]) if 0 <= t < len(problem.tensor_id) else t
         if not (0 <= t < len(problem.nbytes)):
@@ -124,29 +166,89 @@ def check_drops(problem: Problem, drops: list[Drop]) -> dict[int, list[Drop]]:
     return out
 
 
+@dataclass
+class _Resolved:
+    """A plan resolved against the problem: when every rebuild runs and what each group holds."""
+
+    D: dict[int, list[Drop]]  # gap drops per tensor, in gap order
+    R: dict[int, int]  # revivals: tensor -> remat_before
+    remat_at: dict[tuple[int, int], int]  # (tensor, gap) -> group of its rebuild
+    transients: dict[int, set[int]]  # group -> tensors re-made there and freed in it
+    revived: dict[int, tuple[int, int]]  # revived tensor -> (first op held, last op held) in the timeline
+    expiring: dict[int, set[int]]  # group -> revived tensors carried in and freed after their last reader
+    rebuilt: dict[int, set[int]]  # group -> revived tensors rebuilt there and held after it
+
+    def groups(self) -> dict[int, tuple[set[int], set[int], set[int]]]:
+        """Group time -> (tensors rebuilt there and held, transients, carried tensors it frees)."""
+        out: dict[int, tuple[set[int], set[int], set[int]]] = {}
+        for (t, _j), r in self.remat_at.items():
+            out.setdefault(r, (set(), set(), set()))[0].add(t)
+        for r, ts in self.rebuilt.items():
+            out.setdefault(r, (set(), set(), set()))[0].update(ts)
+        for r, ts in self.transients.items():
+            out.setdefault(r, (set(), set(), set()))[1].update(ts)
+        for r, ts in self.expiring.items():
+            out.setdefault(r, (set(), set(), set()))[2].update(ts)
+        return out
+
+
+def _resolve(problem: Problem, drops: list[Drop], failures: set[int] | None = None) -> _Resolved:
+    D = check_drops(problem, drops)
+    R = check_revivals(problem, drops)
+    remat_at, found, read_at = _closure(problem, D, R, failures)
+    transients: dict[int, set[int]] = defaultdict(set, found)
+    revived: dict[int, tuple[int, int]] = {}
+    expiring: dict[int, set[int]] = defaultdict(set)
+    rebuilt: dict[int, set[int]] = defaultdict(set)
+    for t, s in R.items():
+        e = read_at.get(t)
+        keep = s == problem.end[t] + 1
+        if keep and e is None:
+            continue  # kept for nothing: freed at its last op as before
+        if not keep and (e is None or e == s):
+            transients[s].add(t)  # rebuilt for its own group only (or for nobody)
+            continue
+        if not keep:
+            rebuilt[s].add(t)
+        revived[t] = (s, e - 1)
+        expiring[e].add(t)
+    return _Resolved(D, R, remat_at, {r: v for r, v in transients.items() if v}, revived, dict(expiring),
+                     dict(rebuilt))
+
+
 def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
     """Simulate the step with ``drops`` applied; see the module docstring for semantics."""
-    D = check_drops(problem, drops)
-    remat_at, transients = _closure(problem, D)
+    res = _resolve(problem, drops)
+    D, remat_at = res.D, res.remat_at
     n = problem.num_ops
     nbytes = problem.nbytes
 
     # Pieces (tensor, first op, last op) under the plan, then the per-op live timeline.
     starts = problem.start.copy()
     ends = problem.end.copy()
-    extra_t, extra_s, extra_e = [], [], []
+    extra_t, extra_s, extra_e, made = [], [], [], []
     for t, ds in D.items():
         ends[t] = ds[0].free_after
         for j in range(len(ds)):
             extra_t.append(t)
             extra_s.append(remat_at[(t, j)])
             extra_e.append(_piece_end(problem, ds, j, t))
+            made.append(True)
+    for t, (first, last) in res.revived.items():
+        extra_t.append(t)
+        extra_s.append(first)
+        extra_e.append(last)
+        made.append(res.R[t] >= problem.end[t] + 2)  # a kept tensor is not allocated again
     pt = np.concatenate([np.arange(len(nbytes)), np.asarray(extra_t, dtype=np.int64)])
     ps = np.concatenate([starts, np.asarray(extra_s, dtype=np.int64)])
     pe = np.concatenate([ends, np.asarray(extra_e, dtype=np.int64)])
     live_by_kind = {}
     kinds = problem.kind[pt]
+    present = set(kinds.tolist())
     for k in KINDS:
+        if k not in present:  # (a kind no tensor has: zeros, without the sweep)
+            live_by_kind[k] = np.zeros(n, dtype=np.int64)
+            continue
         mask = kinds == k
         delta = np.zeros(n + 1, dtype=np.int64)
         np.add.at(delta, ps[mask], nbytes[pt[mask]])
@@ -154,11 +256,13 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
         live_by_kind[k] = np.cumsum(delta)[:n]
     live = sum(live_by_kind.values()) if n else np.zeros(0, dtype=np.int64)
     start_bytes = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(start_bytes, ps, nbytes[pt])
+    alloc = np.concatenate([np.ones(len(nbytes), dtype=bool), np.asarray(made, dtype=bool)])
+    np.add.at(start_bytes, ps[alloc], nbytes[pt[alloc]])
 
     groups = {}
-    for r, members in _groups(remat_at, transients).items():
-        groups[r] = _run_group(problem, r, members, int(live[r] - start_bytes[r]))
+    for r, members in res.groups().items():
+        carried = int(live[r] - start_bytes[r]) + int(sum(int(nbytes[t]) for t in members[2]))
+        groups[r] = _run_group(problem, r, members, carried)
 
     peak_op, peak_bytes, in_group = -1, 0, False
     if n:
@@ -168,6 +272,8 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
         if groups[r].peak_bytes > peak_bytes:
             peak_bytes, peak_op, in_group = groups[r].peak_bytes, r, True
     extra = float(sum(g.cost for g in groups.values()))
+    remat_at_drop = {(t, ds[j].free_after): remat_at[(t, j)] for t, ds in D.items() for j in range(len(ds))}
+    remat_at_drop.update({(t, int(problem.end[t])): s for t, s in res.R.items()})
     return SimResult(
         live_bytes=live,
         live_by_kind=live_by_kind,
@@ -178,7 +284,9 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
         extra_cost=extra,
         step_cost=problem.step_cost,
         remat_at={t: remat_at[(t, 0)] for t in D},
-        remat_at_drop={(t, ds[j].free_after): remat_at[(t, j)] for t, ds in D.items() for j in range(len(ds))},
+        remat_at_drop=remat_at_drop,
+        transients=res.transients,
+        revived=res.revived,
     )
 
 
@@ -207,18 +315,26 @@ def _gap_holding(D: dict[int, list[Drop]], remat_at: dict[tuple[int, int], int],
     return None
 
 
-def _closure(problem: Problem, D: dict[int, list[Drop]], failures: set[int] | None = None
-             ) -> tuple[dict[tuple[int, int], int], dict[int, set[int]]]:
-    """When each dropped tensor is rebuilt, and which transients each group needs.
+REVIVE = -2  # heap entry of a revival's rebuild (j = -1: a transient)
+
+
+def _closure(problem: Problem, D: dict[int, list[Drop]], R: dict[int, int] | None = None,
+             failures: set[int] | None = None
+             ) -> tuple[dict[tuple[int, int], int], dict[int, set[int]], dict[int, int]]:
+    """When each dropped tensor is rebuilt, which transients each group needs, and the last
+    group that reads each revived tensor.
 
     Groups are resolved earliest first, so a rebuild that moves up (because an earlier
     group needs the tensor) is settled before any later group looks at it. A rebuild that
     needs a tensor that is gone and cannot be rebuilt raises :class:`PlanError`, or, with
     ``failures``, adds the dropped tensor whose rebuild started the chain to it.
     """
+    R = R or {}
     remat_at = {(t, j): d.remat_before for t, ds in D.items() for j, d in enumerate(ds)}
     transients: dict[int, set[int]] = defaultdict(set)
-    heap = [(d.remat_before, t, j, t) for t, ds in D.items() for j, d in enumerate(ds)]  # j = -1: a transient
+    read_at: dict[int, int] = {}
+    heap = [(d.remat_before, t, j, t) for t, ds in D.items() for j, d in enumerate(ds)]
+    heap += [(s, t, REVIVE, t) for t, s in R.items() if s >= problem.end[t] + 2]
     heapq.heapify(heap)
     while heap:
         r, t, j, root = heapq.heappop(heap)
@@ -229,6 +345,9 @@ def _closure(problem: Problem, D: dict[int, list[Drop]], failures: set[int] | No
             continue
         for u in rebuild_inputs(problem, t):
             if _available(problem, D, remat_at, u, r):
+                continue
+            if u in R and R[u] <= r:  # revived by then: held until its last reader
+                read_at[u] = max(read_at.get(u, r), r)
                 continue
             gap = _gap_holding(D, remat_at, u, r)
             if gap is not None:
@@ -241,7 +360,7 @@ def _closure(problem: Problem, D: dict[int, list[Drop]], failures: set[int] | No
                     continue
                 transients[r].add(u)
                 heapq.heappush(heap, (r, u, -1, root))
-    return remat_at, {r: s for r, s in transients.items() if s}
+    return remat_at, {r: s for r, s in transients.items() if s}, read_at
 
 
 def _fail(problem, failures, root, t, r, why) -> None:
@@ -254,37 +373,30 @@ def _fail(problem, failures, root, t, r, why) -> None:
 def unexecutable(problem: Problem, drops: list[Drop]) -> set[int]:
     """Dropped tensors whose rebuild chain cannot run (the simulator would refuse them)."""
     failures: set[int] = set()
-    _closure(problem, check_drops(problem, drops), failures)
+    _resolve(problem, drops, failures)
     return failures
 
 
-def _groups(remat_at: dict[tuple[int, int], int], transients: dict[int, set[int]]
-            ) -> dict[int, tuple[set[int], set[int]]]:
-    """Group time -> (dropped tensors rebuilt there, transients rebuilt there)."""
-    out: dict[int, tuple[set[int], set[int]]] = {}
-    for (t, _j), r in remat_at.items():
-        out.setdefault(r, (set(), set()))[0].add(t)
-    for r, ts in transients.items():
-        out.setdefault(r, (set(), set()))[1].update(ts)
-    return out
-
-
-def group_events(problem: Problem, members: tuple[set[int], set[int]]):
-    """The recompute events of one group (dropped tensors rebuilt there, transients): (op,
-    allocs, frees) in order."""
-    kept, trans = members
+def group_events(problem: Problem, members: tuple[set[int], ...]):
+    """The recompute events of one group (tensors rebuilt there and held, transients, and
+    revived tensors carried in and freed after their last reader there): (op, allocs, frees)
+    in order."""
+    kept, trans = members[0], members[1]
+    expiring = members[2] if len(members) > 2 else set()
     ops = sorted({int(q) for t in kept | trans for q in problem.rebuild_ops[t].tolist()})
-    last_use: dict[int, int] = {}  # transient -> last group op that reads or writes it
+    last_use: dict[int, int] = {}  # transient or expiring -> last group op that reads or writes it
     for p in ops:
         for u in (*problem.op_reads[p].tolist(), *problem.op_outputs[p].tolist()):
-            if u in trans:
+            if u in trans or u in expiring:
                 last_use[u] = p
+    last_of: dict[int, list[int]] = defaultdict(list)  # group op -> the transients and expiring it frees
+    for u in trans | expiring:
+        last_of[last_use.get(u, ops[0])].append(u)
     events = []
     for p in ops:
         outs = problem.op_outputs[p].tolist()
         frees = [u for u in outs if u not in kept and u not in trans]
-        frees += [u for u in trans if last_use[u] == p]
-        events.append((p, outs, sorted(set(frees))))
+        events.append((p, outs, sorted(set(frees + last_of.get(p, [])))))
     return events
 
 
@@ -309,8 +421,9 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
     is ``run`` or ``recompute``. Peak = max over events of (live + allocated), then the
     freed ones leave. :func:`taichi_plan.plan.peak_from_schedule` does exactly that.
     """
-    D = check_drops(problem, drops)
-    remat_at, transients = _closure(problem, D)
+    res = _resolve(problem, drops)
+    D = res.D
+    kept = {t for t in res.revived if res.R[t] == problem.end[t] + 1}  # held past their last op
     n = problem.num_ops
     tid = problem.tensor_id
     allocs: list[list[int]] = [[] for _ in range(n)]
@@ -323,9 +436,9 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
             allocs[problem.start[t]].append(int(tid[t]))
         for d in D.get(t, ()):
             frees[d.free_after].append(int(tid[t]))
-        if not problem.persists[t]:
+        if not problem.persists[t] and t not in kept:
             frees[problem.end[t]].append(int(tid[t]))
-    grouped = _groups(remat_at, transients)
+    grouped = res.groups()
     events = []
     for i in range(n):
         if i in grouped:
@@ -340,12 +453,11 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
 def rebuild_overhead(problem: Problem, drop: Drop) -> int:
     """Bytes a lone rebuild of ``drop`` adds on top of what is carried into its group:
     its rebuilt tensor plus every transient its rebuild chain holds at the worst moment."""
-    D = {drop.tensor: [drop]}
-    remat_at, transients = _closure(problem, D)
-    r = remat_at[(drop.tensor, 0)]
-    members = _groups(remat_at, transients)[r]
+    res = _resolve(problem, [drop])
+    r = res.remat_at[(drop.tensor, 0)] if drop.tensor in res.D else drop.remat_before
+    members = res.groups().get(r)
     live = peak = 0
-    for _p, allocs, frees in group_events(problem, members):
+    for _p, allocs, frees in group_events(problem, members) if members else ():
         live += int(problem.nbytes[allocs].sum()) if allocs else 0
         peak = max(peak, live)
         live -= int(problem.nbytes[frees].sum()) if frees else 0
@@ -367,11 +479,10 @@ def simulate_plan(problem: Problem, drops: list[Drop], partitions=()) -> tuple[S
 def rerun_ops(problem: Problem, drops: list[Drop]) -> set[int]:
     """Every op the planned step re-runs: the ops of all recompute groups, and the rebuild
     ops of every dropped tensor (what a replay must be able to run again)."""
-    D = check_drops(problem, drops)
-    remat_at, transients = _closure(problem, D)
+    res = _resolve(problem, drops)
     ops: set[int] = set()
-    for members in _groups(remat_at, transients).values():
+    for members in res.groups().values():
         ops.update(op for op, _a, _f in group_events(problem, members))
-    for t in D:
+    for t in [*res.D, *(t for t, s in res.R.items() if s >= problem.end[t] + 2)]:
         ops.update(problem.rebuild_ops[t].tolist())
     return ops

@@ -55,8 +55,9 @@ from ..problem import (
     rebuild_closure,
     rebuild_inputs,
     rebuild_set,
+    revival_options,
 )
-from ..simulate import Drop, SimResult, rebuild_overhead, simulate_plan
+from ..simulate import Drop, SimResult, is_revival, rebuild_overhead, simulate_plan
 from .bound import BoundLog, relaxation_bound
 from .heuristic import plan_remat, sim_over
 from .result import Decisions
@@ -102,15 +103,17 @@ def structure(problem: Problem) -> Structure:
     chains = len(cands) <= CHAIN_MAX_OPTIONS
     closures: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
     for k, t in enumerate(cands):
-        # Gone candidates count as transients (their cost certain) on forward-only graphs,
-        # where long transient chains are what a late rebuild costs; elsewhere the weaker
-        # model solved faster (ResNet-50 at 0.4: optimal in 11 s against a 2.5% gap at 30 s).
         # The closure depends on the tensor and where it is freed only (not on the rebuild
         # point): the options of one gap share it.
         if (t, int(a[k])) not in closures:
-            ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set, dead_candidates=problem.every_gap)
             own = problem.rebuild_ops[t].tolist()
-            closures[(t, int(a[k]))] = (own, [q for q in ops if q not in own], deps)
+            if problem.every_gap:
+                # Revivals (simulate.py) may keep or rebuild a dead input ahead of the group: no
+                # transient is certainly re-made, and only the direct inputs are certainly read.
+                closures[(t, int(a[k]))] = (own, [], [u for u in rebuild_inputs(problem, t) if u in cand_set])
+            else:
+                ops, deps = rebuild_closure(problem, t, int(a[k]), cand_set, dead_candidates=False)
+                closures[(t, int(a[k]))] = (own, [q for q in ops if q not in own], deps)
         own, temps, deps = closures[(t, int(a[k]))]
         own_ops.append(own)
         temporaries.append(temps)
@@ -312,11 +315,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         nodes = None if work_limit is None else max(1, int(BOUND_NODES_PER_WORK * work_limit))
 
         def plan_of(values: dict[int, int]) -> tuple[SimResult, Problem] | None:
-            dec = Decisions(
-                drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k, v in enumerate(bmodel.x)
-                       if values[v.Index()]],
-                partitions=[as_partition(parts[j].span, parts[j].chunks) for j, v in enumerate(bmodel.y)
-                            if values[v.Index()]])
+            dec = bmodel.decode(lambda v: values[v.Index()])[0]
             try:
                 sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
             except PlanError:
@@ -370,18 +369,14 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         if incumbent is not None:
             bound = min(bound, incumbent[1].extra_cost)
         lower_bound = bound if lower_bound is None else max(lower_bound, bound)
-        chosen = [k for k, v in enumerate(model.x) if solver.Value(v)]
-        parted_y = [j for j, v in enumerate(model.y) if solver.Value(v)]
-        dec = Decisions(
-            drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in chosen],
-            partitions=[as_partition(parts[j].span, parts[j].chunks) for j in parted_y],
-        )
-        model.forbid(chosen, parted_y)
+        dec, chosen, parted_y, revived = model.decode(solver.Value)
         try:
             sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
         except PlanError:  # a rebuild chain that cannot run: rejected, and cut
+            model.forbid(chosen, parted_y, revived)
             rejected += 1
             continue
+        model.forbid(chosen, parted_y, revived, model.idle_keeps(sim))
         offer(dec, sim)
         if sim.peak_bytes > budget_bytes:
             rejected += 1
@@ -449,7 +444,8 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
         chosen = np.zeros(len(st.sizes), dtype=bool)
         key = {(int(t), int(b)): k for k, (t, b) in enumerate(zip(st.tensor.tolist(), st.b.tolist(), strict=True))}
         for d in dec.drops:
-            chosen[key[(d.tensor, d.remat_before)]] = True
+            if (d.tensor, d.remat_before) in key:  # revivals aside
+                chosen[key[(d.tensor, d.remat_before)]] = True
         over = sim_over(parted, sim) - budget
         freed = gap_bytes(problem.num_ops, st.a[chosen], st.b[chosen], st.sizes[chosen]) + sum(
             (po.savings for po in parts if as_partition(po.span, po.chunks) in dec.partitions),
@@ -471,11 +467,7 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
         work += solver.deterministic_time
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None, work
-        dec = Decisions(
-            drops=[Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k, v in enumerate(m.x) if solver.Value(v)],
-            partitions=[as_partition(parts[j].span, parts[j].chunks) for j, v in enumerate(m.y)
-                        if solver.Value(v)],
-        )
+        dec = m.decode(solver.Value)[0]
 
 
 def _repair(problem: Problem, dec: Decisions, budget: int, deadline: float | None = None
@@ -502,6 +494,10 @@ class _Model:
         C = len(st.sizes)
         self.x = x = [model.NewBoolVar(f"x{k}") for k in range(C)]
         self.y = y = [model.NewBoolVar(f"y{j}") for j in range(len(parts))]
+        # Revivals (forward-only graphs): z[j] keeps or rebuilds a dead tensor for later groups.
+        # They only add memory, which the relaxation leaves out; they enter the no-good cuts.
+        self.rv = revival_options(problem)
+        self.z = z = [model.NewBoolVar(f"z{j}") for j in range(len(self.rv))]
         self.ops: set[int] = set()
         self.groups: set[int] = set()
         # Per tensor, its candidate gaps (free_after, latest rebuild point).
@@ -564,6 +560,17 @@ class _Model:
         for (p, _t), ks in gaps_of.items():
             if most[p] > 1:
                 model.Add(rerun[p] >= sum(x[k] for k in ks))
+        # [Constraint] a tensor revived at most once; one rebuilt (not kept) re-runs its ops.
+        by_tensor: dict[int, list[int]] = {}
+        for j, u in enumerate(self.rv.tensor.tolist()):
+            by_tensor.setdefault(u, []).append(j)
+        for js in by_tensor.values():
+            model.AddAtMostOne([z[j] for j in js])
+            rebuilt = [j for j in js if self.rv.remat_before[j] >= problem.end[self.rv.tensor[j]] + 2]
+            for p in problem.rebuild_ops[int(self.rv.tensor[js[0]])].tolist() if rebuilt else ():
+                if p not in rerun:
+                    rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
+                model.Add(rerun[p] >= sum(z[j] for j in rebuilt))
         costs = {p: int(math.floor(problem.op_cost[p] / cost_unit)) for p in rerun}
         self.objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0) + sum(
             int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts))
@@ -587,25 +594,51 @@ class _Model:
         ``cost`` is lost, as the model's cost of a plan never exceeds its simulated cost."""
         self.model.Add(self.objective <= int(math.floor(cost / self.cost_unit)))
 
-    def forbid(self, chosen_x: list[int], chosen_y: list[int]) -> None:
-        """[Constraint] no-good cut: not exactly this assignment (already simulated)."""
-        on_x, on_y = set(chosen_x), set(chosen_y)
+    def forbid(self, chosen_x: list[int], chosen_y: list[int], chosen_z: list[int] = (),
+               idle: set[int] = frozenset()) -> None:
+        """[Constraint] no-good cut: not exactly this assignment (already simulated), whatever
+        the ``idle`` keeps (z indices) are: each is a no-op in this plan (idle_keeps)."""
+        on_x, on_y, on_z = set(chosen_x), set(chosen_y), set(chosen_z)
         lits = [v.Not() if k in on_x else v for k, v in enumerate(self.x)]
         lits += [v.Not() if j in on_y else v for j, v in enumerate(self.y)]
+        lits += [v.Not() if j in on_z else v for j, v in enumerate(self.z) if j not in idle]
         if lits:
             self.model.AddBoolOr(lits)
             self.cuts += 1
 
+    def idle_keeps(self, sim: SimResult) -> set[int]:
+        """Keeps (z indices) that change nothing in the plan ``sim`` judged: no group of it
+        needs their tensor after its last op, so keeping it or not simulates the same."""
+        rv = self.rv
+        needed = set(sim.revived).union(*sim.transients.values())
+        return {j for j in range(len(rv)) if rv.remat_before[j] == self.problem.end[rv.tensor[j]] + 1
+                and int(rv.tensor[j]) not in needed}
+
+    def decode(self, value: Callable[[cp_model.IntVar], int]) -> tuple[Decisions, list[int], list[int], list[int]]:
+        """The plan of an assignment (``value`` of each variable), and its chosen x, y and z."""
+        st, rv = self.st, self.rv
+        xs = [k for k, v in enumerate(self.x) if value(v)]
+        ys = [j for j, v in enumerate(self.y) if value(v)]
+        zs = [j for j, v in enumerate(self.z) if value(v)]
+        drops = [Drop(int(st.tensor[k]), int(st.a[k]), int(st.b[k])) for k in xs]
+        drops += [Drop(int(rv.tensor[j]), int(rv.free_after[j]), int(rv.remat_before[j])) for j in zs]
+        parts = [as_partition(self.parts[j].span, self.parts[j].chunks) for j in ys]
+        return Decisions(drops=drops, partitions=parts), xs, ys, zs
+
     def forbid_plan(self, dec: Decisions) -> None:
         """The no-good cut of ``dec`` if it is an assignment of this model (a warm start)."""
-        st = self.st
+        st, rv = self.st, self.rv
         key = {(int(t), int(a), int(b)): k for k, (t, a, b) in
                enumerate(zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True))}
-        xs = [key.get((d.tensor, d.free_after, d.remat_before)) for d in dec.drops]
+        rkey = {(int(t), int(a), int(b)): j for j, (t, a, b) in
+                enumerate(zip(rv.tensor.tolist(), rv.free_after.tolist(), rv.remat_before.tolist(), strict=True))}
+        revived = [is_revival(self.problem, d) for d in dec.drops]
+        xs = [key.get((d.tensor, d.free_after, d.remat_before)) for d, r in zip(dec.drops, revived, strict=True) if not r]
+        zs = [rkey.get((d.tensor, d.free_after, d.remat_before)) for d, r in zip(dec.drops, revived, strict=True) if r]
         part_key = {(*span_key(po.span), po.chunks): j for j, po in enumerate(self.parts)}
         ys = [part_key.get((*span_key(p), p.chunks)) for p in dec.partitions]
-        if None not in xs and None not in ys:
-            self.forbid(xs, ys)
+        if None not in xs and None not in ys and None not in zs:
+            self.forbid(xs, ys, zs)
 
     def _gone(self, u: int, lo: int, hi: int) -> bool:
         """Can tensor ``u`` be gone at a group before an op in ``lo..hi``: dead before then,
@@ -671,10 +704,18 @@ class _Model:
             if deadline is not None and time.perf_counter() > deadline:
                 return  # the constraints not added only weaken the relaxation
             t = int(st.tensor[k])
-            excess = crossing - int(st.sizes[k]) + rebuild_overhead(problem, Drop(t, int(st.a[k]), r)) - budget
+            a = int(st.a[k])
+            if problem.every_gap:
+                # With revivals a dead input may be kept or rebuilt ahead (no transient chain is
+                # certain), but when t's producer runs, t and every input of it are in memory.
+                p = int(problem.rebuild_ops[t][0])
+                lone = int(st.sizes[k]) + sum(int(problem.nbytes[u]) for u in problem.op_reads[p].tolist()
+                                              if u != t and not problem.held(u, r))
+            else:
+                lone = rebuild_overhead(problem, Drop(t, a, r))
+            excess = crossing - int(st.sizes[k]) + lone - budget
             if excess <= 0:
                 continue
-            a = int(st.a[k])
             maybe = np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
             if len(st.sizes) <= CHAIN_MAX_OPTIONS:  # each option over its own window
                 movers = [c for c in maybe if self._may_need(c, t, max(a, int(st.a[c])) + 1,
@@ -682,10 +723,19 @@ class _Model:
             else:  # one walk over the widest window, a+1..r-1, for all (a superset)
                 may = self._may_need_tensor(t, a + 1, r - 1)
                 movers = [c for c in maybe if int(st.tensor[c]) in may]
-            cond = [x[k], *(x[c].Not() for c in movers), *(v.Not() for v in self.y)]
+            # A revival rebuilt inside the gap whose rebuild may need t brings t back there.
+            revivers = []
+            if len(self.z):
+                may = self._may_need_tensor(t, a + 1, r - 1)
+                revivers = [j for j in np.nonzero((self.rv.remat_before > a) & (self.rv.remat_before < r))[0].tolist()
+                            if int(self.rv.tensor[j]) in may]
+            cond = [x[k], *(x[c].Not() for c in movers), *(self.z[j].Not() for j in revivers),
+                    *(v.Not() for v in self.y)]
             # What k's rebuild reads is brought back into this group if it is away: not away.
-            _ops, deps = rebuild_closure(problem, t, a, self.cand_set)
-            held = set(deps)
+            if problem.every_gap:
+                held = {u for u in rebuild_inputs(problem, t) if u in self.cand_set}
+            else:
+                held = set(rebuild_closure(problem, t, a, self.cand_set)[1])
             cover = [j for j in np.nonzero((st.a < r) & (st.b >= r))[0].tolist()
                      if j != k and int(st.tensor[j]) not in held]
             unit = self.byte_unit

@@ -20,7 +20,7 @@ from ..prefetch import describe as describe_prefetch
 from ..problem import Problem
 from ..reshard import describe as describe_reshard
 from ..sharding import layout
-from ..simulate import Drop, SimResult, build_schedule, rerun_ops, simulate_plan
+from ..simulate import Drop, SimResult, build_schedule, is_revival, rerun_ops, simulate_plan
 from ..units import format_bytes, format_cost
 
 
@@ -152,8 +152,16 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
     held = r - d.free_after - 1
     ops = problem.rebuild_ops[t].tolist()
     names = problem.op_name[p] + (f" and {len(ops) - 1} in-place op(s)" if len(ops) > 1 else "")
-    why = (f"frees {format_bytes(nb)} for {held} ops (op {d.free_after + 1} to {r - 1}); "
-           f"re-running {names} costs {format_cost(float(problem.op_cost[ops].sum()), unit)}")
+    cost = format_cost(float(problem.op_cost[ops].sum()), unit)
+    if is_revival(problem, d):
+        span = sim.revived.get(t)
+        until = "no later rebuild reads it" if span is None else f"held until the rebuild before op {span[1] + 1}"
+        how = ("kept past its last op" if d.remat_before == d.free_after + 1
+               else f"rebuilt before op {d.remat_before} (re-running {names} costs {cost})")
+        why = f"revived for later rebuilds that read it: {how}, {until}"
+    else:
+        why = (f"frees {format_bytes(nb)} for {held} ops (op {d.free_after + 1} to {r - 1}); "
+               f"re-running {names} costs {cost}")
     if r != d.remat_before:
         why += f"; rebuilt early, before op {r}, because another rebuild needs it"
     return Recompute(tensor=int(problem.tensor_id[t]), op=p, op_name=problem.op_name[p],
