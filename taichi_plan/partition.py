@@ -82,9 +82,15 @@ class Span:
     # May it be split into chunks of its batch (independent along dim 0, and, when it draws
     # random numbers, the solve opted in)? Otherwise one chunk only: checkpointed whole.
     split: bool = True
+    # over="sequence" (taichi_plan/position_span.py): the workload's (batch, seq), whose product
+    # ``batch`` then is, and the chunk counts offered (they divide it).
+    positions: tuple[int, int] | None = None
+    choices: tuple[int, ...] = ()
 
     @property
     def chunk_choices(self) -> tuple[int, ...]:
+        if self.over == "sequence":
+            return self.choices
         # Chunks of equal size only (k divides the batch): each tensor's piece is exactly 1/k.
         return (1, *(c for c in CHUNK_CHOICES if c <= self.batch and self.batch % c == 0)) if self.split else (1,)
 
@@ -98,7 +104,7 @@ def as_partition(span, chunks: int):
     """The plan's :class:`~taichi_plan.plan.Partition` of ``span`` into ``chunks``."""
     from .plan import Partition
 
-    return Partition(span.module, 0, int(chunks), over=span.over)
+    return Partition(span.module, 1 if span.over == "sequence" else 0, int(chunks), over=span.over)
 
 
 def find_span(problem: Problem, part):
@@ -148,14 +154,18 @@ def module_spans(problem: Problem) -> list:
     # with the RNG state it first ran with, so it draws the same numbers (module docstring).
     spans = [s if problem.partition_random or not s.random_ops else dataclasses.replace(s, split=False)
              for s in _batch_spans(problem)]
-    # Capped apart: modules that can be split, and those that can only be checkpointed whole
-    # (outer ones hold the most bytes and would crowd the split ones out of one cap).
-    keep: set[str] = set()
+    # A random module's positions are split only with the opt-in (none is checkpointed whole
+    # over positions: that is its batch span's one chunk).
+    spans += [s for s in _sequence_spans(problem) if problem.partition_random or not s.random_ops]
+    # Capped apart: modules that can be split (along the batch or the sequence), and those that
+    # can only be checkpointed whole (outer ones hold the most bytes and would crowd the split
+    # ones out of one cap).
+    keep: set[tuple[str, str]] = set()
     for split in (True, False):
         group = [s for s in spans if s.split == split]
-        inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in group}
+        inside = {span_key(s): sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in group}
         keep.update(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
-    spans = [s for s in spans if s.module in keep] + token_spans(problem)
+    spans = [s for s in spans if span_key(s) in keep] + token_spans(problem)
     problem._module_spans = spans
     return spans
 
@@ -165,7 +175,7 @@ def partitionable_spans(problem: Problem) -> list:
     looked up in (the planners choose from :func:`module_spans`)."""
     from .token_span import token_spans
 
-    return _batch_spans(problem) + token_spans(problem)
+    return _batch_spans(problem) + _sequence_spans(problem) + token_spans(problem)
 
 
 def _batch_spans(problem: Problem) -> list[Span]:
@@ -173,6 +183,17 @@ def _batch_spans(problem: Problem) -> list[Span]:
     cached = getattr(problem, "_partitionable_spans", None)
     if cached is None:
         cached = problem._partitionable_spans = _module_spans(problem)
+    return cached
+
+
+def _sequence_spans(problem: Problem) -> list[Span]:
+    """The position-wise modules, split over their positions, random ones included (cached:
+    :func:`taichi_plan.position_span.sequence_spans`)."""
+    cached = getattr(problem, "_sequence_spans", None)
+    if cached is None:
+        from .position_span import sequence_spans
+
+        cached = problem._sequence_spans = sequence_spans(problem, _batch_spans(problem))
     return cached
 
 
@@ -382,8 +403,9 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     internal: set[int] = set()
     for part in partitions:
         span = spans.get(span_key(part))
-        if span is None or part.dim != 0:
-            what = "its loss over tokens" if span_key(part)[1] == "tokens" else f"along dim {part.dim}"
+        if span is None or part.dim != (1 if span.over == "sequence" else 0):
+            what = {"tokens": "its loss over tokens", "sequence": "over its positions (the sequence)"}.get(
+                span_key(part)[1], f"along dim {part.dim}")
             raise PlanError(
                 f"The plan partitions module {part.module!r} {what}, but that module is not "
                 "independent along it in this trace (or is not in it). Partition only modules that "
@@ -395,6 +417,10 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 f"The plan partitions module {part.module!r}, which draws random numbers (op "
                 f"{span.random_ops[0]}, {problem.op_name[span.random_ops[0]]}), but does not record that its chunks "
                 "draw their own: partitioning it changes training. Solve again with --partition-random to allow it.")
+        if span.over == "sequence" and k not in span.chunk_choices:
+            raise PlanError(f"The plan splits {part.module!r} into {k} runs of its {span.batch} positions; use one of "
+                            f"{', '.join(map(str, span.chunk_choices))} (they divide the positions and are not batch "
+                            "chunks already).")
         if span.over == "tokens" and k < 2:
             raise PlanError(f"The plan computes {part.module!r}'s loss in {k} chunk(s) of its tokens; use 2 or more.")
         if k < 1 or k > span.batch or (k > 1 and not getattr(span, "split", True)):
@@ -564,6 +590,10 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     batch = span.batch
 
     def piece(t: int) -> int:
+        if span.over == "sequence":
+            from .position_span import chunk_piece
+
+            return chunk_piece(problem, span, t, k)
         nb = int(problem.nbytes[t])
         shp = shapes[t] if t < len(shapes) else []
         if _constant(problem, t) or problem.kind[t] == "gradient" or not len(shp) or shp[0] < batch or shp[0] % batch:

@@ -192,13 +192,14 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
 
 def partition_spans(plan: Plan, trace, problem=None) -> dict[str, tuple[int, int]]:
     """Forward op span (op ids) of each partitioned module in the trace."""
-    parts = [p for p in plan.partitions if p.over == "batch"]
+    parts = [p for p in plan.partitions if p.over in ("batch", "sequence")]
     if not parts:
         return {}
     from ..optimizer_plan import problem_for_plan
     from ..partition import partitionable_spans
 
-    spans = {s.module: s.fwd for s in partitionable_spans(problem_for_plan(plan, trace, problem)) if s.over == "batch"}
+    spans = {s.module: s.fwd for s in partitionable_spans(problem_for_plan(plan, trace, problem))
+             if s.over in ("batch", "sequence")}
     missing = [p.module for p in parts if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "
