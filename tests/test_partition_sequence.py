@@ -10,7 +10,14 @@ import pytest
 
 from taichi_plan import partition
 from taichi_plan.errors import PlanError
-from taichi_plan.partition import allow_random, apply_partitions, find_span, module_spans, ops_under, partitionable_spans
+from taichi_plan.partition import (
+    allow_random,
+    apply_partitions,
+    find_span,
+    module_spans,
+    ops_under,
+    partitionable_spans,
+)
 from taichi_plan.plan import Partition, load_plan, save_plan
 from taichi_plan.position_span import not_position_wise, positions
 from taichi_plan.problem import build_problem
