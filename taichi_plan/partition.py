@@ -140,7 +140,8 @@ MAX_SPANS = 48  # options considered, split and whole apart: the modules with th
 def module_spans(problem: Problem) -> list:
     """The planners' partition options: the modules that can be partitioned along dim 0, with
     their forward and backward spans, random ones split only where ``problem.partition_random``
-    (else checkpointed whole, one chunk) (of those that can be split, and apart of those that
+    (else checkpointed whole, one chunk), and the position-wise ones that cannot, over their
+    positions (:mod:`taichi_plan.position_span`) (of those that can be split, and apart of those that
     can only be checkpointed whole, the ``MAX_SPANS`` with the most bytes made inside them, the
     most a partition can save), then the
     head + loss spans that can be partitioned over tokens
@@ -154,9 +155,12 @@ def module_spans(problem: Problem) -> list:
     # with the RNG state it first ran with, so it draws the same numbers (module docstring).
     spans = [s if problem.partition_random or not s.random_ops else dataclasses.replace(s, split=False)
              for s in _batch_spans(problem)]
-    # A random module's positions are split only with the opt-in (none is checkpointed whole
-    # over positions: that is its batch span's one chunk).
-    spans += [s for s in _sequence_spans(problem) if problem.partition_random or not s.random_ops]
+    # Over positions: where the batch cannot be split (a batch of one, tensors not batch-major),
+    # so a trace whose batch splits keeps the options it had; a random module only with the
+    # opt-in (none is checkpointed whole over positions: that is its batch span's one chunk).
+    by_batch = {s.module for s in _batch_spans(problem) if s.split}
+    spans += [s for s in _sequence_spans(problem)
+              if s.module not in by_batch and (problem.partition_random or not s.random_ops)]
     # Capped apart: modules that can be split (along the batch or the sequence), and those that
     # can only be checkpointed whole (outer ones hold the most bytes and would crowd the split
     # ones out of one cap).

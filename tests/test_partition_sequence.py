@@ -46,6 +46,11 @@ def llama_b1(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def gpt2_b1(tmp_path_factory):
+    return _traced(tmp_path_factory, "gpt2", 48, 1)
+
+
+@pytest.fixture(scope="module")
 def gpt2_b2(tmp_path_factory):
     return _traced(tmp_path_factory, "gpt2", 24, 2)
 
@@ -90,11 +95,16 @@ def test_chunk_counts_divide_the_positions_and_skip_batch_chunks(llama_b1, gpt2_
         apply_partitions(llama_b1, [_seq("model.layers.1.mlp", 32)])
 
 
-def test_a_random_module_needs_the_opt_in(gpt2_b2):
-    """GPT-2's MLP draws its dropout mask: offered over positions only when the solve opts in."""
-    assert not any(s.module == "transformer.h.1.mlp" and s.over == "sequence" for s in module_spans(gpt2_b2))
-    opted = allow_random(gpt2_b2, True)
-    assert any(s.module == "transformer.h.1.mlp" and s.over == "sequence" for s in module_spans(opted))
+def test_offered_where_the_batch_cannot_split_random_ones_on_opt_in(gpt2_b1, gpt2_b2):
+    """The planners offer runs of positions where the batch cannot be split (batch 1), not
+    where it can (batch 2 plans as before; a plan may still name them). GPT-2's MLP draws its
+    dropout mask: offered over positions only when the solve opts in."""
+    def offered(p):
+        return {s.module for s in module_spans(p) if s.over == "sequence"}
+
+    assert "transformer.h.1.mlp.c_fc" in offered(gpt2_b1) and not offered(gpt2_b2)
+    assert "transformer.h.1.mlp" not in offered(gpt2_b1)
+    assert "transformer.h.1.mlp" in offered(allow_random(gpt2_b1, True))
 
 
 @pytest.mark.parametrize("parts", [
