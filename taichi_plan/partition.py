@@ -86,6 +86,9 @@ class Span:
     # ``batch`` then is, and the chunk counts offered (they divide it).
     positions: tuple[int, int] | None = None
     choices: tuple[int, ...] = ()
+    # The (fwd, bwd) spans of the module in the step's later micro-batches (gradient
+    # accumulation: the module runs once per micro-batch, partitioned in each).
+    more: tuple = ()
 
     @property
     def chunk_choices(self) -> tuple[int, ...]:
@@ -253,14 +256,17 @@ def _module_spans(problem: Problem) -> list[Span]:
         b = ops[phases[ops] == "backward"]
         if len(f) < 2 or len(b) < 1:
             continue
-        if f[-1] - f[0] + 1 != len(f) or b[-1] - b[0] + 1 != len(b):
-            continue  # called more than once, or interleaved: not modelled
+        occ = _occurrences(f, b)
+        if occ is None:
+            continue  # called more than once per forward, or interleaved: not modelled
         if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
             continue
-        if writes_state[f[0]:f[-1] + 1].any():
+        if any(writes_state[f0:f1 + 1].any() for (f0, f1), _ in occ):
             continue  # a re-run forward would update a buffer (a running statistic) twice
-        random_ops = tuple(i for i in f.tolist() if draws_random(problem, i))
-        made = np.nonzero((problem.start >= f[0]) & (problem.start <= f[-1]) & ~problem.initial)[0]
+        (f0, f1), bwd = occ[0]
+        random_ops = tuple(i for i in range(f0, f1 + 1) if draws_random(problem, i))
+        made = np.nonzero(np.logical_or.reduce([(problem.start >= a) & (problem.start <= z) for (a, z), _ in occ])
+                          & ~problem.initial)[0]
         ok = batch > 1
         for t in made.tolist() if ok else ():
             if t >= len(shapes):  # a partition's own bookkeeping tensor
@@ -271,8 +277,69 @@ def _module_spans(problem: Problem) -> list[Span]:
             if len(shp) == 0 or shp[0] < batch or shp[0] % batch:
                 ok = False
                 break
-        out.append(Span(m, (int(f[0]), int(f[-1])), (int(b[0]), int(b[-1])), batch, random_ops, split=ok))
+        out.append(Span(m, (f0, f1), bwd, batch, random_ops, split=ok, more=tuple(occ[1:])))
     return out
+
+
+def _occurrences(f: np.ndarray, b: np.ndarray) -> list[tuple[tuple[int, int], tuple[int, int]]] | None:
+    """The module's (forward, backward) op spans, one per micro-batch: its forward ops in
+    contiguous runs, as many backward runs, each backward after its forward and before the
+    next forward (a module called twice in one forward has its backwards after both: None)."""
+    def runs(x: np.ndarray) -> list[tuple[int, int]]:
+        cut = np.nonzero(np.diff(x) != 1)[0]
+        starts, ends = np.r_[x[0], x[cut + 1]], np.r_[x[cut], x[-1]]
+        return [(int(a), int(z)) for a, z in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+    fr, br = runs(f), runs(b)
+    if len(fr) != len(br):
+        return None
+    for i, ((_f0, f1), (b0, b1)) in enumerate(zip(fr, br, strict=True)):
+        if not f1 < b0 or (i + 1 < len(fr) and not b1 < fr[i + 1][0]):
+            return None
+    if len({z - a for a, z in fr}) != 1:
+        return None  # each micro-batch runs the same ops
+    return list(zip(fr, br, strict=True))
+
+
+def occurrence_spans(span) -> list:
+    """``span`` once per micro-batch of the step: the first, then one per later (forward,
+    backward) pair (a token span, or a module run once, is its own only occurrence)."""
+    more = getattr(span, "more", ())
+    if not more:
+        return [span]
+    return [dataclasses.replace(span, fwd=fw, bwd=bw, more=()) for fw, bw in ((span.fwd, span.bwd), *more)]
+
+
+def _added_to_grads(problem: Problem, b0: int, b1: int) -> set[int]:
+    """Tensors made in backward ops ``b0..b1`` that an op there adds in place into a gradient
+    that existed before (gradient accumulation: a later micro-batch, or gradients kept by
+    ``zero_grad(set_to_none=False)``). Chunked, each chunk makes its own whole one; autograd
+    sums them in the parameter's input buffer as it does without old gradients (the first
+    chunk's, then each later one added out of place), and the parameter's AccumulateGrad adds
+    the sum into the old gradient in place once the last chunk's node is done."""
+    writes = _written(problem)
+    out: set[int] = set()
+    for i in range(b0, b1 + 1):
+        into = [t for t in writes.get(i, ()) if problem.kind[t] == "gradient" and problem.start[t] < b0]
+        if into:
+            out.update(t for t in problem.op_reads[i].tolist()
+                       if b0 <= problem.producer[t] <= b1 and problem.kind[t] != "gradient" and t not in into)
+    return out
+
+
+def _written(problem: Problem) -> dict[int, list[int]]:
+    """Op -> the storages it writes in place (cached)."""
+    cached = getattr(problem, "_written_in_place", None)
+    if cached is None:
+        acc = problem.trace.accesses
+        w = acc[acc["role"] == "write"]
+        cached = {}
+        for op, t in zip(w["op_id"].tolist(), w["tensor_id"].tolist(), strict=True):
+            i = problem.index_of(int(t))
+            if problem.producer[i] != op:
+                cached.setdefault(int(op), []).append(i)
+        problem._written_in_place = cached
+    return cached
 
 
 def _writes_state(problem: Problem) -> np.ndarray:
@@ -316,6 +383,8 @@ def launch_overhead_s(problem: Problem) -> float:
 
 
 def partition_cost(problem: Problem, span: Span, chunks: int) -> float:
+    if getattr(span, "more", ()):  # once per micro-batch
+        return sum(partition_cost(problem, s, chunks) for s in occurrence_spans(span))
     if span.over == "tokens":
         from . import token_span
 
@@ -376,13 +445,14 @@ def span_tensors(problem: Problem, span: Span) -> set[int]:
         from . import token_span
 
         return token_span.span_tensors(problem, span)
-    f0, f1 = span.fwd
     out: set[int] = set()
-    for i in range(f0, f1 + 1):
-        out.update(problem.op_reads[i].tolist())
-        out.update(problem.op_outputs[i].tolist())
-    for arr in internal_tensors(problem, span):
-        out.update(arr.tolist())
+    for s in occurrence_spans(span):
+        f0, f1 = s.fwd
+        for i in range(f0, f1 + 1):
+            out.update(problem.op_reads[i].tolist())
+            out.update(problem.op_outputs[i].tolist())
+        for arr in internal_tensors(problem, s):
+            out.update(arr.tolist())
     return out
 
 
@@ -444,11 +514,12 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 new_e.append(s1)
             cost += partition_cost(problem, span, k)
             continue
-        if k == 1:
-            internal.update(_checkpointed_whole(problem, span, nbytes, end, new_t, new_id, new_nb, new_s, new_e))
-        else:
-            internal.update(span_tensors(problem, span))
-            for at, nb in _chunked_peaks(problem, span, k, nbytes, start, end).items():
+        for occ in occurrence_spans(span):  # once per micro-batch
+            if k == 1:
+                internal.update(_checkpointed_whole(problem, occ, nbytes, end, new_t, new_id, new_nb, new_s, new_e))
+                continue
+            internal.update(span_tensors(problem, occ))
+            for at, nb in _chunked_peaks(problem, occ, k, nbytes, start, end).items():
                 new_t.append(-1)
                 new_id.append(_SYNTHETIC_ID - len(new_id))
                 new_nb.append(nb)
@@ -593,7 +664,11 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     shapes = problem.trace.tensors["shape"].tolist()
     batch = span.batch
 
+    accumulated = _added_to_grads(problem, b0, b1)
+
     def piece(t: int) -> int:
+        if t in accumulated:
+            return int(problem.nbytes[t])  # a parameter's whole gradient, made by each chunk
         if span.over == "sequence":
             from .position_span import chunk_piece
 
@@ -655,6 +730,8 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     grads = [t for t in made_b if problem.kind[t] == "gradient"]
     in_grads = [t for t in made_b if problem.kind[t] != "gradient" and problem.end[t] > b1]
     local_b = [t for t in made_b if problem.kind[t] != "gradient" and problem.end[t] <= b1]
+    added = [t for t in local_b if t in accumulated]
+    local_b = [t for t in local_b if t not in accumulated]
     for t in made_b:
         nbytes[t] = 0
     for t in in_grads + grads:  # joined (or accumulated) after the backward span, whole
@@ -692,7 +769,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         if e < b1:
             ext_after[e - b0 + 1:] += int(problem.nbytes[t])
     grad_w = np.zeros(n, dtype=np.int64)  # the parameters' gradients made by op i
-    for t in grads:
+    for t in grads + added:
         grad_w[int(problem.producer[t]) - b0:] += int(problem.nbytes[t])
     # A later chunk's parameter gradients are added to the first chunk's once the node that
     # made them is done: after the first op from their making on that frees a tensor (its
@@ -701,18 +778,28 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     frees_at = np.zeros(n, dtype=bool)
     ends = problem.end[(problem.end >= b0) & (problem.end <= b1)]
     frees_at[ends - b0] = True
-    for t in grads:
+    def add_point(t: int) -> int:
         e = int(problem.producer[t])
         while e < b1 and not frees_at[e - b0]:
             e += 1
-        accumulate.setdefault(min(e + 1, b1), []).append(t)
+        return min(e + 1, b1)
+
+    for t in grads + added:
+        accumulate.setdefault(add_point(t), []).append(t)
     pending = np.zeros(n + 1, dtype=np.int64)  # a later chunk's gradients, made, not yet added
     for at, ts in accumulate.items():
         for t in ts:
             pending[int(problem.producer[t]) - b0] += int(problem.nbytes[t])
             pending[at - b0] -= int(problem.nbytes[t])
     pending = np.cumsum(pending)[:-1]
-    all_w = int(sum(int(problem.nbytes[t]) for t in grads))
+
+    all_w = int(sum(int(problem.nbytes[t]) for t in grads + added))
+    # Gradients there before the span (accumulation: ``added``) are summed over the chunks as
+    # above, then added in place into the old ones once the last chunk's node is done, and freed.
+    added_w = np.zeros(n, dtype=np.int64)
+    if added:
+        added_w[max(at for at, ts in accumulate.items() if set(ts) & set(added)) - b0 + 1:] = sum(
+            int(problem.nbytes[t]) for t in added)
     in_piece = sum(piece(t) for t in in_grads)
     # The forward re-run (early stop: up to the last op making a tensor the backward needs).
     if r is not None:
@@ -732,7 +819,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     for q in range(k):  # q chunks' backward done before this one's
         held = q * in_piece
         last = q == k - 1
-        v = held + own_b + (all_w + pending if q else grad_w) + (0 if last else ext_after)
+        v = held + own_b + (all_w + pending if q else grad_w) + (0 if last else ext_after) - (added_w if last else 0)
         if r is not None:
             j = r - b0
             wr = (all_w if q else int(grad_w[j - 1]) if j else 0)
@@ -746,6 +833,6 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             v[j] = max(v[j], held + carried + all_w + new + (0 if last else int(ext_after[j])))
         for i in range(b0, b1 + 1):
             peaks[i] = max(peaks.get(i, 0), int(v[i - b0]))
-    join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w
+    join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w - int(added_w[-1])
     peaks[b1] = max(peaks[b1], join)
     return {i: nb for i, nb in peaks.items() if nb > 0}
