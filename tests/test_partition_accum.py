@@ -11,14 +11,13 @@ from __future__ import annotations
 import pytest
 
 from taichi_plan.partition import find_span
-from taichi_plan.plan import Partition, save_plan
+from taichi_plan.plan import Partition
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.record.loop import Loop
-from taichi_plan.replay.measure import replay
 from taichi_plan.simulate import simulate_plan
-from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace import write_trace
+from tests.partition_replay import assert_measured_as_predicted, replay_partitions
 
 # SGD: the step's peak is in the backward, not in the optimizer's state.
 SIZES = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=64, seq=16, batch=4, optimizer="sgd")
@@ -44,13 +43,8 @@ def test_a_module_of_each_micro_batch_is_one_span(accum):
     [("transformer.h.1.mlp.act", 4), ("transformer.h.0.attn.c_attn", 2)],
 ], ids=["c_proj-4", "act-4+c_attn-2"])
 def test_two_micro_batches_measure_as_predicted(accum, tmp_path, parts):
-    parts = [Partition(m, 0, k) for m, k in parts]
-    plan = make_plan(accum, None, "manual", Decisions(partitions=parts), 0.0, 0)
-    path = tmp_path / "accum.plan.json"
-    save_plan(plan, path, force=True)
-    r = replay(path, steps=1)
-    assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
-    assert r["grads_match"] and r["grads_check"].startswith("allclose"), r
+    _plan, r = replay_partitions(accum, [Partition(m, 0, k) for m, k in parts], tmp_path)
+    assert_measured_as_predicted(r)
 
 
 def test_peak_is_where_old_gradients_are_added(accum):

@@ -18,15 +18,14 @@ from taichi_plan.partition import (
     ops_under,
     partitionable_spans,
 )
-from taichi_plan.plan import Partition, load_plan, save_plan
+from taichi_plan.plan import Partition
 from taichi_plan.position_span import not_position_wise, positions
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.replay.measure import replay
 from taichi_plan.simulate import simulate_plan
 from taichi_plan.solve.heuristic import plan_heuristic
-from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace import write_trace
+from tests.partition_replay import assert_measured_as_predicted, replay_partitions
 
 # 48 positions: no parameter has a dimension of 48 (hidden 32, Llama's MLP 256, GPT-2's 128).
 # SGD: no optimizer state, so the step's peak is in the backward, where the partitions are.
@@ -53,13 +52,6 @@ def gpt2_b1(tmp_path_factory):
 @pytest.fixture(scope="module")
 def gpt2_b2(tmp_path_factory):
     return _traced(tmp_path_factory, "gpt2", 24, 2)
-
-
-def _replayed(problem, parts, tmp_path):
-    plan = make_plan(problem, None, "manual", Decisions(partitions=parts), 0.0, 0)
-    path = tmp_path / "seq.plan.json"
-    save_plan(plan, path, force=True)
-    return load_plan(path), replay(path, steps=1)
 
 
 def _seq(module: str, k: int) -> Partition:
@@ -116,7 +108,7 @@ def test_llama_batch_1_measures_as_predicted(llama_b1, tmp_path, parts):
     parts = [_seq(m, k) for m, k in parts]
     sim, _ = simulate_plan(llama_b1, [], parts)
     assert _in_span(llama_b1, parts, sim.peak_op), sim.peak_op
-    plan, r = _replayed(llama_b1, parts, tmp_path)
+    plan, r = replay_partitions(llama_b1, parts, tmp_path)
     assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
     assert r["grads_match"] and r["grads_check"] == "allclose(rtol=1e-4, atol=1e-6)", r
     assert plan.partitions[0].over == "sequence" and "runs of its 48 positions" in plan.partitions[0].why
@@ -129,19 +121,17 @@ def test_gpt2_batch_2_runs_across_samples_measure_as_predicted(gpt2_b2, tmp_path
              _seq("transformer.h.0.mlp.c_fc", 8)]
     sim, _ = simulate_plan(gpt2_b2, [], parts)
     assert _in_span(gpt2_b2, parts, sim.peak_op), sim.peak_op
-    _plan, r = _replayed(gpt2_b2, parts, tmp_path)
-    assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
-    assert r["grads_match"] and r["grads_check"].startswith("allclose"), r
+    _plan, r = replay_partitions(gpt2_b2, parts, tmp_path)
+    assert_measured_as_predicted(r)
 
 
 def test_one_dropout_over_positions_draws_the_unplanned_masks(gpt2_b2, tmp_path):
     """GPT-2's whole MLP (one dropout) over positions on CPU: each run draws the next slice of
     the generator's stream, as the whole tensor would, so gradients stay allclose."""
     p = allow_random(gpt2_b2, True)
-    plan, r = _replayed(p, [_seq("transformer.h.1.mlp", 4)], tmp_path)
+    plan, r = replay_partitions(p, [_seq("transformer.h.1.mlp", 4)], tmp_path)
     assert plan.partitions[0].random_draws == "as-unpartitioned"
-    assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
-    assert r["grads_match"] and r["grads_check"].startswith("allclose"), r
+    assert_measured_as_predicted(r)
 
 
 def test_the_planner_reaches_lower_with_sequence_partitions(llama_b1, monkeypatch):
