@@ -271,7 +271,7 @@ def _module_spans(problem: Problem) -> list[Span]:
         for t in made.tolist() if ok else ():
             if t >= len(shapes):  # a partition's own bookkeeping tensor
                 continue
-            if problem.kind[t] not in ("activation", "temporary") or _constant(problem, t):
+            if problem.kind[t] not in ("activation", "temporary") or constant_tensor(problem, t):
                 continue
             shp = shapes[t]
             if len(shp) == 0 or shp[0] < batch or shp[0] % batch:
@@ -355,7 +355,7 @@ def _writes_state(problem: Problem) -> np.ndarray:
     return out
 
 
-def _constant(problem: Problem, t: int) -> bool:
+def constant_tensor(problem: Problem, t: int) -> bool:
     """Made from parameters, buffers or nothing (masks, scalars): no batch in it, not split."""
     p = problem.producer[t]
     if p < 0:
@@ -410,7 +410,7 @@ def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarr
     made_f = kinds_ok & (problem.start >= f0) & (problem.start <= f1)
     made_b = kinds_ok & (problem.start >= b0) & (problem.start <= b1) & (problem.end <= b1)
     for t in np.nonzero(made_f | made_b)[0].tolist():
-        if _constant(problem, t):
+        if constant_tensor(problem, t):
             made_f[t] = made_b[t] = False
     f_trans = np.nonzero(made_f & (problem.end <= f1))[0]
     later = np.nonzero(made_f & (problem.end > f1))[0]
@@ -675,7 +675,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             return chunk_piece(problem, span, t, k)
         nb = int(problem.nbytes[t])
         shp = shapes[t] if t < len(shapes) else []
-        if _constant(problem, t) or problem.kind[t] == "gradient" or not len(shp) or shp[0] < batch or shp[0] % batch:
+        if constant_tensor(problem, t) or problem.kind[t] == "gradient" or not len(shp) or shp[0] < batch or shp[0] % batch:
             return nb
         return -(-nb // k)
 

@@ -94,7 +94,7 @@ def _read_args(problem: Problem) -> dict[int, list[int]]:
 def not_position_wise(problem: Problem, fwd: tuple[int, int], pos: tuple[int, int]) -> str | None:
     """Why the forward ops ``fwd`` are not position-wise (the first op that breaks a rule of
     the module docstring, in words), or None when they are."""
-    from .partition import _constant
+    from .partition import constant_tensor
 
     shapes = problem.trace.tensors["shape"].tolist()
     n = pos[0] * pos[1]
@@ -112,12 +112,12 @@ def not_position_wise(problem: Problem, fwd: tuple[int, int], pos: tuple[int, in
         for t in reads:
             if problem.kind[t] in fixed or positional(shapes[t], pos):
                 continue
-            if not (_constant(problem, t) and problem.start[t] < f0 and not sized(t)):
+            if not (constant_tensor(problem, t) and problem.start[t] < f0 and not sized(t)):
                 return f"op {i} ({name}) reads tensor {int(problem.tensor_id[t])} {list(shapes[t])}, not one row per position"
         for t in outs:
-            if _constant(problem, t) and not sized(t):
+            if constant_tensor(problem, t) and not sized(t):
                 continue
-            if not positional(shapes[t], pos) or (_constant(problem, t) and problem.kind[t] != "parameter"):
+            if not positional(shapes[t], pos) or (constant_tensor(problem, t) and problem.kind[t] != "parameter"):
                 return f"op {i} ({name}) makes tensor {int(problem.tensor_id[t])} {list(shapes[t])}, not one row per position"
         if stem in POINTWISE or stem in VIEW_STEMS or stem in NORMS:
             continue  # a norm's mean and rstd were checked positional above: it normalizes per position
@@ -130,7 +130,7 @@ def not_position_wise(problem: Problem, fwd: tuple[int, int], pos: tuple[int, in
             args = _read_args(problem).get(i, [])
             row = LINEAR[stem]
             if len(args) <= row or not positional(shapes[args[row]], pos) or any(
-                    not (problem.kind[t] in fixed or _constant(problem, t)) for j, t in enumerate(args) if j != row):
+                    not (problem.kind[t] in fixed or constant_tensor(problem, t)) for j, t in enumerate(args) if j != row):
                 return f"op {i} ({name}) multiplies by something other than a parameter"
             continue
         return f"op {i} ({name}) may mix positions"
