@@ -29,10 +29,10 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     call = problem.op_call
     planned = {int(call[int(problem.producer[d.tensor])]) for d in drops}
     if partitions:
-        from .partition import find_span
+        from .partition import find_span, occurrence_spans
 
         spans = [find_span(problem, p) for p in partitions]
-        planned.update(int(call[s.fwd[0]]) for s in spans if s is not None)
+        planned.update(int(call[o.fwd[0]]) for s in spans if s is not None for o in occurrence_spans(s))
     planned.discard(-1)
     in_planned = np.isin(call, sorted(planned)) if planned else np.zeros(len(call), dtype=bool)
     checked = int(in_planned.sum())

@@ -82,9 +82,18 @@ class Span:
     # May it be split into chunks of its batch (independent along dim 0, and, when it draws
     # random numbers, the solve opted in)? Otherwise one chunk only: checkpointed whole.
     split: bool = True
+    # over="sequence" (taichi_plan/position_span.py): the workload's (batch, seq), whose product
+    # ``batch`` then is, and the chunk counts offered (they divide it).
+    positions: tuple[int, int] | None = None
+    choices: tuple[int, ...] = ()
+    # The (fwd, bwd) spans of the module in the step's later micro-batches (gradient
+    # accumulation: the module runs once per micro-batch, partitioned in each).
+    more: tuple = ()
 
     @property
     def chunk_choices(self) -> tuple[int, ...]:
+        if self.over == "sequence":
+            return self.choices
         # Chunks of equal size only (k divides the batch): each tensor's piece is exactly 1/k.
         return (1, *(c for c in CHUNK_CHOICES if c <= self.batch and self.batch % c == 0)) if self.split else (1,)
 
@@ -98,7 +107,7 @@ def as_partition(span, chunks: int):
     """The plan's :class:`~taichi_plan.plan.Partition` of ``span`` into ``chunks``."""
     from .plan import Partition
 
-    return Partition(span.module, 0, int(chunks), over=span.over)
+    return Partition(span.module, 1 if span.over == "sequence" else 0, int(chunks), over=span.over)
 
 
 def find_span(problem: Problem, part):
@@ -134,7 +143,8 @@ MAX_SPANS = 48  # options considered, split and whole apart: the modules with th
 def module_spans(problem: Problem) -> list:
     """The planners' partition options: the modules that can be partitioned along dim 0, with
     their forward and backward spans, random ones split only where ``problem.partition_random``
-    (else checkpointed whole, one chunk) (of those that can be split, and apart of those that
+    (else checkpointed whole, one chunk), and the position-wise ones that cannot, over their
+    positions (:mod:`taichi_plan.position_span`) (of those that can be split, and apart of those that
     can only be checkpointed whole, the ``MAX_SPANS`` with the most bytes made inside them, the
     most a partition can save), then the
     head + loss spans that can be partitioned over tokens
@@ -148,14 +158,21 @@ def module_spans(problem: Problem) -> list:
     # with the RNG state it first ran with, so it draws the same numbers (module docstring).
     spans = [s if problem.partition_random or not s.random_ops else dataclasses.replace(s, split=False)
              for s in _batch_spans(problem)]
-    # Capped apart: modules that can be split, and those that can only be checkpointed whole
-    # (outer ones hold the most bytes and would crowd the split ones out of one cap).
-    keep: set[str] = set()
+    # Over positions: where the batch cannot be split (a batch of one, tensors not batch-major),
+    # so a trace whose batch splits keeps the options it had; a random module only with the
+    # opt-in (none is checkpointed whole over positions: that is its batch span's one chunk).
+    by_batch = {s.module for s in _batch_spans(problem) if s.split}
+    spans += [s for s in _sequence_spans(problem)
+              if s.module not in by_batch and (problem.partition_random or not s.random_ops)]
+    # Capped apart: modules that can be split (along the batch or the sequence), and those that
+    # can only be checkpointed whole (outer ones hold the most bytes and would crowd the split
+    # ones out of one cap).
+    keep: set[tuple[str, str]] = set()
     for split in (True, False):
         group = [s for s in spans if s.split == split]
-        inside = {s.module: sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in group}
+        inside = {span_key(s): sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in group}
         keep.update(sorted(inside, key=lambda m: -inside[m])[:MAX_SPANS])
-    spans = [s for s in spans if s.module in keep] + token_spans(problem)
+    spans = [s for s in spans if span_key(s) in keep] + token_spans(problem)
     problem._module_spans = spans
     return spans
 
@@ -165,7 +182,7 @@ def partitionable_spans(problem: Problem) -> list:
     looked up in (the planners choose from :func:`module_spans`)."""
     from .token_span import token_spans
 
-    return _batch_spans(problem) + token_spans(problem)
+    return _batch_spans(problem) + _sequence_spans(problem) + token_spans(problem)
 
 
 def _batch_spans(problem: Problem) -> list[Span]:
@@ -173,6 +190,17 @@ def _batch_spans(problem: Problem) -> list[Span]:
     cached = getattr(problem, "_partitionable_spans", None)
     if cached is None:
         cached = problem._partitionable_spans = _module_spans(problem)
+    return cached
+
+
+def _sequence_spans(problem: Problem) -> list[Span]:
+    """The position-wise modules, split over their positions, random ones included (cached:
+    :func:`taichi_plan.position_span.sequence_spans`)."""
+    cached = getattr(problem, "_sequence_spans", None)
+    if cached is None:
+        from .position_span import sequence_spans
+
+        cached = problem._sequence_spans = sequence_spans(problem, _batch_spans(problem))
     return cached
 
 
@@ -228,26 +256,90 @@ def _module_spans(problem: Problem) -> list[Span]:
         b = ops[phases[ops] == "backward"]
         if len(f) < 2 or len(b) < 1:
             continue
-        if f[-1] - f[0] + 1 != len(f) or b[-1] - b[0] + 1 != len(b):
-            continue  # called more than once, or interleaved: not modelled
+        occ = _occurrences(f, b)
+        if occ is None:
+            continue  # called more than once per forward, or interleaved: not modelled
         if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
             continue
-        if writes_state[f[0]:f[-1] + 1].any():
+        if any(writes_state[f0:f1 + 1].any() for (f0, f1), _ in occ):
             continue  # a re-run forward would update a buffer (a running statistic) twice
-        random_ops = tuple(i for i in f.tolist() if draws_random(problem, i))
-        made = np.nonzero((problem.start >= f[0]) & (problem.start <= f[-1]) & ~problem.initial)[0]
+        (f0, f1), bwd = occ[0]
+        random_ops = tuple(i for i in range(f0, f1 + 1) if draws_random(problem, i))
+        made = np.nonzero(np.logical_or.reduce([(problem.start >= a) & (problem.start <= z) for (a, z), _ in occ])
+                          & ~problem.initial)[0]
         ok = batch > 1
         for t in made.tolist() if ok else ():
             if t >= len(shapes):  # a partition's own bookkeeping tensor
                 continue
-            if problem.kind[t] not in ("activation", "temporary") or _constant(problem, t):
+            if problem.kind[t] not in ("activation", "temporary") or constant_tensor(problem, t):
                 continue
             shp = shapes[t]
             if len(shp) == 0 or shp[0] < batch or shp[0] % batch:
                 ok = False
                 break
-        out.append(Span(m, (int(f[0]), int(f[-1])), (int(b[0]), int(b[-1])), batch, random_ops, split=ok))
+        out.append(Span(m, (f0, f1), bwd, batch, random_ops, split=ok, more=tuple(occ[1:])))
     return out
+
+
+def _occurrences(f: np.ndarray, b: np.ndarray) -> list[tuple[tuple[int, int], tuple[int, int]]] | None:
+    """The module's (forward, backward) op spans, one per micro-batch: its forward ops in
+    contiguous runs, as many backward runs, each backward after its forward and before the
+    next forward (a module called twice in one forward has its backwards after both: None)."""
+    def runs(x: np.ndarray) -> list[tuple[int, int]]:
+        cut = np.nonzero(np.diff(x) != 1)[0]
+        starts, ends = np.r_[x[0], x[cut + 1]], np.r_[x[cut], x[-1]]
+        return [(int(a), int(z)) for a, z in zip(starts.tolist(), ends.tolist(), strict=True)]
+
+    fr, br = runs(f), runs(b)
+    if len(fr) != len(br):
+        return None
+    for i, ((_f0, f1), (b0, b1)) in enumerate(zip(fr, br, strict=True)):
+        if not f1 < b0 or (i + 1 < len(fr) and not b1 < fr[i + 1][0]):
+            return None
+    if len({z - a for a, z in fr}) != 1:
+        return None  # each micro-batch runs the same ops
+    return list(zip(fr, br, strict=True))
+
+
+def occurrence_spans(span) -> list:
+    """``span`` once per micro-batch of the step: the first, then one per later (forward,
+    backward) pair (a token span, or a module run once, is its own only occurrence)."""
+    more = getattr(span, "more", ())
+    if not more:
+        return [span]
+    return [dataclasses.replace(span, fwd=fw, bwd=bw, more=()) for fw, bw in ((span.fwd, span.bwd), *more)]
+
+
+def _added_to_grads(problem: Problem, b0: int, b1: int) -> set[int]:
+    """Tensors made in backward ops ``b0..b1`` that an op there adds in place into a gradient
+    that existed before (gradient accumulation: a later micro-batch, or gradients kept by
+    ``zero_grad(set_to_none=False)``). Chunked, each chunk makes its own whole one; autograd
+    sums them in the parameter's input buffer as it does without old gradients (the first
+    chunk's, then each later one added out of place), and the parameter's AccumulateGrad adds
+    the sum into the old gradient in place once the last chunk's node is done."""
+    writes = _written(problem)
+    out: set[int] = set()
+    for i in range(b0, b1 + 1):
+        into = [t for t in writes.get(i, ()) if problem.kind[t] == "gradient" and problem.start[t] < b0]
+        if into:
+            out.update(t for t in problem.op_reads[i].tolist()
+                       if b0 <= problem.producer[t] <= b1 and problem.kind[t] != "gradient" and t not in into)
+    return out
+
+
+def _written(problem: Problem) -> dict[int, list[int]]:
+    """Op -> the storages it writes in place (cached)."""
+    cached = getattr(problem, "_written_in_place", None)
+    if cached is None:
+        acc = problem.trace.accesses
+        w = acc[acc["role"] == "write"]
+        cached = {}
+        for op, t in zip(w["op_id"].tolist(), w["tensor_id"].tolist(), strict=True):
+            i = problem.index_of(int(t))
+            if problem.producer[i] != op:
+                cached.setdefault(int(op), []).append(i)
+        problem._written_in_place = cached
+    return cached
 
 
 def _writes_state(problem: Problem) -> np.ndarray:
@@ -263,7 +355,7 @@ def _writes_state(problem: Problem) -> np.ndarray:
     return out
 
 
-def _constant(problem: Problem, t: int) -> bool:
+def constant_tensor(problem: Problem, t: int) -> bool:
     """Made from parameters, buffers or nothing (masks, scalars): no batch in it, not split."""
     p = problem.producer[t]
     if p < 0:
@@ -291,6 +383,8 @@ def launch_overhead_s(problem: Problem) -> float:
 
 
 def partition_cost(problem: Problem, span: Span, chunks: int) -> float:
+    if getattr(span, "more", ()):  # once per micro-batch
+        return sum(partition_cost(problem, s, chunks) for s in occurrence_spans(span))
     if span.over == "tokens":
         from . import token_span
 
@@ -316,7 +410,7 @@ def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarr
     made_f = kinds_ok & (problem.start >= f0) & (problem.start <= f1)
     made_b = kinds_ok & (problem.start >= b0) & (problem.start <= b1) & (problem.end <= b1)
     for t in np.nonzero(made_f | made_b)[0].tolist():
-        if _constant(problem, t):
+        if constant_tensor(problem, t):
             made_f[t] = made_b[t] = False
     f_trans = np.nonzero(made_f & (problem.end <= f1))[0]
     later = np.nonzero(made_f & (problem.end > f1))[0]
@@ -351,13 +445,14 @@ def span_tensors(problem: Problem, span: Span) -> set[int]:
         from . import token_span
 
         return token_span.span_tensors(problem, span)
-    f0, f1 = span.fwd
     out: set[int] = set()
-    for i in range(f0, f1 + 1):
-        out.update(problem.op_reads[i].tolist())
-        out.update(problem.op_outputs[i].tolist())
-    for arr in internal_tensors(problem, span):
-        out.update(arr.tolist())
+    for s in occurrence_spans(span):
+        f0, f1 = s.fwd
+        for i in range(f0, f1 + 1):
+            out.update(problem.op_reads[i].tolist())
+            out.update(problem.op_outputs[i].tolist())
+        for arr in internal_tensors(problem, s):
+            out.update(arr.tolist())
     return out
 
 
@@ -382,8 +477,9 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
     internal: set[int] = set()
     for part in partitions:
         span = spans.get(span_key(part))
-        if span is None or part.dim != 0:
-            what = "its loss over tokens" if span_key(part)[1] == "tokens" else f"along dim {part.dim}"
+        if span is None or part.dim != (1 if span.over == "sequence" else 0):
+            what = {"tokens": "its loss over tokens", "sequence": "over its positions (the sequence)"}.get(
+                span_key(part)[1], f"along dim {part.dim}")
             raise PlanError(
                 f"The plan partitions module {part.module!r} {what}, but that module is not "
                 "independent along it in this trace (or is not in it). Partition only modules that "
@@ -395,6 +491,10 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 f"The plan partitions module {part.module!r}, which draws random numbers (op "
                 f"{span.random_ops[0]}, {problem.op_name[span.random_ops[0]]}), but does not record that its chunks "
                 "draw their own: partitioning it changes training. Solve again with --partition-random to allow it.")
+        if span.over == "sequence" and k not in span.chunk_choices:
+            raise PlanError(f"The plan splits {part.module!r} into {k} runs of its {span.batch} positions; use one of "
+                            f"{', '.join(map(str, span.chunk_choices))} (they divide the positions and are not batch "
+                            "chunks already).")
         if span.over == "tokens" and k < 2:
             raise PlanError(f"The plan computes {part.module!r}'s loss in {k} chunk(s) of its tokens; use 2 or more.")
         if k < 1 or k > span.batch or (k > 1 and not getattr(span, "split", True)):
@@ -414,11 +514,12 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
                 new_e.append(s1)
             cost += partition_cost(problem, span, k)
             continue
-        if k == 1:
-            internal.update(_checkpointed_whole(problem, span, nbytes, end, new_t, new_id, new_nb, new_s, new_e))
-        else:
-            internal.update(span_tensors(problem, span))
-            for at, nb in _chunked_peaks(problem, span, k, nbytes, start, end).items():
+        for occ in occurrence_spans(span):  # once per micro-batch
+            if k == 1:
+                internal.update(_checkpointed_whole(problem, occ, nbytes, end, new_t, new_id, new_nb, new_s, new_e))
+                continue
+            internal.update(span_tensors(problem, occ))
+            for at, nb in _chunked_peaks(problem, occ, k, nbytes, start, end).items():
                 new_t.append(-1)
                 new_id.append(_SYNTHETIC_ID - len(new_id))
                 new_nb.append(nb)
@@ -563,10 +664,18 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     shapes = problem.trace.tensors["shape"].tolist()
     batch = span.batch
 
+    accumulated = _added_to_grads(problem, b0, b1)
+
     def piece(t: int) -> int:
+        if t in accumulated:
+            return int(problem.nbytes[t])  # a parameter's whole gradient, made by each chunk
+        if span.over == "sequence":
+            from .position_span import chunk_piece
+
+            return chunk_piece(problem, span, t, k)
         nb = int(problem.nbytes[t])
         shp = shapes[t] if t < len(shapes) else []
-        if _constant(problem, t) or problem.kind[t] == "gradient" or not len(shp) or shp[0] < batch or shp[0] % batch:
+        if constant_tensor(problem, t) or problem.kind[t] == "gradient" or not len(shp) or shp[0] < batch or shp[0] % batch:
             return nb
         return -(-nb // k)
 
@@ -621,6 +730,8 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     grads = [t for t in made_b if problem.kind[t] == "gradient"]
     in_grads = [t for t in made_b if problem.kind[t] != "gradient" and problem.end[t] > b1]
     local_b = [t for t in made_b if problem.kind[t] != "gradient" and problem.end[t] <= b1]
+    added = [t for t in local_b if t in accumulated]
+    local_b = [t for t in local_b if t not in accumulated]
     for t in made_b:
         nbytes[t] = 0
     for t in in_grads + grads:  # joined (or accumulated) after the backward span, whole
@@ -658,7 +769,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         if e < b1:
             ext_after[e - b0 + 1:] += int(problem.nbytes[t])
     grad_w = np.zeros(n, dtype=np.int64)  # the parameters' gradients made by op i
-    for t in grads:
+    for t in grads + added:
         grad_w[int(problem.producer[t]) - b0:] += int(problem.nbytes[t])
     # A later chunk's parameter gradients are added to the first chunk's once the node that
     # made them is done: after the first op from their making on that frees a tensor (its
@@ -667,18 +778,28 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     frees_at = np.zeros(n, dtype=bool)
     ends = problem.end[(problem.end >= b0) & (problem.end <= b1)]
     frees_at[ends - b0] = True
-    for t in grads:
+    def add_point(t: int) -> int:
         e = int(problem.producer[t])
         while e < b1 and not frees_at[e - b0]:
             e += 1
-        accumulate.setdefault(min(e + 1, b1), []).append(t)
+        return min(e + 1, b1)
+
+    for t in grads + added:
+        accumulate.setdefault(add_point(t), []).append(t)
     pending = np.zeros(n + 1, dtype=np.int64)  # a later chunk's gradients, made, not yet added
     for at, ts in accumulate.items():
         for t in ts:
             pending[int(problem.producer[t]) - b0] += int(problem.nbytes[t])
             pending[at - b0] -= int(problem.nbytes[t])
     pending = np.cumsum(pending)[:-1]
-    all_w = int(sum(int(problem.nbytes[t]) for t in grads))
+
+    all_w = int(sum(int(problem.nbytes[t]) for t in grads + added))
+    # Gradients there before the span (accumulation: ``added``) are summed over the chunks as
+    # above, then added in place into the old ones once the last chunk's node is done, and freed.
+    added_w = np.zeros(n, dtype=np.int64)
+    if added:
+        added_w[max(at for at, ts in accumulate.items() if set(ts) & set(added)) - b0 + 1:] = sum(
+            int(problem.nbytes[t]) for t in added)
     in_piece = sum(piece(t) for t in in_grads)
     # The forward re-run (early stop: up to the last op making a tensor the backward needs).
     if r is not None:
@@ -698,7 +819,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     for q in range(k):  # q chunks' backward done before this one's
         held = q * in_piece
         last = q == k - 1
-        v = held + own_b + (all_w + pending if q else grad_w) + (0 if last else ext_after)
+        v = held + own_b + (all_w + pending if q else grad_w) + (0 if last else ext_after) - (added_w if last else 0)
         if r is not None:
             j = r - b0
             wr = (all_w if q else int(grad_w[j - 1]) if j else 0)
@@ -712,6 +833,6 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             v[j] = max(v[j], held + carried + all_w + new + (0 if last else int(ext_after[j])))
         for i in range(b0, b1 + 1):
             peaks[i] = max(peaks.get(i, 0), int(v[i - b0]))
-    join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w
+    join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w - int(added_w[-1])
     peaks[b1] = max(peaks[b1], join)
     return {i: nb for i, nb in peaks.items() if nb > 0}

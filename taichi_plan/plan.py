@@ -1,4 +1,4 @@
-"""Plan format v7: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v8: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
@@ -14,7 +14,11 @@ step with those units not resharding, :mod:`taichi_plan.reshard`), a partition o
 along the batch (``chunks: 1``: the module checkpointed whole) and the DDP settings of a DDP
 trace's layout (``trace.layout.ddp``); version 6 FSDP2's prefetching per unit
 (``decisions.fsdp_prefetch``: the op and tensor ids are then those of the step with those
-all-gathers issued so, :mod:`taichi_plan.prefetch`). Version 5 files, version 4 files, version 3 files (no ``over``: every
+all-gathers issued so, :mod:`taichi_plan.prefetch`); version 7 revivals in
+``decisions.recompute`` on forward-only graphs (an entry freed after the tensor's own last op,
+kept or rebuilt for later rebuilds that read it); version 8 partitions of a position-wise
+module over its positions (``over: "sequence"``, ``dim: 1``: :mod:`taichi_plan.position_span`).
+Version 7 files, version 6 files, version 5 files, version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
@@ -30,8 +34,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+FORMAT_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 
@@ -54,8 +58,10 @@ class Recompute:
 class Partition:
     """Run ``module`` on ``chunks`` pieces of its input along ``dim`` (``over="batch"``), or,
     ``over="tokens"``, the head ``module`` and the cross-entropy on its logits on ``chunks``
-    pieces of the tokens (v4). Each chunk is checkpointed (its forward re-runs in backward);
-    ``chunks == 1`` along the batch (v5) is the module checkpointed whole."""
+    pieces of the tokens (v4), or, ``over="sequence"`` (``dim`` 1, v8), a position-wise module
+    on ``chunks`` runs of its positions (batch x sequence, in memory order). Each chunk is
+    checkpointed (its forward re-runs in backward); ``chunks == 1`` along the batch (v5) is the
+    module checkpointed whole."""
 
     module: str
     dim: int

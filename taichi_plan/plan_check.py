@@ -142,6 +142,7 @@ def check_plan_json(obj: dict, where: str) -> None:
     _str(where, "solver.budget_on", s.get("budget_on"), none=True, choices=("allocated", "reserved"))
 
     v5 = _is_int(obj.get("format_version")) and obj["format_version"] >= 5
+    v8 = _is_int(obj.get("format_version")) and obj["format_version"] >= 8
     d = obj["decisions"]
     rec, parts = d.get("recompute", []), d.get("partitions", [])
     _kind(where, "decisions.recompute", rec, list, "a list")
@@ -166,11 +167,13 @@ def check_plan_json(obj: dict, where: str) -> None:
         f = f"decisions.partitions[{i}]"
         _fields(where, f, q, PARTITION_FIELDS)
         _str(where, f"{f}.module", q["module"])
-        _int(where, f"{f}.dim", q["dim"], lo=0, hi=0)
+        # v8: a position-wise module split over its positions, along dim 1 (the sequence).
+        seq = q.get("over") == "sequence"
+        _int(where, f"{f}.dim", q["dim"], lo=1 if seq else 0, hi=1 if seq else 0)
         # v5: one chunk along the batch (the module checkpointed whole); tokens need two or more.
         _int(where, f"{f}.chunks", q["chunks"], lo=2 if q.get("over") == "tokens" or not v5 else 1)
         _str(where, f"{f}.why", q.get("why", ""))
-        _str(where, f"{f}.over", q.get("over", "batch"), choices=("batch", "tokens"))
+        _str(where, f"{f}.over", q.get("over", "batch"), choices=("batch", "tokens", "sequence") if v8 else ("batch", "tokens"))
         _str(where, f"{f}.random_draws", q.get("random_draws"), none=True, choices=RANDOM_DRAWS)
         if q["module"] in mods:
             raise _bad(where, f"{f}.module", q["module"], "a module no other partition names")

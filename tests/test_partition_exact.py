@@ -8,13 +8,12 @@ from __future__ import annotations
 import pytest
 
 from taichi_plan.partition import find_span, module_spans
-from taichi_plan.plan import Partition, save_plan
+from taichi_plan.plan import Partition
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.replay.measure import replay
 from taichi_plan.simulate import simulate_plan
-from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace import write_trace
+from tests.partition_replay import assert_measured_as_predicted, replay_partitions
 
 # transformers' default dropout is on: the blocks, attn and mlp draw random numbers and cannot be
 # split without the opt-in, their linear layers and the activation can.
@@ -42,13 +41,8 @@ def _in_span(problem, parts, op: int) -> bool:
 ], ids=["c_proj-4", "act-4+c_attn-2"])
 def test_batch_partitions_measure_as_predicted(traced, tmp_path, parts):
     d, p = traced
-    parts = [Partition(m, 0, k) for m, k in parts]
-    plan = make_plan(p, None, "manual", Decisions(partitions=parts), 0.0, 0)
-    path = tmp_path / "part.plan.json"
-    save_plan(plan, path, force=True)
-    r = replay(path, steps=1)
-    assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
-    assert r["grads_match"] and r["grads_check"].startswith("allclose"), r
+    _plan, r = replay_partitions(p, [Partition(m, 0, k) for m, k in parts], tmp_path)
+    assert_measured_as_predicted(r)
 
 
 def test_peak_of_a_split_linear_is_inside_it(traced):

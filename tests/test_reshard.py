@@ -185,7 +185,7 @@ def _off(plan: dict) -> list[str]:
 def test_planner_keeps_some_units_gathered_between_the_extremes(chosen):
     plan = json.loads(chosen["auto"].read_text())
     kept = json.loads(chosen["as-recorded"].read_text())
-    assert plan["format_version"] == 7
+    assert plan["format_version"] == 8
     units = plan["decisions"]["reshard_after_forward"]["units"]
     off = _off(plan)
     assert 0 < len(off) < len(units), units  # some units, not every one

@@ -83,7 +83,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                             "forward; replay cannot re-run it. Solve again with this version.")
         recipes[where[0]].add(where[1])
     spans: list[dict] = [{} for _ in calls]
-    for module, (f0, f1) in partition_spans(plan, trace, problem).items():
+    for module, (f0, f1) in partition_spans(plan, trace, problem):
         a, b = locate(f0), locate(f1)
         if a is None or b is None or a[0] != b[0]:
             raise PlanError(f"The plan partitions {module!r}, whose ops do not all run in one call of the model.")
@@ -190,20 +190,22 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
     return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}))
 
 
-def partition_spans(plan: Plan, trace, problem=None) -> dict[str, tuple[int, int]]:
-    """Forward op span (op ids) of each partitioned module in the trace."""
-    parts = [p for p in plan.partitions if p.over == "batch"]
+def partition_spans(plan: Plan, trace, problem=None) -> list[tuple[str, tuple[int, int]]]:
+    """(module, forward op span) of each partitioned module in the trace, once per
+    micro-batch it runs in."""
+    parts = [p for p in plan.partitions if p.over in ("batch", "sequence")]
     if not parts:
-        return {}
+        return []
     from ..optimizer_plan import problem_for_plan
-    from ..partition import partitionable_spans
+    from ..partition import occurrence_spans, partitionable_spans
 
-    spans = {s.module: s.fwd for s in partitionable_spans(problem_for_plan(plan, trace, problem)) if s.over == "batch"}
+    spans = {s.module: [o.fwd for o in occurrence_spans(s)]
+             for s in partitionable_spans(problem_for_plan(plan, trace, problem)) if s.over in ("batch", "sequence")}
     missing = [p.module for p in parts if p.module not in spans]
     if missing:
         raise PlanError(f"The plan partitions {missing[0]!r}, which its trace cannot partition: the plan "
                         "was made for another trace.")
-    return {p.module: spans[p.module] for p in parts}
+    return [(p.module, fwd) for p in parts for fwd in spans[p.module]]
 
 
 def plan_and_trace(plan: Plan | str | Path, trace=None):

@@ -5,7 +5,8 @@ dimension is the batch into ``chunks`` pieces (``torch.split``: in backward one 
 the pieces' gradients, once all have arrived, with one ``cat``; ``tensor_split``'s slices
 would each fill a zero tensor of the whole batch and sum them), runs the original forward on each piece under
 non-reentrant ``torch.utils.checkpoint`` (so only the piece's inputs are kept for backward),
-and concatenates the outputs along dim 0. One chunk is the module checkpointed whole: no
+and concatenates the outputs along dim 0 (a position-wise module split over its positions,
+``over="sequence"``: :func:`_over_positions`). One chunk is the module checkpointed whole: no
 split, no join. Each checkpoint stashes the RNG state its forward ran with and restores it
 for the re-run in backward (``preserve_rng_state``), so a module with dropout re-draws the
 masks it used (one chunk: the unplanned module's own masks). The runtime's op counter skips the module's own ops
@@ -29,16 +30,18 @@ def install_partitions(model, partitions, rt) -> callable:
 
     undo = []
     undo_heads = install_token_heads(model, {p.module: p.chunks for p in partitions if p.over == "tokens"}, rt)
-    for part in (p for p in partitions if p.over == "batch"):
+    for part in (p for p in partitions if p.over in ("batch", "sequence")):
         try:
             module = model.get_submodule(part.module)
         except AttributeError as e:
             raise PlanError(f"The plan partitions module {part.module!r}, which this model does not have: "
                             "the plan was made for another model.") from e
-        if part.dim != 0:
-            raise PlanError(f"Partition along dim {part.dim} is not supported; only dim 0 (the batch).")
+        if part.dim != (1 if part.over == "sequence" else 0):
+            raise PlanError(f"Partition {part.over!r} along dim {part.dim} is not supported; the batch is split "
+                            "along dim 0, the sequence along dim 1.")
         original = module.forward
-        module.forward = _chunked(original, int(part.chunks), rt, part.module)
+        wrap = _over_positions if part.over == "sequence" else _chunked
+        module.forward = wrap(original, int(part.chunks), rt, part.module)
         undo.append((module, original))
 
     def restore():
@@ -85,6 +88,60 @@ def _chunked(forward, chunks: int, rt, name: str):
                 else:
                     merged.append(first)
             return tree_unflatten(merged, spec_out)
+        finally:
+            if rt is not None:
+                rt.leave_partition(name)
+
+    return run
+
+
+def _over_positions(forward, chunks: int, rt, name: str):
+    """A position-wise module (taichi_plan/position_span.py) on ``chunks`` runs of its
+    positions: each tensor argument that starts with the first one's ``(batch, seq)`` is
+    viewed as ``[1, batch * seq, ...]`` and ``split`` along dim 1; each run goes through the
+    module checkpointed; the outputs' runs are joined by one ``cat`` and viewed back as
+    ``[batch, seq, ...]``. With batch 1 the runs are runs of the sequence."""
+
+    def run(*args, **kwargs):
+        leaves, spec = tree_flatten((args, kwargs))
+        first = next((x for x in leaves if isinstance(x, torch.Tensor) and x.dim() >= 2), None)
+        if first is None:
+            raise PlanError(f"Cannot split {name!r} over its positions: it got no tensor of shape [batch, seq, ...].")
+        pos = tuple(first.shape[:2])
+        n = pos[0] * pos[1]
+        if n % chunks:
+            raise PlanError(f"Cannot split {name!r} into {chunks} runs of its {n} positions: {chunks} does not divide "
+                            f"them (its input is {list(first.shape)}; the plan was made for another sequence length).")
+        size = n // chunks
+        if rt is not None:
+            rt.enter_partition(name)
+        try:
+            pieces = [[] for _ in range(chunks)]
+            for x in leaves:
+                if isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(x.shape[:2]) == pos:
+                    parts = torch.split(x.reshape(1, n, *x.shape[2:]), size, dim=1)
+                else:
+                    parts = [x] * chunks
+                for c in range(chunks):
+                    pieces[c].append(parts[c])
+            flat = []
+            for c in range(chunks):
+                a, kw = tree_unflatten(pieces[c], spec)
+                flat.append(tree_flatten(checkpoint(forward, *a, use_reentrant=False, **kw)))
+            merged = []
+            for j, y in enumerate(flat[0][0]):
+                if not isinstance(y, torch.Tensor) or y.dim() == 0:
+                    merged.append(y)
+                elif y.dim() >= 2 and tuple(y.shape[:2]) == (1, size):
+                    whole = torch.cat([f[0][j] for f in flat], dim=1)
+                    merged.append(whole.view(*pos, *whole.shape[2:]))
+                elif y.shape[0] == size:
+                    merged.append(torch.cat([f[0][j] for f in flat], dim=0))
+                else:
+                    raise PlanError(f"{name!r} returned a tensor of shape {list(y.shape)} for a run of {size} positions: "
+                                    "not one row per position, so its runs cannot be joined. The plan was made for "
+                                    "another model.")
+            return tree_unflatten(merged, flat[0][1])
         finally:
             if rt is not None:
                 rt.leave_partition(name)

@@ -180,6 +180,10 @@ def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
     elif part.chunks == 1:
         how = (f"by checkpointing {part.module} whole (one chunk: only its inputs are kept, and its forward "
                "re-runs in its backward); re-running its forward and the extra launches cost ")
+    elif span.over == "sequence":
+        b, seq = span.positions
+        how = (f"by running {part.module} (position-wise) on {part.chunks} runs of its {b * seq} positions "
+               f"(batch {b} x sequence {seq}); re-running its forward and the extra launches cost ")
     else:
         how = (f"by running {part.module} on {part.chunks} chunks of the batch; re-running its forward and the "
                "extra launches cost ")
