@@ -44,3 +44,16 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     retimed = sum(float(cost[i]) * (ratio[names[i]] - 1.0) for i in reruns if names[i] in ratio)
     return float(checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
                  + len(reruns) * cal["rebuild_op_s"] + retimed)
+
+
+def span_cost(problem: Problem, kind: str, redo_s: float, n_ops: int, chunks: int) -> float | None:
+    """Predicted seconds of partitioning a span of ``kind`` (its ``over``: ``"tokens"``...)
+    into ``chunks``, from what the recording measured on the model's own span of that kind
+    (trace v6, ``meta.runtime_overhead.span_costs[kind]``: :mod:`taichi_plan.replay.calibrate`
+    ran it chunked twice): ``redo_ratio`` times ``redo_s`` (the recorded seconds of the span's
+    ops its chunks run again) plus ``chunks * n_ops * chunk_op_s`` (``n_ops``: the span's
+    forward and backward ops in the trace). None when the trace measured no span of ``kind``."""
+    cal = (problem.trace.meta.get("runtime_overhead") or {}).get("span_costs", {}).get(kind)
+    if not cal or problem.trace.cost_unit != "s":
+        return None
+    return float(cal["redo_ratio"] * redo_s + chunks * n_ops * cal["chunk_op_s"])

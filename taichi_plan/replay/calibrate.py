@@ -39,6 +39,19 @@ PROBE_CHUNKS = 4
 # ... and only when those modules hold at least this share of the call's ops: a few ops (a
 # ResNet's classifier, its modules with batch norm being unsplittable) time noise, not a rate.
 PROBE_MIN_SHARE = 0.25
+# A span partitioned over something else than the batch (a head and its loss over tokens) is
+# calibrated split into its fewest chunks and into the most of its choices up to this many.
+SPAN_PROBE_MOST = 8
+
+
+def _span_terms() -> dict:
+    """Per span kind (a span's ``over``) other than the batch: the function giving a span's
+    (recorded seconds of the ops its chunks run again, its forward and backward ops), the two
+    quantities its cost scales (:func:`taichi_plan.overhead.span_cost`). A new kind of span
+    is calibrated by adding its own here."""
+    from .. import token_span
+
+    return {"tokens": token_span.cost_terms}
 
 
 def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
@@ -78,6 +91,9 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     if chunked is not None:
         problem, spans, k_most, probes = chunked
         variants.update({f"part{k}": v for k, v in probes.items()})
+    span_probes = _span_probes(trace, call)
+    for kind, (_span, _ks, probes_k) in span_probes.items():
+        variants.update({f"{kind}{k}": v for k, v in probes_k.items()})
     clock = op_clock()
 
     loop = Loop.from_meta(trace.meta)
@@ -127,6 +143,11 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         if chunked is not None and not _runs_cleanly(forward, [variants[f"part{k}"] for k in probes], runtimes):
             chunked = None  # a module that cannot run in chunks here: partitions keep the launch overhead
             variants = {n: v for n, v in variants.items() if not n.startswith("part")}
+        for kind, (_span, ks, _p) in list(span_probes.items()):
+            if not _runs_cleanly(forward, [variants[f"{kind}{k}"] for k in ks], runtimes):
+                del span_probes[kind]  # it keeps the launch overhead
+                for k in ks:
+                    del variants[f"{kind}{k}"]
         times = _interleaved(forward, variants, repeats, budget_s, clock)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
@@ -138,14 +159,43 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         1: forward and backward)."""
         return statistics.median(a[which] - b[which] for a, b in zip(times[name], times[base], strict=True))
 
-    out = {"check_op_s": max(extra("check", "plain") / n_ops, 0.0),
-           "recipe_op_s": max(extra("recipe", "plain") / n_ops, 0.0), "ops": n_ops,
-           "repeats": len(times["plain"])}
+    out = {"check_op_s": extra("check", "plain") / n_ops, "recipe_op_s": extra("recipe", "plain") / n_ops,
+           "ops": n_ops, "repeats": len(times["plain"])}
     if chunked is not None:
         out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
+    if span_probes:
+        out["span_costs"] = {kind: _span_rates(kind, span, ks, [extra(f"{kind}{k}", "check", 1) for k in ks])
+                             for kind, (span, ks, _p) in span_probes.items()}
     if rebuilds:
-        out["rebuild_op_s"] = max(statistics.median(rebuilds), 0.0)
+        out["rebuild_op_s"] = statistics.median(rebuilds)
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s, len(rebuilds))
+    return floored(out, trace.meta.get("runtime_overhead") or {})
+
+
+# The runtime's per-op terms and their order: each term's bookkeeping includes the one before.
+PER_OP_TERMS = ("check_op_s", "recipe_op_s")
+
+
+def floored(measured: dict, bookkeeping: dict) -> dict:
+    """``measured`` with each per-op term (``check_op_s``, ``recipe_op_s``, ``rebuild_op_s``)
+    no lower than the runtime's bookkeeping alone (``bookkeeping``: the same terms timed on
+    one-element additions, :func:`~taichi_plan.replay.runtime.calibrate_overhead`), and
+    ``recipe_op_s`` no lower than ``check_op_s`` (keeping a recipe is checking and more). A
+    model's term is the difference of two medians of whole forwards, so on a loaded machine
+    or a model of large ops (ResNet-50's forward is about 300 ms, its runtime cost a few) the
+    noise of the forward can exceed the term; a real op cannot cost the runtime less than
+    the bookkeeping the one-element additions time. The measured values are kept under
+    ``unfloored``."""
+    out = dict(measured)
+    raw = {k: measured[k] for k in (*PER_OP_TERMS, "rebuild_op_s") if k in measured}
+    low = 0.0
+    for k in PER_OP_TERMS:
+        if k in out:
+            out[k] = low = max(out[k], float(bookkeeping.get(k, 0.0)), low)
+    if "rebuild_op_s" in out:
+        out["rebuild_op_s"] = max(out["rebuild_op_s"], float(bookkeeping.get("rebuild_op_s", 0.0)), 0.0)
+    if any(out[k] != v for k, v in raw.items()):
+        out["unfloored"] = raw
     return out
 
 
@@ -278,6 +328,62 @@ def _partition_probes(trace, call: dict, model):
     return problem, chosen, k_most, probes
 
 
+def _span_probes(trace, call: dict) -> dict:
+    """What spans of other kinds than the batch are calibrated on (:func:`_span_terms`): per
+    kind, the one span of that kind inside the measured call with the most ops; returns
+    {kind: (problem, span, (k1, k2), {chunks: (CallPlan, partitions)})} for its fewest chunks
+    k1 and the most up to :data:`SPAN_PROBE_MOST` k2 (kinds with one choice left out)."""
+    from dataclasses import replace as _replace
+
+    from ..errors import PlanError
+    from ..partition import as_partition, partitionable_spans
+    from ..plan import Plan
+    from ..problem import build_problem
+    from . import call_plans
+
+    terms = _span_terms()
+    problem = build_problem(trace)
+    start, end = int(call["start"]), int(call["end"])
+    best: dict = {}
+    for s in partitionable_spans(problem):
+        if s.over in terms and start <= s.fwd[0] and s.fwd[1] <= end:
+            n = terms[s.over](problem, s)[1]
+            if s.over not in best or n > terms[s.over](problem, best[s.over])[1]:
+                best[s.over] = s
+    out = {}
+    for kind, span in best.items():
+        choices = sorted(span.chunk_choices)
+        ks = (choices[0], max((c for c in choices if c <= SPAN_PROBE_MOST), default=choices[0])) if choices else ()
+        if len(set(ks)) < 2:
+            continue
+        probes = {}
+        try:
+            for k in ks:
+                parts = [as_partition(span, k)]
+                plan = Plan(trace={}, budget_bytes=None, solver={}, predicted={}, partitions=parts)
+                probes[k] = (_replace(call_plans(plan, trace, problem)[0], probe=True, grads_alive=None), parts)
+        except PlanError:
+            continue
+        out[kind] = ((problem, span), ks, probes)
+    return out
+
+
+def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, int], extra_s: list[float]) -> dict:
+    """The two rates of :func:`taichi_plan.overhead.span_cost` for a span of ``kind`` from the
+    step's extra seconds with it split into ``ks[0]`` and ``ks[1]`` chunks (``extra_s``, each
+    against the call with every op checked): ``chunk_op_s``, per op of the span, what each
+    further chunk costs (the slope; not below 0: a further chunk launches more ops); and
+    ``redo_ratio``, what the split costs beyond the chunks' share, over the recorded seconds
+    of the ops it runs again (not below 0)."""
+    problem, span = problem_span
+    redo_s, n_ops = _span_terms()[kind](problem, span)
+    (k1, k2), (e1, e2) = ks, extra_s
+    chunk_op_s = max((e2 - e1) / ((k2 - k1) * n_ops), 0.0)
+    fixed_s = e1 - k1 * n_ops * chunk_op_s
+    return {"redo_ratio": max(fixed_s / redo_s, 0.0) if redo_s > 0 else 0.0, "chunk_op_s": chunk_op_s,
+            "module": span.module, "chunks": list(ks), "extra_s": list(extra_s)}
+
+
 def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
     """The two per-op terms of a partition's cost (:func:`taichi_plan.partition.partition_cost`)
     from the step's extra seconds with ``spans`` checkpointed whole (``whole_s``, against the
@@ -295,11 +401,14 @@ def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: 
 
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock) -> dict[str, list[float]]:
     """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when one round
-    takes more than ``budget_s / repeats``), each round in another order."""
-    t0 = clock()
-    forward(next(iter(variants.values())))  # a warm-up, and about how long each forward (with its backward) takes
+    takes more than ``budget_s / repeats``), each round in another order, after one untimed
+    round: a variant's first run pays one-time costs (the runtime's op table, the first
+    checkpoint or chunked loss of the process) that a step in training does not."""
     names = list(variants)
-    reps = max(1, min(repeats, int(budget_s / max(len(names) * (clock() - t0), 1e-9))))
+    t0 = clock()
+    for n in names:  # the warm-up round, and how long a round (each forward with its backward) takes
+        forward(variants[n])
+    reps = max(1, min(repeats, int(budget_s / max(clock() - t0, 1e-9))))
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
         for i in range(len(names)):
