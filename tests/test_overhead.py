@@ -102,6 +102,11 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
         assert recorded > 0
         assert predicted(1e-6, 3e-6, 2e-6, {name: 2.5, "aten.not_rerun.default": 9.0}) - base == \
             pytest.approx(1.5 * recorded)
+        # Trace v6: each dropped tensor's own cost, once per drop.
+        gpt2.meta["runtime_overhead"] = {"check_op_s": 1e-6, "recipe_op_s": 3e-6, "rebuild_op_s": 2e-6,
+                                         "drop_s": 40e-6}
+        assert runtime_overhead_s(problem, drops, plan.partitions, rerun, reruns) - base == \
+            pytest.approx(len(drops) * 40e-6)
     finally:
         gpt2.meta["runtime_overhead"] = saved
 
@@ -400,3 +405,38 @@ def test_every_variant_is_warmed_up_once_before_the_timed_rounds():
     assert ran[:3] == ["A", "B", "C"]
     assert ran[3:] == ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
     assert {n: len(v) for n, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
+    """``drop_s``: calibration solves a plan of drops for the model's call (no partitions),
+    runs it (each drop packed as a handle in forward, rebuilt in backward, the call's ops
+    matching the trace), and charges each drop what the step took beyond the simulator and
+    the other terms: ``modelled + drops x drop_s == measured`` whenever that is above 0."""
+    from taichi_plan import replay
+    from taichi_plan.replay.calibrate import _drop_probe, _drop_rate
+
+    cal = gpt2.meta["runtime_overhead"]
+    assert cal["drop_s"] >= 0 and cal["drop_probe"]["drops"] > 0
+    call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
+    probe = _drop_probe(gpt2, call)
+    problem, drops, cp = probe
+    assert len(drops) == cal["drop_probe"]["drops"] == sum(len(v) for v in cp.drops.values())
+    assert all(call["start"] <= int(problem.producer[d.tensor]) <= call["end"] for d in drops)
+    model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
+    rt = PlanRuntime([cp])
+    handles = replay.install(model, rt)
+    try:
+        out = model(**batch)
+        assert rt.dropped_storages == len(drops) and rt.recompute_ops == 0
+        loss_fn(out, batch).backward()
+        assert rt.recompute_ops > 0
+    finally:
+        for h in handles:
+            h.remove()
+    assert rt.mismatches == 0
+    rates = {k: cal[k] for k in ("check_op_s", "recipe_op_s", "rebuild_op_s")}
+    modelled = _drop_rate(probe, 0.0, rates)["drop_probe"]["modelled_s"]
+    assert modelled > 0
+    rate = _drop_rate(probe, modelled + 0.01, rates)
+    assert rate["drop_s"] * len(drops) == pytest.approx(0.01)
+    assert _drop_rate(probe, modelled - 0.01, rates)["drop_s"] == 0

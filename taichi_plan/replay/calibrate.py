@@ -92,6 +92,9 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         problem, spans, k_most, probes = chunked
         variants.update({f"part{k}": v for k, v in probes.items()})
     span_probes = _span_probes(trace, call)
+    drop_probe = _drop_probe(trace, call)
+    if drop_probe is not None:
+        variants["drops"] = (drop_probe[2], [])
     for kind, (_span, _ks, probes_k) in span_probes.items():
         variants.update({f"{kind}{k}": v for k, v in probes_k.items()})
     clock = op_clock()
@@ -143,6 +146,9 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         if chunked is not None and not _runs_cleanly(forward, [variants[f"part{k}"] for k in probes], runtimes):
             chunked = None  # a module that cannot run in chunks here: partitions keep the launch overhead
             variants = {n: v for n, v in variants.items() if not n.startswith("part")}
+        if drop_probe is not None and not _runs_cleanly(forward, [variants["drops"]], runtimes):
+            drop_probe = None  # a drop cannot be rebuilt here: drops cost what the other terms say
+            del variants["drops"]
         for kind, (_span, ks, _p) in list(span_probes.items()):
             if not _runs_cleanly(forward, [variants[f"{kind}{k}"] for k in ks], runtimes):
                 del span_probes[kind]  # it keeps the launch overhead
@@ -169,7 +175,61 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     if rebuilds:
         out["rebuild_op_s"] = statistics.median(rebuilds)
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s, len(rebuilds))
-    return floored(out, trace.meta.get("runtime_overhead") or {})
+    out = floored(out, trace.meta.get("runtime_overhead") or {})
+    if drop_probe is not None and "rebuild_op_s" in out:
+        out.update(_drop_rate(drop_probe, extra("drops", "plain", 1), out))
+    return out
+
+
+# A plan of drops is solved (heuristic) at the first of these shares of the trace's peak that
+# it fits, to measure what a drop costs beyond what the other terms model (drop_s).
+DROP_PROBE_FRACTIONS = (0.8, 0.9)
+
+
+def _drop_probe(trace, call: dict):
+    """A plan of the model's own that drops tensors of the measured call and partitions
+    nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
+    its partitions left out): (problem, drops, its CallPlan for the call), or None when no
+    such plan drops anything there."""
+    from dataclasses import replace as _replace
+
+    from ..problem import build_problem
+    from ..solve import solve
+    from ..solve.result import drops_from_plan
+    from . import call_plans
+
+    problem = build_problem(trace)
+    start, end = int(call["start"]), int(call["end"])
+    for share in DROP_PROBE_FRACTIONS:
+        try:
+            plan = solve(trace, int(share * problem.baseline_peak[0]), "heuristic", time_limit=10.0, problem=problem,
+                         optimizer="as-recorded")
+            plan = _replace(plan, partitions=[],
+                            recompute=[r for r in plan.recompute if start <= r.op <= end])
+            drops = drops_from_plan(problem, plan)
+            cp = call_plans(plan, trace, problem)[0]
+        except Exception:  # noqa: BLE001  (calibration only: no budget fits, or no plan to run)
+            continue
+        if drops and cp.drops:
+            return problem, drops, _replace(cp, grads_alive=None)
+    return None
+
+
+def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
+    """``drop_s``: per dropped tensor, the step's extra seconds under the drop probe's plan
+    (``measured_s``, forward and backward against the plain call) beyond what the simulator
+    and the runtime's other terms (``rates``) predict for it (:func:`taichi_plan.overhead.runtime_overhead_s`);
+    not below 0. ``drop_probe`` says what it was measured on."""
+    from ..overhead import runtime_overhead_s
+    from ..simulate import rerun_ops, simulate_plan
+
+    problem, drops, _cp = probe
+    sim, parted = simulate_plan(problem, drops)
+    reruns = [op for g in sim.groups.values() for op in g.ops]
+    modelled = sim.extra_cost + runtime_overhead_s(problem, drops, [], rerun_ops(parted, drops), reruns,
+                                                   cal={**rates, "drop_s": 0.0})
+    return {"drop_s": max((measured_s - modelled) / len(drops), 0.0),
+            "drop_probe": {"drops": len(drops), "measured_s": measured_s, "modelled_s": modelled}}
 
 
 # The runtime's per-op terms and their order: each term's bookkeeping includes the one before.
