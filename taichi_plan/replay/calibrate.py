@@ -100,8 +100,9 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         variants.update({f"part{k}": v for k, v in probes.items()})
     span_probes = _span_probes(trace, call)
     drop_probe = _drop_probe(trace, call)
-    if drop_probe is not None:
+    if drop_probe is not None:  # the plan's call, and the same call with its recipes kept but nothing dropped
         variants["drops"] = (drop_probe[2], [])
+        variants["kept"] = (replace(drop_probe[2], drops={}, group_of={}, probe=True), [])
     for kind, (_span, _ks, probes_k) in span_probes.items():
         variants.update({f"{kind}{k}": v for k, v in probes_k.items()})
     clock = op_clock()
@@ -158,7 +159,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
             variants = {n: v for n, v in variants.items() if not n.startswith("part")}
         if drop_probe is not None and not _runs_cleanly(forward, [variants["drops"]], runtimes):
             drop_probe = None  # a drop cannot be rebuilt here: drops cost what the other terms say
-            del variants["drops"]
+            del variants["drops"], variants["kept"]
         for kind, (_span, ks, _p) in list(span_probes.items()):
             if not _runs_cleanly(forward, [variants[f"{kind}{k}"] for k in ks], runtimes):
                 del span_probes[kind]  # it keeps the launch overhead
@@ -193,7 +194,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s, len(rebuilds))
     out = floored(out, trace.meta.get("runtime_overhead") or {})
     if drop_probe is not None and "rebuild_op_s" in out:
-        out.update(_drop_rate(drop_probe, extra("drops", "plain", 1), out))
+        out.update(_drop_rate(drop_probe, extra("drops", "kept", 1), out))
     return out
 
 
@@ -233,9 +234,12 @@ def _drop_probe(trace, call: dict):
 
 def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
     """``drop_s``: per dropped tensor, the step's extra seconds under the drop probe's plan
-    (``measured_s``, forward and backward against the plain call) beyond what the simulator
-    and the runtime's other terms (``rates``) predict for it (:func:`taichi_plan.overhead.runtime_overhead_s`);
-    not below 0. ``drop_probe`` says what it was measured on."""
+    against the same call with the same recipes kept and nothing dropped (``measured_s``,
+    forward and backward: the checking and the recipes cancel out, so their terms' noise does
+    not land here) beyond what the simulator and the rebuild terms of ``rates`` predict for
+    the drops (their re-run ops at their measured time ratios, ``rebuild_op_s`` each:
+    :func:`taichi_plan.overhead.runtime_overhead_s`); not below 0. ``drop_probe`` says what
+    it was measured on."""
     from ..overhead import runtime_overhead_s
     from ..simulate import rerun_ops, simulate_plan
 
@@ -243,7 +247,8 @@ def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
     sim, parted = simulate_plan(problem, drops)
     reruns = [op for g in sim.groups.values() for op in g.ops]
     modelled = sim.extra_cost + runtime_overhead_s(problem, drops, [], rerun_ops(parted, drops), reruns,
-                                                   cal={**rates, "drop_s": 0.0})
+                                                   cal={**rates, "check_op_s": 0.0, "recipe_op_s": 0.0,
+                                                        "drop_s": 0.0})
     return {"drop_s": max((measured_s - modelled) / len(drops), 0.0),
             "drop_probe": {"drops": len(drops), "measured_s": measured_s, "modelled_s": modelled}}
 
