@@ -8,11 +8,16 @@ has none), so both run the same drops:
 
 * ``ours``: the plan applied by the runtime (``MeasuredRun``, as ``taichi-plan replay``);
 * ``sac``: each repeated block (bench_replay's ``find_blocks``) run under non-reentrant
-  ``checkpoint`` with a policy built from the plan: an op of the block whose output the plan
-  drops ``PREFER_RECOMPUTE``, an in-place op ``PREFER_RECOMPUTE`` (a saved in-place result
-  fails at backward), every other op ``MUST_SAVE``. The policy counts the block's ops as
-  selective checkpointing sees them (the runtime's counted ops) and checks each op's name
-  against the trace; drops outside the blocks are not applied (counted, printed).
+  ``checkpoint`` with a policy built from the plan: ``MUST_SAVE`` for an op of the block
+  whose output the unplanned step keeps into backward, unless the plan drops it or it is
+  written in place (a saved result that is mutated fails at backward); every other op
+  ``PREFER_RECOMPUTE`` (so what selective checkpointing re-runs beyond the plan's rebuilds,
+  the transients before the last recomputed op, is what the mechanism costs). The policy walks the block's ops as selective checkpointing sees them
+  (the runtime's counted ops), matching each live op to the trace by name (an op with no
+  match is recomputed and counted); drops outside the blocks are not applied (counted,
+  printed). Every run, the recording included, has the model's KV cache off
+  (``config.use_cache = False``, as transformers' own checkpointing runs), so both
+  mechanisms run one op stream.
 
 Each is built from one seed, its peak measured by the recorder (every live storage), then
 stepped REPS times interleaved with plain; step times are the thread's CPU time, medians.
@@ -50,25 +55,44 @@ def block_ops(trace, blocks: list[str]) -> dict[str, list[int]]:
     return out
 
 
-def plan_policy(ops: list[int], names: list[str], dropped: set[int], mismatches: list[str]):
+# How many trace ops the policy may skip to find a live op's name: the blocks run without a KV
+# cache here (as transformers' own checkpointing runs them), so the cache's ops are missing.
+LOOKAHEAD = 4
+
+
+def plan_policy(ops: list[int], names: list[str], save: set[int], mismatches: list[str]):
     """A ``create_selective_checkpoint_contexts`` policy for one call of a block whose forward
-    is ``ops`` (trace op ids): recompute what ``dropped`` holds and in-place ops, save the rest."""
+    is ``ops`` (trace op ids): save the ops in ``save``, recompute the rest. Each live op is
+    matched to the next trace op of its name within :data:`LOOKAHEAD`; one with no match is
+    recomputed and counted in ``mismatches``."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    seen = {False: 0, True: 0}  # ops so far, in the forward and in the recompute
+    at = {False: 0, True: 0}  # the next trace op, in the forward and in the recompute
 
     def policy(ctx, func, *args, **kwargs):
-        k = seen[ctx.is_recompute]
-        seen[ctx.is_recompute] += 1
-        name = str(func)
-        if k >= len(ops) or names[ops[k]] != name:
-            mismatches.append(f"op {k}: {name}")
-            return CheckpointPolicy.MUST_SAVE
-        if ops[k] in dropped or name.split(".")[-2].endswith("_"):
+        j, name = at[ctx.is_recompute], str(func)
+        k = next((k for k in range(j, min(j + LOOKAHEAD + 1, len(ops))) if names[ops[k]] == name), None)
+        if k is None:
+            if not ctx.is_recompute:
+                mismatches.append(f"op {j}: {name}")
             return CheckpointPolicy.PREFER_RECOMPUTE
-        return CheckpointPolicy.MUST_SAVE
+        at[ctx.is_recompute] = k + 1
+        return CheckpointPolicy.MUST_SAVE if ops[k] in save else CheckpointPolicy.PREFER_RECOMPUTE
 
     return policy
+
+
+def no_cache(workload):
+    """``workload`` whose model runs without a KV cache (``config.use_cache = False``)."""
+    build = workload.build
+
+    def build_no_cache(fake: bool):
+        model, batch, loss_fn, optimizer = build(fake)
+        if getattr(getattr(model, "config", None), "use_cache", None):
+            model.config.use_cache = False
+        return model, batch, loss_fn, optimizer
+
+    return dataclasses.replace(workload, build=build_no_cache)
 
 
 def sac_workload(workload, trace, plan, mismatches: list[str]):
@@ -82,7 +106,19 @@ def sac_workload(workload, trace, plan, mismatches: list[str]):
     blocks = find_blocks(model0)
     del model0
     by_block = block_ops(trace, blocks)
+    # Recomputed too: in-place ops, and ops whose output a later op writes in place (a saved
+    # result that is mutated fails at backward: "cached ... has been mutated").
+    writes = trace.accesses[(trace.accesses["role"] == "write")
+                            & trace.accesses["op_id"].isin(trace.ops.loc[trace.ops["mutates"], "op_id"])]
+    producer = dict(zip(trace.tensors["tensor_id"], trace.tensors["producer_op"], strict=True))
     dropped = {int(r.op) for r in plan.recompute}
+    mutated = {int(producer[t]) for t in writes["tensor_id"]} | set(writes["op_id"].astype(int))
+    # What the unplanned step keeps into backward (made in forward, freed in backward or never):
+    # selective checkpointing caches every output of a saved op, so only these are saved.
+    phase = trace.ops["phase"].tolist()
+    t = trace.tensors
+    kept = t[(t["producer_op"] >= 0) & ((t["free_op"] < 0) | t["free_op"].map(lambda f: f >= 0 and phase[f] == "backward"))]
+    saved = set(kept["producer_op"].astype(int))
     inside = set().union(*map(set, by_block.values())) if by_block else set()
     names = trace.ops["op"].tolist()
     build = workload.build
@@ -96,7 +132,7 @@ def sac_workload(workload, trace, plan, mismatches: list[str]):
             def checkpointed(*args, _forward=forward, _ops=by_block[b], **kwargs):
                 args, kwargs = _no_cache(args, kwargs)
                 ctx = functools.partial(create_selective_checkpoint_contexts,
-                                        plan_policy(_ops, names, dropped, mismatches))
+                                        plan_policy(_ops, names, saved - dropped - mutated, mismatches))
                 return checkpoint(_forward, *args, use_reentrant=False, context_fn=ctx, **kwargs)
 
             module.forward = checkpointed
@@ -120,7 +156,7 @@ def main(models: list[str], reps: int, frac: float) -> None:
     torch.set_num_threads(1)
     for key in models:
         label = next(k for k, v in MODELS.items() if v.model == key)
-        wl = get_workload(model=key, **MODELS[label].sizes)
+        wl = no_cache(get_workload(model=key, **MODELS[label].sizes))
         with tempfile.TemporaryDirectory() as d:
             tmp = Path(d)
             trace = read_trace(write_trace(record_workload(wl, fake=False), tmp / "trace", force=True))
