@@ -31,7 +31,7 @@ def test_real_recording_measures_the_runtime_on_its_model(gpt2):
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
     # Per op of the model's call (every op of it, as overhead.py charges), not per one-element add.
     assert cal["ops"] == call["end"] - call["start"] + 1
-    assert cal["repeats"] >= 1 and cal["forward_repeats"] >= 1  # (forwards alone pooled into the per-op terms)
+    assert cal["repeats"] >= 1
     assert cal["check_op_s"] >= 0 and cal["recipe_op_s"] >= 0 and cal["rebuild_op_s"] >= 0
     # Re-timed per op name, among the names of the call's ops (a GPT-2 re-runs its matmuls).
     ops = call_ops(gpt2)[0]

@@ -39,13 +39,6 @@ PROBE_CHUNKS = 4
 # ... and only when those modules hold at least this share of the call's ops: a few ops (a
 # ResNet's classifier, its modules with batch norm being unsplittable) time noise, not a rate.
 PROBE_MIN_SHARE = 0.25
-# The per-op terms (check_op_s, recipe_op_s) are differences of forwards; forwards alone (no
-# backward: about a third of a repetition's time) are repeated up to this many times more, in
-# this share of BUDGET_S more, and pooled with the full repetitions: on a model of large ops
-# (ResNet-50: ~180 ms forwards, a few ms of runtime cost) the forward's noise is the term's size.
-PER_OP_VARIANTS = ("plain", "check", "recipe")
-FORWARD_REPEATS = 15
-FORWARD_SHARE = 0.4
 # A span partitioned over something else than the batch (a head and its loss over tokens) is
 # calibrated split into its fewest chunks and into the most of its choices up to this many.
 SPAN_PROBE_MOST = 8
@@ -113,7 +106,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     rebuilds: list[float] = []  # per recipe forward: the rebuild path's own seconds per re-run op
     rebuilt_s: dict[int, float] = {}  # counted op of the call -> seconds it ran in the rebuilds (all runs)
 
-    def forward(variant: tuple, backward: bool = True) -> tuple[float, float]:
+    def forward(variant: tuple) -> tuple[float, float]:
         plan, parts = variant
         rt = PlanRuntime([plan], on_mismatch="warn") if plan is not None else None
         handles = install(model, rt) if rt is not None else []
@@ -138,9 +131,6 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
                 dt = clock() - t0
                 loss = loss_fn(out, batch)
                 del out
-                if not backward:  # (the graph, and what it saved, die with the loss)
-                    del loss
-                    return dt, dt
                 loss.backward()
                 total = clock() - t0
                 if frames and frames[0].enabled:  # after the backward, as a rebuild runs: its inputs gone
@@ -166,9 +156,6 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
                 for k in ks:
                     del variants[f"{kind}{k}"]
         times = _interleaved(forward, variants, repeats, budget_s, clock)
-        # The per-op terms are differences of forwards alone: more of them, without backward.
-        forwards = _interleaved(lambda v: forward(v, backward=False), {n: variants[n] for n in PER_OP_VARIANTS},
-                                FORWARD_REPEATS, budget_s * FORWARD_SHARE, clock)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
     if any(rt.mismatches for rt in runtimes):  # the forward is not the recorded call: nothing measured
@@ -176,14 +163,11 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
 
     def extra(name: str, base: str, which: int = 0) -> float:
         """Median over the repetitions of ``name``'s seconds minus ``base``'s (0: the forward,
-        1: forward and backward; the forward alone: over the forward-only repetitions too)."""
-        pairs = list(zip(times[name], times[base], strict=True))
-        if which == 0 and name in forwards and base in forwards:
-            pairs += list(zip(forwards[name], forwards[base], strict=True))
-        return statistics.median(a[which] - b[which] for a, b in pairs)
+        1: forward and backward)."""
+        return statistics.median(a[which] - b[which] for a, b in zip(times[name], times[base], strict=True))
 
     out = {"check_op_s": extra("check", "plain") / n_ops, "recipe_op_s": extra("recipe", "plain") / n_ops,
-           "ops": n_ops, "repeats": len(times["plain"]), "forward_repeats": len(forwards["plain"])}
+           "ops": n_ops, "repeats": len(times["plain"])}
     if chunked is not None:
         out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
     if span_probes:
