@@ -131,7 +131,11 @@ def main(models: list[str], reps: int, partitions: bool = False) -> list[dict]:
             cal = trace.meta["runtime_overhead"]
             print(f"== {label}: plain fw {pl['fw'] * 1e3:.1f} bw {pl['bw'] * 1e3:.1f} opt {pl['opt'] * 1e3:.1f} ms; "
                   f"runtime us/op: " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in cal.items() if k.endswith("_s"))
-                  + f"; partitions timed on {cal.get('partition_probe')}; load {os.getloadavg()[0]:.1f}", flush=True)
+                  + f"; partitions timed on {cal.get('partition_probe')}"
+                  + "".join(f"; {kind} span: redo x{c['redo_ratio']:.2f}, chunk {c['chunk_op_s'] * 1e6:.1f} us/op"
+                            for kind, c in (cal.get("span_costs") or {}).items())
+                  + (f"; drop_s on {cal['drop_probe']['drops']} drops" if "drop_probe" in cal else "")
+                  + f"; load {os.getloadavg()[0]:.1f}", flush=True)
             for n in names[1:]:
                 m, p = med[n], preds[n]
                 ex = m["tot"] - pl["tot"]

@@ -30,7 +30,8 @@ what that function allocates, exactly:
   when the chain sliced or copied the logits, the runtime copies the hidden rows instead
   (``rows * H`` elements, held as long);
 * extra compute: the head's matmul and the log-softmax once more (backward recomputes each
-  chunk's logits), plus a launch overhead per op per chunk.
+  chunk's logits), plus a cost per op per chunk; both measured on the model's own head and
+  loss when the recording calibrated them (:func:`cost`).
 """
 
 from __future__ import annotations
@@ -264,12 +265,27 @@ def span_tensors(problem: Problem, span: TokenSpan) -> set[int]:
     return out
 
 
+def redo_ops(problem: Problem, span: TokenSpan) -> list[int]:
+    """The span's ops its chunked backward runs again: the head's matmul and the log-softmax."""
+    return [q for q in span.fwd_ops if op_stem(problem.op_name[q]) in ("mm", "addmm", "_log_softmax")]
+
+
+def cost_terms(problem: Problem, span: TokenSpan) -> tuple[float, int]:
+    """(recorded seconds of :func:`redo_ops`, the span's forward and backward ops): what
+    :func:`cost` scales (calibration fits its two rates on them)."""
+    return float(problem.op_cost[redo_ops(problem, span)].sum()), len(span.fwd_ops) + len(span.bwd_ops)
+
+
 def cost(problem: Problem, span: TokenSpan, chunks: int, launch_s: float) -> float:
-    """The head's matmul and the log-softmax again (backward recomputes each chunk's logits),
-    and a launch overhead per op per chunk."""
-    redo = [q for q in span.fwd_ops if op_stem(problem.op_name[q]) in ("mm", "addmm", "_log_softmax")]
-    n_ops = len(span.fwd_ops) + len(span.bwd_ops)
-    return float(problem.op_cost[redo].sum()) + chunks * n_ops * launch_s
+    """The head's matmul and the log-softmax again (backward recomputes each chunk's logits)
+    and a cost per op per chunk: as measured on the recorded model's own head and loss
+    (``meta.runtime_overhead.span_costs.tokens``, :func:`taichi_plan.overhead.span_cost`),
+    else the recorded time of the re-run ops and ``launch_s`` per op per chunk."""
+    from .overhead import span_cost
+
+    redo_s, n_ops = cost_terms(problem, span)
+    measured = span_cost(problem, span.over, redo_s, n_ops, chunks)
+    return measured if measured is not None else redo_s + chunks * n_ops * launch_s
 
 
 def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, start: np.ndarray, end: np.ndarray,
@@ -328,4 +344,4 @@ def _is_weight(problem: Problem, span: TokenSpan, t: int) -> bool:
     return t == w or any(t in rows and w in rows for rows in incarnations(problem.trace.meta))
 
 
-__all__ = ["TOKEN_CHUNK_CHOICES", "TokenSpan", "apply", "cost", "span_inputs", "span_tensors", "token_spans"]
+__all__ = ["TOKEN_CHUNK_CHOICES", "TokenSpan", "apply", "cost", "cost_terms", "redo_ops", "span_inputs", "span_tensors", "token_spans"]

@@ -19,7 +19,7 @@ from taichi_plan.devices import get_profile
 from taichi_plan.errors import PlanError
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.record.roofline import collective_duration_s
-from taichi_plan.trace import baseline_peak, write_trace
+from taichi_plan.trace import FORMAT_VERSION, baseline_peak, write_trace
 
 GPT2 = {"model": "gpt2", "layers": 2, "hidden": 64, "heads": 4, "vocab": 500, "seq": 128, "batch": 8}
 MLP = {"model": "mlp", "batch": 8, "hidden": 64, "layers": 2}
@@ -75,7 +75,7 @@ def _trace_of(plan):
 def test_buckets_are_ddp_own_buffers(ddp_plan):
     trace = _trace_of(ddp_plan)
     d = trace.meta["ddp"]
-    assert trace.meta["format_version"] == 5 and d["world_size"] == 2 and not d["gradient_as_bucket_view"]
+    assert trace.meta["format_version"] == FORMAT_VERSION and d["world_size"] == 2 and not d["gradient_as_bucket_view"]
     want = _reference_buckets(GPT2, bucket_cap_mb=CAP_MB)
     assert len(want) > 2  # the cap splits the gradients
     assert [b["nbytes"] for b in d["buckets"]] == want

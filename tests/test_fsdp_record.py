@@ -16,7 +16,7 @@ import pytest
 from taichi_plan.devices import get_profile
 from taichi_plan.record.roofline import collective_duration_s
 from taichi_plan.sharding import incarnations, unit_of_ops
-from taichi_plan.trace import read_trace
+from taichi_plan.trace import FORMAT_VERSION, read_trace
 
 TINY_GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500",
              "--seq", "128", "--batch", "4"]
@@ -57,7 +57,7 @@ def test_fake_rank_trace_agrees_with_fsdp_mem_tracker(gpt2_fsdp4):
 def test_trace_knows_the_sharded_layout(gpt2_fsdp4):
     trace, _ = gpt2_fsdp4
     f = trace.meta["fsdp"]
-    assert trace.meta["format_version"] == 5
+    assert trace.meta["format_version"] == FORMAT_VERSION
     assert f["world_size"] == 4 and f["mesh_shape"] == [4]
     assert [u["module"] for u in f["units"]] == ["", "transformer.h.0", "transformer.h.1"]
     kinds = set(trace.tensors["kind"])

@@ -102,6 +102,11 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
         assert recorded > 0
         assert predicted(1e-6, 3e-6, 2e-6, {name: 2.5, "aten.not_rerun.default": 9.0}) - base == \
             pytest.approx(1.5 * recorded)
+        # Trace v6: each dropped tensor's own cost, once per drop.
+        gpt2.meta["runtime_overhead"] = {"check_op_s": 1e-6, "recipe_op_s": 3e-6, "rebuild_op_s": 2e-6,
+                                         "drop_s": 40e-6}
+        assert runtime_overhead_s(problem, drops, plan.partitions, rerun, reruns) - base == \
+            pytest.approx(len(drops) * 40e-6)
     finally:
         gpt2.meta["runtime_overhead"] = saved
 
@@ -266,3 +271,172 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
             for name in names:
                 del model.get_submodule(name).forward
         assert rt.mismatches == 0 and rt.planned_calls == 1  # (a call with other ops than the trace's raises)
+
+
+def _token_span(problem):
+    from taichi_plan.token_span import token_spans
+
+    spans = [s for s in token_spans(problem) if s.module == "lm_head"]
+    assert len(spans) == 1
+    return spans[0]
+
+
+def test_token_partition_cost_is_the_calibrated_rates_times_the_counted_terms(gpt2):
+    """A head + loss partitioned over tokens costs ``redo_ratio`` times the recorded seconds
+    of the ops its chunks run again (the head's matmul and the log-softmax, counted here
+    from the trace's own rows) plus ``chunk_op_s`` per op of the span per chunk; a trace that
+    measured no such span keeps the recorded seconds and the launch overhead per op per chunk."""
+    from taichi_plan.partition import launch_overhead_s, partition_cost
+
+    problem = build_problem(gpt2)
+    span = _token_span(problem)
+    ops = gpt2.ops
+    fwd = ops["phase"] == "forward"
+    head_mm = fwd & (ops["module"] == "lm_head") & ops["op"].isin(["aten.mm.default", "aten.addmm.default"])
+    log_softmax = fwd & (ops["op"] == "aten._log_softmax.default")
+    assert int(head_mm.sum()) == 1 and int(log_softmax.sum()) == 1
+    redo = float(ops.loc[head_mm | log_softmax, "duration_s"].sum())
+    n_ops = len(span.fwd_ops) + len(span.bwd_ops)
+    assert n_ops > 5
+    saved = dict(gpt2.meta["runtime_overhead"])
+    try:
+        gpt2.meta["runtime_overhead"]["span_costs"] = {"tokens": {"redo_ratio": 1.5, "chunk_op_s": 4e-6}}
+        for k in span.chunk_choices:
+            assert partition_cost(problem, span, k) == pytest.approx(1.5 * redo + k * n_ops * 4e-6)
+        del gpt2.meta["runtime_overhead"]["span_costs"]  # an older trace
+        assert partition_cost(problem, span, 4) == pytest.approx(redo + 4 * n_ops * launch_overhead_s(problem))
+    finally:
+        gpt2.meta["runtime_overhead"] = saved
+
+
+def test_span_rates_reproduce_the_two_measured_splits(gpt2):
+    """The fit of a span's two rates goes through both calibrated splits; a split into more
+    chunks measured cheaper (noise) gives no negative slope, and nothing costs below 0."""
+    from taichi_plan.partition import partition_cost
+    from taichi_plan.replay.calibrate import _span_rates
+
+    problem = build_problem(gpt2)
+    span = _token_span(problem)
+    saved = dict(gpt2.meta["runtime_overhead"])
+    try:
+        for e1, e2 in ((0.004, 0.007), (0.004, 0.003), (-0.002, 0.001)):
+            rates = _span_rates("tokens", (problem, span), (2, 8), [e1, e2])
+            gpt2.meta["runtime_overhead"]["span_costs"] = {"tokens": rates}
+            assert rates["chunk_op_s"] >= 0 and rates["redo_ratio"] >= 0
+            if e2 > e1 and e1 > 2 * (e2 - e1) / 6:  # a positive slope and a positive fixed part: exact
+                assert partition_cost(problem, span, 2) == pytest.approx(e1)
+                assert partition_cost(problem, span, 8) == pytest.approx(e2)
+            if e2 <= e1:
+                assert rates["chunk_op_s"] == 0 and partition_cost(problem, span, 2) == partition_cost(problem, span, 8)
+            assert partition_cost(problem, span, 2) >= 0
+    finally:
+        gpt2.meta["runtime_overhead"] = saved
+
+
+def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypatch):
+    """A real recording times the model's own head + loss split into 2 and into 8 chunks
+    over tokens: each probe runs the head's logits chunk by chunk (k chunks in forward, k
+    again in backward), with the call's ops still matching the trace."""
+    from taichi_plan import replay
+    from taichi_plan.replay import chunked_loss
+    from taichi_plan.replay.calibrate import _span_probes
+    from taichi_plan.replay.partition import install_partitions
+
+    cal = gpt2.meta["runtime_overhead"]["span_costs"]["tokens"]
+    assert cal["module"] == "lm_head" and cal["chunks"] == [2, 8] and len(cal["extra_s"]) == 2
+    assert cal["redo_ratio"] >= 0 and cal["chunk_op_s"] >= 0
+    call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
+    probes = _span_probes(gpt2, call)
+    (_problem, span), ks, by_k = probes["tokens"]
+    assert span.module == "lm_head" and ks == (2, 8)
+    model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
+    logits_runs = [0]
+    original = chunked_loss._logits
+
+    def counted(*a, **kw):
+        logits_runs[0] += 1
+        return original(*a, **kw)
+
+    monkeypatch.setattr(chunked_loss, "_logits", counted)
+    for k, (cp, parts) in by_k.items():
+        assert cp.tokens == {"lm_head": k} and cp.probe
+        logits_runs[0] = 0
+        rt = PlanRuntime([cp])
+        handles = replay.install(model, rt)
+        undo = install_partitions(model, parts, rt)
+        try:
+            out = model(**batch)
+            assert logits_runs[0] == k
+            loss_fn(out, batch).backward()
+            assert logits_runs[0] == 2 * k
+        finally:
+            undo()
+            for h in handles:
+                h.remove()
+        assert rt.mismatches == 0
+        model.zero_grad(set_to_none=True)
+
+
+def test_per_op_terms_are_never_below_the_bookkeeping_alone():
+    """Noise in a model's forward (a loaded machine, a model of large ops) may make a
+    measured per-op term fall below what one-element additions time: the term is raised to
+    it, and keeping a recipe never costs less than checking; the measured values are kept."""
+    from taichi_plan.replay.calibrate import floored
+
+    micro = {"check_op_s": 5e-6, "recipe_op_s": 8e-6, "rebuild_op_s": 3e-6}
+    low = floored({"check_op_s": 1e-6, "recipe_op_s": -2e-6, "rebuild_op_s": -1e-6, "ops": 10}, micro)
+    assert (low["check_op_s"], low["recipe_op_s"], low["rebuild_op_s"]) == (5e-6, 8e-6, 3e-6)
+    assert low["unfloored"] == {"check_op_s": 1e-6, "recipe_op_s": -2e-6, "rebuild_op_s": -1e-6} and low["ops"] == 10
+    high = floored({"check_op_s": 30e-6, "recipe_op_s": 20e-6, "rebuild_op_s": 9e-6}, micro)
+    assert (high["check_op_s"], high["recipe_op_s"], high["rebuild_op_s"]) == (30e-6, 30e-6, 9e-6)
+    same = floored({"check_op_s": 30e-6, "recipe_op_s": 40e-6, "rebuild_op_s": 9e-6}, micro)
+    assert "unfloored" not in same and same["recipe_op_s"] == 40e-6
+
+
+def test_every_variant_is_warmed_up_once_before_the_timed_rounds():
+    """Calibration's rounds: one untimed run of every variant (its one-time costs), then
+    ``repeats`` timed runs of each, each round starting one variant later."""
+    from taichi_plan.replay.calibrate import _interleaved
+
+    ran = []
+    ticks = iter(range(10**6))
+    times = _interleaved(lambda v: ran.append(v) or (0.0, 0.0), {"a": "A", "b": "B", "c": "C"}, 3, 1e9,
+                         lambda: float(next(ticks)))
+    assert ran[:3] == ["A", "B", "C"]
+    assert ran[3:] == ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
+    assert {n: len(v) for n, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+
+
+def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
+    """``drop_s``: calibration solves a plan of drops for the model's call (no partitions),
+    runs it (each drop packed as a handle in forward, rebuilt in backward, the call's ops
+    matching the trace), and charges each drop what the step took beyond the simulator and
+    the other terms: ``modelled + drops x drop_s == measured`` whenever that is above 0."""
+    from taichi_plan import replay
+    from taichi_plan.replay.calibrate import _drop_probe, _drop_rate
+
+    cal = gpt2.meta["runtime_overhead"]
+    assert cal["drop_s"] >= 0 and cal["drop_probe"]["drops"] > 0
+    call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
+    probe = _drop_probe(gpt2, call)
+    problem, drops, cp = probe
+    assert len(drops) == cal["drop_probe"]["drops"] == sum(len(v) for v in cp.drops.values())
+    assert all(call["start"] <= int(problem.producer[d.tensor]) <= call["end"] for d in drops)
+    model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
+    rt = PlanRuntime([cp])
+    handles = replay.install(model, rt)
+    try:
+        out = model(**batch)
+        assert rt.dropped_storages == len(drops) and rt.recompute_ops == 0
+        loss_fn(out, batch).backward()
+        assert rt.recompute_ops > 0
+    finally:
+        for h in handles:
+            h.remove()
+    assert rt.mismatches == 0
+    rates = {k: cal[k] for k in ("check_op_s", "recipe_op_s", "rebuild_op_s")}
+    modelled = _drop_rate(probe, 0.0, rates)["drop_probe"]["modelled_s"]
+    assert modelled > 0
+    rate = _drop_rate(probe, modelled + 0.01, rates)
+    assert rate["drop_s"] * len(drops) == pytest.approx(0.01)
+    assert _drop_rate(probe, modelled - 0.01, rates)["drop_s"] == 0

@@ -39,6 +39,19 @@ PROBE_CHUNKS = 4
 # ... and only when those modules hold at least this share of the call's ops: a few ops (a
 # ResNet's classifier, its modules with batch norm being unsplittable) time noise, not a rate.
 PROBE_MIN_SHARE = 0.25
+# A span partitioned over something else than the batch (a head and its loss over tokens) is
+# calibrated split into its fewest chunks and into the most of its choices up to this many.
+SPAN_PROBE_MOST = 8
+
+
+def _span_terms() -> dict:
+    """Per span kind (a span's ``over``) other than the batch: the function giving a span's
+    (recorded seconds of the ops its chunks run again, its forward and backward ops), the two
+    quantities its cost scales (:func:`taichi_plan.overhead.span_cost`). A new kind of span
+    is calibrated by adding its own here."""
+    from .. import token_span
+
+    return {"tokens": token_span.cost_terms}
 
 
 def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
@@ -78,6 +91,13 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     if chunked is not None:
         problem, spans, k_most, probes = chunked
         variants.update({f"part{k}": v for k, v in probes.items()})
+    span_probes = _span_probes(trace, call)
+    drop_probe = _drop_probe(trace, call)
+    if drop_probe is not None:  # the plan's call, and the same call with its recipes kept but nothing dropped
+        variants["drops"] = (drop_probe[2], [])
+        variants["kept"] = (replace(drop_probe[2], drops={}, group_of={}, probe=True), [])
+    for kind, (_span, _ks, probes_k) in span_probes.items():
+        variants.update({f"{kind}{k}": v for k, v in probes_k.items()})
     clock = op_clock()
 
     loop = Loop.from_meta(trace.meta)
@@ -127,6 +147,14 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         if chunked is not None and not _runs_cleanly(forward, [variants[f"part{k}"] for k in probes], runtimes):
             chunked = None  # a module that cannot run in chunks here: partitions keep the launch overhead
             variants = {n: v for n, v in variants.items() if not n.startswith("part")}
+        if drop_probe is not None and not _runs_cleanly(forward, [variants["drops"]], runtimes):
+            drop_probe = None  # a drop cannot be rebuilt here: drops cost what the other terms say
+            del variants["drops"], variants["kept"]
+        for kind, (_span, ks, _p) in list(span_probes.items()):
+            if not _runs_cleanly(forward, [variants[f"{kind}{k}"] for k in ks], runtimes):
+                del span_probes[kind]  # it keeps the launch overhead
+                for k in ks:
+                    del variants[f"{kind}{k}"]
         times = _interleaved(forward, variants, repeats, budget_s, clock)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
@@ -138,14 +166,101 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         1: forward and backward)."""
         return statistics.median(a[which] - b[which] for a, b in zip(times[name], times[base], strict=True))
 
-    out = {"check_op_s": max(extra("check", "plain") / n_ops, 0.0),
-           "recipe_op_s": max(extra("recipe", "plain") / n_ops, 0.0), "ops": n_ops,
-           "repeats": len(times["plain"])}
+    out = {"check_op_s": extra("check", "plain") / n_ops, "recipe_op_s": extra("recipe", "plain") / n_ops,
+           "ops": n_ops, "repeats": len(times["plain"])}
     if chunked is not None:
         out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
+    if span_probes:
+        out["span_costs"] = {kind: _span_rates(kind, span, ks, [extra(f"{kind}{k}", "check", 1) for k in ks])
+                             for kind, (span, ks, _p) in span_probes.items()}
     if rebuilds:
-        out["rebuild_op_s"] = max(statistics.median(rebuilds), 0.0)
+        out["rebuild_op_s"] = statistics.median(rebuilds)
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s, len(rebuilds))
+    out = floored(out, trace.meta.get("runtime_overhead") or {})
+    if drop_probe is not None and "rebuild_op_s" in out:
+        out.update(_drop_rate(drop_probe, extra("drops", "kept", 1), out))
+    return out
+
+
+# A plan of drops is solved (heuristic) at the first of these shares of the trace's peak that
+# it fits, to measure what a drop costs beyond what the other terms model (drop_s).
+DROP_PROBE_FRACTIONS = (0.8, 0.9)
+
+
+def _drop_probe(trace, call: dict):
+    """A plan of the model's own that drops tensors of the measured call and partitions
+    nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
+    its partitions left out): (problem, drops, its CallPlan for the call), or None when no
+    such plan drops anything there."""
+    from dataclasses import replace as _replace
+
+    from ..problem import build_problem
+    from ..solve import solve
+    from ..solve.result import drops_from_plan
+    from . import call_plans
+
+    problem = build_problem(trace)
+    start, end = int(call["start"]), int(call["end"])
+    for share in DROP_PROBE_FRACTIONS:
+        try:
+            plan = solve(trace, int(share * problem.baseline_peak[0]), "heuristic", time_limit=10.0, problem=problem,
+                         optimizer="as-recorded")
+            plan = _replace(plan, partitions=[],
+                            recompute=[r for r in plan.recompute if start <= r.op <= end])
+            drops = drops_from_plan(problem, plan)
+            cp = call_plans(plan, trace, problem)[0]
+        except Exception:  # noqa: BLE001  (calibration only: no budget fits, or no plan to run)
+            continue
+        if drops and cp.drops:
+            return problem, drops, _replace(cp, grads_alive=None)
+    return None
+
+
+def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
+    """``drop_s``: per dropped tensor, the step's extra seconds under the drop probe's plan
+    against the same call with the same recipes kept and nothing dropped (``measured_s``,
+    forward and backward: the checking and the recipes cancel out, so their terms' noise does
+    not land here) beyond what the simulator and the rebuild terms of ``rates`` predict for
+    the drops (their re-run ops at their measured time ratios, ``rebuild_op_s`` each:
+    :func:`taichi_plan.overhead.runtime_overhead_s`); not below 0. ``drop_probe`` says what
+    it was measured on."""
+    from ..overhead import runtime_overhead_s
+    from ..simulate import rerun_ops, simulate_plan
+
+    problem, drops, _cp = probe
+    sim, parted = simulate_plan(problem, drops)
+    reruns = [op for g in sim.groups.values() for op in g.ops]
+    modelled = sim.extra_cost + runtime_overhead_s(problem, drops, [], rerun_ops(parted, drops), reruns,
+                                                   cal={**rates, "check_op_s": 0.0, "recipe_op_s": 0.0,
+                                                        "drop_s": 0.0})
+    return {"drop_s": max((measured_s - modelled) / len(drops), 0.0),
+            "drop_probe": {"drops": len(drops), "measured_s": measured_s, "modelled_s": modelled}}
+
+
+# The runtime's per-op terms and their order: each term's bookkeeping includes the one before.
+PER_OP_TERMS = ("check_op_s", "recipe_op_s")
+
+
+def floored(measured: dict, bookkeeping: dict) -> dict:
+    """``measured`` with each per-op term (``check_op_s``, ``recipe_op_s``, ``rebuild_op_s``)
+    no lower than the runtime's bookkeeping alone (``bookkeeping``: the same terms timed on
+    one-element additions, :func:`~taichi_plan.replay.runtime.calibrate_overhead`), and
+    ``recipe_op_s`` no lower than ``check_op_s`` (keeping a recipe is checking and more). A
+    model's term is the difference of two medians of whole forwards, so on a loaded machine
+    or a model of large ops (ResNet-50's forward is about 300 ms, its runtime cost a few) the
+    noise of the forward can exceed the term; a real op cannot cost the runtime less than
+    the bookkeeping the one-element additions time. The measured values are kept under
+    ``unfloored``."""
+    out = dict(measured)
+    raw = {k: measured[k] for k in (*PER_OP_TERMS, "rebuild_op_s") if k in measured}
+    low = 0.0
+    for k in PER_OP_TERMS:
+        if k in out:
+            out[k] = low = max(out[k], float(bookkeeping.get(k, 0.0)), low)
+    if "rebuild_op_s" in out:
+        out["rebuild_op_s"] = max(out["rebuild_op_s"], float(bookkeeping.get("rebuild_op_s", 0.0)), 0.0)
+    if any(out[k] != v for k, v in raw.items()):
+        out["unfloored"] = raw
     return out
 
 
@@ -278,6 +393,62 @@ def _partition_probes(trace, call: dict, model):
     return problem, chosen, k_most, probes
 
 
+def _span_probes(trace, call: dict) -> dict:
+    """What spans of other kinds than the batch are calibrated on (:func:`_span_terms`): per
+    kind, the one span of that kind inside the measured call with the most ops; returns
+    {kind: (problem, span, (k1, k2), {chunks: (CallPlan, partitions)})} for its fewest chunks
+    k1 and the most up to :data:`SPAN_PROBE_MOST` k2 (kinds with one choice left out)."""
+    from dataclasses import replace as _replace
+
+    from ..errors import PlanError
+    from ..partition import as_partition, partitionable_spans
+    from ..plan import Plan
+    from ..problem import build_problem
+    from . import call_plans
+
+    terms = _span_terms()
+    problem = build_problem(trace)
+    start, end = int(call["start"]), int(call["end"])
+    best: dict = {}
+    for s in partitionable_spans(problem):
+        if s.over in terms and start <= s.fwd[0] and s.fwd[1] <= end:
+            n = terms[s.over](problem, s)[1]
+            if s.over not in best or n > terms[s.over](problem, best[s.over])[1]:
+                best[s.over] = s
+    out = {}
+    for kind, span in best.items():
+        choices = sorted(span.chunk_choices)
+        ks = (choices[0], max((c for c in choices if c <= SPAN_PROBE_MOST), default=choices[0])) if choices else ()
+        if len(set(ks)) < 2:
+            continue
+        probes = {}
+        try:
+            for k in ks:
+                parts = [as_partition(span, k)]
+                plan = Plan(trace={}, budget_bytes=None, solver={}, predicted={}, partitions=parts)
+                probes[k] = (_replace(call_plans(plan, trace, problem)[0], probe=True, grads_alive=None), parts)
+        except PlanError:
+            continue
+        out[kind] = ((problem, span), ks, probes)
+    return out
+
+
+def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, int], extra_s: list[float]) -> dict:
+    """The two rates of :func:`taichi_plan.overhead.span_cost` for a span of ``kind`` from the
+    step's extra seconds with it split into ``ks[0]`` and ``ks[1]`` chunks (``extra_s``, each
+    against the call with every op checked): ``chunk_op_s``, per op of the span, what each
+    further chunk costs (the slope; not below 0: a further chunk launches more ops); and
+    ``redo_ratio``, what the split costs beyond the chunks' share, over the recorded seconds
+    of the ops it runs again (not below 0)."""
+    problem, span = problem_span
+    redo_s, n_ops = _span_terms()[kind](problem, span)
+    (k1, k2), (e1, e2) = ks, extra_s
+    chunk_op_s = max((e2 - e1) / ((k2 - k1) * n_ops), 0.0)
+    fixed_s = e1 - k1 * n_ops * chunk_op_s
+    return {"redo_ratio": max(fixed_s / redo_s, 0.0) if redo_s > 0 else 0.0, "chunk_op_s": chunk_op_s,
+            "module": span.module, "chunks": list(ks), "extra_s": list(extra_s)}
+
+
 def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
     """The two per-op terms of a partition's cost (:func:`taichi_plan.partition.partition_cost`)
     from the step's extra seconds with ``spans`` checkpointed whole (``whole_s``, against the
@@ -295,11 +466,14 @@ def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: 
 
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock) -> dict[str, list[float]]:
     """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when one round
-    takes more than ``budget_s / repeats``), each round in another order."""
-    t0 = clock()
-    forward(next(iter(variants.values())))  # a warm-up, and about how long each forward (with its backward) takes
+    takes more than ``budget_s / repeats``), each round in another order, after one untimed
+    round: a variant's first run pays one-time costs (the runtime's op table, the first
+    checkpoint or chunked loss of the process) that a step in training does not."""
     names = list(variants)
-    reps = max(1, min(repeats, int(budget_s / max(len(names) * (clock() - t0), 1e-9))))
+    t0 = clock()
+    for n in names:  # the warm-up round, and how long a round (each forward with its backward) takes
+        forward(variants[n])
+    reps = max(1, min(repeats, int(budget_s / max(clock() - t0, 1e-9))))
     times: dict[str, list[float]] = {n: [] for n in names}
     for r in range(reps):
         for i in range(len(names)):
