@@ -126,3 +126,12 @@ SMALL_TRACE_PEAK_BY_KIND = {"parameter": 1000, "optimizer_state": 500, "gradient
 @pytest.fixture
 def small() -> Trace:
     return small_trace()
+
+
+@pytest.fixture(scope="session")
+def replay_cases(tmp_path_factory):
+    """Real recordings of tiny MLP/GPT-2/BERT, their auto plans and replays, each made once per
+    test process however many replay tests read them (tests/replay_cases.py)."""
+    from replay_cases import ReplayCases
+
+    return ReplayCases(tmp_path_factory.mktemp("replay"))
