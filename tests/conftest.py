@@ -25,6 +25,18 @@ def _short_calibration():
     calibrate.REPEATS, calibrate.BUDGET_S = saved
 
 
+def cpu_slowdown(cpu_s: float = 0.3) -> float:
+    """Wall seconds one CPU second of this thread takes now: 1 on an idle machine, about N/2
+    when N busy processes share the 2 cores. A busy loop of ``cpu_s`` CPU seconds, for tests
+    that check a wall-clock limit: they allow its fixed overshoot times this factor."""
+    import time
+
+    w0, c0 = time.perf_counter(), time.thread_time()
+    while time.thread_time() - c0 < cpu_s:
+        pass
+    return max(1.0, (time.perf_counter() - w0) / (time.thread_time() - c0))
+
+
 def graphs_path() -> Path:
     """``$TAICHI_GRAPHS_DIR`` if set, else ``../shared/graphs`` beside the repository."""
     env = os.environ.get("TAICHI_GRAPHS_DIR")
