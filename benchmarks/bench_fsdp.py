@@ -11,8 +11,9 @@ it, at the same budget, FSDP with every block checkpointed (the ``full`` baselin
 
 The second table is ``maxbatch --fsdp N`` at the profile's memory per rank (extra compute at
 most 33%): FSDP's default (every unit reshards after forward, no activation plan), FSDP with
-every block checkpointed, and ours (``heuristic``: the activation plan and each unit's
-``reshard_after_forward``). Guided (``max_batch(guide=True)``): the search runs first on steps
+every block checkpointed, and ours (``heuristic``: the activation plan, partitions, the LM
+head and loss over tokens among them, and each unit's ``reshard_after_forward`` and prefetching,
+chosen jointly). Guided (``max_batch(guide=True)``): the search runs first on steps
 drawn through the recordings at batch 2 and 3, then recordings at each guess and one above
 confirm it.
 
@@ -141,7 +142,7 @@ def maxbatch_table(case, result: dict) -> str:
     label, ranks, sizes = case
     rows = []
     for r in result["planners"]:
-        name = NAMES.get(r["planner"], f"ours ({r['planner']}: activations and reshard_after_forward)")
+        name = NAMES.get(r["planner"], f"ours ({r['planner']}: activations, partitions, reshard and prefetch)")
         peak = f"{r['peak_bytes'] / 1e9:.2f}" if r["peak_bytes"] else "-"
         extra = "-" if r["extra_pct"] is None else f"{r['extra_pct']:.1f}"
         guess = "-" if r["guess"] is None else r["guess"]

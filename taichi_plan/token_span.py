@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .problem import Problem, op_stem
+from .sharding import incarnations
 
 HEAD_OPS = ("aten.mm.default", "aten.addmm.default")
 HEAD_MODULE_STEMS = {"t", "view", "mm", "addmm", "_unsafe_view", "reshape", "expand", "alias"}
@@ -49,6 +50,9 @@ VIEW_STEMS = {"view", "_unsafe_view", "reshape", "alias", "slice", "detach", "sq
 COPY_STEMS = {"clone", "contiguous", "_to_copy"}
 REDUCE_STEMS = {"nll_loss_forward"}
 TOKEN_CHUNK_CHOICES = (2, 4, 8, 16, 32)
+# The head's weight: a parameter, or under FSDP2 (a sharded trace) the unit's gathered parameter,
+# a row per gathering (the forward's and the backward's are two rows of one storage).
+WEIGHT_KINDS = ("parameter", "unsharded_parameter")
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ def _module_ops(problem: Problem, i: int, by_module: dict[str, list[int]]) -> li
 def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> TokenSpan | None:
     shapes = problem.trace.tensors["shape"]
     outs = problem.op_outputs[i].tolist()
-    weights = [t for t in problem.op_reads[i].tolist() if problem.kind[t] == "parameter" and len(shapes[t]) == 2]
+    weights = [t for t in problem.op_reads[i].tolist() if problem.kind[t] in WEIGHT_KINDS and len(shapes[t]) == 2]
     if len(outs) != 1 or not weights or problem.op_call[i] < 0:
         return None
     w = weights[0]
@@ -139,7 +143,7 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
     logits = outs[0]
     if len(shapes[logits]) < 2 or int(shapes[logits][-1]) != vocab:
         return None
-    inputs = [t for t in problem.op_reads[i].tolist() if t != w and problem.kind[t] != "parameter"]
+    inputs = [t for t in problem.op_reads[i].tolist() if t != w and problem.kind[t] not in WEIGHT_KINDS]
     phase = problem.op_phase
     # Forward: follow the logits through position-wise ops to the loss.
     chain = {logits}
@@ -247,7 +251,7 @@ def span_inputs(problem: Problem, span: TokenSpan) -> list[int]:
     out = set()
     for q in span.fwd_ops:
         for t in problem.op_reads[q].tolist():
-            if t not in own and problem.kind[t] not in ("parameter", "buffer"):
+            if t not in own and problem.kind[t] not in (*WEIGHT_KINDS, "buffer"):
                 out.add(t)
     return sorted(out)
 
@@ -311,9 +315,17 @@ def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, st
 def _grad_of_hidden(problem: Problem, span: TokenSpan, t: int) -> bool:
     """Whether span-made ``t`` is the gradient of the hidden states (made by an op that reads
     the head's weight: ``grad @ W``)."""
-    w = {x for x in _boundary(problem, span) if problem.kind[x] == "parameter"}
-    return int(problem.producer[t]) in span.bwd_ops and bool(set(problem.op_reads[int(problem.producer[t])].tolist()) & w) \
+    p = int(problem.producer[t])
+    return p in span.bwd_ops and any(_is_weight(problem, span, x) for x in problem.op_reads[p].tolist()) \
         and int(problem.nbytes[t]) == span.head_rows * span.hidden * span.head_elem
+
+
+def _is_weight(problem: Problem, span: TokenSpan, t: int) -> bool:
+    """Whether ``t`` is the head's weight: the parameter the head's matmul reads or, in a
+    sharded trace, any gathering of it (the backward reads FSDP's second gathering, another row
+    of the same storage)."""
+    w = next(x for x in _boundary(problem, span) if problem.kind[x] in WEIGHT_KINDS)
+    return t == w or any(t in rows and w in rows for rows in incarnations(problem.trace.meta))
 
 
 __all__ = ["TOKEN_CHUNK_CHOICES", "TokenSpan", "apply", "cost", "span_inputs", "span_tensors", "token_spans"]

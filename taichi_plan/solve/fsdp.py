@@ -18,12 +18,19 @@ which the unplanned step is over the budget) per second of all-gather it may hid
 setting (FSDP's defaults), every prefix of that order from the longest down, are screened with
 the heuristic as above.
 
+Those two screens run one after the other (the *sequential* choice). The choice is then made
+joint over the pairs (:func:`screen_joint`): each other reshard setting screened, best first,
+gets its own prefetch screen, every pair planned with the heuristic, while the screening time
+lasts; the pair with the least predicted step time that fits wins, so the joint choice is never
+worse than the sequential one and is better where a reshard setting that lost with FSDP's
+default prefetching wins with another (``tests/test_reshard.py`` shows one on a recorded trace).
+
 Predicted step time, here, is the step's time with collectives overlapping compute
 (:func:`taichi_plan.overlap.overlapped_step_time`) plus the plan's recomputation.
 
 The search is over settings, outside the activation model (a setting changes the op sequence,
-which the ILP indexes), one after the other (reshard, then prefetch: not jointly): the setting
-is chosen by the heuristic's plans, the activations of the chosen one by the method asked for.
+which the ILP indexes): the setting is chosen by the heuristic's plans, the activations of the
+chosen one by the method asked for, whose lower bound holds for that setting only.
 """
 
 from __future__ import annotations
@@ -119,12 +126,13 @@ def prefetch_order(problem: Problem, budget_bytes: int) -> list[tuple[str, int]]
     return [(PHASES[p], u) for *_, p, u in sorted(keys)]
 
 
-def screen_prefetch(problem: Problem, budget_bytes: int, seed: int,
-                    deadline: float) -> tuple[dict[str, set[int]], list[dict]]:
+def screen_prefetch(problem: Problem, budget_bytes: int, seed: int, deadline: float,
+                    first: dict | None = None) -> tuple[dict[str, set[int]], list[dict]]:
     """The prefetch setting (units gathered early per pass) whose heuristic plan fits
     ``budget_bytes`` with the least predicted step time: the recorded one, then each prefix of
     :func:`prefetch_order` over the leanest setting, the longest first, while time is left;
-    and what each gave (``[{"forward", "backward", "fits", ...}]``)."""
+    and what each gave (``[{"forward", "backward", "fits", ...}]``). ``first``: what the
+    recorded setting gives, when already known (it is not planned again)."""
     recorded = setting_of(problem.trace)
     order = prefetch_order(problem, budget_bytes)
     moved = {(ph, u) for ph, u in order}
@@ -140,25 +148,72 @@ def screen_prefetch(problem: Problem, budget_bytes: int, seed: int,
         if k > 0 and time.perf_counter() > deadline:
             break
         seen.append(early)
-        got = evaluate(prefetch_problem(problem, early), budget_bytes, seed, deadline)
+        got = first if k == 0 and first is not None else evaluate(prefetch_problem(problem, early), budget_bytes,
+                                                                  seed, deadline)
         tried.append({**{ph: sorted(early[ph]) for ph in PHASES}, **got})
         if got["fits"] and (best is None or got["step_time"] < best[0]):
             best = (got["step_time"], early)
     return (best[1] if best else recorded), tried
 
 
+def _best(tried: list[dict]) -> dict | None:
+    """The setting screened that fits with the least predicted step time (the first of equals)."""
+    fits = [t for t in tried if t["fits"]]
+    return min(fits, key=lambda t: t["step_time"]) if fits else None
+
+
+def screen_joint(problem: Problem, budget_bytes: int, seed: int, deadline: float, *, reshard: bool = True,
+                 prefetch: bool = True) -> tuple[list[int], dict[str, set[int]], dict]:
+    """The reshard and prefetch settings chosen together: the sequential choice first
+    (:func:`screen`, then :func:`screen_prefetch` on its setting, each a third of the time to
+    ``deadline``), then, while time is left, every other reshard setting screened (best first)
+    with its own prefetch screen; the pair whose heuristic plan fits ``budget_bytes`` with the
+    least predicted step time. Returns (units not resharding, early gatherings per pass, what
+    was screened: ``{"reshard", "prefetch", "joint", "sequential", "pairs"}``, ``prefetch``
+    being the chosen reshard setting's screen)."""
+    third = max(deadline - time.perf_counter(), 0.0) / 3
+    units, tried = screen(problem, budget_bytes, seed, time.perf_counter() + third) if reshard else ([], [])
+    by_units = {tuple(t["units"]): t for t in tried}
+    screens: dict[tuple, list[dict]] = {}
+    chosen: tuple[list[int], dict[str, set[int]] | None] = (units, None)
+    best: dict | None = None
+    order = [tuple(units)] + [tuple(t["units"]) for t in sorted(tried, key=lambda t: (not t["fits"], t["step_time"]))
+                              if t["units"] != units]
+    for j, key in enumerate(order):
+        if j > 0 and time.perf_counter() > deadline:
+            break
+        base = reshard_problem(problem, list(key))
+        if prefetch:
+            end = time.perf_counter() + third if j == 0 else deadline
+            early, got = screen_prefetch(base, budget_bytes, seed, end, first=by_units.get(key))
+        else:
+            early, got = setting_of(base.trace), [by_units.get(key) or evaluate(base, budget_bytes, seed, deadline)]
+        screens[key] = got
+        pick = _best(got)
+        if pick is not None and (best is None or pick["step_time"] < best["step_time"]):
+            best, chosen = pick, (list(key), early)
+    seq_key = tuple(units)
+    pairs = [{"units": list(k), **t} for k, got in screens.items() for t in got]
+    seq = _best(screens[seq_key]) if seq_key in screens else None
+    early = chosen[1] if chosen[1] is not None else setting_of(reshard_problem(problem, chosen[0]).trace)
+    return chosen[0], early, {
+        "reshard": tried, "prefetch": screens.get(tuple(chosen[0]), []), "pairs": pairs,
+        "sequential": None if seq is None else {"units": list(seq_key), **seq},
+        "joint": None if best is None else {"units": chosen[0], **best}}
+
+
 def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: float, started: float,
                     solve_step: Callable[[Problem], Plan], *, reshard: bool = True, prefetch: bool = True) -> Plan:
-    """Choose the units that stop resharding (``reshard``: :func:`screen`), then, on that
-    setting, the all-gathers issued early (``prefetch``: :func:`screen_prefetch`), then plan
-    the chosen step with ``solve_step`` (the method asked for); the recorded setting where the
-    method cannot plan the chosen one."""
+    """Choose the units that stop resharding (``reshard``) and the all-gathers issued early
+    (``prefetch``) together (:func:`screen_joint`), then plan the chosen step with
+    ``solve_step`` (the method asked for); the recorded setting where the method cannot plan
+    the chosen one."""
     end = started + time_limit
     share = max(end - time.perf_counter(), 0.0) * SCREEN_SHARE
-    units, tried = screen(problem, budget_bytes, seed, time.perf_counter() + share / 2) if reshard else ([], [])
+    units, early, screened = screen_joint(problem, budget_bytes, seed, time.perf_counter() + share,
+                                          reshard=reshard, prefetch=prefetch)
+    tried, tried_pf = screened["reshard"], screened["prefetch"]
     base = reshard_problem(problem, units)
-    early, tried_pf = (screen_prefetch(base, budget_bytes, seed, time.perf_counter() + share / 2) if prefetch
-                       else (setting_of(base.trace), []))
     plan = None
     for prob in (prefetch_problem(base, early), base):
         try:
@@ -198,6 +253,15 @@ def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: 
             f"FSDP prefetch: {len(pf['units'])} unit(s) set apart from FSDP's defaults; " + pf["why"]))
         plan.solver.setdefault("stats", {})["prefetch_screen"] = tried_pf
         pf["chosen_by"] = "auto"
+    seq, joint = screened["sequential"], screened["joint"]
+    if reshard and prefetch:
+        plan.solver.setdefault("stats", {})["fsdp_joint_screen"] = {
+            "pairs": len(screened["pairs"]), "sequential": seq, "joint": joint}
+        if seq is not None and joint is not None and joint["step_time"] < seq["step_time"]:
+            plan.solver["notes"].insert(2, (
+                f"FSDP settings chosen jointly ({len(screened['pairs'])} reshard and prefetch pair(s) screened): "
+                f"{format_cost(joint['step_time'], unit)} predicted step against {format_cost(seq['step_time'], unit)} "
+                "for the best prefetching on the reshard setting chosen first"))
     if plan.solver.get("lower_bound") is not None:
         plan.solver["notes"].append("the lower bound and gap are the activation plan's for this FSDP setting "
                                     "(reshard and prefetch fixed as chosen), not a bound over every setting")
