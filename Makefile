@@ -5,7 +5,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # make test runs the suite on this many processes (pytest-xdist; one test file per process at a
-# time, so a file's module fixtures are built once): the dev machine has 2 cores.
+# time, so a file's module fixtures are built once; the slowest files first, tests/conftest.py):
+# the dev machine has 2 cores.
 TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
@@ -22,7 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 demo: install
 	$(BIN)/taichi-plan record --model gpt2 --layers 4 --hidden 256 --heads 4 --vocab 8192 \

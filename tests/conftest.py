@@ -12,6 +12,61 @@ from taichi_plan.trace import Trace, frame, op_signature
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
+# make test runs files on two processes, one file at a time each, in the order below (the
+# Makefile passes --no-loadscope-reorder, or pytest-xdist would start with the files that hold
+# the most tests): the slowest file first, so that no slow file is left for the end while the
+# other process has nothing to do. A file's cost is the sum of its tests' seconds in the last
+# run that ran them (.pytest_cache, TEST_SECONDS_KEY); for a file none of whose tests ran yet,
+# its seconds below (make test on 2026-12-01, under load, divided by 4), else 0.
+TEST_SECONDS_KEY = "taichi_plan/test_seconds"
+SLOW_FILES = {
+    "test_replay.py": 85, "test_loops.py": 55, "test_tokens.py": 50, "test_fsdp_replay.py": 44,
+    "test_record.py": 32, "test_replay_apply.py": 30, "test_ddp.py": 29, "test_optimizer_plan.py": 28,
+    "test_reshard.py": 28, "test_ilp_exhaustive.py": 24, "test_readme.py": 23, "test_gpu_check.py": 22,
+    "test_maxbatch.py": 22, "test_replay_blocks.py": 21, "test_partition_exact.py": 20, "test_pyrefs.py": 19,
+    "test_trainer.py": 18, "test_fsdp_record.py": 16, "test_overhead.py": 16, "test_bench_replay.py": 15,
+    "test_record_cli.py": 14, "test_replay_memory.py": 12, "test_solve.py": 11, "test_checkpoint_whole.py": 10,
+    "test_messages.py": 9, "test_record_step.py": 9,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Files in decreasing cost, each file's tests in their own order (test_readme.py's
+    depend on it)."""
+    cache = getattr(config, "cache", None)
+    seconds = (cache.get(TEST_SECONDS_KEY, None) if cache is not None else None) or {}
+    by_file: dict[str, list] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::")[0], []).append(item)
+
+    def cost(f: str) -> float:
+        known = [seconds[i.nodeid] for i in by_file[f] if i.nodeid in seconds]
+        return sum(known) if known else SLOW_FILES.get(Path(f).name, 0)
+
+    items[:] = [i for f in sorted(by_file, key=lambda f: -cost(f)) for i in by_file[f]]
+
+
+class _TestSeconds:
+    """Adds each test's seconds (setup, call, teardown) to the cache at the end of a run; on
+    the process that reports (pytest-xdist's controller, or the only one)."""
+
+    def __init__(self, config):
+        self.config, self.seconds = config, {}
+
+    def pytest_runtest_logreport(self, report):
+        self.seconds[report.nodeid] = self.seconds.get(report.nodeid, 0.0) + report.duration
+
+    def pytest_sessionfinish(self, session):
+        cache = getattr(self.config, "cache", None)
+        if cache is not None and self.seconds:
+            cache.set(TEST_SECONDS_KEY, {**(cache.get(TEST_SECONDS_KEY, None) or {}), **self.seconds})
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):  # not a pytest-xdist worker
+        config.pluginmanager.register(_TestSeconds(config), "taichi_plan_test_seconds")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _short_calibration():
     """Real recordings calibrate the replay runtime's cost on their model (replay/calibrate.py:
@@ -23,6 +78,18 @@ def _short_calibration():
     calibrate.REPEATS, calibrate.BUDGET_S = 2, 1.0
     yield
     calibrate.REPEATS, calibrate.BUDGET_S = saved
+
+
+def cpu_slowdown(cpu_s: float = 0.3) -> float:
+    """Wall seconds one CPU second of this thread takes now: 1 on an idle machine, about N/2
+    when N busy processes share the 2 cores. A busy loop of ``cpu_s`` CPU seconds, for tests
+    that check a wall-clock limit: they allow its fixed overshoot times this factor."""
+    import time
+
+    w0, c0 = time.perf_counter(), time.thread_time()
+    while time.thread_time() - c0 < cpu_s:
+        pass
+    return max(1.0, (time.perf_counter() - w0) / (time.thread_time() - c0))
 
 
 def graphs_path() -> Path:
@@ -126,3 +193,12 @@ SMALL_TRACE_PEAK_BY_KIND = {"parameter": 1000, "optimizer_state": 500, "gradient
 @pytest.fixture
 def small() -> Trace:
     return small_trace()
+
+
+@pytest.fixture(scope="session")
+def replay_cases(tmp_path_factory):
+    """Real recordings of tiny MLP/GPT-2/BERT, their auto plans and replays, each made once per
+    test process however many replay tests read them (tests/replay_cases.py)."""
+    from replay_cases import ReplayCases
+
+    return ReplayCases(tmp_path_factory.mktemp("replay"))

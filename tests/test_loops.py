@@ -105,6 +105,13 @@ def train(loop: Loop, steps: int, plan_path=None, eval_every: int = 0, eval_mode
     return [p.detach().clone() for p in model.parameters()], peak
 
 
+@pytest.fixture(scope="module")
+def plain_plan(tmp_path_factory):
+    """The plain loop's (plan, path), recorded and solved once for the tests that only need a
+    plan for it."""
+    return plan_for(Loop(), tmp_path_factory.mktemp("plain"))
+
+
 LOOPS = {
     "plain": (Loop(), {}),
     "accumulate-2": (Loop(micro_batches=2), {}),
@@ -118,9 +125,9 @@ LOOPS = {
 
 
 @pytest.mark.parametrize("name", list(LOOPS))
-def test_loop_trains_planned_bitwise_within_budget(name, tmp_path):
+def test_loop_trains_planned_bitwise_within_budget(name, tmp_path, request):
     loop, flags = LOOPS[name]
-    plan, path = plan_for(loop, tmp_path, **flags)
+    plan, path = request.getfixturevalue("plain_plan") if name == "plain" else plan_for(loop, tmp_path, **flags)
     base, _ = train(loop, 3, **flags)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no mismatch may be reported
@@ -130,17 +137,17 @@ def test_loop_trains_planned_bitwise_within_budget(name, tmp_path):
 
 
 @pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
-def test_eval_passes_run_unplanned(mode, tmp_path):
+def test_eval_passes_run_unplanned(mode, plain_plan):
     loop = Loop()
-    plan, path = plan_for(loop, tmp_path)
+    plan, path = plain_plan
     base, _ = train(loop, 4, eval_every=2, eval_mode=mode)
     planned, peak = train(loop, 4, plan_path=path, eval_every=2, eval_mode=mode)
     assert all(torch.equal(a, b) for a, b in zip(base, planned, strict=True))
     assert peak <= plan.budget_bytes
 
 
-def test_a_plan_for_another_loop_says_so(tmp_path):
-    _, path = plan_for(Loop(), tmp_path)
+def test_a_plan_for_another_loop_says_so(plain_plan):
+    _, path = plain_plan
     model, batch, loss_fn, opt = build()
     model = taichi_plan.apply(model, path, optimizer=opt)
     opt.zero_grad()
@@ -152,8 +159,8 @@ def test_a_plan_for_another_loop_says_so(tmp_path):
     taichi_plan.finish(model)
 
 
-def test_mismatch_never_poisons_the_process(tmp_path):
-    _, path = plan_for(Loop(), tmp_path)
+def test_mismatch_never_poisons_the_process(plain_plan):
+    _, path = plain_plan
     model, batch, loss_fn, opt = build()
     model = taichi_plan.apply(model, path, optimizer=opt)
     short = {k: v[:, :16] for k, v in batch.items()}
@@ -168,9 +175,9 @@ def test_mismatch_never_poisons_the_process(tmp_path):
     taichi_plan.finish(model)
 
 
-def test_op_mismatch_mid_forward_warns_and_finishes_unplanned(tmp_path):
+def test_op_mismatch_mid_forward_warns_and_finishes_unplanned(plain_plan):
     loop = Loop()
-    _, path = plan_for(loop, tmp_path)
+    _, path = plain_plan
     base, _ = train(loop, 1)
     model, batch, loss_fn, opt = build()
     model = taichi_plan.apply(model, path, on_mismatch="warn", optimizer=opt)
@@ -242,8 +249,8 @@ def test_random_ops_rebuilt_with_their_rng_state(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True), strict=True))
 
 
-def test_compiled_model_is_refused(tmp_path):
-    _, path = plan_for(Loop(), tmp_path)
+def test_compiled_model_is_refused(plain_plan):
+    _, path = plain_plan
     model, *_ = build()
     with pytest.raises(taichi_plan.TaichiError, match="torch.compile"):
         taichi_plan.apply(torch.compile(model), path)

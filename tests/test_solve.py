@@ -7,6 +7,7 @@ import random
 
 import pytest
 from click.testing import CliRunner
+from conftest import cpu_slowdown
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from synthetic import TraceBuilder, chain_trace, random_training_trace
@@ -240,16 +241,22 @@ def test_time_limit_is_wall_clock_for_the_whole_command(graphs_dir, tmp_path):
     not proven optimal in 5 s: the best plan so far is written with its bound (at 0.30 the
     sqrt-n warm start, run as checkpoint_sequential runs it, peaks at 0.302). random_layered
     n100 at 0.6 and n250 at 0.8 have no plan found in 5 s: the error says the search stopped,
-    not that none exists, and what the best plan found reaches."""
+    not that none exists, and what the best plan found reaches.
+
+    The command may run 0.5 s past its limit (finishing: the last simulation, writing) on an
+    idle machine; when other processes share the cores, that finishing work takes longer by
+    the slowdown a CPU-bound probe measures just before and after the command."""
     import time
 
     def run(prefix, budget):
         tdir = write_trace(_public(graphs_dir, prefix), tmp_path / prefix)
         out = tmp_path / f"{prefix}.plan.json"
+        before = cpu_slowdown()
         t0 = time.perf_counter()
         r = CliRunner().invoke(main, ["solve", str(tdir), "--budget", budget, "--time-limit", "5", "-o", str(out)])
         wall = time.perf_counter() - t0
-        assert wall <= 5 * 1.1, (prefix, wall)
+        slowdown = max(before, cpu_slowdown())
+        assert wall <= 5 + 0.5 * slowdown, (prefix, wall, slowdown)
         return r, out
 
     r, out = run("ResNet50", "35%")
