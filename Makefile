@@ -11,7 +11,7 @@ TEST_WORKERS ?= 2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test bench-tests demo bench lint clean
 
 install: $(STAMP)
 
@@ -23,7 +23,12 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder -m "not bench"
+
+# The slow checks that repeat what a faster test shows on another size or model (marked
+# bench: pyproject.toml); make bench runs them first.
+bench-tests: install
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m bench
 
 demo: install
 	$(BIN)/taichi-plan record --model gpt2 --layers 4 --hidden 256 --heads 4 --vocab 8192 \
@@ -33,7 +38,7 @@ demo: install
 		-o plans/demo-gpt2.plan.json --force
 	$(BIN)/taichi-plan inspect plans/demo-gpt2.plan.json --png plans/demo-gpt2.png --force
 
-bench: install
+bench: bench-tests
 	$(BIN)/python -m benchmarks.run
 
 lint: install

@@ -293,9 +293,9 @@ def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     differing by bf16 rounding (the chunks' weight gradients are rounded apart). So these
     modules are not split, only checkpointed whole (one chunk: bitwise, and its measured peak
     at or below the predicted one: docs/planner.md)."""
-    from .position_span import _read_args
+    from .position_span import read_args
 
-    reads = _read_args(problem)
+    reads = read_args(problem)
     return any(problem.op_name[i] == "aten._to_copy.default"
                and any(problem.kind[t] == "parameter" for t in reads.get(i, ()))
                for i in range(f0, f1 + 1))

@@ -78,7 +78,7 @@ def _rest(shape, pos) -> list[int]:
     return shape[2:] if len(shape) >= 2 and (shape[0], shape[1]) == pos else shape[1:]
 
 
-def _read_args(problem: Problem) -> dict[int, list[int]]:
+def read_args(problem: Problem) -> dict[int, list[int]]:
     """Op -> the storages it reads, by argument index (cached)."""
     cached = getattr(problem, "_read_args", None)
     if cached is None:
@@ -127,7 +127,7 @@ def not_position_wise(problem: Problem, fwd: tuple[int, int], pos: tuple[int, in
                 return f"op {i} ({name}) reduces a tensor whose other dimensions could be the sequence"
             continue
         if stem in LINEAR:
-            args = _read_args(problem).get(i, [])
+            args = read_args(problem).get(i, [])
             row = LINEAR[stem]
             if len(args) <= row or not positional(shapes[args[row]], pos) or any(
                     not (problem.kind[t] in fixed or constant_tensor(problem, t)) for j, t in enumerate(args) if j != row):

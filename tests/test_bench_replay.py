@@ -88,6 +88,7 @@ def test_extra_within():
     assert br.extra_within(None, 0.1) is None
 
 
+@pytest.mark.bench
 def test_run_tiny():
     result = br.run([("tiny gpt2", br.BenchModel("gpt2", TINY, None, "transformers")),
                      ("tiny mlp", br.BenchModel("mlp", TINY_MLP, "segments", None))], reps=2, time_limit=5)

@@ -60,6 +60,7 @@ def test_sharded_plan_refused_where_the_layout_differs(fsdp2_plan):
     assert r.exit_code != 0 and "--nproc 2" in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.bench
 def test_real_two_rank_recording_agrees_with_the_fake_one(fsdp2_plan, tmp_path):
     """record --fsdp 2 without --fake: 2 gloo processes run the job, rank 0 records it. Its
     peak agrees with FSDPMemTracker's on the real step and with the fake recording's (the
@@ -123,6 +124,7 @@ def test_head_and_loss_partition_over_tokens_in_a_sharded_trace(llama_fsdp2):
     assert parted.peak_bytes < base.peak_bytes - 2 * 512 * 2000 * 4
 
 
+@pytest.mark.bench
 def test_partitions_run_under_fsdp2_measured_equals_predicted(llama_fsdp2):
     """The heuristic's plan at 45% of the per-rank peak partitions the head and loss over tokens
     (with drops and its FSDP settings); 2 gloo ranks measure exactly the predicted peak, shards

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 from benchmarks import gpu_check  # noqa: E402
 
 
-@pytest.mark.slow
+@pytest.mark.bench
 def test_dry_run_records_solves_replays_and_writes_the_json(tmp_path, monkeypatch):
     tiny = dict(list(gpu_check.TINY.items())[:1])  # GPT-2 only: the other two run the same code
     monkeypatch.setattr(gpu_check, "TINY", tiny)

@@ -187,6 +187,7 @@ def test_mlp_small_budget():
     assert build_problem(record(none)).baseline_peak[0] <= budget < build_problem(record(none + 1)).baseline_peak[0]
 
 
+@pytest.mark.bench
 def test_cli_tiny_gpt2_json():
     args = ["maxbatch", "--model", "gpt2", "--seq", "32", "--layers", "1", "--hidden", "64", "--heads", "2",
             "--vocab", "256", "--budget", "8MB", "--device-profile", "v100-16gb", "--max-overhead", "33%",

@@ -15,8 +15,10 @@ from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan
 
 
-@pytest.mark.parametrize("name", list(MODELS))
-@pytest.mark.parametrize("frac", [0.7, 0.5, 0.35])
+# BERT at 0.7 and 0.5 repeat what GPT-2 shows, at 26 s: they run in make bench (tests/conftest.py).
+@pytest.mark.parametrize(("frac", "name"), [
+    pytest.param(frac, name, marks=[pytest.mark.bench] if name == "bert" and frac != 0.35 else [])
+    for frac in (0.7, 0.5, 0.35) for name in MODELS])
 def test_measured_peak_matches_predicted(replay_cases, name, frac):
     """Below the least budget the planner reaches, a fraction falls back to that budget: on
     this torch the MLP reaches 87% and the transformers about 66-69%, so some fractions share

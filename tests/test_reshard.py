@@ -82,7 +82,7 @@ def _differences(view, rec) -> list:
     return out
 
 
-@pytest.mark.parametrize("name", ["root+last", "none"])
+@pytest.mark.parametrize("name", [pytest.param("root+last", marks=pytest.mark.bench), "none"])
 def test_view_equals_a_recording_with_that_setting(recordings, name):
     base = recordings["all"]
     view = view_of_choice(base, SETTINGS[name])

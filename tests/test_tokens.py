@@ -131,7 +131,8 @@ def _plan(trace, tmp_path, chunks, name="p"):
     return plan, path, spans[0]
 
 
-@pytest.mark.parametrize("model,head", [("llama", "lm_head"), ("bert", "cls.predictions.decoder")])
+@pytest.mark.parametrize("model,head", [("llama", "lm_head"),
+                                        pytest.param("bert", "cls.predictions.decoder", marks=pytest.mark.bench)])
 def test_loss_inside_the_model_replays_as_predicted(tmp_path, model, head):
     """Two HF families whose loss runs in the model's forward (``labels=``): the span is found
     (head matmul to nll_loss_forward and their backward), the replayed peak is the predicted
