@@ -6,10 +6,9 @@ that the plan changes (it drops a tensor made there, or partitions a module in i
 the runtime's dispatch mode: each of its ops pays ``check_op_s``, each op whose recipe a rebuild
 may need pays ``recipe_op_s`` instead, and each op re-run in a rebuild pays ``rebuild_op_s`` on
 top of its own time, which is its recorded time times ``rebuild_time_ratio`` of its op name
-where measured (trace v5). Each dropped tensor's ``drop_s`` (trace v6: what a drop costs beyond
-all that, measured on a plan of the model's own) is charged by the simulator, in the plan's
-extra cost (``Problem.drop_cost``), not here. Calls the plan leaves alone, and everything
-outside the model, pay nothing.
+where measured (trace v5), and each dropped tensor ``drop_s`` (trace v6: what a drop costs
+beyond all that, measured on a plan of the model's own). Calls the plan leaves alone, and
+everything outside the model, pay nothing.
 """
 
 from __future__ import annotations
@@ -46,10 +45,11 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     ratio = cal.get("rebuild_time_ratio") or {}
     names, cost = problem.op_name, problem.op_cost
     retimed = sum(float(cost[i]) * (ratio[names[i]] - 1.0) for i in reruns if names[i] in ratio)
-    # What each dropped tensor costs beyond all of the above (trace v6 drop_s) is not here: the
-    # simulator charges it in the plan's extra cost (Problem.drop_cost), so planners weigh it.
+    # Trace v6: what each dropped tensor costs the step beyond all of the above, measured on a
+    # plan of the model's own (taichi_plan.replay.calibrate): packing it as a handle, its
+    # rebuild's group bookkeeping, its handle's unpacking, the backward around a rebuilt tensor.
     return float(checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
-                 + len(reruns) * cal["rebuild_op_s"] + retimed)
+                 + len(reruns) * cal["rebuild_op_s"] + retimed + len(drops) * cal.get("drop_s", 0.0))
 
 
 def span_cost(problem: Problem, kind: str, redo_s: float, n_ops: int, chunks: int) -> float | None:

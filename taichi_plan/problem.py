@@ -118,17 +118,6 @@ class Problem:
         return float(self.op_cost.sum())
 
     @property
-    def drop_cost(self) -> float:
-        """What each dropped tensor costs the step beyond its rebuild's ops, in the trace's
-        cost unit: the replay runtime's ``drop_s`` measured on the model's own call (trace v6,
-        ``meta.runtime_overhead``), else 0. The simulator adds it to a plan's extra cost once per
-        drop, so the planners weigh it (a plan of many cheap drops against one of a few drops
-        and a partition) and the bound covers it."""
-        if self.trace.cost_unit != "s":
-            return 0.0
-        return float((self.trace.meta.get("runtime_overhead") or {}).get("drop_s", 0.0) or 0.0)
-
-    @property
     def baseline_peak(self) -> tuple[int, int]:
         if self.num_ops == 0:
             return 0, -1

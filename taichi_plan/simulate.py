@@ -271,8 +271,7 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
     for r in sorted(groups):
         if groups[r].peak_bytes > peak_bytes:
             peak_bytes, peak_op, in_group = groups[r].peak_bytes, r, True
-    # Each drop's own cost (Problem.drop_cost: the runtime's measured drop_s; 0 without one).
-    extra = float(sum(g.cost for g in groups.values())) + problem.drop_cost * len(drops)
+    extra = float(sum(g.cost for g in groups.values()))
     remat_at_drop = {(t, ds[j].free_after): remat_at[(t, j)] for t, ds in D.items() for j in range(len(ds))}
     remat_at_drop.update({(t, int(problem.end[t])): s for t, s in res.R.items()})
     return SimResult(

@@ -191,9 +191,7 @@ def _drop_probe(trace, call: dict):
     """A plan of the model's own that drops tensors of the measured call and partitions
     nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
     its partitions left out): (problem, drops, its CallPlan for the call), or None when no
-    such plan drops anything there. The plan is solved as if no drop_s were measured yet (the
-    heuristic weighs a trace's drop_s: Problem.drop_cost), so it is the same plan before and
-    after calibration writes drop_s."""
+    such plan drops anything there."""
     from dataclasses import replace as _replace
 
     from ..problem import build_problem
@@ -201,9 +199,6 @@ def _drop_probe(trace, call: dict):
     from ..solve.result import drops_from_plan
     from . import call_plans
 
-    cal = trace.meta.get("runtime_overhead")
-    if cal and "drop_s" in cal:
-        trace = _replace(trace, meta={**trace.meta, "runtime_overhead": {k: v for k, v in cal.items() if k != "drop_s"}})
     problem = build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
     for share in DROP_PROBE_FRACTIONS:
@@ -235,8 +230,7 @@ def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
     problem, drops, _cp = probe
     sim, parted = simulate_plan(problem, drops)
     reruns = [op for g in sim.groups.values() for op in g.ops]
-    # the simulator's extra cost without any drop_s the trace already carries (Problem.drop_cost)
-    modelled = sim.extra_cost - problem.drop_cost * len(drops) + runtime_overhead_s(problem, drops, [], rerun_ops(parted, drops), reruns,
+    modelled = sim.extra_cost + runtime_overhead_s(problem, drops, [], rerun_ops(parted, drops), reruns,
                                                    cal={**rates, "check_op_s": 0.0, "recipe_op_s": 0.0,
                                                         "drop_s": 0.0})
     return {"drop_s": max((measured_s - modelled) / len(drops), 0.0),

@@ -35,15 +35,14 @@ LOCAL_MAX_S = 10.0  # seconds the local search of forward-only graphs may take p
 
 
 def rebuild_cost(problem: Problem, opts: Options) -> np.ndarray:
-    """Per option: the cost of its rebuild ops plus the forward temporaries it must redo, plus
-    the drop's own cost (``Problem.drop_cost``)."""
+    """Per option: the cost of its rebuild ops plus the forward temporaries it must redo."""
     cand_set = set(problem.candidates.tolist())
     out = np.zeros(len(opts))
     seen: dict[tuple[int, int], float] = {}  # the closure depends on the tensor and free_after only
     for k, (t, a) in enumerate(zip(opts.tensor.tolist(), opts.free_after.tolist(), strict=True)):
         if (t, a) not in seen:
             ops, _ = rebuild_closure(problem, t, a, cand_set)
-            seen[(t, a)] = float(problem.op_cost[ops].sum()) + problem.drop_cost
+            seen[(t, a)] = float(problem.op_cost[ops].sum())
         out[k] = seen[(t, a)]
     return out
 

@@ -572,11 +572,8 @@ class _Model:
                     rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
                 model.Add(rerun[p] >= sum(z[j] for j in rebuilt))
         costs = {p: int(math.floor(problem.op_cost[p] / cost_unit)) for p in rerun}
-        # Each drop's own cost (Problem.drop_cost, as the simulator charges it), per x and z.
-        per_drop = int(math.floor(problem.drop_cost / cost_unit))
         self.objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0) + sum(
-            int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts)) + (
-            per_drop * (sum(x) + sum(self.z)) if per_drop > 0 else 0)
+            int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts))
         model.Minimize(self.objective)
 
         # Byte scaling: divide by the GCD; if still large, round sizes up to a unit (relaxation).
