@@ -135,12 +135,12 @@ def test_one_dropout_over_positions_draws_the_unplanned_masks(gpt2_b2, tmp_path)
     assert_measured_as_predicted(r)
 
 
-def test_the_planner_reaches_lower_with_sequence_partitions(llama_b1, monkeypatch):
-    """Batch 1: nothing splits along the batch. The lowest peak the heuristic reaches with
-    sequence partitions is below the lowest it reaches without them, and the plan that reaches
-    it splits position-wise modules over the sequence. (The budget is the one the bisection
-    asked for that plan: the heuristic is not monotone in its budget, and since it also sweeps
-    by bytes alone, a budget between the two bisections' results may be met by drops alone.)"""
+def test_the_planner_reaches_as_low_with_sequence_partitions(llama_b1, monkeypatch):
+    """Batch 1: nothing splits along the batch. With sequence partitions among its options the
+    heuristic reaches at least as low as without them, and its plan at the budget the bisection
+    asked for reaches that peak. Before the heuristic also swept by bytes alone, it reached
+    strictly lower with them; since, drops alone reach the same floor on some recordings
+    (963,784 B both ways on one clean-clone run), as CP-SAT did already (docs/planner.md)."""
     from taichi_plan.solve import lowest_reachable
 
     with_seq, _op, asked = lowest_reachable(build_problem(llama_b1.trace))
@@ -149,7 +149,7 @@ def test_the_planner_reaches_lower_with_sequence_partitions(llama_b1, monkeypatc
     assert not any(s.over == "sequence" for s in module_spans(without))
     without_seq = lowest_reachable(without)[0]
     monkeypatch.undo()
-    assert with_seq < without_seq, (with_seq, without_seq)
+    assert with_seq <= without_seq, (with_seq, without_seq)
     dec = plan_heuristic(build_problem(llama_b1.trace), asked, local_max_s=BISECT_LOCAL_MAX_S)
     sim, _ = simulate_plan(llama_b1, dec.drops, dec.partitions)
-    assert sim.peak_bytes == with_seq <= asked and any(q.over == "sequence" for q in dec.partitions), dec.partitions
+    assert sim.peak_bytes == with_seq <= asked, (sim.peak_bytes, with_seq, asked)
