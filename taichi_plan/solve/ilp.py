@@ -190,13 +190,14 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
     for k, t in enumerate(st.tensor.tolist()):
         opt_of.setdefault(t, []).append(k)
     out = []
+    # Each option's rebuild set, once (it does not depend on the span).
+    rebuilds = [rebuild_set(problem, t, b) or () for t, b in zip(st.tensor.tolist(), st.b.tolist(), strict=True)]
     for span in spans:
         inner = span_tensors(problem, span)
         # Options the partition rules out: its own tensors, and those whose rebuild would
         # re-make one of them (replay cannot re-run a partitioned module's ops one by one).
         blocked = {k for t in inner for k in opt_of.get(t, [])}
-        blocked.update(k for k, (t, b) in enumerate(zip(st.tensor.tolist(), st.b.tolist(), strict=True))
-                       if k not in blocked and not inner.isdisjoint(rebuild_set(problem, t, b) or ()))
+        blocked.update(k for k, rs in enumerate(rebuilds) if k not in blocked and not inner.isdisjoint(rs))
         internal = np.asarray(sorted(blocked), dtype=np.int64)
         for chunks in span.chunk_choices:
             sav = partition_savings(problem, span, chunks)
