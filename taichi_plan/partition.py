@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import PlanError
-from .problem import Problem, rebuild_set
+from .problem import Problem, read_args, rebuild_set
 
 MIXES_BATCH = ("batch_norm", "native_batch_norm", "_batch_norm", "cudnn_batch_norm", "group_norm_backward")
 # Random ops draw different numbers per chunk than for the whole batch: such a module's
@@ -293,8 +293,6 @@ def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     differing by bf16 rounding (the chunks' weight gradients are rounded apart). So these
     modules are not split, only checkpointed whole (one chunk: bitwise, and its measured peak
     at or below the predicted one: docs/planner.md)."""
-    from .position_span import read_args
-
     reads = read_args(problem)
     return any(problem.op_name[i] == "aten._to_copy.default"
                and any(problem.kind[t] == "parameter" for t in reads.get(i, ()))
@@ -700,7 +698,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         if span.over == "sequence":
             from .position_span import chunk_piece
 
-            return chunk_piece(problem, span, t, k)
+            return chunk_piece(problem, span, t, k, shapes)
         nb = int(problem.nbytes[t])
         shp = shapes[t] if t < len(shapes) else []
         if constant_tensor(problem, t) or problem.kind[t] == "gradient" or not len(shp) or shp[0] < batch or shp[0] % batch:

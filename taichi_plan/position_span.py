@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .problem import Problem, op_stem
+from .problem import Problem, op_stem, read_args
 
 SEQ_CHUNK_CHOICES = (2, 4, 8, 16, 32)
 # Elementwise ops (and their in-place forms), copies, dtype casts, fills of a tensor's shape,
@@ -76,19 +76,6 @@ def _rest(shape, pos) -> list[int]:
     """The dimensions after the positions."""
     shape = [int(x) for x in shape]
     return shape[2:] if len(shape) >= 2 and (shape[0], shape[1]) == pos else shape[1:]
-
-
-def read_args(problem: Problem) -> dict[int, list[int]]:
-    """Op -> the storages it reads, by argument index (cached)."""
-    cached = getattr(problem, "_read_args", None)
-    if cached is None:
-        acc = problem.trace.accesses
-        rd = acc[acc["role"] == "read"].sort_values(["op_id", "arg_index"], kind="stable")
-        cached = {}
-        for op, t in zip(rd["op_id"].tolist(), rd["tensor_id"].tolist(), strict=True):
-            cached.setdefault(int(op), []).append(problem.index_of(int(t)))
-        problem._read_args = cached
-    return cached
 
 
 def not_position_wise(problem: Problem, fwd: tuple[int, int], pos: tuple[int, int]) -> str | None:
@@ -156,10 +143,10 @@ def sequence_spans(problem: Problem, batch_spans: list) -> list:
     return out
 
 
-def chunk_piece(problem: Problem, span, t: int, k: int) -> int:
+def chunk_piece(problem: Problem, span, t: int, k: int, shapes: list) -> int:
     """Bytes of tensor ``t``'s piece in one of ``k`` chunks of a sequence span: ``1/k`` of a
-    positional storage, the whole of any other (a parameter's gradient, a constant)."""
-    shapes = problem.trace.tensors["shape"].tolist()
+    positional storage, the whole of any other (a parameter's gradient, a constant).
+    ``shapes``: the trace's tensor shapes, as a list (the caller's, not rebuilt per tensor)."""
     nb = int(problem.nbytes[t])
     if t >= len(shapes) or problem.kind[t] == "gradient" or not positional(shapes[t], span.positions):
         return nb

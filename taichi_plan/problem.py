@@ -432,6 +432,19 @@ def options(problem: Problem, early: bool = True) -> Options:
     )
 
 
+def read_args(problem: Problem) -> dict[int, list[int]]:
+    """Op -> the storages it reads, by argument index (cached)."""
+    cached = getattr(problem, "_read_args", None)
+    if cached is None:
+        acc = problem.trace.accesses
+        rd = acc[acc["role"] == "read"].sort_values(["op_id", "arg_index"], kind="stable")
+        cached = {}
+        for op, t in zip(rd["op_id"].tolist(), rd["tensor_id"].tolist(), strict=True):
+            cached.setdefault(int(op), []).append(problem.index_of(int(t)))
+        problem._read_args = cached
+    return cached
+
+
 def revivable(problem: Problem) -> np.ndarray:
     """Tensor indices that may be revived (simulate.py's module docstring), on forward-only
     imported graphs: made in the step, not model state or an input, freed before its last two

@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from .problem import Problem, op_stem
-from .sharding import incarnations
 
 HEAD_OPS = ("aten.mm.default", "aten.addmm.default")
 HEAD_MODULE_STEMS = {"t", "view", "mm", "addmm", "_unsafe_view", "reshape", "expand", "alias"}
@@ -332,16 +331,16 @@ def _grad_of_hidden(problem: Problem, span: TokenSpan, t: int) -> bool:
     """Whether span-made ``t`` is the gradient of the hidden states (made by an op that reads
     the head's weight: ``grad @ W``)."""
     p = int(problem.producer[t])
-    return p in span.bwd_ops and any(_is_weight(problem, span, x) for x in problem.op_reads[p].tolist()) \
+    return p in span.bwd_ops and not _weight_rows(problem, span).isdisjoint(problem.op_reads[p].tolist()) \
         and int(problem.nbytes[t]) == span.head_rows * span.hidden * span.head_elem
 
 
-def _is_weight(problem: Problem, span: TokenSpan, t: int) -> bool:
-    """Whether ``t`` is the head's weight: the parameter the head's matmul reads or, in a
-    sharded trace, any gathering of it (the backward reads FSDP's second gathering, another row
-    of the same storage)."""
+def _weight_rows(problem: Problem, span: TokenSpan) -> set:
+    """The head's weight: the parameter the head's matmul reads and, in a sharded trace, every
+    gathering of it (the backward reads FSDP's second gathering, another row of the same
+    storage: ``Problem.same_storage``)."""
     w = next(x for x in _boundary(problem, span) if problem.kind[x] in WEIGHT_KINDS)
-    return t == w or any(t in rows and w in rows for rows in incarnations(problem.trace.meta))
+    return {w, *problem.same_storage.get(w, ())}
 
 
 __all__ = ["TOKEN_CHUNK_CHOICES", "TokenSpan", "apply", "cost", "cost_terms", "redo_ops", "span_inputs", "span_tensors", "token_spans"]

@@ -87,12 +87,15 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     probe = CallPlan(0, ops, {}, set(), {}, call.get("inputs", []), None, bool(call.get("training", True)),
                      probe=True)
     variants = {"plain": (None, []), "check": (probe, []), "recipe": (replace(probe, recipe_ops=None), [])}
-    chunked = _partition_probes(trace, call, model)
+    from ..problem import build_problem
+
+    built = build_problem(trace)  # one problem for every probe (their caches shared)
+    chunked = _partition_probes(trace, call, model, built)
     if chunked is not None:
         problem, spans, k_most, probes = chunked
         variants.update({f"part{k}": v for k, v in probes.items()})
-    span_probes = _span_probes(trace, call)
-    drop_probe = _drop_probe(trace, call)
+    span_probes = _span_probes(trace, call, built)
+    drop_probe = _drop_probe(trace, call, built)
     if drop_probe is not None:  # the plan's call, and the same call with its recipes kept but nothing dropped
         variants["drops"] = (drop_probe[2], [])
         variants["kept"] = (replace(drop_probe[2], drops={}, group_of={}, probe=True), [])
@@ -187,7 +190,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
 DROP_PROBE_FRACTIONS = (0.8, 0.9)
 
 
-def _drop_probe(trace, call: dict):
+def _drop_probe(trace, call: dict, problem=None):
     """A plan of the model's own that drops tensors of the measured call and partitions
     nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
     its partitions left out): (problem, drops, its CallPlan for the call), or None when no
@@ -199,7 +202,7 @@ def _drop_probe(trace, call: dict):
     from ..solve.result import drops_from_plan
     from . import call_plans
 
-    problem = build_problem(trace)
+    problem = problem if problem is not None else build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
     for share in DROP_PROBE_FRACTIONS:
         try:
@@ -348,7 +351,7 @@ def _runs_cleanly(forward, variants: list, runtimes: list) -> bool:
     return ok
 
 
-def _partition_probes(trace, call: dict, model):
+def _partition_probes(trace, call: dict, model, problem=None):
     """What partitions are calibrated on: the model's own modules that the planner may split
     along the batch, inside the measured call, disjoint, most forward ops first (containers
     such as a ``ModuleList``, which are never called, left out), if they hold at least
@@ -363,7 +366,7 @@ def _partition_probes(trace, call: dict, model):
     from ..problem import build_problem
     from . import call_plans, counted_ops
 
-    problem = build_problem(trace)
+    problem = problem if problem is not None else build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
     counted = counted_ops(trace)
     def called(name: str) -> bool:
@@ -393,7 +396,7 @@ def _partition_probes(trace, call: dict, model):
     return problem, chosen, k_most, probes
 
 
-def _span_probes(trace, call: dict) -> dict:
+def _span_probes(trace, call: dict, problem=None) -> dict:
     """What spans of other kinds than the batch are calibrated on (:func:`_span_terms`): per
     kind, the one span of that kind inside the measured call with the most ops; returns
     {kind: (problem, span, (k1, k2), {chunks: (CallPlan, partitions)})} for its fewest chunks
@@ -407,7 +410,7 @@ def _span_probes(trace, call: dict) -> dict:
     from . import call_plans
 
     terms = _span_terms()
-    problem = build_problem(trace)
+    problem = problem if problem is not None else build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
     best: dict = {}
     for s in partitionable_spans(problem):
