@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from bitwise import assert_bitwise
 from live_peak import LivePeak
 
 import taichi_plan
@@ -132,7 +133,9 @@ def test_loop_trains_planned_bitwise_within_budget(name, tmp_path, request):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no mismatch may be reported
         planned, peak = train(loop, 3, plan_path=path, **flags)
-    assert all(torch.equal(a, b) for a, b in zip(base, planned, strict=True))
+    drops = sorted(f"{r.op_name}@{r.module}" for r in plan.recompute)
+    assert_bitwise(base, planned, lambda: train(loop, 3, **flags)[0],
+                   f"plan: {len(drops)} drops {drops}, partitions {plan.partitions}")
     assert peak <= plan.budget_bytes, (peak, plan.budget_bytes)
 
 
@@ -142,7 +145,7 @@ def test_eval_passes_run_unplanned(mode, plain_plan):
     plan, path = plain_plan
     base, _ = train(loop, 4, eval_every=2, eval_mode=mode)
     planned, peak = train(loop, 4, plan_path=path, eval_every=2, eval_mode=mode)
-    assert all(torch.equal(a, b) for a, b in zip(base, planned, strict=True))
+    assert_bitwise(base, planned, lambda: train(loop, 4, eval_every=2, eval_mode=mode)[0])
     assert peak <= plan.budget_bytes
 
 

@@ -43,6 +43,15 @@ class Decisions:
 BOUND_TOLERANCE = 1e-9
 
 
+def _content_hash(problem: Problem, trace) -> str:
+    """The recorded trace's content hash, computed once per problem (a trace made in memory
+    has none in its meta, and hashing its tables costs milliseconds per plan made)."""
+    cached = getattr(problem, "_content_hash", None)
+    if cached is None:
+        cached = problem._content_hash = trace.content_hash()
+    return cached
+
+
 def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Decisions,
               wall_s: float, seed: int, with_schedule: bool = True, *,
               allocator: AllocatorConfig | None = None) -> Plan:
@@ -74,7 +83,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
             "path_absolute": str(trace.path.resolve()) if trace.path else None,
             "name": trace.name,
-            "content_hash": trace.meta.get("content_hash") or trace.content_hash(),
+            "content_hash": trace.meta.get("content_hash") or _content_hash(problem, trace),
             "signature": trace.signature(),
             "num_ops": trace.num_ops,
             "workload": trace.meta.get("workload"),
