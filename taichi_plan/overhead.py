@@ -3,12 +3,16 @@
 The recorder measures the runtime's per-op bookkeeping on the recording machine
 (``meta.runtime_overhead``, see ``taichi_plan.replay.runtime.calibrate_overhead``). A model call
 that the plan changes (it drops a tensor made there, or partitions a module in it) runs under
-the runtime's dispatch mode: each of its ops pays ``check_op_s``, each op whose recipe a rebuild
-may need pays ``recipe_op_s`` instead, and each op re-run in a rebuild pays ``rebuild_op_s`` on
-top of its own time, which is its recorded time times ``rebuild_time_ratio`` of its op name
-where measured (trace v5), and each dropped tensor ``drop_s`` (trace v6: what a drop costs
-beyond all that, measured on a plan of the model's own). Calls the plan leaves alone, and
-everything outside the model, pay nothing.
+the runtime's dispatch mode: each of its ops pays ``check_op_s``, and each op whose recipe a
+rebuild may need pays ``recipe_op_s`` instead: :func:`runtime_overhead_s`, added to the plan's
+extra compute in its predicted extra time. Calls the plan leaves alone, and everything outside
+the model, pay nothing.
+
+The terms that grow with each rebuild are in the simulator's extra compute instead, so the
+planners weigh them and the proven bound covers them: an op re-run in a rebuild costs its
+recorded time times ``rebuild_time_ratio`` of its op name (trace v5), plus ``rebuild_op_s``
+(``Problem.rerun_cost``), and each dropped tensor ``drop_s`` (trace v6: what a drop costs
+beyond that, measured on a plan of the model's own; ``Problem.drop_cost``).
 """
 
 from __future__ import annotations
@@ -18,12 +22,12 @@ import numpy as np
 from .problem import Problem
 
 
-def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], reruns: list[int],
-                       cal: dict | None = None) -> float | None:
-    """Predicted seconds the runtime adds to a step under this plan, or None when the trace
-    carries no measurement (imported graphs, older recordings). ``rerun``: the ops whose
-    recipes are kept; ``reruns``: each op re-run in a rebuild, once per re-run; ``cal``: the
-    rates (default: the trace's ``meta.runtime_overhead``)."""
+def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], cal: dict | None = None) -> float | None:
+    """Predicted seconds the runtime's checking and recipes add to a step under this plan, or
+    None when the trace carries no measurement (imported graphs, older recordings). ``rerun``:
+    the ops whose recipes are kept; ``cal``: the rates (default: the trace's
+    ``meta.runtime_overhead``). What each re-run and each drop cost is in the simulator's
+    extra compute (:func:`rebuild_seconds`)."""
     cal = cal if cal is not None else problem.trace.meta.get("runtime_overhead")
     if not cal or problem.trace.cost_unit != "s":
         return None
@@ -40,16 +44,17 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     in_planned = np.isin(call, sorted(planned)) if planned else np.zeros(len(call), dtype=bool)
     checked = int(in_planned.sum())
     recipes = sum(1 for i in rerun if 0 <= i < len(call) and in_planned[i])
-    # A re-run op takes another time than the trace recorded for it (trace v5: measured per op
-    # name on the model's own rebuilds); the simulator charged the recorded time.
+    return float(checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0))
+
+
+def rebuild_seconds(problem: Problem, reruns: list[int], cal: dict) -> float:
+    """Seconds the runtime takes to re-run ``reruns`` (each op once per re-run) at the rates of
+    ``cal``: each op's recorded seconds times ``rebuild_time_ratio`` of its name (1 where none),
+    plus ``rebuild_op_s`` each; what ``Problem.rerun_cost`` charges when ``cal`` is the trace's."""
     ratio = cal.get("rebuild_time_ratio") or {}
     names, cost = problem.op_name, problem.op_cost
-    retimed = sum(float(cost[i]) * (ratio[names[i]] - 1.0) for i in reruns if names[i] in ratio)
-    # Trace v6: what each dropped tensor costs the step beyond all of the above, measured on a
-    # plan of the model's own (taichi_plan.replay.calibrate): packing it as a handle, its
-    # rebuild's group bookkeeping, its handle's unpacking, the backward around a rebuilt tensor.
-    return float(checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
-                 + len(reruns) * cal["rebuild_op_s"] + retimed + len(drops) * cal.get("drop_s", 0.0))
+    return float(sum(float(cost[i]) * float(ratio.get(names[i], 1.0)) for i in reruns)
+                 + len(reruns) * float(cal.get("rebuild_op_s", 0.0) or 0.0))
 
 
 def span_cost(problem: Problem, kind: str, redo_s: float, n_ops: int, chunks: int) -> float | None:

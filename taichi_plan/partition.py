@@ -268,6 +268,8 @@ def _module_spans(problem: Problem) -> list[Span]:
         random_ops = tuple(i for i in range(f0, f1 + 1) if draws_random(problem, i))
         made = np.nonzero(np.logical_or.reduce([(problem.start >= a) & (problem.start <= z) for (a, z), _ in occ])
                           & ~problem.initial)[0]
+        if any(leaves_state(problem, made, a, z) for (a, z), _ in occ):
+            continue  # a re-run forward would add to that state again (leaves_state)
         ok = batch > 1
         for t in made.tolist() if ok else ():
             if t >= len(shapes):  # a partition's own bookkeeping tensor
@@ -282,6 +284,32 @@ def _module_spans(problem: Problem) -> list[Span]:
             ok = False  # autocast's cached weight casts: chunks are not modelled (casts_parameter)
         out.append(Span(m, (f0, f1), bwd, batch, random_ops, split=ok, more=tuple(occ[1:])))
     return out
+
+
+def leaves_state(problem: Problem, made: np.ndarray, f0: int, f1: int) -> bool:
+    """Does the forward ``f0..f1`` leave a tensor behind in the model's Python state: one it
+    makes that the step's code holds past ``f1`` (trace v4 ``python_refs``) although no later
+    forward op reads it, such as the keys and values a Hugging Face attention appends to its
+    KV cache (``DynamicCache.update``)? Checkpointed, the module's re-run in backward appends
+    to that state again (a second, longer ``cat``) and the first copies stay held until then:
+    on a 2-layer GPT-2 with the cache on, an attention checkpointed whole measured 393,216 B
+    above the prediction. Such modules are neither split nor checkpointed; a model run with
+    ``use_cache=False`` has no such tensors. Autocast's cached casts of a parameter are held
+    so too; :func:`casts_parameter` rules on those. Unknown (False) for traces without
+    ``python_refs``."""
+    py = problem.python_release
+    phase = problem.op_phase
+    reads = read_args(problem)
+    for t in made.tolist():
+        if not f0 <= int(problem.start[t]) <= f1 or py[t] <= f1:
+            continue
+        p = int(problem.producer[t])
+        if p >= 0 and problem.op_name[p] == "aten._to_copy.default" and any(
+                problem.kind[u] == "parameter" for u in reads.get(p, ())):
+            continue  # autocast's cast of a weight (casts_parameter)
+        if not any(u > f1 and phase[u] == "forward" for u in problem.uses[t].tolist()):
+            return True
+    return False
 
 
 def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:

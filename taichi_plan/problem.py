@@ -110,8 +110,41 @@ class Problem:
     @property
     def rebuild_cost(self) -> np.ndarray:
         """Per tensor: the cost of re-running its rebuild ops once (0 if it has none)."""
-        return np.fromiter((float(self.op_cost[r].sum()) for r in self.rebuild_ops), dtype=np.float64,
+        cost = self.rerun_cost
+        return np.fromiter((float(cost[r].sum()) for r in self.rebuild_ops), dtype=np.float64,
                            count=len(self.rebuild_ops))
+
+    @property
+    def rerun_cost(self) -> np.ndarray:
+        """Per op: what re-running it in a rebuild costs, in the trace's cost unit. For a
+        recording that measured the replay runtime (``meta.runtime_overhead``,
+        :mod:`taichi_plan.overhead`): its recorded seconds times the measured
+        ``rebuild_time_ratio`` of its op name (1 where none), plus ``rebuild_op_s``, the
+        runtime's bookkeeping per re-run op; else its recorded cost. The simulator charges this
+        per re-run, and the planners weigh it, so a plan of many small rebuilds pays what the
+        runtime makes it pay. Computed once per problem."""
+        cached = getattr(self, "_rerun_cost", None)
+        if cached is None:
+            cal = self.trace.meta.get("runtime_overhead") if self.trace.cost_unit == "s" else None
+            cached = np.asarray(self.op_cost, dtype=np.float64)
+            if cal:
+                ratio = cal.get("rebuild_time_ratio") or {}
+                if ratio:
+                    cached = cached * np.fromiter((float(ratio.get(n, 1.0)) for n in self.op_name),
+                                                  dtype=np.float64, count=self.num_ops)
+                cached = cached + float(cal.get("rebuild_op_s", 0.0) or 0.0)
+            self._rerun_cost = cached
+        return cached
+
+    @property
+    def drop_cost(self) -> float:
+        """What each dropped tensor costs the step beyond its rebuild's re-run ops, in the
+        trace's cost unit: the runtime's ``drop_s`` measured on a plan of the model's own (trace
+        v6, ``meta.runtime_overhead``: packing the handle, the group's bookkeeping, unpacking,
+        the backward around a rebuilt tensor), else 0. The simulator charges it once per drop."""
+        if self.trace.cost_unit != "s":
+            return 0.0
+        return float((self.trace.meta.get("runtime_overhead") or {}).get("drop_s", 0.0) or 0.0)
 
     @property
     def step_cost(self) -> float:

@@ -271,7 +271,9 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
     for r in sorted(groups):
         if groups[r].peak_bytes > peak_bytes:
             peak_bytes, peak_op, in_group = groups[r].peak_bytes, r, True
-    extra = float(sum(g.cost for g in groups.values()))
+    # Each drop's own cost beyond its re-run ops (Problem.drop_cost: the runtime's measured
+    # drop_s; 0 without one).
+    extra = float(sum(g.cost for g in groups.values())) + problem.drop_cost * len(drops)
     remat_at_drop = {(t, ds[j].free_after): remat_at[(t, j)] for t, ds in D.items() for j in range(len(ds))}
     remat_at_drop.update({(t, int(problem.end[t])): s for t, s in res.R.items()})
     return SimResult(
@@ -404,12 +406,13 @@ def _run_group(problem, r: int, members, carried: int) -> Group:
     live = carried
     peak = carried
     cost = 0.0
+    rerun_cost = problem.rerun_cost  # an op's cost re-run by the runtime (Problem.rerun_cost)
     events = group_events(problem, members)
     for p, allocs, frees in events:
         live += int(problem.nbytes[allocs].sum()) if allocs else 0
         peak = max(peak, live)
         live -= int(problem.nbytes[frees].sum()) if frees else 0
-        cost += float(problem.op_cost[p])
+        cost += float(rerun_cost[p])
     return Group(before_op=r, ops=[e[0] for e in events], peak_bytes=peak, cost=cost)
 
 

@@ -39,3 +39,21 @@ def assert_bitwise(base: Sequence[torch.Tensor], planned: Sequence[torch.Tensor]
                         "so a bitwise comparison with the planned run says nothing here")
     raise AssertionError(f"the planned run differs from the unplanned one in {len(diffs)} of {len(base)} "
                          f"tensors (first: {'; '.join(diffs[:3])}){'; ' + context if context else ''}")
+
+
+def splits(plan) -> bool:
+    """Does ``plan`` run a module (or a head and its loss) in several chunks? Their sums are
+    rounded apart from the unsplit run's, so parameters after training are allclose, not
+    bitwise; a module checkpointed whole (one chunk) and drops stay bitwise."""
+    return any(q.chunks > 1 for q in plan.partitions)
+
+
+def assert_trains_like(base, planned, plan, rerun=None, context: str = "") -> None:
+    """What ``plan`` promises: bitwise equal parameters, or, where it splits a module into
+    chunks, allclose at ``torch.testing.assert_close``'s float32 tolerances (rtol 1.3e-6,
+    atol 1e-5) after the test's few steps."""
+    if not splits(plan):
+        assert_bitwise(base, planned, rerun, context)
+        return
+    for a, b in zip(base, planned, strict=True):
+        torch.testing.assert_close(b, a, msg=lambda m: f"{m}; {context}")

@@ -351,7 +351,8 @@ def test_each_checkpointed_region_re_runs_its_forward_once(gpt2_9_layers, name):
         region = op_blocks(problem.op_module, find_blocks(problem.op_module))
         region[~fwd] = -1
         regions = set(range(9))
-    sim = simulate(problem, BASELINES[name](problem, None).drops)
+    drops = BASELINES[name](problem, None).drops
+    sim = simulate(problem, drops)
     times = collections.Counter(op for g in sim.groups.values() for op in g.ops)
     assert max(times.values()) == 1
     by_region = {}
@@ -365,8 +366,9 @@ def test_each_checkpointed_region_re_runs_its_forward_once(gpt2_9_layers, name):
         assert flops[g.ops].sum() == flops[ops].sum() > 0
         assert problem.op_cost[g.ops].sum() <= problem.op_cost[ops].sum()
     checkpointed = np.isin(region, list(regions))
-    assert sim.extra_cost == pytest.approx(sum(g.cost for g in by_region.values()))
-    assert sim.extra_cost <= problem.op_cost[checkpointed].sum()
+    # each re-run op at what the runtime takes to re-run it, and each drop's own cost
+    assert sim.extra_cost == pytest.approx(sum(g.cost for g in by_region.values()) + problem.drop_cost * len(drops))
+    assert sim.extra_cost <= problem.rerun_cost[checkpointed].sum() + problem.drop_cost * len(drops)
 
 
 @pytest.fixture(scope="module")

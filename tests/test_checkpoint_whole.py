@@ -18,9 +18,12 @@ from taichi_plan.replay.measure import replay
 from taichi_plan.simulate import simulate_plan
 from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace import write_trace
+from tests.kv_cache import ENTRY
 
 # Dropout on (transformers' defaults, 0.1): every block, attn and mlp draws random numbers.
-SIZES = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=64, seq=16, batch=4)
+# tests/kv_cache.py: the tiny GPT-2 with its KV cache off (with it on, no block or attention is
+# partitioned: partition.leaves_state).
+SIZES = dict(entry=ENTRY, batch=4)
 BLOCK, ATTN, MLP = "transformer.h.0", "transformer.h.1.attn", "transformer.h.1.mlp"
 
 

@@ -66,8 +66,9 @@ def test_probe_runs_every_op_of_the_call_under_the_runtime(gpt2, recipes):
 
 def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
     """Each calibrated term moves the prediction by exactly its rate times the ops it applies
-    to, counted here independently: every op of the model calls the plan changes, the re-run
-    ops among them, and the simulator's recompute ops."""
+    to, counted here independently: every op of the model calls the plan changes and the
+    re-run ops among them (the runtime's overhead, added after the solve), and the simulator's
+    recompute ops and the drops (in the simulator's extra compute, which the planners weigh)."""
     plan = solve(gpt2, int(0.9 * build_problem(gpt2).baseline_peak[0]), "heuristic", seed=0)
     problem = build_problem(gpt2)
     drops = drops_from_plan(problem, plan)
@@ -82,33 +83,61 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
     reruns = [op for g in sim.groups.values() for op in g.ops]
     assert len(reruns) == sim.recompute_ops
 
-    def predicted(check, recipe, rebuild, ratio=None) -> float:
+    def predicted(check, recipe, rebuild=0.0, ratio=None, drop=0.0) -> tuple[float, float]:
+        """(runtime overhead, simulated extra compute) of the plan's drops under these rates."""
         gpt2.meta["runtime_overhead"] = {"check_op_s": check, "recipe_op_s": recipe, "rebuild_op_s": rebuild,
-                                         "rebuild_time_ratio": ratio or {}}
-        return runtime_overhead_s(problem, drops, plan.partitions, rerun, reruns)
+                                         "rebuild_time_ratio": ratio or {}, "drop_s": drop}
+        fresh = build_problem(gpt2)  # Problem.rerun_cost is computed once per problem
+        return (runtime_overhead_s(fresh, drops, plan.partitions, rerun),
+                simulate_plan(fresh, drops, plan.partitions)[0].extra_cost)
 
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
-        base = predicted(1e-6, 3e-6, 2e-6)
-        assert base == pytest.approx(n_checked * 1e-6 + n_recipes * 2e-6 + sim.recompute_ops * 2e-6)
-        assert predicted(2e-6, 4e-6, 2e-6) - base == pytest.approx(n_checked * 1e-6)  # recipe - check unchanged
-        assert predicted(1e-6, 5e-6, 2e-6) - base == pytest.approx(n_recipes * 2e-6)
-        assert predicted(1e-6, 3e-6, 7e-6) - base == pytest.approx(sim.recompute_ops * 5e-6)
-        # A measured time ratio re-times each re-run of an op of that name (the simulator
-        # charged its recorded time once per re-run).
+        base, extra = predicted(1e-6, 3e-6)
+        assert base == pytest.approx(n_checked * 1e-6 + n_recipes * 2e-6)
+        assert predicted(2e-6, 4e-6)[0] - base == pytest.approx(n_checked * 1e-6)  # recipe - check unchanged
+        assert predicted(1e-6, 5e-6)[0] - base == pytest.approx(n_recipes * 2e-6)
+        # Each re-run op's bookkeeping, once per re-run, in the simulator's cost (not the overhead).
+        over, cost = predicted(1e-6, 3e-6, 7e-6)
+        assert over == pytest.approx(base) and cost - extra == pytest.approx(sim.recompute_ops * 7e-6)
+        # A measured time ratio re-times each re-run of an op of that name (the recorded time
+        # is charged without one).
         ops = gpt2.ops
         name = ops["op"][reruns[0]]
         recorded = sum(float(ops["duration_s"][i]) for i in reruns if ops["op"][i] == name)
         assert recorded > 0
-        assert predicted(1e-6, 3e-6, 2e-6, {name: 2.5, "aten.not_rerun.default": 9.0}) - base == \
+        assert predicted(1e-6, 3e-6, 0.0, {name: 2.5, "aten.not_rerun.default": 9.0})[1] - extra == \
             pytest.approx(1.5 * recorded)
         # Trace v6: each dropped tensor's own cost, once per drop.
-        gpt2.meta["runtime_overhead"] = {"check_op_s": 1e-6, "recipe_op_s": 3e-6, "rebuild_op_s": 2e-6,
-                                         "drop_s": 40e-6}
-        assert runtime_overhead_s(problem, drops, plan.partitions, rerun, reruns) - base == \
-            pytest.approx(len(drops) * 40e-6)
+        assert predicted(1e-6, 3e-6, drop=40e-6)[1] - extra == pytest.approx(len(drops) * 40e-6)
     finally:
         gpt2.meta["runtime_overhead"] = saved
+
+
+def test_the_planners_weigh_what_each_drop_costs(gpt2):
+    """With a measured drop cost, a plan of many cheap drops costs what the runtime makes it
+    cost: the heuristic's plan at the same budget has no more drops than without, and the ILP's
+    objective and bound include the drops (bound <= the simulator's cost, which counts them;
+    here the optimum trades the drops for the head's token partition)."""
+    saved = dict(gpt2.meta["runtime_overhead"])
+    budget = int(0.8 * build_problem(gpt2).baseline_peak[0])
+    try:
+        gpt2.meta["runtime_overhead"] = {**saved, "drop_s": 0.0}
+        free = solve(gpt2, budget, "heuristic", seed=0)
+        gpt2.meta["runtime_overhead"] = {**saved, "drop_s": 1.0}  # a second per drop
+        dear = solve(gpt2, budget, "heuristic", seed=0)
+        exact = solve(gpt2, budget, "ilp", seed=0, work_limit=5)
+    finally:
+        gpt2.meta["runtime_overhead"] = saved
+    assert 0 < len(dear.recompute) <= len(free.recompute)
+    assert dear.solver["extra_compute"] >= len(dear.recompute) * 1.0
+    assert len(exact.recompute) <= len(dear.recompute)
+    lb = exact.solver["lower_bound"]
+    assert lb is not None and lb <= exact.solver["extra_compute"] + 1e-9
+    # Priced at a second each, drops are the plan's cost (its re-runs and partitions take
+    # milliseconds): the proven-optimal plan has the fewest drops a plan at this budget needs.
+    assert exact.solver["status"] == "optimal"
+    assert int(exact.solver["extra_compute"]) == len(exact.recompute)
 
 
 def test_recorded_op_time_is_the_threads_cpu_time():
@@ -201,7 +230,7 @@ def test_partition_cost_is_the_calibrated_rates_times_the_ops_each_chunk_runs(gp
     from taichi_plan.plan import Partition
 
     problem = build_problem(gpt2)
-    module = "transformer.h.0"
+    module = "transformer.h.0.mlp"  # (a block appends to the KV cache: never partitioned)
     span = find_span(problem, Partition(module, 0, 2))
     ops = gpt2.ops
     mine = ops["module"].map(lambda m: _under(m, module))
@@ -240,8 +269,10 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
     problem, spans, k_most, probes = _partition_probes(gpt2, call, model)
     names = [s.module for s in spans]
     assert names == cal["partition_probe"]["modules"] and k_most == cal["partition_probe"]["chunks"] == 4
-    assert "transformer.h" in {s.module for s in partitionable_spans(problem)} and "transformer.h" not in names
-    assert "transformer.h.0" in names
+    assert all(type(model.get_submodule(n)).forward is not torch.nn.Module.forward for n in names)
+    # the blocks append to the KV cache (partition.leaves_state): their MLPs are measured
+    assert "transformer.h.0.mlp" in names and "transformer.h.0" not in names
+    assert "transformer.h.0" not in {s.module for s in partitionable_spans(problem)}
     for a in spans:
         for b in spans:
             assert a is b or a.fwd[1] < b.fwd[0] or b.fwd[1] < a.fwd[0]

@@ -31,17 +31,21 @@ from taichi_plan.simulate import Drop
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace import read_trace, write_trace
+from tests.kv_cache import ENTRY
 
 # A tiny GPT-2 with dropout on (transformers' defaults, 0.1): each block's mlp has one dropout,
 # its attn two (attention probabilities, residual).
 SIZES = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=64, seq=16, batch=4)
+# The same GPT-2 with its KV cache off (tests/kv_cache.py): with it on, attentions are never
+# partitioned (partition.leaves_state).
+NO_CACHE = dict(entry=ENTRY, batch=4)
 MLP, ATTN = "transformer.h.0.mlp", "transformer.h.0.attn"
 
 
 @pytest.fixture(scope="module")
 def trace_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("prand") / "tiny-gpt2-dropout"
-    write_trace(record_workload(get_workload(**SIZES), fake=False), d)
+    write_trace(record_workload(get_workload(**NO_CACHE), fake=False), d)
     return d
 
 
@@ -159,7 +163,7 @@ def test_solve_partitions_random_modules_only_when_asked():
 def test_plan_file_records_it_and_inspect_says_so(problem, trace_dir, tmp_path):
     path = _plan(problem, tmp_path, [ATTN, "transformer.h.1.mlp"])
     obj = json.loads(path.read_text())
-    assert obj["format_version"] == 8 and obj["solver"]["partition_random"] is True
+    assert obj["format_version"] == 9 and obj["solver"]["partition_random"] is True
     assert {p["module"]: p["random_draws"] for p in obj["decisions"]["partitions"]} == {
         ATTN: "per-chunk", "transformer.h.1.mlp": "as-unpartitioned"}
     assert [p.random_draws for p in load_plan(path).partitions] == ["per-chunk", "as-unpartitioned"]
@@ -233,7 +237,7 @@ def test_loss_curves_with_per_chunk_masks_match_statistically(problem, trace_dir
 
     def train(planned: bool) -> list[float]:
         torch.manual_seed(0)
-        model, batch, loss_fn, opt = get_workload(**SIZES).build(False)
+        model, batch, loss_fn, opt = get_workload(**NO_CACHE).build(False)
         if planned:
             model = taichi_plan.apply(model, plan, optimizer=opt)
         losses = []

@@ -194,7 +194,9 @@ def _drop_probe(trace, call: dict, problem=None):
     """A plan of the model's own that drops tensors of the measured call and partitions
     nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
     its partitions left out): (problem, drops, its CallPlan for the call), or None when no
-    such plan drops anything there."""
+    such plan drops anything there. The plan is solved at the trace's recorded op costs alone
+    (its ``runtime_overhead`` left out: the planners weigh those rates, ``Problem.rerun_cost``),
+    so it is the same plan before and after calibration measures them."""
     from dataclasses import replace as _replace
 
     from ..problem import build_problem
@@ -202,6 +204,9 @@ def _drop_probe(trace, call: dict, problem=None):
     from ..solve.result import drops_from_plan
     from . import call_plans
 
+    if trace.meta.get("runtime_overhead"):
+        trace = _replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
+        problem = None
     problem = problem if problem is not None else build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
     for share in DROP_PROBE_FRACTIONS:
@@ -223,19 +228,17 @@ def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
     """``drop_s``: per dropped tensor, the step's extra seconds under the drop probe's plan
     against the same call with the same recipes kept and nothing dropped (``measured_s``,
     forward and backward: the checking and the recipes cancel out, so their terms' noise does
-    not land here) beyond what the simulator and the rebuild terms of ``rates`` predict for
-    the drops (their re-run ops at their measured time ratios, ``rebuild_op_s`` each:
-    :func:`taichi_plan.overhead.runtime_overhead_s`); not below 0. ``drop_probe`` says what
+    not land here) beyond what the rebuild terms of ``rates`` predict for the drops (their
+    re-run ops at their measured time ratios, ``rebuild_op_s`` each:
+    :func:`taichi_plan.overhead.rebuild_seconds`); not below 0. ``drop_probe`` says what
     it was measured on."""
-    from ..overhead import runtime_overhead_s
-    from ..simulate import rerun_ops, simulate_plan
+    from ..overhead import rebuild_seconds
+    from ..simulate import simulate_plan
 
     problem, drops, _cp = probe
-    sim, parted = simulate_plan(problem, drops)
-    reruns = [op for g in sim.groups.values() for op in g.ops]
-    modelled = sim.extra_cost + runtime_overhead_s(problem, drops, [], rerun_ops(parted, drops), reruns,
-                                                   cal={**rates, "check_op_s": 0.0, "recipe_op_s": 0.0,
-                                                        "drop_s": 0.0})
+    sim, _parted = simulate_plan(problem, drops)
+    # the re-run ops at the rates just measured (not at the trace's, which the simulator charged)
+    modelled = rebuild_seconds(problem, [op for g in sim.groups.values() for op in g.ops], rates)
     return {"drop_s": max((measured_s - modelled) / len(drops), 0.0),
             "drop_probe": {"drops": len(drops), "measured_s": measured_s, "modelled_s": modelled}}
 

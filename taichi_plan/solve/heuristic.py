@@ -35,14 +35,17 @@ LOCAL_MAX_S = 10.0  # seconds the local search of forward-only graphs may take p
 
 
 def rebuild_cost(problem: Problem, opts: Options) -> np.ndarray:
-    """Per option: the cost of its rebuild ops plus the forward temporaries it must redo."""
+    """Per option: the cost of its rebuild ops plus the forward temporaries it must redo, as
+    the runtime re-runs them (``Problem.rerun_cost``), plus the drop's own cost
+    (``Problem.drop_cost``)."""
     cand_set = set(problem.candidates.tolist())
     out = np.zeros(len(opts))
     seen: dict[tuple[int, int], float] = {}  # the closure depends on the tensor and free_after only
+    rerun = problem.rerun_cost
     for k, (t, a) in enumerate(zip(opts.tensor.tolist(), opts.free_after.tolist(), strict=True)):
         if (t, a) not in seen:
             ops, _ = rebuild_closure(problem, t, a, cand_set)
-            seen[(t, a)] = float(problem.op_cost[ops].sum())
+            seen[(t, a)] = float(rerun[ops].sum()) + problem.drop_cost
         out[k] = seen[(t, a)]
     return out
 

@@ -572,9 +572,15 @@ class _Model:
                 if p not in rerun:
                     rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
                 model.Add(rerun[p] >= sum(z[j] for j in rebuilt))
-        costs = {p: int(math.floor(problem.op_cost[p] / cost_unit)) for p in rerun}
+        # What the simulator charges: each re-run op's rerun cost, each drop's own cost (x: a
+        # drop; revivals, z, exist only in forward-only graphs, which have no drop cost), each
+        # partition's. Rounded down, so the objective and its bound stay below the simulator's.
+        rerun_cost = problem.rerun_cost
+        costs = {p: int(math.floor(rerun_cost[p] / cost_unit)) for p in rerun}
+        per_drop = int(math.floor(problem.drop_cost / cost_unit))
         self.objective = sum(costs[p] * v for p, v in rerun.items() if costs[p] > 0) + sum(
-            int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts))
+            int(math.floor(po.cost / cost_unit)) * y[j] for j, po in enumerate(parts)) + (
+            per_drop * sum(x) if per_drop > 0 else 0)
         model.Minimize(self.objective)
 
         # Byte scaling: divide by the GCD; if still large, round sizes up to a unit (relaxation).

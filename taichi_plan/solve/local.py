@@ -49,7 +49,7 @@ class _State:
         self.sizes = problem.nbytes[opts.tensor].astype(np.int64)
         self.cost = np.maximum(rebuild_cost(problem, opts), 1e-12)
         self._overhead: dict[int, int] = {}
-        self.own_cost = np.maximum(np.asarray([float(problem.op_cost[problem.rebuild_ops[t]].sum())
+        self.own_cost = np.maximum(np.asarray([float(problem.rerun_cost[problem.rebuild_ops[t]].sum())
                                                for t in opts.tensor.tolist()]), 1e-12)
         self._dead: dict[int, list[int]] = {}
         self.revive = True  # may moves add revivals?

@@ -76,8 +76,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     planned_al = replay_schedule(schedule, allocator)
     base_al = baseline_allocator(recorded_problem(problem), allocator)
     overhead = runtime_overhead_s(problem, dec.drops, dec.partitions,
-                                  rerun_ops(parted, dec.drops) if dec.drops else set(),
-                                  [op for g in sim.groups.values() for op in g.ops])
+                                  rerun_ops(parted, dec.drops) if dec.drops else set())
     return Plan(
         trace={
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
@@ -161,7 +160,7 @@ def _recompute(problem: Problem, d: Drop, sim: SimResult, unit: str) -> Recomput
     held = r - d.free_after - 1
     ops = problem.rebuild_ops[t].tolist()
     names = problem.op_name[p] + (f" and {len(ops) - 1} in-place op(s)" if len(ops) > 1 else "")
-    cost = format_cost(float(problem.op_cost[ops].sum()), unit)
+    cost = format_cost(float(problem.rerun_cost[ops].sum()), unit)
     if is_revival(problem, d):
         span = sim.revived.get(t)
         until = "no later rebuild reads it" if span is None else f"held until the rebuild before op {span[1] + 1}"
