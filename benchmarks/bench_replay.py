@@ -227,6 +227,26 @@ def wrapped_workload(workload, method: str, spec: BenchModel):
     return replace(workload, build=build_wrapped)
 
 
+def without_kv_cache(workload):
+    """The same workload, its model built with ``config.use_cache = False`` where it has one:
+    every method runs the model as the checkpointing baselines do (transformers turns the
+    cache off when it checkpoints, and so do our block baselines), so ``plain`` and ``ours``
+    do not carry the keys and values a decoder's forward appends to its KV cache and the
+    baselines do not (2 x 0.5 MB per layer on the GPT-2 and Llama here)."""
+    from dataclasses import replace
+
+    build = workload.build
+
+    def build_without(fake: bool):
+        model, batch, loss_fn, optimizer = build(fake)
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", None):
+            config.use_cache = False
+        return model, batch, loss_fn, optimizer
+
+    return replace(workload, build=build_without)
+
+
 def baselines_for(spec: BenchModel) -> tuple[str, ...]:
     return BASELINES if spec.hf is not None else BLOCK_BASELINES
 
@@ -266,7 +286,8 @@ def solve_and_save(trace, budget: int, tmp: Path, tag: str, time_limit: float):
         # The simulator's extra compute plus the runtime's own bookkeeping (predicted.extra_time).
         "predicted_extra_s": (pred.get("extra_time") if pred.get("extra_time") is not None else pred["extra_compute"])
         if pred.get("cost_unit") == "s" else None,
-        "drops": len(plan.recompute), "partitions": len(plan.partitions)}
+        "drops": len(plan.recompute), "partitions": len(plan.partitions),
+        "partitioned": [f"{q.module} over {q.over} x{q.chunks}" for q in plan.partitions]}
 
 
 def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float = TIME_LIMIT,
@@ -278,7 +299,7 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
 
     say = progress or (lambda msg: None)
     t_start = time.perf_counter()
-    workload = get_workload(model=spec.model, **spec.sizes)
+    workload = without_kv_cache(get_workload(model=spec.model, **spec.sizes))
     baselines = baselines_for(spec)
     out = {"label": label, "model": spec.model, "sizes": dict(spec.sizes), "reps": reps, "methods": {}}
     rows, runs = out["methods"], {}
@@ -526,7 +547,9 @@ def markdown(result: dict) -> str:
             verdict = c["verdict"] + (f" ({c['why']})" if "why" in c else "")
             if "binding" in c and not c["binding"]:
                 verdict += " (it saves no memory here)"
-            plan = (f"{ours['drops']} drops, {ours['partitions']} partitions, {ours['status']}"
+            named = ours.get("partitioned")
+            plan = (f"{ours['drops']} drops, {ours['partitions']} partitions"
+                    f"{' (' + '; '.join(named) + ')' if named else ''}, {ours['status']}"
                     if ours.get("feasible") else "-")
             lines.append(
                 f"| {r['label']} | {method} | {_x(theirs.get('peak_ratio'))} | {_x(theirs.get('time_ratio'))} | "
@@ -547,8 +570,9 @@ def markdown(result: dict) -> str:
               "`transformers`, `torch.utils.checkpoint` around each of the four stages; the mlp has none. "
               "Blocks for the other two baselines: GPT-2 `transformer.h.i`, BERT `bert.encoder.layer.i`, ViT "
               "`vit.encoder.layer.i`, Llama `model.layers.i`, ResNet-50 `resnet.encoder.stages.i.layers.j`, mlp "
-              "each (Linear, ReLU) pair of its `nn.Sequential` (the head Linear unwrapped). Baselines run their blocks without a KV cache, as `transformers`' own "
-              "checkpointing does. A model whose peak is mostly parameters and optimizer state (ResNet-50 at a "
+              "each (Linear, ReLU) pair of its `nn.Sequential` (the head Linear unwrapped). Every method runs the model without a KV cache "
+              "(`config.use_cache = False`, as `transformers`' own checkpointing sets it; `without_kv_cache`): plain "
+              "and ours do not carry keys and values the baselines drop. A model whose peak is mostly parameters and optimizer state (ResNet-50 at a "
               "small batch) gains little from any checkpointing. The raw medians and every "
               "repetition's step time are in `docs/bench_replay.json`.", ""]
     return "\n".join(lines)

@@ -443,8 +443,11 @@ def partition_cost(problem: Problem, span: Span, chunks: int) -> float:
     if problem.trace.cost_unit == "s" and "chunk_op_s" in cal and "checkpoint_op_s" in cal:
         # Measured on the recorded model's own modules (taichi_plan.replay.calibrate): what
         # checkpointing costs per forward op beyond the re-run, and what each further chunk
-        # costs per op it runs again (forward, re-run, backward: each op launched once more).
-        return redo + n_fwd * cal["checkpoint_op_s"] + (chunks - 1) * (2 * n_fwd + n_bwd) * cal["chunk_op_s"]
+        # costs per op it runs again (forward, re-run, backward: each op launched once more);
+        # and each chunk is one torch.utils.checkpoint call, whose own cost a small module
+        # (a norm of a few ops) does not amortize (checkpoint_call_s, absent in older traces).
+        return (redo + n_fwd * cal["checkpoint_op_s"] + (chunks - 1) * (2 * n_fwd + n_bwd) * cal["chunk_op_s"]
+                + chunks * float(cal.get("checkpoint_call_s", 0.0)))
     return redo + chunks * (n_fwd + n_bwd) * launch_overhead_s(problem)
 
 

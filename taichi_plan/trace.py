@@ -19,14 +19,15 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
 # DDP traces the kind ddp_bucket and meta.ddp; v5 adds meta.runtime_overhead's partition terms
 # (checkpoint_op_s, chunk_op_s: replay/calibrate.py; older traces cost a chunk by launch overhead);
-# v6 adds meta.runtime_overhead.span_costs (a head + loss over tokens measured chunked) and unfloored
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# v6 adds meta.runtime_overhead.span_costs (a head + loss over tokens measured chunked) and unfloored;
+# v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 PHASES = ("forward", "backward", "optimizer", "other")
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary",
          "unsharded_parameter", "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket")

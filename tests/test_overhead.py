@@ -240,10 +240,12 @@ def test_partition_cost_is_the_calibrated_rates_times_the_ops_each_chunk_runs(gp
     assert n_fwd > 10 and n_bwd > 10
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
-        gpt2.meta["runtime_overhead"].update(checkpoint_op_s=3e-6, chunk_op_s=7e-6)
-        for k in (1, 2, 4):
-            want = redo + n_fwd * 3e-6 + (k - 1) * (2 * n_fwd + n_bwd) * 7e-6
+        gpt2.meta["runtime_overhead"].update(checkpoint_op_s=3e-6, chunk_op_s=7e-6, checkpoint_call_s=50e-6)
+        for k in (1, 2, 4):  # and each chunk one checkpoint call (trace v7)
+            want = redo + n_fwd * 3e-6 + (k - 1) * (2 * n_fwd + n_bwd) * 7e-6 + k * 50e-6
             assert partition_cost(problem, span, k) == pytest.approx(want)
+        del gpt2.meta["runtime_overhead"]["checkpoint_call_s"]  # a v6 trace: no per-call cost
+        assert partition_cost(problem, span, 2) == pytest.approx(redo + n_fwd * 3e-6 + (2 * n_fwd + n_bwd) * 7e-6)
         for key in ("checkpoint_op_s", "chunk_op_s"):  # an older trace: the launch overhead per op per chunk
             del gpt2.meta["runtime_overhead"][key]
             assert partition_cost(problem, span, 2) == pytest.approx(

@@ -258,6 +258,8 @@ def floored(measured: dict, bookkeeping: dict) -> dict:
     the bookkeeping the one-element additions time. The measured values are kept under
     ``unfloored``."""
     out = dict(measured)
+    if "checkpoint_call_s" in bookkeeping:  # a checkpoint call's own cost: microbenchmarked only
+        out.setdefault("checkpoint_call_s", float(bookkeeping["checkpoint_call_s"]))
     raw = {k: measured[k] for k in (*PER_OP_TERMS, "rebuild_op_s") if k in measured}
     low = 0.0
     for k in PER_OP_TERMS:
@@ -465,7 +467,9 @@ def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: 
     n_fwd = sum(s.fwd[1] - s.fwd[0] + 1 for s in spans)
     n_bwd = sum(s.bwd[1] - s.bwd[0] + 1 for s in spans)
     redo_s = sum(float(problem.op_cost[s.fwd[0]:s.fwd[1] + 1].sum()) for s in spans)
-    return {"checkpoint_op_s": max((whole_s - redo_s) / n_fwd, 0.0),
+    # each span is one checkpoint call, charged on its own (checkpoint_call_s, partition_cost)
+    calls_s = len(spans) * float((problem.trace.meta.get("runtime_overhead") or {}).get("checkpoint_call_s", 0.0))
+    return {"checkpoint_op_s": max((whole_s - redo_s - calls_s) / n_fwd, 0.0),
             "chunk_op_s": max(more_s / ((k_most - 1) * (2 * n_fwd + n_bwd)), 0.0),
             "partition_probe": {"modules": [s.module for s in spans], "chunks": k_most}}
 

@@ -634,7 +634,9 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
     ``check_op_s``, an op of a planned call it only counts and checks; ``recipe_op_s``, one
     it also keeps a recipe for; ``rebuild_op_s``, the bookkeeping of re-running one op in a
     rebuild (beyond the op's own time). Measured on ``n`` one-element additions, so the ops'
-    own time is nothing; the recorder stores it in the trace (``meta.runtime_overhead``) and
+    own time is nothing, and ``checkpoint_call_s``, what one ``torch.utils.checkpoint`` call
+    costs beyond its ops (a one-element op checkpointed, forward and backward, against the
+    same op plain); the recorder stores it in the trace (``meta.runtime_overhead``) and
     the planner adds it to a plan's predicted extra time. Measured once per process (a
     property of the machine and this code, not of the trace: ``maxbatch`` records many)."""
     import statistics
@@ -672,7 +674,20 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
             rt._storage(frame, sid)
         return clock() - t0
 
-    plain, check, recipe, rebuilt = [], [], [], []
+    leaf = torch.ones(1, requires_grad=True)
+
+    def step(checkpointed: bool) -> float:
+        """Forward and backward of one one-element op, in a checkpoint or not (``calls`` times)."""
+        from torch.utils.checkpoint import checkpoint
+
+        t0 = clock()
+        for _ in range(calls):
+            y = checkpoint(torch.neg, leaf, use_reentrant=False) if checkpointed else torch.neg(leaf)
+            y.backward()
+        return clock() - t0
+
+    calls = 20
+    plain, check, recipe, rebuilt, ckpt = [], [], [], [], []
     for _ in range(repeats):
         t0 = clock()
         with torch.no_grad():
@@ -681,11 +696,15 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
         check.append(timed(set()))
         recipe.append(timed(None))
         rebuilt.append(rebuild(min(n, 100)))
+        ckpt.append((step(True) - step(False)) / calls)
     base = statistics.median(plain) / n
     return {
         "check_op_s": max(statistics.median(check) / n - base, 0.0),
         "recipe_op_s": max(statistics.median(recipe) / n - base, 0.0),
         "rebuild_op_s": max(statistics.median(rebuilt) / min(n, 100) - base, 0.0),
+        # What one torch.utils.checkpoint call costs beyond its ops (its frame, the saved-tensor
+        # hooks, the RNG state it stashes, the re-run's bookkeeping): once per checkpointed chunk.
+        "checkpoint_call_s": max(statistics.median(ckpt), 0.0),
         "ops": n,
         "repeats": repeats,
     }
