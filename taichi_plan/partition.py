@@ -530,9 +530,10 @@ def apply_partitions(problem: Problem, partitions, drops=()) -> tuple[Problem, f
             what = {"tokens": "its loss over tokens", "sequence": "over its positions (the sequence)"}.get(
                 span_key(part)[1], f"along dim {part.dim}")
             raise PlanError(
-                f"The plan partitions module {part.module!r} {what}, but that module is not "
-                "independent along it in this trace (or is not in it). Partition only modules that "
-                "`taichi-plan solve` proposes; the plan may be for another trace."
+                f"The plan partitions module {part.module!r} {what}, but in this trace that module is not "
+                "independent along it, leaves a tensor behind in the model's state that a re-run would "
+                "make again (a KV cache: run the model with use_cache=False), or is not there. Partition "
+                "only modules that `taichi-plan solve` proposes; the plan may be for another trace."
             )
         k = int(part.chunks)
         if k > 1 and span.random_ops and not (problem.partition_random or getattr(part, "random_draws", None)):

@@ -103,5 +103,10 @@ def test_a_module_that_appends_to_the_kv_cache_is_not_partitioned(traced):
     made = np.concatenate([p.op_outputs[i] for i in cats])
     attn = [i for i in range(p.num_ops) if p.op_module[i].startswith("transformer.h.0.attn") and p.op_phase[i] == "forward"]
     assert leaves_state(p, made, attn[0], attn[-1])
+    from taichi_plan.errors import PlanError
+    from taichi_plan.partition import apply_partitions
+
+    with pytest.raises(PlanError, match="use_cache=False"):  # a plan naming it says why it cannot
+        apply_partitions(p, [Partition("transformer.h.0.attn", 0, 1)])
     plain = build_problem(record_workload(get_workload(entry=ENTRY, batch=4), fake=False, calibrate=False))
     assert {"transformer.h.0.attn", "transformer.h.0"} <= {s.module for s in partitionable_spans(plain)}
