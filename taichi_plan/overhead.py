@@ -22,12 +22,14 @@ import numpy as np
 from .problem import Problem
 
 
-def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], cal: dict | None = None) -> float | None:
+def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], reruns: list[int] = (),
+                       cal: dict | None = None) -> float | None:
     """Predicted seconds the runtime's checking and recipes add to a step under this plan, or
     None when the trace carries no measurement (imported graphs, older recordings). ``rerun``:
-    the ops whose recipes are kept; ``cal``: the rates (default: the trace's
-    ``meta.runtime_overhead``). What each re-run and each drop cost is in the simulator's
-    extra compute (:func:`rebuild_seconds`)."""
+    the ops whose recipes are kept; ``reruns``: each op re-run in a rebuild, once per re-run;
+    ``cal``: the rates (default: the trace's ``meta.runtime_overhead``). Where the simulator
+    charges what each re-run and each drop cost (``Problem.folds_runtime``: real recordings)
+    they are not here; elsewhere (fake recordings) they are added here, after the solve."""
     cal = cal if cal is not None else problem.trace.meta.get("runtime_overhead")
     if not cal or problem.trace.cost_unit != "s":
         return None
@@ -44,7 +46,11 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], cal
     in_planned = np.isin(call, sorted(planned)) if planned else np.zeros(len(call), dtype=bool)
     checked = int(in_planned.sum())
     recipes = sum(1 for i in rerun if 0 <= i < len(call) and in_planned[i])
-    return float(checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0))
+    out = checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
+    if not problem.folds_runtime:  # the re-runs at the runtime's rates, beyond their recorded time
+        out += (rebuild_seconds(problem, list(reruns), cal) - float(problem.op_cost[list(reruns)].sum())
+                + len(drops) * float(cal.get("drop_s", 0.0) or 0.0))
+    return float(out)
 
 
 def rebuild_seconds(problem: Problem, reruns: list[int], cal: dict) -> float:

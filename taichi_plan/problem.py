@@ -115,9 +115,20 @@ class Problem:
                            count=len(self.rebuild_ops))
 
     @property
+    def folds_runtime(self) -> bool:
+        """Whether the runtime's per-re-run and per-drop costs are part of the simulator's cost
+        (:attr:`rerun_cost`, :attr:`drop_cost`): for real recordings that carry
+        ``meta.runtime_overhead``, whose op times and runtime costs were timed on one machine.
+        A fake recording's op times are a device profile's (a GPU's microseconds) while its
+        runtime costs are this CPU's microbenchmark: adding them up would mix two clocks, so
+        there they stay in the plan's predicted runtime overhead, added after the solve."""
+        return (self.trace.cost_unit == "s" and self.trace.meta.get("mode") == "real"
+                and bool(self.trace.meta.get("runtime_overhead")))
+
+    @property
     def rerun_cost(self) -> np.ndarray:
-        """Per op: what re-running it in a rebuild costs, in the trace's cost unit. For a
-        recording that measured the replay runtime (``meta.runtime_overhead``,
+        """Per op: what re-running it in a rebuild costs, in the trace's cost unit. For a real
+        recording that measured the replay runtime (:attr:`folds_runtime`,
         :mod:`taichi_plan.overhead`): its recorded seconds times the measured
         ``rebuild_time_ratio`` of its op name (1 where none), plus ``rebuild_op_s``, the
         runtime's bookkeeping per re-run op; else its recorded cost. The simulator charges this
@@ -125,7 +136,7 @@ class Problem:
         runtime makes it pay. Computed once per problem."""
         cached = getattr(self, "_rerun_cost", None)
         if cached is None:
-            cal = self.trace.meta.get("runtime_overhead") if self.trace.cost_unit == "s" else None
+            cal = self.trace.meta.get("runtime_overhead") if self.folds_runtime else None
             cached = np.asarray(self.op_cost, dtype=np.float64)
             if cal:
                 ratio = cal.get("rebuild_time_ratio") or {}
@@ -142,7 +153,7 @@ class Problem:
         trace's cost unit: the runtime's ``drop_s`` measured on a plan of the model's own (trace
         v6, ``meta.runtime_overhead``: packing the handle, the group's bookkeeping, unpacking,
         the backward around a rebuilt tensor), else 0. The simulator charges it once per drop."""
-        if self.trace.cost_unit != "s":
+        if not self.folds_runtime:
             return 0.0
         return float((self.trace.meta.get("runtime_overhead") or {}).get("drop_s", 0.0) or 0.0)
 

@@ -473,3 +473,21 @@ def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
     rate = _drop_rate(probe, modelled + 0.01, rates)
     assert rate["drop_s"] * len(drops) == pytest.approx(0.01)
     assert _drop_rate(probe, modelled - 0.01, rates)["drop_s"] == 0
+
+
+def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():
+    """A fake recording's op times are a device profile's, its runtime terms this CPU's
+    microbenchmark: the simulator charges the recorded op times only, and the re-run and drop
+    terms are the plan's predicted runtime overhead, added after the solve."""
+    trace = record_workload(get_workload(**GPT2), fake=True, device_profile="a100-40gb")
+    p = build_problem(trace)
+    cal = trace.meta["runtime_overhead"]
+    assert not p.folds_runtime and cal["rebuild_op_s"] > 0
+    assert np.array_equal(p.rerun_cost, p.op_cost) and p.drop_cost == 0.0
+    plan = solve(trace, int(0.8 * p.baseline_peak[0]), "heuristic", seed=0)
+    drops = drops_from_plan(p, plan)
+    sim, _parted = simulate_plan(p, drops, [])  # the drops alone: their re-runs at recorded times
+    reruns = [op for g in sim.groups.values() for op in g.ops]
+    assert reruns and sim.extra_cost == pytest.approx(float(p.op_cost[reruns].sum()))
+    if not plan.partitions:
+        assert plan.predicted["runtime_overhead"] >= len(reruns) * cal["rebuild_op_s"]

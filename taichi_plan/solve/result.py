@@ -76,7 +76,8 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     planned_al = replay_schedule(schedule, allocator)
     base_al = baseline_allocator(recorded_problem(problem), allocator)
     overhead = runtime_overhead_s(problem, dec.drops, dec.partitions,
-                                  rerun_ops(parted, dec.drops) if dec.drops else set())
+                                  rerun_ops(parted, dec.drops) if dec.drops else set(),
+                                  [op for g in sim.groups.values() for op in g.ops])
     return Plan(
         trace={
             "path": str(trace.path) if trace.path else None,  # made relative to the plan file on save
