@@ -48,7 +48,8 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     recipes = sum(1 for i in rerun if 0 <= i < len(call) and in_planned[i])
     out = checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
     if not problem.folds_runtime:  # the re-runs at the runtime's rates, beyond their recorded time
-        out += (rebuild_seconds(problem, list(reruns), cal) - float(problem.op_cost[list(reruns)].sum())
+        reruns = list(reruns)
+        out += (rebuild_seconds(problem, reruns, cal) - float(problem.op_cost[reruns].sum())
                 + len(drops) * float(cal.get("drop_s", 0.0) or 0.0))
     return float(out)
 

@@ -304,8 +304,7 @@ def leaves_state(problem: Problem, made: np.ndarray, f0: int, f1: int) -> bool:
         if not f0 <= int(problem.start[t]) <= f1 or py[t] <= f1:
             continue
         p = int(problem.producer[t])
-        if p >= 0 and problem.op_name[p] == "aten._to_copy.default" and any(
-                problem.kind[u] == "parameter" for u in reads.get(p, ())):
+        if p >= 0 and _casts_weight(problem, p, reads):
             continue  # autocast's cast of a weight (casts_parameter)
         if not any(u > f1 and phase[u] == "forward" for u in problem.uses[t].tolist()):
             return True
@@ -322,9 +321,13 @@ def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     modules are not split, only checkpointed whole (one chunk: bitwise, and its measured peak
     at or below the predicted one: docs/planner.md)."""
     reads = read_args(problem)
-    return any(problem.op_name[i] == "aten._to_copy.default"
-               and any(problem.kind[t] == "parameter" for t in reads.get(i, ()))
-               for i in range(f0, f1 + 1))
+    return any(_casts_weight(problem, i, reads) for i in range(f0, f1 + 1))
+
+
+def _casts_weight(problem: Problem, op: int, reads: dict) -> bool:
+    """Is op ``op`` a ``_to_copy`` of a parameter (``reads``: :func:`read_args`)?"""
+    return problem.op_name[op] == "aten._to_copy.default" and any(
+        problem.kind[t] == "parameter" for t in reads.get(op, ()))
 
 
 def _occurrences(f: np.ndarray, b: np.ndarray) -> list[tuple[tuple[int, int], tuple[int, int]]] | None:

@@ -486,8 +486,10 @@ def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():
     assert np.array_equal(p.rerun_cost, p.op_cost) and p.drop_cost == 0.0
     plan = solve(trace, int(0.8 * p.baseline_peak[0]), "heuristic", seed=0)
     drops = drops_from_plan(p, plan)
-    sim, _parted = simulate_plan(p, drops, [])  # the drops alone: their re-runs at recorded times
+    sim, parted = simulate_plan(p, drops, [])  # the drops alone: their re-runs at recorded times
     reruns = [op for g in sim.groups.values() for op in g.ops]
     assert reruns and sim.extra_cost == pytest.approx(float(p.op_cost[reruns].sum()))
-    if not plan.partitions:
-        assert plan.predicted["runtime_overhead"] >= len(reruns) * cal["rebuild_op_s"]
+    # ...and the runtime's per-re-run and per-drop terms in its predicted overhead
+    with_reruns = runtime_overhead_s(p, drops, [], rerun_ops(parted, drops), reruns)
+    assert with_reruns - runtime_overhead_s(p, drops, [], rerun_ops(parted, drops)) == pytest.approx(
+        len(reruns) * cal["rebuild_op_s"] + len(drops) * cal.get("drop_s", 0.0))

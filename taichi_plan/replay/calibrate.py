@@ -89,13 +89,13 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     variants = {"plain": (None, []), "check": (probe, []), "recipe": (replace(probe, recipe_ops=None), [])}
     from ..problem import build_problem
 
-    built = build_problem(trace)  # one problem for every probe (their caches shared)
+    built = build_problem(trace)  # one problem for the partition and span probes (caches shared)
     chunked = _partition_probes(trace, call, model, built)
     if chunked is not None:
         problem, spans, k_most, probes = chunked
         variants.update({f"part{k}": v for k, v in probes.items()})
     span_probes = _span_probes(trace, call, built)
-    drop_probe = _drop_probe(trace, call, built)
+    drop_probe = _drop_probe(trace, call)
     if drop_probe is not None:  # the plan's call, and the same call with its recipes kept but nothing dropped
         variants["drops"] = (drop_probe[2], [])
         variants["kept"] = (replace(drop_probe[2], drops={}, group_of={}, probe=True), [])
@@ -190,7 +190,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
 DROP_PROBE_FRACTIONS = (0.8, 0.9)
 
 
-def _drop_probe(trace, call: dict, problem=None):
+def _drop_probe(trace, call: dict):
     """A plan of the model's own that drops tensors of the measured call and partitions
     nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
     its partitions left out): (problem, drops, its CallPlan for the call), or None when no
@@ -204,10 +204,8 @@ def _drop_probe(trace, call: dict, problem=None):
     from ..solve.result import drops_from_plan
     from . import call_plans
 
-    if trace.meta.get("runtime_overhead"):
-        trace = _replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
-        problem = None
-    problem = problem if problem is not None else build_problem(trace)
+    trace = _replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
+    problem = build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
     for share in DROP_PROBE_FRACTIONS:
         try:

@@ -675,6 +675,7 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
         return clock() - t0
 
     leaf = torch.ones(1, requires_grad=True)
+    calls = 20
 
     def step(checkpointed: bool) -> float:
         """Forward and backward of one one-element op, in a checkpoint or not (``calls`` times)."""
@@ -686,7 +687,6 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
             y.backward()
         return clock() - t0
 
-    calls = 20
     plain, check, recipe, rebuilt, ckpt = [], [], [], [], []
     for _ in range(repeats):
         t0 = clock()
