@@ -60,7 +60,7 @@ def ddp_plan(tmp_path_factory):
     d = tmp_path_factory.mktemp("ddp")
     trace_dir = _record(d, "t", GPT2, 2, bucket_cap_mb=CAP_MB)
     plan = d / "plans" / "t.plan.json"
-    r = CliRunner().invoke(main, ["solve", str(trace_dir), "--budget", "50%", "--time-limit", "10", "--seed", "0",
+    r = CliRunner().invoke(main, ["solve", str(trace_dir), "--budget", "50%", "--work-limit", "1", "--seed", "0",
                                   "-o", str(plan)])
     assert r.exit_code == 0, r.output
     return plan

@@ -54,12 +54,12 @@ SUBSTITUTIONS: list[tuple[str, str, str]] = [
      "each batch size tried is a fake step: 2 layers, and a budget that 4 batch sizes settle"),
     ("--steps 5", "--steps 1", "replay: one timed step per run"),
     ("--steps 3", "--steps 1", "replay of the accumulation loop: one timed step per run"),
-    ("tiny-gpt2-accum --budget 80%", "tiny-gpt2-accum --budget 80% --time-limit 5", "a bounded search"),
-    ("traces/tiny-gpt2 --budget 70%", "traces/tiny-gpt2 --budget 70% --time-limit 5",
+    ("tiny-gpt2-accum --budget 80%", "tiny-gpt2-accum --budget 80% --work-limit 1", "a search bounded by its work"),
+    ("traces/tiny-gpt2 --budget 70%", "traces/tiny-gpt2 --budget 70% --work-limit 1",
      "auto searches its whole default 60 s when it cannot prove optimality"),
 ]
 PYTHON_SUBSTITUTIONS: list[tuple[str, str, str]] = [
-    ("time_limit=60", "time_limit=10", "the snippet's solve, bounded"),
+    ("time_limit=60", "time_limit=60, work_limit=1", "the snippet's solve, bounded by its work"),
 ]
 
 # README command -> the change on another branch it needs (xfail until that change is merged).
