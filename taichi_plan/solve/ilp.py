@@ -72,6 +72,8 @@ CHAIN_MAX_OPTIONS = 2_000
 # many branch-and-bound nodes per unit of work instead (a limit that does not depend on load).
 BOUND_SHARE = 0.6
 BOUND_NODES_PER_WORK = 200
+# Pairs of options per op that re-run it in two groups (apart_reruns): each a constraint.
+APART_MAX_PAIRS = 64
 
 
 @dataclass
@@ -140,6 +142,49 @@ def structure(problem: Problem) -> Structure:
         needers[j] = sorted({k for k in broad[j] if low[k] > a[j]})
     return Structure(problem.nbytes[opts.tensor].astype(np.int64), a, b,
                      own_ops, temporaries, needers, opts.tensor, opts.cand)
+
+
+def apart_reruns(problem: Problem, st: Structure, most_pairs: int = APART_MAX_PAIRS) -> dict[int, list[tuple[int, int]]]:
+    """Per op ``p``: pairs of options (of two tensors) whose rebuilds both re-run ``p`` (one of
+    their rebuild ops, or of the transients they certainly re-make) in groups that cannot be
+    the same one. A group re-runs each of its ops once and frees what it re-made but did not
+    rebuild (simulate.group_events), so such a pair re-runs ``p`` twice: the layer norm whose
+    output and whose saved mean and rstd are dropped and rebuilt before different ops, or a
+    transient that two rebuilds far apart each make again.
+
+    Option ``k`` is rebuilt in the group before an op of its window: at most ``b`` (its
+    rebuild point), after ``a`` (it is live until then); and exactly at ``b`` when no forward
+    op reads its tensor, as then no other rebuild needs it back early. Windows that do not
+    overlap are different groups. Forward-only graphs (``every_gap``) keep transients alive
+    between groups (revivals): none there. At most ``most_pairs`` pairs per op."""
+    if problem.every_gap or len(st.sizes) < 2:
+        return {}
+    read_fwd = np.zeros(len(problem.nbytes), dtype=bool)
+    for q in np.nonzero(problem._phase_array == "forward")[0].tolist():
+        read_fwd[problem.op_reads[q]] = True
+    hi = st.b.astype(np.int64)
+    lo = np.where(read_fwd[st.tensor], st.a.astype(np.int64) + 1, hi)
+    users: dict[int, list[int]] = {}
+    for k in range(len(st.sizes)):
+        for p in {*st.own_ops[k], *st.temporaries[k]}:
+            users.setdefault(p, []).append(k)
+    out: dict[int, list[tuple[int, int]]] = {}
+    for p, ks in users.items():
+        if len(ks) < 2:
+            continue
+        ks = sorted(ks, key=lambda k: (hi[k], lo[k]))
+        pairs = []
+        for n, i in enumerate(ks):
+            for j in ks[n + 1:]:
+                if st.tensor[i] != st.tensor[j] and (hi[i] < lo[j] or hi[j] < lo[i]):
+                    pairs.append((i, j))
+                    if len(pairs) >= most_pairs:
+                        break
+            if len(pairs) >= most_pairs:
+                break
+        if pairs:
+            out[p] = pairs
+    return out
 
 
 def binding_ops(problem: Problem, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -549,6 +594,9 @@ class _Model:
         most = {}  # op -> the most gaps one of its outputs has
         for (p, _t), ks in gaps_of.items():
             most[p] = max(most.get(p, 1), len({int(st.a[k]) for k in ks}))
+        apart = apart_reruns(problem, st)
+        for p in apart:
+            most[p] = max(most.get(p, 1), 2)
         # One constraint per option; past CHAIN_MAX_OPTIONS, one per gap over its options (they
         # share their ops; at most one is chosen). The same plans, but the per-option form
         # solved ResNet-50 at 0.4 to optimality where the per-gap one stalled at 30 s.
@@ -561,6 +609,11 @@ class _Model:
         for (p, _t), ks in gaps_of.items():
             if most[p] > 1:
                 model.Add(rerun[p] >= sum(x[k] for k in ks))
+        for p, pairs in apart.items():
+            # [Constraint] two options that need op p re-run, rebuilt in groups that cannot be
+            # one (their rebuild windows are disjoint), re-run it twice (apart_reruns).
+            for i, j in pairs:
+                model.Add(rerun[p] >= x[i] + x[j])
         # [Constraint] a tensor revived at most once; one rebuilt (not kept) re-runs its ops.
         by_tensor: dict[int, list[int]] = {}
         for j, u in enumerate(self.rv.tensor.tolist()):
