@@ -50,6 +50,7 @@ def main(plan_path: str, steps: int = 3, bucket_cap_mb: float | None = None,
         sys.stdout.write(f"rank {rank} step {step} loss {loss.item():.6f}\n")
         sys.stdout.flush()
     taichi_plan.finish(model)
+    dist.barrier()  # every rank done before the group goes: a rank that leaves first can abort the other
     dist.destroy_process_group()
 
 

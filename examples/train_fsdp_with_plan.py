@@ -54,6 +54,7 @@ def main(plan_path: str, steps: int = 3) -> None:
         sys.stdout.write(f"rank {rank} step {step} loss {loss.item():.6f}\n")
         sys.stdout.flush()
     taichi_plan.finish(model)
+    dist.barrier()  # every rank done before the group goes: a rank that leaves first can abort the other
     dist.destroy_process_group()
 
 

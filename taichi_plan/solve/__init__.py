@@ -6,6 +6,7 @@ them into a :class:`~taichi_plan.plan.Plan` judged by the simulator.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Callable
@@ -174,8 +175,17 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
             return _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator,
                                   work_limit, t0, optimizer, partition_random, reshard, prefetch, failed)
     except OutOfTime as e:
-        raise stopped_error(problem, budget_bytes, method, e.phase, time_limit, work_limit, failed,
-                            deadline=end) from None
+        err = stopped_error(problem, budget_bytes, method, e.phase, time_limit, work_limit, failed, deadline=end)
+        reached = problem.__dict__.get("_reached_plan")
+        if method in OURS and optimizer in ("auto", "as-recorded") and reached is not None and reached[0] <= budget_bytes:
+            # Asked for less while finding what to report, the heuristic met this budget: the best
+            # plan so far is that one, written with no bound rather than no plan at all.
+            dec = dataclasses.replace(reached[1], status=None, lower_bound=None, timed_out=True, notes=[
+                f"the time limit ran out while {e.phase}; this is the heuristic's plan for a lower budget, "
+                f"found while bisecting for the least reachable one, which fits this budget (no bound)",
+                *reached[1].notes])
+            return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
+        raise err from None
 
 
 def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator, work_limit, t0,
@@ -332,6 +342,8 @@ def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
         if sim.peak_bytes <= mid:
             hi, best = sim.peak_bytes, (sim.peak_bytes, sim.peak_op, mid)
+            if planner is None:  # kept: a budget above it has a plan if the time runs out (solve)
+                problem.__dict__["_reached_plan"] = (sim.peak_bytes, dec)
         else:
             lo = mid + 1
     return best, True
