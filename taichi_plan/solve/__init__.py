@@ -219,9 +219,19 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
         if budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0] and not is_last():
             skipped.append(prob)
             continue  # below what this step can reach at all: the next option
-        def step(p: Problem) -> Plan:
-            return _solve_step(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
-                               problem=p, on=on, allocator=allocator, work_limit=work_limit, started=t0)
+        limit = time_limit
+        if mode != "as-recorded":
+            # The optimizer options share what is left: one that finds no plan (stepping in
+            # groups, on a ViT-base at 35%) must not spend the time the next one needs (in
+            # backward, where the heuristic alone fits). The recorded step keeps the whole limit.
+            left = sum(1 for m in modes[k:] if allowed(m))
+            now = time.perf_counter()
+            limit = min(time_limit, now - t0 + (t0 + time_limit - now) / left)
+
+        def step(p: Problem, limit: float = limit) -> Plan:
+            return _solve_step(trace, budget_bytes, method, time_limit=limit, seed=seed, progress=progress,
+                               problem=p, on=on, allocator=allocator, work_limit=work_limit, started=t0,
+                               asked_limit=time_limit)
 
         try:
             with lifted():
@@ -251,8 +261,10 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
 
 def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: float, seed: int,
                 progress: Callable[[float, float], None] | None, problem: Problem, on: str,
-                allocator: AllocatorConfig | None, work_limit: float | None, started: float) -> Plan:
-    """:func:`solve` for one optimizer option: ``problem`` is the step as it runs it."""
+                allocator: AllocatorConfig | None, work_limit: float | None, started: float,
+                asked_limit: float | None = None) -> Plan:
+    """:func:`solve` for one optimizer option: ``problem`` is the step as it runs it, within
+    ``time_limit`` (its share of ``asked_limit``, the command's, which errors name)."""
     if on != "allocated":
         raise UsageError(f"--on must be allocated or reserved, not {on!r}.")
     if method not in methods():
@@ -295,7 +307,7 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
             peak, op = plan.predicted["planned_peak_bytes"], plan.predicted["planned_peak_op"]
             if reached is not None and reached[0] < peak:
                 peak, op = reached
-            raise timed_out_error(problem, budget_bytes, method, peak, op, time_limit, work_limit)
+            raise timed_out_error(problem, budget_bytes, method, peak, op, asked_limit or time_limit, work_limit)
         raise infeasible_error(problem, budget_bytes, method, plan, deadline=end)
     return plan
 
