@@ -143,3 +143,31 @@ def test_plan_for_another_accumulation_is_refused(planned_example, tmp_path):
         trainer.train()
     with pytest.raises(UsageError, match="PlanCallback"):
         record_trainer(trainer)
+
+
+def test_blocks_checkpointed_whole_measure_as_predicted_with_the_kv_cache_on(planned_example):
+    """A Trainer's trace has no ``python_refs`` (the step runs inside ``trainer.train()``), so
+    ``partition.leaves_state`` cannot rule out the KV cache that the example's GPT-2 keeps on.
+    It need not here: ``compute_loss`` lets go of the model's outputs, and with them the
+    cache, before backward. A block and an attention checkpointed whole (one chunk each)
+    measure their predicted peak over the Trainer's step, and train bitwise."""
+    from taichi_plan.partition import as_partition, module_spans
+    from taichi_plan.plan import save_plan
+    from taichi_plan.problem import build_problem
+    from taichi_plan.solve.result import Decisions, make_plan
+    from taichi_plan.trace import read_trace
+
+    out, _, _ = planned_example
+    p = build_problem(read_trace(out / "trace"))
+    spans = {s.module: s for s in module_spans(p)}
+    parts = [as_partition(spans[m], 1) for m in ("transformer.h.0", "transformer.h.1.attn")]
+    plan = make_plan(p, None, "manual", Decisions(partitions=parts), 0.0, 0)
+    assert plan.predicted["planned_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
+    path = out / "whole.plan.json"
+    save_plan(plan, path, force=True)
+    _, base, _, _ = train(out)
+    _, planned, peak, cb = train(out, path)
+    assert cb.runtime.mismatches == 0
+    # to the byte here; a cache kept past the module would add its keys and values (2 x 131,072 B per layer)
+    assert abs(peak - plan.predicted["planned_peak_bytes"]) <= 1024, (peak, plan.predicted["planned_peak_bytes"])
+    assert_bitwise(base, planned, lambda: train(out)[1])
