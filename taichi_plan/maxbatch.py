@@ -23,7 +23,9 @@ until it does not fit, then bisects; it ends on a batch that fits next to one th
 (``batch + 1`` was tried and failed), unless it reached ``limit``. Every new batch costs a fake
 recording, so the plans that do not depend on the budget (``none``, ``sqrt-n``, ``full``:
 their peak grows about linearly with the batch) are searched along the line through their
-last two peaks (:func:`search`'s ``target``), which ends in about four probes. A probe asks
+last two peaks (:func:`search`'s ``target``), which ends in about four probes; where those
+peaks grew much slower than the batch (parameters and optimizer state set them), the line
+may not send the search past ``GUESS_REACH`` times the largest batch that fits. A probe asks
 the planner for its plan at the budget and the simulator for its peak and extra compute
 (:func:`plan_once`), not :func:`taichi_plan.solve.solve`'s fallbacks and diagnosis when the
 plan does not fit (minutes per probe on a large trace). No torch here; the recorder is
@@ -50,6 +52,10 @@ from .units import format_bytes
 DEFAULT_MAX_OVERHEAD_PCT = 33.0
 DEFAULT_TIME_LIMIT = 30.0
 MAX_BATCH = 1 << 16
+# search: where two fitting probes' peaks grew less than FLAT_SHARE as fast as their batch, a
+# line guess goes at most GUESS_REACH times past the largest batch that fits
+GUESS_REACH = 8
+FLAT_SHARE = 0.05
 COMPARED = ("none", "sqrt-n", "full", "dtr")
 BUDGET_FREE = ("none", "sqrt-n", "full")  # plans that do not depend on the budget: their peak grows with the batch
 RATIO_TO = {"none": 10, "sqrt-n": 11}  # the table's ratio columns and widths (MegTaiChi's two headline ratios)
@@ -240,9 +246,18 @@ def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int
                 g = _crossing(best, hi, target) if fitted else None
             if g is not None:
                 g_fit = int(math.floor(g))
+                # Before any batch fails, a line may cross far off: at small batches the peak can
+                # be where nothing grows with the batch (an 8 MB GPT-2's batches 1 and 2 peak 512 B
+                # apart, a line that crossed at 10467 where 17 was the answer), and each probe
+                # records a step of that size. Where the peak grew much slower than the batch
+                # (_flat), no step goes past GUESS_REACH times what fits.
                 top = limit if hi is None else hi.batch - 1
+                if hi is None and _flat(*fitted[-2:]):
+                    top = min(top, GUESS_REACH * max(lo, 1))
                 if lo < g_fit <= top:
                     b, predicted = g_fit, True
+                elif g_fit > top and hi is None and top < limit:  # capped (_flat): as far as it may go
+                    b, predicted = top, True
                 elif g_fit <= lo:
                     b, predicted = lo + 1, False
         if b > limit:
@@ -262,6 +277,15 @@ def search(probe: Callable[[int], Probe], start: Probe | None = None, limit: int
     if best is None:
         return PlannerResult("", 0, None, None, False, probes, stop)
     return PlannerResult("", best.batch, best.peak_bytes, best.extra_pct, capped, probes, stop)
+
+
+def _flat(a: Probe, b: Probe) -> bool:
+    """Did the peak grow less than FLAT_SHARE as fast as the batch from ``a`` to ``b``
+    (relatively)? Then the two peaks are mostly what does not grow with the batch, and a line
+    through them says little about where the budget is crossed."""
+    if a.peak_bytes is None or b.peak_bytes is None or a.peak_bytes <= 0 or b.batch <= a.batch:
+        return False
+    return (b.peak_bytes / a.peak_bytes - 1) < FLAT_SHARE * (b.batch / a.batch - 1)
 
 
 def _crossing(a: Probe, b: Probe, target: int) -> float | None:

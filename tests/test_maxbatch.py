@@ -324,3 +324,22 @@ def test_cli_guide_on_a_recorded_mlp():
     assert build_problem(record(none)).baseline_peak[0] <= 200_000 < build_problem(record(none + 1)).baseline_peak[0]
     r = CliRunner().invoke(main, args, catch_exceptions=False)
     assert r.exit_code == 0 and "Guided:" in r.output
+
+
+def test_a_line_through_flat_peaks_does_not_send_the_search_far_off():
+    """At small batches the peak can be where nothing grows with the batch (parameters and the
+    optimizer's state): an 8 MB GPT-2's batches 1 and 2 peaked 512 B apart, and the line through
+    them crossed the budget at batch 10467 where 17 was the answer; the search recorded fake
+    steps of 10467, 5234 and 2625. Where the peak grew much slower than the batch, no step goes
+    past GUESS_REACH times the largest batch that fits."""
+    from taichi_plan.maxbatch import GUESS_REACH
+
+    n, fixed = 17, 2_641_216
+    seen: list[int] = []
+
+    def peak(b: int) -> int:
+        return fixed + 512 * (b - 1) if b <= 2 else fixed + 300_000 * (b - 2)  # flat, then linear
+
+    r = search(peaked(n, peak, seen), None, 1 << 16, target=fixed + 300_000 * (n - 2) + 150_000)
+    assert r.max_batch == n and r.stop is not None and r.stop.batch == n + 1
+    assert max(seen) <= GUESS_REACH * n, seen
