@@ -482,8 +482,8 @@ def test_partition_savings_are_computed_once_per_problem(monkeypatch):
     trace = partition_trace()
     p = build_problem(trace)
     calls = []
-    real = partition.apply_partitions
-    monkeypatch.setattr(partition, "apply_partitions", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    real = partition.partitioned_live
+    monkeypatch.setattr(partition, "partitioned_live", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
     partition.floor_bytes(p)
     spans = partition.module_spans(p)
     first = len(calls)
