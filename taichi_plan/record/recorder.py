@@ -61,6 +61,7 @@ How each column is decided:
 from __future__ import annotations
 
 import gc
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -235,6 +236,10 @@ class Recorder(TorchDispatchMode):
         self._infos: dict = {}
         self._alive: dict[int, weakref.ref] = {}  # storage key -> weakref, every storage seen and alive
         self._tid: dict[int, int] = {}  # storage key -> tensor id in the current step
+        # Rows of the current step whose storage died on another thread (a collective's worker
+        # dropped the last reference after the step's own code had: see _on_free).
+        self.offthread_freed: list[int] = []
+        self._thread = threading.get_ident()
         self._n = 0
         self._in_opt = False
         self._rec: StepRecord | None = None
@@ -361,6 +366,8 @@ class Recorder(TorchDispatchMode):
             accesses={k: [] for k in ("op_id", "tensor_id", "role", "arg_index")},
         )
         self._tid = {}
+        self.offthread_freed = []
+        self._thread = threading.get_ident()
         self._n = 0
         for kind, tensors in registered:
             for t in tensors:
@@ -455,10 +462,17 @@ class Recorder(TorchDispatchMode):
         return tid
 
     def _on_free(self, key: int, _ref) -> None:
+        """A storage died: its row is freed after the last op that started. When the callback
+        runs on another thread than the step's, a collective's worker (gloo's) held the last
+        reference: it lets go just after it marks the collective done, so whether that is
+        before or after the step's own code drops the tensor, and so at which op the storage
+        dies, is a race between the threads. The row is kept in ``offthread_freed``."""
         self._alive.pop(key, None)
         tid = self._tid.pop(key, None)
         if tid is not None:
             self._rec.tensors["free_op"][tid] = max(self._n - 1, 0)
+            if threading.get_ident() != self._thread:
+                self.offthread_freed.append(tid)
 
     def _module(self) -> str:
         parents = self._mod_tracker.parents

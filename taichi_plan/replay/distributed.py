@@ -161,18 +161,27 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
             optimizer.zero_grad(set_to_none=loop.set_to_none)
             step()
         grads = [local_tensor(p.grad).clone() if p.grad is not None else None for p in model.parameters()]
-        recorder = Recorder(None, model)
-        hooks = recorder.optimizer_hooks(optimizer)
-        try:
-            optimizer.zero_grad(set_to_none=loop.set_to_none)
-            recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer) + extra)
-            with recorder:
-                step()
-            rec = recorder.end_step(late_tensors(model, optimizer))
-        finally:
-            for h in hooks:
-                h.remove()
-            recorder.close()
+        params = None
+        remeasured = -1
+        while remeasured < MEASURE_TRIES - 1:
+            remeasured += 1
+            recorder = Recorder(None, model)
+            hooks = recorder.optimizer_hooks(optimizer)
+            try:
+                optimizer.zero_grad(set_to_none=loop.set_to_none)
+                recorder.begin_step(registered_tensors(model, batch, loss_fn, optimizer) + extra)
+                with recorder:
+                    step()
+                rec = recorder.end_step(late_tensors(model, optimizer))
+            finally:
+                for h in hooks:
+                    h.remove()
+                recorder.close()
+            if params is None:  # after the first measured step: a re-measured one trains once more
+                params = [local_tensor(p.detach()).clone() for p in model.parameters()]
+            peak, peak_op = baseline_peak(step_to_trace(rec, 0, "measured", {}))
+            if not _raced(rec, recorder.offthread_freed, peak_op):
+                break
         # as the measured step ran: the plan's reshard_after_forward (DDP has no units)
         units = live_layout(model)["units"] if ddp is None else []
         prefetch = live_prefetch(model) if ddp is None else {}
@@ -181,12 +190,32 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
             h.remove()
         if unshard is not None:
             unshard()
-    peak, peak_op = baseline_peak(step_to_trace(rec, 0, "measured", {}))
-    params = [local_tensor(p.detach()).clone() for p in model.parameters()]
-    return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "params": params,
+    return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "params": params, "remeasured": remeasured,
             "dropped": rt.dropped_storages if rt is not None else 0,
             "recompute_ops": rt.recompute_ops if rt is not None else 0,
             "mismatches": rt.mismatches if rt is not None else 0, "units": units, "prefetch": prefetch}
+
+
+MEASURE_TRIES = 3  # measured steps at most per run, while a thread race may have moved the peak
+
+
+def _raced(rec, offthread: list[int], peak_op: int) -> bool:
+    """Did a storage that gloo's worker thread freed (``Recorder.offthread_freed``) live at
+    the measured peak on any rank? Such a storage dies when the worker lets go of a finished
+    collective, which races with the step's own code dropping it (seen: an FSDP2 all-gather
+    buffer held 0.37 MB past the next all-gather once in about 15 runs), so that step's peak
+    is not the step's own: the run measures one more. Every rank measures as many steps (the
+    answer is all-reduced), so their collectives stay matched."""
+    import torch
+    import torch.distributed as dist
+
+    t = rec.tensors
+    hit = any(t["alloc_op"][i] <= peak_op <= t["free_op"][i] for i in offthread)
+    if not dist.is_initialized():
+        return hit
+    flag = torch.tensor([int(hit)])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
 
 
 class _Undo:
@@ -233,6 +262,8 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
                 "params_match": _same(base["params"], planned["params"], not plan.partitions),
                 "dropped_storages": planned["dropped"], "recompute_ops": planned["recompute_ops"],
                 "mismatches": planned["mismatches"],
+                # measured steps the run added because a thread race may have moved the peak (_raced)
+                "remeasured_steps": {"unplanned": base["remeasured"], "planned": planned["remeasured"]},
                 "reshard_after_forward": [[m or "<root>", r] for m, r in planned["units"]],
                 "fsdp_prefetch": planned["prefetch"],  # as the measured step ran (FSDP's defaults left out)
             })
