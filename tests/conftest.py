@@ -67,6 +67,22 @@ def pytest_configure(config):
         config.pluginmanager.register(_TestSeconds(config), "taichi_plan_test_seconds")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _frozen_before_each_file():
+    """Recordings and measurements run ``gc.collect()`` before each step (record/recorder.py:
+    a step's garbage cycles must not depend on when the collector last ran). With torch,
+    transformers and the test modules imported, each full collection scans a few million
+    objects (0.2 s each: a quarter of a replay test's time). So before each test file, once
+    its garbage is collected, what is still alive (imports, session fixtures) is moved out of
+    the collector's sight (``gc.freeze``): a collection then scans what the file's tests made.
+    Nothing alive then is garbage in a step the file measures."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    yield
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _short_calibration():
     """Real recordings calibrate the replay runtime's cost on their model (replay/calibrate.py:
