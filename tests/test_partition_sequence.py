@@ -111,7 +111,7 @@ def test_llama_batch_1_measures_as_predicted(llama_b1, tmp_path, parts):
     assert _in_span(llama_b1, parts, sim.peak_op), sim.peak_op
     plan, r = replay_partitions(llama_b1, parts, tmp_path)
     assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], r
-    assert r["grads_match"] and r["grads_check"] == "allclose(rtol=1e-4, atol=1e-6)", r
+    assert r["grads_match"] and r["grads_check"].startswith("allclose(rtol=1e-4, atol=1e-6) on the first"), r
     assert plan.partitions[0].over == "sequence" and "runs of its 48 positions" in plan.partitions[0].why
 
 

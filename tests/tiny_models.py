@@ -61,3 +61,18 @@ def sdpa_blocks(batch: int = 4, dtype: str = "fp32", dropout_p: float = 0.1, **_
 def sdpa_blocks_no_dropout(batch: int = 4, dtype: str = "fp32", **_):
     """:func:`sdpa_blocks` with ``dropout_p=0``: SDPA is tagged seeded but draws nothing."""
     return sdpa_blocks(batch, dtype, dropout_p=0.0)
+
+
+def opt_decoder(batch: int = 4, seq: int = 64, dtype: str = "fp32", **_):
+    """A two-layer OPT decoder (learned positions, tied head, dropout 0.1) with its loss in
+    its forward (``labels=``), trained with AdamW: a family no other test names."""
+    import torch
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    cfg = OPTConfig(vocab_size=512, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                    max_position_embeddings=128, word_embed_proj_dim=64, dropout=0.1)
+    model = OPTForCausalLM(cfg)
+    ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids.clone()}, (lambda out, _b: out.loss), \
+        torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -157,10 +157,12 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
         undo_parts = install_partitions(model, plan.partitions, rt)
         handles.append(_Undo(undo_parts))
     try:
+        first_grads = None
         for _ in range(steps):
             optimizer.zero_grad(set_to_none=loop.set_to_none)
             step()
-        grads = [local_tensor(p.grad).clone() if p.grad is not None else None for p in model.parameters()]
+            grads = [local_tensor(p.grad).clone() if p.grad is not None else None for p in model.parameters()]
+            first_grads = grads if first_grads is None else first_grads
         params = None
         remeasured = -1
         while remeasured < MEASURE_TRIES - 1:
@@ -190,7 +192,8 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
             h.remove()
         if unshard is not None:
             unshard()
-    return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "params": params, "remeasured": remeasured,
+    return {"peak_bytes": peak, "peak_op": peak_op, "grads": grads, "first_grads": first_grads, "params": params,
+            "remeasured": remeasured,
             "dropped": rt.dropped_storages if rt is not None else 0,
             "recompute_ops": rt.recompute_ops if rt is not None else 0,
             "mismatches": rt.mismatches if rt is not None else 0, "units": units, "prefetch": prefetch}
@@ -225,27 +228,13 @@ class _Undo:
         self.remove = fn
 
 
-ALLCLOSE = {"rtol": 1e-4, "atol": 1e-6}  # partitions change float rounding (replay/measure.py's tolerance)
-
-
-def _same(a: list, b: list, exact: bool = True) -> bool:
-    """Every tensor of ``a`` equals ``b``'s: bitwise, or (``exact`` False) within :data:`ALLCLOSE`."""
-    import torch
-
-    def eq(x, y) -> bool:
-        return bool(torch.equal(x, y) if exact else torch.allclose(x, y, **ALLCLOSE))
-
-    return all((x is None and y is None) or (x is not None and y is not None and eq(x, y))
-               for x, y in zip(a, b, strict=True))
-
-
 def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, trace_path: str,
                  steps: int, seed: int) -> None:
     import torch.distributed as dist
 
     from ..trace import read_trace
     from . import plan_and_trace
-    from .measure import workload_of
+    from .measure import compare_training, workload_of
 
     out: dict = {"rank": rank}
     try:
@@ -255,11 +244,12 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
             workload = workload_of(trace)
             base = _sharded_run(workload, trace, None, mesh, nproc, seed, steps)
             planned = _sharded_run(workload, trace, plan, mesh, nproc, seed, steps)
+            compared = compare_training(base, planned, exact=not plan.partitions)
+            same, check = compared["matched"], compared["grads_check"]
             out.update({
                 "measured_peak_bytes": planned["peak_bytes"], "measured_peak_op": planned["peak_op"],
                 "baseline_measured_peak_bytes": base["peak_bytes"],
-                "grads_match": _same(base["grads"], planned["grads"], not plan.partitions),
-                "params_match": _same(base["params"], planned["params"], not plan.partitions),
+                "grads_match": same["grads"], "params_match": same["params"], "grads_check": check,
                 "dropped_storages": planned["dropped"], "recompute_ops": planned["recompute_ops"],
                 "mismatches": planned["mismatches"],
                 # measured steps the run added because a thread race may have moved the peak (_raced)
@@ -317,8 +307,7 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
         "ranks": ranks,
         "grads_match": all(r["grads_match"] and r["params_match"] for r in ranks),
         "within_budget": all(r["within_budget"] for r in ranks),
-        "grads_check": ("bitwise (torch.equal)" if not plan.partitions else
-                        f"allclose(rtol={ALLCLOSE['rtol']:g}, atol={ALLCLOSE['atol']:g}): the plan partitions")
+        "grads_check": ranks[0].get("grads_check", "") + (": the plan partitions" if plan.partitions else "")
                        + " on each rank's local gradient and parameter " + ("tensors" if flag == "--ddp" else "shards"),
     }
 

@@ -6,8 +6,11 @@ step under the recorder, whose live-storage accounting is the trace's own (the s
 MemTracker gives): that step's peak is the measured peak. Gradients and parameters after
 the last step are compared: bitwise for rematerialization alone (rebuilt ops replay their RNG
 state) and for modules checkpointed whole (one chunk: the same ops re-run on the same values,
-the RNG state restored), ``allclose`` when modules are split into chunks (also where a partitioned module's dropout
-draws, chunk by chunk, the whole batch's masks: ``random_draws`` "as-unpartitioned"), and
+the RNG state restored); when modules are split into chunks (also where a partitioned
+module's dropout draws, chunk by chunk, the whole batch's masks: ``random_draws``
+"as-unpartitioned"), the first planned step's gradients ``allclose`` and the parameters after
+the last step within a relative L2 distance (:func:`compare_training`: AdamW makes a few
+near-zero-gradient elements leave any element-wise tolerance), and
 *statistically* when a partitioned module's chunks draw their own masks ("per-chunk",
 ``solve --partition-random``): a third, unplanned run reseeds the generator after its warm-up
 step, and the planned run may differ from the unplanned one (relative L2 distance of all
@@ -206,16 +209,23 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
     and anything outside the trace, such as cuBLAS workspaces). ``rng_seed``: reseed the
     generator after the warm-up step (the same model and batch, other random draws)."""
     run = MeasuredRun(workload, plan, trace, seed, device, say, what, rng_seed)
+    first = {}
     try:
         for k in range(steps):
             say(f"{what}: step {k + 1}/{steps}")
             run.timed_step(read_cuda_peaks=k == steps - 1)
+            if k == 0:
+                first = _state(run.model, "first_")
         peak = run.measure_peak()
     finally:
         run.close()
-    return {**run.timings(), **peak, **run.cuda_peaks,
-            "params": [p.detach().clone() for p in run.model.parameters()],
-            "grads": [None if p.grad is None else p.grad.detach().clone() for p in run.model.parameters()]}
+    return {**run.timings(), **peak, **run.cuda_peaks, **first, **_state(run.model)}
+
+
+def _state(model, prefix: str = "") -> dict:
+    """Copies of ``model``'s parameters and gradients (None where a parameter has none)."""
+    return {f"{prefix}params": [p.detach().clone() for p in model.parameters()],
+            f"{prefix}grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]}
 
 
 class MeasuredRun:
@@ -393,7 +403,6 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     Raises :class:`~taichi_plan.errors.NotEnoughMemoryError` before building anything when the
     larger predicted peak exceeds this machine's memory, unless ``force``. ``progress(message)``
     is called as the runs go."""
-    import torch
 
     from . import plan_and_trace
 
@@ -456,26 +465,74 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     elif check_grads:
         # One chunk (checkpointed whole) re-runs the same ops on the same values: bitwise.
         exact = all(p.chunks == 1 for p in plan.partitions)
-        same = True
-        worst = 0.0
         # Stepped in backward, the planned run frees each gradient once its parameter is
         # updated: only the parameters can be compared (they carry every gradient's effect).
         in_backward = plan_mode(plan) == "in-backward"
-        for key in ("params",) if in_backward else ("grads", "params"):
-            for a, b in zip(base[key], planned[key], strict=True):
-                if a is None or b is None:
-                    same &= a is None and b is None
-                    continue
-                if exact:
-                    same &= bool(torch.equal(a, b))
-                else:
-                    same &= bool(torch.allclose(a, b, rtol=1e-4, atol=1e-6))
-                worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
-        report["grads_match"] = same
-        report["grads_check"] = (("bitwise (torch.equal)" if exact else "allclose(rtol=1e-4, atol=1e-6)")
-                                 + (", parameters only (gradients are freed in backward)" if in_backward else ""))
-        report["grads_max_abs_diff"] = worst
+        out = compare_training(base, planned, exact, in_backward)
+        out.pop("matched")
+        report.update(out)
     return report
+
+
+# Chunks sum in another order: gradients differ by rounding, compared element by element on
+# the first planned step (both runs start it from the same parameters: the warm-up is
+# unplanned). Parameters are compared as a whole: AdamW's update g / (sqrt(v) + eps) turns a
+# rounding-sized difference in a near-zero gradient into an update difference of up to its
+# learning rate, so a few elements leave any element-wise tolerance while the rest agree to
+# rounding (an OPT decoder's head over tokens: 66 elements outside allclose after 5 steps, the
+# parameters' relative L2 distance 1.0e-6).
+GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
+PARAMS_REL_TOL = 1e-5
+
+
+def compare_training(base: dict, planned: dict, exact: bool, in_backward: bool = False) -> dict:
+    """``grads_match``, ``grads_check`` (what was compared, in words) and ``grads_max_abs_diff``
+    of two :func:`run_and_measure` results (or any two dicts of ``grads``, ``first_grads`` and
+    ``params`` lists): every gradient and parameter after the last step bitwise (``exact``),
+    else the first planned step's gradients within :data:`GRAD_TOL` and the parameters after
+    the last step within :data:`PARAMS_REL_TOL` relative L2 distance. ``in_backward``: the
+    planned run kept no gradients (the optimizer stepped in backward). ``matched`` holds the
+    verdict for the gradients and the parameters apart."""
+    import torch
+
+    worst = 0.0
+    ok = {"grads": True, "params": True}
+
+    def each(key: str, part: str):
+        nonlocal worst
+        for a, b in zip(base[key], planned[key], strict=True):
+            if a is None or b is None:
+                ok[part] &= a is None and b is None
+                continue
+            worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
+            yield a, b
+
+    if exact:
+        for key in ("params",) if in_backward else ("grads", "params"):
+            for a, b in each(key, key):
+                ok[key] &= bool(torch.equal(a, b))
+        check = "bitwise (torch.equal)"
+    else:
+        parts = []
+        if not in_backward:
+            for a, b in each("first_grads", "grads"):
+                ok["grads"] &= bool(torch.allclose(a, b, **GRAD_TOL))
+            parts.append(f"allclose(rtol={_sci(GRAD_TOL['rtol'])}, atol={_sci(GRAD_TOL['atol'])}) on the first "
+                         "planned step's gradients")
+        list(each("params", "params"))
+        dist = _rel_distance(base["params"], planned["params"])
+        ok["params"] &= dist <= PARAMS_REL_TOL
+        parts.append(f"parameters within {_sci(PARAMS_REL_TOL)} relative L2 distance ({dist:.2g})")
+        check = ", ".join(parts)
+    if in_backward:
+        check += ", parameters only (gradients are freed in backward)"
+    return {"grads_match": ok["grads"] and ok["params"], "grads_check": check, "grads_max_abs_diff": worst,
+            "matched": ok}
+
+
+def _sci(v: float) -> str:
+    """1e-4, not 0.0001."""
+    return f"{v:.0e}".replace("e-0", "e-")
 
 
 def random_draws_sentence(draws: dict[str, str], whole: frozenset[str] = frozenset()) -> str:
