@@ -155,3 +155,18 @@ def test_steps_that_differ_are_reported(runner, tmp_path, monkeypatch):
     mm = meta["first_mismatch"]
     assert mm["step"] == 2 and "aten.exp.default in <top level>" in mm["expected"] + mm["got"]
     assert len(set(meta["signatures"])) == 2
+
+
+@pytest.mark.parametrize(("entry", "fake", "expected"), [
+    ("tiny_models:raises_in_forward", False, "ValueError: shapes (4, 8) and (7, 8) do not match (in forward"),
+    ("tiny_models:reads_values", True, "it must not read tensor values"),
+])
+def test_a_step_that_raises_says_where_without_a_traceback(runner, tmp_path, entry, fake, expected):
+    """The model's own error (or a value read under --fake) is the user's to fix: a one-paragraph
+    message naming the exception and where it was raised, exit code 7, nothing written."""
+    out = tmp_path / "t"
+    r = runner.invoke(main, ["record", "--entry", entry, *(["--fake"] if fake else []), "-o", str(out)])
+    assert r.exit_code == WorkloadError.exit_code, r.output
+    msg = " ".join(r.output.split())
+    assert "the training step raised" in msg and expected in msg, msg
+    assert "Traceback" not in r.output and not out.exists()

@@ -76,3 +76,38 @@ def opt_decoder(batch: int = 4, seq: int = 64, dtype: str = "fp32", **_):
     ids = torch.randint(0, 512, (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, {"input_ids": ids, "labels": ids.clone()}, (lambda out, _b: out.loss), \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def raises_in_forward(batch: int = 4, **_):
+    """A model whose forward raises (a bug in the user's model): record says where, no traceback."""
+    import torch
+    from torch import nn
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            raise ValueError("shapes (4, 8) and (7, 8) do not match")
+
+    model = Broken()
+    return model, torch.ones(batch, 8), (lambda out, _b: out.sum()), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def reads_values(batch: int = 4, **_):
+    """A model whose forward reads a tensor's value (.item()): impossible under --fake."""
+    import torch
+    from torch import nn
+
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * float(y.sum().item() > 0)
+
+    model = Reads()
+    return model, torch.ones(batch, 8), (lambda out, _b: out.sum()), torch.optim.SGD(model.parameters(), lr=0.1)

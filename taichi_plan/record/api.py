@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from pathlib import Path
 
 from ..devices import DeviceProfile, get_profile
-from ..errors import UsageError, WorkloadError
+from ..errors import TaichiError, UsageError, WorkloadError
 from ..trace import Trace, frame, op_signature
 from .loop import AUTOCAST_DTYPES, Loop
 from .pyrefs import probe_step, release_points
@@ -71,6 +72,14 @@ def make_step_fn(model, batch, loss_fn, optimizer, where: str = "workload", loop
         return loss
 
     def step() -> None:
+        try:
+            run_step()
+        except TaichiError:
+            raise
+        except Exception as e:
+            raise _raised_in_step(e, where) from e
+
+    def run_step() -> None:
         for _ in range(loop.micro_batches):
             with autocast():
                 loss = one_loss()
@@ -87,6 +96,29 @@ def make_step_fn(model, batch, loss_fn, optimizer, where: str = "workload", loop
         optimizer.step()
 
     return step
+
+
+def _raised_in_step(e: Exception, where: str) -> Exception:
+    """An exception the step raised outside taichi-plan's own code (the model, its loss, the
+    optimizer, a library they call) as a :class:`WorkloadError` naming where it was raised:
+    the step as written does not run, with or without a plan. One raised inside taichi-plan
+    is returned as it is (a bug of ours keeps its traceback)."""
+    import traceback
+
+    frames = traceback.extract_tb(e.__traceback__)
+    if not frames or Path(frames[-1].filename).resolve().is_relative_to(_PACKAGE):
+        return e
+    last = frames[-1]
+    fake = type(e).__module__.startswith("torch._subclasses") or "FakeTensor" in str(e)
+    hint = (" Under --fake the step runs on fake tensors: it must not read tensor values (.item(), "
+            "printing a tensor, a shape that depends on values)." if fake else "")
+    return WorkloadError(
+        f"{where}: the training step raised {type(e).__name__}: {e} (in {last.name}, {last.filename}, line "
+        f"{last.lineno}). taichi-plan runs the step as your loop would: model(batch), loss_fn(output, batch), "
+        f"backward, optimizer.step().{hint} Run that step once on its own to fix it, then record again.")
+
+
+_PACKAGE = Path(__file__).resolve().parents[1]
 
 
 def _tensors(obj) -> list:
