@@ -12,6 +12,7 @@ See :mod:`taichi_plan.record.recorder` for what a step is and how each column is
 from __future__ import annotations
 
 import contextlib
+import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
@@ -112,9 +113,13 @@ def _raised_in_step(e: Exception, where: str) -> Exception:
     fake = type(e).__module__.startswith("torch._subclasses") or "FakeTensor" in str(e)
     hint = (" Under --fake the step runs on fake tensors: it must not read tensor values (.item(), "
             "printing a tensor, a shape that depends on values)." if fake else "")
+    installed = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], sysconfig.get_paths()["stdlib"])
+    own = [f for f in frames if not f.filename.startswith(installed) and not f.filename.startswith("<")
+           and not Path(f.filename).resolve().is_relative_to(_PACKAGE)]
+    mine = f", called from {own[-1].name} ({own[-1].filename}, line {own[-1].lineno})" if own and own[-1] != last else ""
     return WorkloadError(
         f"{where}: the training step raised {type(e).__name__}: {e} (in {last.name}, {last.filename}, line "
-        f"{last.lineno}). taichi-plan runs the step as your loop would: model(batch), loss_fn(output, batch), "
+        f"{last.lineno}{mine}). taichi-plan runs the step as your loop would: model(batch), loss_fn(output, batch), "
         f"backward, optimizer.step().{hint} Run that step once on its own to fix it, then record again.")
 
 
