@@ -167,9 +167,9 @@ def test_mismatch_never_poisons_the_process(plain_plan):
     _, path = plain_plan
     model, batch, loss_fn, opt = build()
     model = taichi_plan.apply(model, path, optimizer=opt)
-    short = {k: v[:, :16] for k, v in batch.items()}
-    with pytest.raises(MismatchError, match=r"input_ids is \[4, 16\]"):
-        model(**short)
+    larger = {k: torch.cat([v, v]) for k, v in batch.items()}  # a smaller one would run the plan
+    with pytest.raises(MismatchError, match=r"input_ids is \[8, 32\]"):
+        model(**larger)
     assert torch.equal(torch.ones(3) + 1, torch.full((3,), 2.0))  # nothing left installed
     # The next call with the recorded shapes runs planned again.
     rt = model._taichi_plan["runtime"]
@@ -258,3 +258,80 @@ def test_compiled_model_is_refused(plain_plan):
     model, *_ = build()
     with pytest.raises(taichi_plan.TaichiError, match="torch.compile"):
         taichi_plan.apply(torch.compile(model), path)
+
+
+SHAPES = [(4, 32), (3, 32), (4, 24), (2, 9), (4, 32)]  # (batch, seq) per step: the recorded one first
+
+
+def _train_shapes(plan_path=None):
+    """Steps over batches of the shapes in SHAPES (a last, smaller batch of an epoch, shorter
+    padded sequences): the parameters after them, each step's peak (LivePeak) and the runtime."""
+    model, batch, loss_fn, opt = build(seed=0)
+    if plan_path is not None:
+        model = taichi_plan.apply(model, plan_path, optimizer=opt)
+    peaks = []
+    for b, s in SHAPES:
+        part = {k: v[:b, :s].contiguous() for k, v in batch.items()}  # as a data loader makes them
+        opt.zero_grad()
+        with LivePeak(state_tensors(model, opt, part)) as tracker:
+            loss_fn(model(**part), part).backward()
+            opt.step()
+        peaks.append(tracker.peak)
+    rt = model._taichi_plan["runtime"] if plan_path is not None else None
+    if plan_path is not None:
+        taichi_plan.finish(model)
+    return [p.detach().clone() for p in model.parameters()], peaks, rt
+
+
+def test_smaller_batches_and_sequences_run_the_plan(plain_plan):
+    """A call whose inputs are no larger than the recorded ones in any dimension runs the plan
+    as it is (the same ops, each storage at most its recorded size, checked op by op): every
+    step planned, no mismatch, training as unplanned, and no step's peak above the recorded
+    shape's. A larger input is still refused."""
+    plan, path = plain_plan
+    base, base_peaks, _ = _train_shapes()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned, peaks, rt = _train_shapes(path)
+    assert rt.planned_calls == len(SHAPES) and rt.mismatches == 0 and rt.dropped_storages > 0
+    assert_trains_like(base, planned, plan, lambda: _train_shapes()[0])
+    # the last step is the recorded shape with AdamW's state made (the first step makes it)
+    assert all(p <= peaks[-1] for p in peaks) and peaks[-1] <= plan.budget_bytes, (peaks, plan.budget_bytes)
+    # planned below unplanned where activations set the peak ((2, 9) peaks in the optimizer step)
+    assert peaks[1] < base_peaks[1] and peaks[2] < base_peaks[2] and peaks[3] <= base_peaks[3], (peaks, base_peaks)
+    model, batch, loss_fn, _ = build(seed=0, batch=5)
+    model = taichi_plan.apply(model, path)
+    with pytest.raises(MismatchError, match="input_ids is \\[5, 32\\].*or smaller ones"):
+        model(**batch)
+    taichi_plan.finish(model)
+
+
+def test_a_last_step_with_fewer_micro_batches_runs_the_plan(tmp_path):
+    """Accumulation over 4 micro-batches, the epoch's last step with 2 left: planned, no
+    warning, training as unplanned, its peak no higher than a full step's."""
+    loop = Loop(micro_batches=4)
+    plan, path = plan_for(loop, tmp_path)
+
+    def run(plan_path=None):
+        model, batch, loss_fn, opt = build(seed=0)
+        if plan_path is not None:
+            model = taichi_plan.apply(model, plan_path, optimizer=opt)
+        peaks = []
+        for micro in (4, 2, 4):
+            opt.zero_grad()
+            with LivePeak(state_tensors(model, opt, batch)) as tracker:
+                for _ in range(micro):
+                    (loss_fn(model(**batch), batch) / micro).backward()
+                opt.step()
+            peaks.append(tracker.peak)
+        if plan_path is not None:
+            assert model._taichi_plan["runtime"].planned_calls == 10
+            taichi_plan.finish(model)
+        return [p.detach().clone() for p in model.parameters()], peaks
+
+    base, _ = run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned, peaks = run(path)
+    assert_trains_like(base, planned, plan, lambda: run()[0])
+    assert peaks[1] <= peaks[2] <= plan.budget_bytes, (peaks, plan.budget_bytes)

@@ -44,15 +44,15 @@ def test_guard_names_the_input_that_differs(replay_cases):
     plan = replay_cases.plan("gpt2", 0.7)[0]
     plan_path = root / "guard.plan.json"
     save_plan(plan, plan_path, force=True)
-    model, batch, loss_fn, _ = _gpt2(32)  # another sequence length: stopped before any op runs
+    model, batch, loss_fn, _ = _gpt2(128)  # a longer sequence: stopped before any op runs
     model = taichi_plan.apply(model, plan_path)
     with pytest.raises(MismatchError) as e:
         loss_fn(model(**batch), batch).backward()
     msg = str(e.value)
-    assert "input_ids is [4, 32]" in msg and "[4, 64]" in msg
+    assert "input_ids is [4, 128]" in msg and "[4, 64]" in msg
     taichi_plan.finish(model)
 
-    model, batch, loss_fn, _ = _gpt2(32)
+    model, batch, loss_fn, _ = _gpt2(128)
     model = taichi_plan.apply(model, plan_path, on_mismatch="warn")
     with pytest.warns(UserWarning, match="runs unplanned"):
         loss_fn(model(**batch), batch).backward()

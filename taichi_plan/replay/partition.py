@@ -61,22 +61,25 @@ def _chunked(forward, chunks: int, rt, name: str):
     def run(*args, **kwargs):
         leaves, spec = tree_flatten((args, kwargs))
         batch = next((x.shape[0] for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-        if chunks > 1 and (batch is None or batch < chunks):
+        k = chunks
+        if rt is not None and rt.smaller_call() and batch is not None and 0 < batch < chunks:
+            k = batch  # a smaller batch: one row per chunk, no larger than the recorded chunks
+        if k > 1 and (batch is None or batch < k):
             raise PlanError(f"Cannot split {name!r} into {chunks} chunks: its batch is {batch}.")
         if rt is not None:
             rt.enter_partition(name)
         try:
-            if chunks == 1:  # checkpointed whole: its outputs are the module's own, nothing to join
+            if k == 1:  # checkpointed whole: its outputs are the module's own, nothing to join
                 return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-            pieces = [[] for _ in range(chunks)]
-            sizes = chunk_sizes(batch, chunks)
+            pieces = [[] for _ in range(k)]
+            sizes = chunk_sizes(batch, k)
             for x in leaves:
                 parts = (torch.split(x, sizes, dim=0) if isinstance(x, torch.Tensor) and x.dim() > 0
-                         and x.shape[0] == batch else [x] * chunks)
-                for c in range(chunks):
+                         and x.shape[0] == batch else [x] * k)
+                for c in range(k):
                     pieces[c].append(parts[c])
             outs = []
-            for c in range(chunks):
+            for c in range(k):
                 a, kw = tree_unflatten(pieces[c], spec)
                 outs.append(checkpoint(forward, *a, use_reentrant=False, **kw))
             flat = [tree_flatten(o) for o in outs]
@@ -109,23 +112,28 @@ def _over_positions(forward, chunks: int, rt, name: str):
             raise PlanError(f"Cannot split {name!r} over its positions: it got no tensor of shape [batch, seq, ...].")
         pos = tuple(first.shape[:2])
         n = pos[0] * pos[1]
-        if n % chunks:
+        if n % chunks and rt is not None and rt.smaller_call():
+            # Smaller inputs: uneven runs, each no longer than the recorded ones (n < N, N = k x run).
+            sizes = chunk_sizes(n, min(chunks, n))
+        elif n % chunks:
             raise PlanError(f"Cannot split {name!r} into {chunks} runs of its {n} positions: {chunks} does not divide "
                             f"them (its input is {list(first.shape)}; the plan was made for another sequence length).")
-        size = n // chunks
+        else:
+            sizes = [n // chunks] * chunks
+        size = sizes[0]
         if rt is not None:
             rt.enter_partition(name)
         try:
-            pieces = [[] for _ in range(chunks)]
+            pieces = [[] for _ in sizes]
             for x in leaves:
                 if isinstance(x, torch.Tensor) and x.dim() >= 2 and tuple(x.shape[:2]) == pos:
-                    parts = torch.split(x.reshape(1, n, *x.shape[2:]), size, dim=1)
+                    parts = torch.split(x.reshape(1, n, *x.shape[2:]), sizes, dim=1)
                 else:
-                    parts = [x] * chunks
-                for c in range(chunks):
+                    parts = [x] * len(sizes)
+                for c in range(len(sizes)):
                     pieces[c].append(parts[c])
             flat = []
-            for c in range(chunks):
+            for c in range(len(sizes)):
                 a, kw = tree_unflatten(pieces[c], spec)
                 flat.append(tree_flatten(checkpoint(forward, *a, use_reentrant=False, **kw)))
             merged = []

@@ -5,8 +5,8 @@ It executes what the simulator models (docs/planner.md#replay), one model call a
 * The trace says which of the step's ops ran inside a call of the model (``meta.model_calls``)
   and with which inputs. ``apply`` hooks the model: a call made with grad enabled, in the
   recorded training mode, is matched to the next recorded call of the step (:class:`CallPlan`).
-  Its inputs' shapes and dtypes are checked first (a new batch or sequence length stops there,
-  before it costs memory). Calls under ``no_grad``/``inference_mode``, in eval mode, and calls
+  Its inputs' shapes and dtypes are checked first (a larger batch or sequence stops there,
+  before it costs memory; smaller ones run the plan as it is: :func:`no_larger`). Calls under ``no_grad``/``inference_mode``, in eval mode, and calls
   whose plan has nothing to do run untouched: no mode, no hooks, no cost.
 * For a planned call, a :class:`Frame` holds everything of that call; while the call runs, a
   ``TorchDispatchMode`` counts its ops exactly as the recorder did (``prim.*``, ``profiler.*``
@@ -161,6 +161,28 @@ class Frame:
     depth: int = 0  # rebuilds in progress (a rebuild rebuilds its gone inputs first)
     shared: dict | None = None  # while a group is rebuilt: its transients, re-made once
     next_sid: int = 0
+    smaller: bool = False  # inputs no larger than the recorded ones in any dimension, some smaller
+
+
+def no_larger(got: list, want: list) -> bool:
+    """Are the call's tensor inputs ``got`` (:func:`~taichi_plan.record.recorder.input_signature`)
+    the recorded ones ``want`` with no dimension larger: the same names, dtypes and ranks, each
+    size at most the recorded one? Such a call (a last, smaller batch; a shorter padded sequence)
+    runs the plan as it is: the same ops, each storage at most its recorded size (checked op by
+    op, :func:`_off`), so the same drops and rebuilds keep every op's live bytes at most the
+    predicted ones."""
+    if len(got) != len(want):
+        return False
+    for (n, s, d), (wn, ws, wd) in zip(got, want, strict=True):
+        if n != wn or d != wd or len(s) != len(ws) or any(a > b for a, b in zip(s, ws, strict=True)):
+            return False
+    return True
+
+
+def _off(got: int, want: int, smaller: bool) -> bool:
+    """Is a storage of ``got`` bytes off the recorded ``want``: other (the recorded inputs) or
+    larger (smaller inputs)?"""
+    return got > want if smaller else got != want
 
 
 class _Handle:
@@ -214,13 +236,13 @@ class PlanRuntime(TorchDispatchMode):
         if bool(model.training) != call.training:
             return False
         self._index += 1
-        problem = self._check_inputs(call, model, args, kwargs)
+        problem, smaller = self._check_inputs(call, model, args, kwargs)
         if problem is not None:
             self._mismatch(problem)
             return False
         if not call.active:
             return False
-        frame = Frame(call)
+        frame = Frame(call, smaller=smaller)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._frame = frame
         self.__enter__()
@@ -245,10 +267,12 @@ class PlanRuntime(TorchDispatchMode):
 
     def end_step(self) -> None:
         """The optimizer stepped: the next call is the first of a new step. Says so when this
-        step ran another number of planned calls than the recorded one."""
+        step called the model more often than the recorded one. Fewer calls (the last step of
+        an epoch, with fewer micro-batches left) each ran their recorded call's plan, and the
+        calls not made hold nothing: within the prediction."""
         n, want = self._index, len(self.calls)
         self._index = 0
-        if n and want and n != want:
+        if n and want and n > want:
             self._mismatch(
                 f"This training step called the model {n} time(s) with grad before optimizer.step(), but "
                 f"the plan's trace has {want} ({self._loop_words()}). The plan's memory prediction holds only for "
@@ -259,11 +283,14 @@ class PlanRuntime(TorchDispatchMode):
         mb = self.loop.get("micro_batches", 1)
         return f"recorded with {mb} micro-batch{'es' if mb != 1 else ''} per step"
 
-    def _check_inputs(self, call: CallPlan, model, args, kwargs) -> str | None:
+    def _check_inputs(self, call: CallPlan, model, args, kwargs) -> tuple[str | None, bool]:
+        """(why this call cannot run the plan or None, whether its inputs are smaller than the
+        recorded ones: :func:`no_larger`)."""
         from ..record.recorder import input_signature
 
         got = input_signature(args, kwargs)
-        if got != call.inputs:
+        smaller = got != call.inputs and no_larger(got, call.inputs)
+        if got != call.inputs and not smaller:
             want = {n: (s, d) for n, s, d in call.inputs}
             have = {n: (s, d) for n, s, d in got}
             diffs = [f"{n} is {have[n][0]} {have[n][1]}, the plan's trace has {want[n][0]} {want[n][1]}"
@@ -271,8 +298,9 @@ class PlanRuntime(TorchDispatchMode):
             diffs += [f"{n} is new" for n in have if n not in want]
             diffs += [f"{n} is missing" for n in want if n not in have]
             return (f"The model was called with other inputs than the plan was made for: {'; '.join(diffs[:3])}. "
-                    "A plan is tied to the shapes it was recorded with: record and solve again for these shapes, "
-                    "or apply the plan with on_mismatch='warn' to run such calls unplanned.")
+                    "A plan runs on the shapes it was recorded with, or smaller ones (a last, smaller batch; a "
+                    "shorter padded sequence): record and solve again for these shapes, or apply the plan with "
+                    "on_mismatch='warn' to run such calls unplanned."), False
         if call.grads_alive is not None:
             p = next((p for p in model.parameters() if p.requires_grad), None)
             alive = p is not None and p.grad is not None
@@ -280,8 +308,12 @@ class PlanRuntime(TorchDispatchMode):
                 return ("The model was called with gradients alive, but in the plan's trace "
                         f"({self._loop_words()}) call {call.index} started with none. The gradients' memory is not in the plan's prediction: record the loop you run "
                         "(--micro-batches N for gradient accumulation, --keep-grads for zero_grad(set_to_none=False)) "
-                        "and solve again.")
-        return None
+                        "and solve again."), False
+        return None, smaller
+
+    def smaller_call(self) -> bool:
+        """Does the call running now have smaller inputs than the recorded one (:func:`no_larger`)?"""
+        return self._frame is not None and self._frame.smaller
 
     # -- mismatches -----------------------------------------------------------------------------------
     def _mismatch(self, msg: str, once: bool = False) -> None:
@@ -317,8 +349,9 @@ class PlanRuntime(TorchDispatchMode):
         self._frame_mismatch(frame, (
             f"The live op sequence differs from the one the plan was made for, at op {i} of the model's call "
             f"{frame.call.index} ({name} in {frame.call.ops[i][1] or '<top level>'}): its output {j} has {got} "
-            f"bytes, the plan's trace has {want}. The input shapes or the model changed since the trace was "
-            "recorded: record and solve again, or apply the plan with on_mismatch='warn'."))
+            f"bytes, the plan's trace has {want}{' (or fewer, for these smaller inputs)' if frame.smaller else ''}. "
+            "The input shapes or the model changed since the trace was recorded: record and solve again, or apply "
+            "the plan with on_mismatch='warn'."))
 
     # -- identity -------------------------------------------------------------------------------------
     @staticmethod
@@ -369,7 +402,7 @@ class PlanRuntime(TorchDispatchMode):
             if sizes:
                 flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
                 for j, want in sizes.items():
-                    if j < len(flat) and flat[j].untyped_storage().nbytes() != want:
+                    if j < len(flat) and _off(flat[j].untyped_storage().nbytes(), want, frame.smaller):
                         self._size_mismatch(frame, i, info.name, j, flat[j].untyped_storage().nbytes(), want)
                         return out
             return out
@@ -393,7 +426,7 @@ class PlanRuntime(TorchDispatchMode):
             if fresh and sid not in in_sids:
                 frame.recipes[sid] = [Step(func, spec, refs, j, rng, i)]
                 want = sizes.get(j)
-                if want is not None and want != st.nbytes():
+                if want is not None and _off(st.nbytes(), want, frame.smaller):
                     self._size_mismatch(frame, i, info.name, j, st.nbytes(), want)
                     return out
         if info.mutates:
