@@ -280,8 +280,6 @@ def _module_spans(problem: Problem) -> list[Span]:
             if len(shp) == 0 or shp[0] < batch or shp[0] % batch:
                 ok = False
                 break
-        if ok and casts_parameter(problem, f0, f1):
-            ok = False  # autocast's cached weight casts: chunks are not modelled (casts_parameter)
         out.append(Span(m, (f0, f1), bwd, batch, random_ops, split=ok, more=tuple(occ[1:])))
     return out
 
@@ -313,13 +311,10 @@ def leaves_state(problem: Problem, made: np.ndarray, f0: int, f1: int) -> bool:
 
 def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     """Does the forward ``f0..f1`` cast a parameter (``_to_copy`` of one: autocast's casts of
-    weights to bf16/fp16)? Autocast keeps such a cast in its cache until its region ends, and
-    a chunk re-run in backward casts again, in a region of its own: the chunked model does not
-    follow this yet, and where it splits such a module (a linear layer under autocast) the
-    measured peak was 146-152 KB above the predicted one on a tiny GPT-2, with gradients
-    differing by bf16 rounding (the chunks' weight gradients are rounded apart). So these
-    modules are not split, only checkpointed whole (one chunk: bitwise, and its measured peak
-    at or below the predicted one: docs/planner.md)."""
+    weights to bf16/fp16)? Autocast keeps such a cast in its cache until its region ends: split
+    along the batch, the first chunk casts and the others find it cached, one cast node for all
+    (:func:`_chunked_peaks` models it). Over positions such modules are not split yet: that
+    path is not measured under autocast."""
     reads = read_args(problem)
     return any(_casts_weight(problem, i, reads) for i in range(f0, f1 + 1))
 
@@ -813,9 +808,18 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         u = problem.uses[t]
         return u[(u >= lo) & (u <= hi)]
 
+    # Made from parameters alone and held past the span by the step's code, never by a chunk:
+    # autocast's cast of a weight, which its cache keeps until the region ends. The first
+    # chunk casts it, the others find it cached; each chunk's re-run in backward, in an autocast
+    # region of its own, casts it again for that chunk's backward.
+    held = {t for t in made_f if constant_tensor(problem, t) and f1 < int(problem.python_release[t]) < b0
+            and len(uses_in(t, b0, b1))}
     outputs, fwd_life, needed = [], {}, []
     for t in made_f:
         in_b = uses_in(t, b0, b1)
+        if t in held:
+            needed.append(t)
+            continue
         after = problem.uses[t][(problem.uses[t] > f1) & ((problem.uses[t] < b0) | (problem.uses[t] > b1))]
         if len(after) or (problem.end[t] > f1 and not len(in_b) and problem.end[t] < b0) or problem.end[t] > b1:
             outputs.append(t)
@@ -830,6 +834,10 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             needed.append(t)
     for t in made_f:
         nbytes[t] = 0
+    for t in held:  # on the step's timeline: from the span's start (the first chunk) to its release
+        nbytes[t] = problem.nbytes[t]
+        start[t] = f0
+        end[t] = int(problem.python_release[t])
     for t in outputs:  # joined after the forward span, whole
         start[t] = f1 + 1
         nbytes[t] = problem.nbytes[t]
@@ -839,16 +847,20 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     peaks: dict[int, int] = {}
     delta = np.zeros(f1 - f0 + 2, dtype=np.int64)
     for t in made_f:
+        if t in held:
+            continue
         delta[int(problem.start[t]) - f0] += piece(t)
         delta[fwd_life[t] - f0 + 1] -= piece(t)
     live = np.cumsum(delta)[:-1] + (k - 1) * out_piece
     for i in range(f0, f1 + 1):
         peaks[i] = int(live[i - f0])
     peaks[f1] = max(peaks[f1], k * out_piece + sum(int(problem.nbytes[t]) for t in outputs))
-    # The inputs: held by the chunks at least until the forward returns.
+    # The inputs: each chunk's checkpoint holds its piece until that chunk's backward, so an
+    # input the trace frees before the backward (saved only as a cast, under autocast) lives
+    # until the last chunk's backward is done; one the backward reads is handled below (ext).
     for t in module_inputs(problem, span):
         if not problem.persists[t]:
-            end[t] = max(int(end[t]), f1)
+            end[t] = max(int(end[t]), b1 if int(problem.end[t]) < b0 else f1)
 
     # Backward.
     grads = [t for t in made_b if problem.kind[t] == "gradient"]
@@ -861,6 +873,23 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     for t in in_grads + grads:  # joined (or accumulated) after the backward span, whole
         start[t] = b1 + 1
         nbytes[t] = problem.nbytes[t]
+    # A parameter cast once for every chunk (``held``: autocast's cached cast) has one cast node
+    # in the graph: the chunks' gradients w.r.t. the cast (in the cast's dtype) are summed in
+    # that node's input buffer, and the cast's backward makes the parameter's gradient once,
+    # after the last chunk. So those are what the chunks accumulate, and the gradient (or the
+    # one added into an old gradient) appears at the span's end.
+    cast_of: dict[int, int] = {}
+    if held:
+        local_set = set(local_b)
+        for t in grads + added:
+            pr = int(problem.producer[t])
+            ins = [d for d in problem.op_reads[pr].tolist() if d in local_set]
+            if problem.op_name[pr] == "aten._to_copy.default" and len(ins) == 1:
+                cast_of[t] = ins[0]
+        local_b = [t for t in local_b if t not in set(cast_of.values())]
+    acc_grads = [cast_of.get(t, t) for t in grads]
+    acc_added = [cast_of.get(t, t) for t in added]
+    cast_made = sum(int(problem.nbytes[t]) for t in cast_of)
     made_f_set, needed_set = set(made_f), set(needed)
     ext = {t for t in np.nonzero((problem.start < b0) & (problem.end >= b0) & (problem.end <= b1) & ~problem.persists
                                  & ~np.isin(problem.kind, ("parameter", "buffer", "optimizer_state")))[0].tolist()
@@ -883,7 +912,13 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     if r is not None:
         for t in needed:
             last = uses_in(t, b0, b1)
-            back_until[t] = e = min(int(problem.release_after(t, int(last[-1]))), b1) if len(last) else r
+            # freed when the node that saved it is done: the trace's own end there (a node
+            # that reads it in its first op and runs more, autocast's cast of a weight under
+            # an addmm's backward), or when the step's code lets go, if later
+            e = int(problem.release_after(t, int(last[-1]))) if len(last) else r
+            if len(last) and int(last[-1]) <= int(problem.end[t]) <= b1:
+                e = max(e, int(problem.end[t]))
+            back_until[t] = e = min(e, b1)
             saved_b[r - b0] += piece(t)
             saved_b[e - b0 + 1] -= piece(t)
     own_b = np.cumsum(base)[:-1] + gpiece + np.cumsum(saved_b)[:-1]
@@ -893,7 +928,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         if e < b1:
             ext_after[e - b0 + 1:] += int(problem.nbytes[t])
     grad_w = np.zeros(n, dtype=np.int64)  # the parameters' gradients made by op i
-    for t in grads + added:
+    for t in acc_grads + acc_added:
         grad_w[int(problem.producer[t]) - b0:] += int(problem.nbytes[t])
     # A later chunk's parameter gradients are added to the first chunk's once the node that
     # made them is done: after the first op from their making on that frees a tensor (its
@@ -908,7 +943,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             e += 1
         return min(e + 1, b1)
 
-    for t in grads + added:
+    for t in acc_grads + acc_added:
         accumulate.setdefault(add_point(t), []).append(t)
     pending = np.zeros(n + 1, dtype=np.int64)  # a later chunk's gradients, made, not yet added
     for at, ts in accumulate.items():
@@ -917,13 +952,13 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             pending[at - b0] -= int(problem.nbytes[t])
     pending = np.cumsum(pending)[:-1]
 
-    all_w = int(sum(int(problem.nbytes[t]) for t in grads + added))
+    all_w = int(sum(int(problem.nbytes[t]) for t in acc_grads + acc_added))
     # Gradients there before the span (accumulation: ``added``) are summed over the chunks as
     # above, then added in place into the old ones once the last chunk's node is done, and freed.
     added_w = np.zeros(n, dtype=np.int64)
-    if added:
-        added_w[max(at for at, ts in accumulate.items() if set(ts) & set(added)) - b0 + 1:] = sum(
-            int(problem.nbytes[t]) for t in added)
+    if acc_added:
+        added_w[max(at for at, ts in accumulate.items() if set(ts) & set(acc_added)) - b0 + 1:] = sum(
+            int(problem.nbytes[t]) for t in acc_added)
     in_piece = sum(piece(t) for t in in_grads)
     # The forward re-run (early stop: up to the last op making a tensor the backward needs).
     if r is not None:
@@ -957,6 +992,6 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             v[j] = max(v[j], held + carried + all_w + new + (0 if last else int(ext_after[j])))
         for i in range(b0, b1 + 1):
             peaks[i] = max(peaks.get(i, 0), int(v[i - b0]))
-    join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w - int(added_w[-1])
+    join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w - int(added_w[-1]) + cast_made
     peaks[b1] = max(peaks[b1], join)
     return {i: nb for i, nb in peaks.items() if nb > 0}
