@@ -136,7 +136,7 @@ def test_loop_trains_planned_bitwise_within_budget(name, tmp_path, request):
         planned, peak = train(loop, 3, plan_path=path, **flags)
     drops = sorted(f"{r.op_name}@{r.module}" for r in plan.recompute)
     assert_trains_like(base, planned, plan, lambda: train(loop, 3, **flags)[0],
-                       f"plan: {len(drops)} drops {drops}, partitions {plan.partitions}")
+                       f"plan: {len(drops)} drops {drops}, partitions {plan.partitions}", autocast=loop.autocast)
     assert peak <= plan.budget_bytes, (peak, plan.budget_bytes)
 
 
