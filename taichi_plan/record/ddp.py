@@ -41,9 +41,11 @@ from .api import (
     check_counts,
     device_type,
     make_step_fn,
+    step_tensors,
     trace_from_records,
 )
 from .loop import Loop
+from .pyrefs import probe_step, release_points
 from .workloads import Workload
 
 BUCKET_KIND = "ddp_bucket"
@@ -219,6 +221,14 @@ def record_ddp_workload(
                 step()
                 session.end()
         records = session.records
+        # When the step's own code (the model's, through DDP's wrapper) lets go of each storage,
+        # as a one-process recording learns it: a module that leaves a tensor in the model's
+        # state (a KV cache) is then never partitioned (partition.leaves_state). The probe's
+        # backward never runs, so DDP's reducer is left waiting: nothing steps after it.
+        say("probing when the step's Python code frees each tensor")
+        probe, probe_free, probe_ops = probe_step(ddp, optimizer, step,
+                                                  step_tensors(model, optimizer, inputs) + [(BUCKET_KIND, buckets)])
+        records[-1].extras["python_refs"] = release_points(records[-1], probe, probe_free, probe_ops)
         del model, ddp, batch, loss_fn, optimizer, step, session, buckets
     say("building tables")
     trace = trace_from_records(records, warmup=warmup, fake=False, loop=loop, meta={
