@@ -78,36 +78,35 @@ def opt_decoder(batch: int = 4, seq: int = 64, dtype: str = "fp32", **_):
         torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def raises_in_forward(batch: int = 4, **_):
-    """A model whose forward raises (a bug in the user's model): record says where, no traceback."""
+def _one_linear(forward, batch: int):
+    """A one-linear model whose forward is ``forward(module, x)``, on a batch of ones, SGD."""
     import torch
     from torch import nn
 
-    class Broken(nn.Module):
+    class Model(nn.Module):
         def __init__(self):
             super().__init__()
             self.lin = nn.Linear(8, 8)
 
         def forward(self, x):
-            raise ValueError("shapes (4, 8) and (7, 8) do not match")
+            return forward(self, x)
 
-    model = Broken()
+    model = Model()
     return model, torch.ones(batch, 8), (lambda out, _b: out.sum()), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def raises_in_forward(batch: int = 4, **_):
+    """A model whose forward raises (a bug in the user's model): record says where, no traceback."""
+    def forward(_module, x):
+        raise ValueError("shapes (4, 8) and (7, 8) do not match")
+
+    return _one_linear(forward, batch)
 
 
 def reads_values(batch: int = 4, **_):
     """A model whose forward reads a tensor's value (.item()): impossible under --fake."""
-    import torch
-    from torch import nn
+    def forward(module, x):
+        y = module.lin(x)
+        return y * float(y.sum().item() > 0)
 
-    class Reads(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x):
-            y = self.lin(x)
-            return y * float(y.sum().item() > 0)
-
-    model = Reads()
-    return model, torch.ones(batch, 8), (lambda out, _b: out.sum()), torch.optim.SGD(model.parameters(), lr=0.1)
+    return _one_linear(forward, batch)
