@@ -29,7 +29,8 @@ def test_measured_peak_matches_predicted(replay_cases, name, frac):
     assert abs(r["peak_ratio"] - 1) <= 0.05, r
     # Bitwise for rematerialization; a partition into chunks is allclose.
     split = any(q.chunks > 1 for q in plan.partitions)  # a module checkpointed whole stays bitwise
-    assert r["grads_match"] and r["grads_check"].startswith("allclose" if split else "bitwise")
+    # (stepped in backward, only the parameters are compared: within a relative distance)
+    assert r["grads_match"] and r["grads_check"].startswith("bitwise") is not split, r["grads_check"]
     assert r["baseline_measured_peak_bytes"] == r["baseline_predicted_peak_bytes"]
     # A second, independent accounting (PyTorch's MemTracker) agrees with the recorder's.
     assert abs(r["memtracker_peak_bytes"] / r["measured_peak_bytes"] - 1) <= 0.02, r
