@@ -280,6 +280,8 @@ def _module_spans(problem: Problem) -> list[Span]:
             if len(shp) == 0 or shp[0] < batch or shp[0] % batch:
                 ok = False
                 break
+        if ok and "python_refs" not in problem.trace.meta and casts_parameter(problem, f0, f1):
+            ok = False  # when autocast's cache lets go of a weight's cast is not known: not split
         out.append(Span(m, (f0, f1), bwd, batch, random_ops, split=ok, more=tuple(occ[1:])))
     return out
 
@@ -313,8 +315,9 @@ def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     """Does the forward ``f0..f1`` cast a parameter (``_to_copy`` of one: autocast's casts of
     weights to bf16/fp16)? Autocast keeps such a cast in its cache until its region ends: split
     along the batch, the first chunk casts and the others find it cached, one cast node for all
-    (:func:`_chunked_peaks` models it). Over positions such modules are not split yet: that
-    path is not measured under autocast."""
+    (:func:`_chunked_peaks` models it, from when the step's code lets go of the cast: trace
+    ``python_refs``; a trace without them, ``--fsdp`` or the Trainer's, does not split such
+    modules). Over positions such modules are not split yet: not measured under autocast."""
     reads = read_args(problem)
     return any(_casts_weight(problem, i, reads) for i in range(f0, f1 + 1))
 
