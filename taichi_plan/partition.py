@@ -682,6 +682,8 @@ def _saved_constants(problem: Problem, span: Span) -> list[int]:
     whole, the module saves none of them: each is freed then and cast again by the re-run in
     backward (on a tiny GPT-2 under bf16 autocast with ``mlp.c_fc`` checkpointed: 131,072 B
     of its weight's cast, which the model held through the gap and the run did not)."""
+    if "python_refs" not in problem.trace.meta:
+        return []  # when the step's code lets go is not known: kept through the gap, the safe side
     f0, f1 = span.fwd
     b0, b1 = span.bwd
     out = []
