@@ -316,7 +316,7 @@ def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     weights to bf16/fp16)? Autocast keeps such a cast in its cache until its region ends: split
     along the batch, the first chunk casts and the others find it cached, one cast node for all
     (:func:`_chunked_peaks` models it, from when the step's code lets go of the cast: trace
-    ``python_refs``; a trace without them, ``--fsdp`` or the Trainer's, does not split such
+    ``python_refs``; a trace without them, the Trainer's, does not split such
     modules). Over positions such modules are not split yet: not measured under autocast."""
     reads = read_args(problem)
     return any(_casts_weight(problem, i, reads) for i in range(f0, f1 + 1))

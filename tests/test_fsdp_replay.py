@@ -155,3 +155,18 @@ def test_partitions_run_under_fsdp2_measured_equals_predicted(llama_fsdp2):
     for rank in report["ranks"]:
         assert rank["measured_peak_bytes"] == report["predicted_peak_bytes"], rank
         assert rank["grads_match"] and rank["params_match"], rank
+
+
+def test_a_sharded_recording_knows_what_the_kv_cache_holds(fsdp2_plan):
+    """record --fsdp probes when the step's code lets go of each storage (trace python_refs),
+    as a one-process recording does: GPT-2's attentions, which append to its KV cache, and
+    the blocks around them are not offered as partitions; its MLPs are."""
+    from taichi_plan.partition import module_spans
+    from taichi_plan.problem import build_problem
+    from taichi_plan.trace import read_trace
+
+    trace = read_trace(fsdp2_plan.parent.parent / "traces" / "t")
+    assert "python_refs" in trace.meta
+    names = {s.module for s in module_spans(build_problem(trace))}
+    assert "transformer.h.0.mlp" in names
+    assert not any(n.endswith(".attn") or n in ("transformer.h.0", "transformer.h.1") for n in names), names

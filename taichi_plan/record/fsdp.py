@@ -39,9 +39,11 @@ from .api import (
     StepRecording,
     check_counts,
     make_step_fn,
+    step_tensors,
     trace_from_records,
 )
 from .loop import Loop
+from .pyrefs import probe_step, release_points
 from .workloads import Workload
 
 # FSDPMemTracker's categories -> the trace's kinds (activations and temporaries are compared
@@ -446,6 +448,15 @@ def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, prof
     if check_tracker:
         say("checking against FSDPMemTracker")
         fsdp["mem_tracker"] = tracker_peak(model, optimizer, step, inputs, loop.set_to_none)
+    # When the step's own code lets go of each storage, as a one-process recording learns it
+    # (a module that leaves a tensor in the model's state, a KV cache, is then never
+    # partitioned: partition.leaves_state). Every rank runs the probe (its forward gathers);
+    # its backward never runs, so nothing steps after it.
+    say("probing when the step's Python code frees each tensor")
+    optimizer.zero_grad(set_to_none=loop.set_to_none)
+    probe = probe_step(model, optimizer, step, step_tensors(model, optimizer, inputs), profile if fake else None)
+    if record:
+        records[-1].extras["python_refs"] = release_points(records[-1], *probe)
     del model, batch, loss_fn, optimizer, step, session
     if not record:
         return None
