@@ -456,10 +456,7 @@ def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarr
     """(forward transients, saved-internal, backward transients) tensor indices of ``span``."""
     f0, f1 = span.fwd
     b0, b1 = span.bwd
-    kinds_ok = problem.__dict__.get("_internal_kinds")  # once per problem: every span asks (4273 on a 93k-op trace)
-    if kinds_ok is None:
-        kinds_ok = np.isin(problem.kind, ("activation", "temporary")) & ~problem.initial & ~problem.persists
-        problem.__dict__["_internal_kinds"] = kinds_ok
+    kinds_ok = _own_kinds(problem)
     made_f = kinds_ok & (problem.start >= f0) & (problem.start <= f1)
     made_b = kinds_ok & (problem.start >= b0) & (problem.start <= b1) & (problem.end <= b1)
     for t in np.nonzero(made_f | made_b)[0].tolist():
@@ -475,6 +472,16 @@ def internal_tensors(problem: Problem, span: Span) -> tuple[np.ndarray, np.ndarr
                                   | ((problem.uses[t] >= b0) & (problem.uses[t] <= b1)))], dtype=np.int64)
     b_trans = np.nonzero(made_b)[0]
     return f_trans, saved, b_trans
+
+
+def _own_kinds(problem: Problem) -> np.ndarray:
+    """Per tensor: an activation or temporary the step makes and frees (not there before it,
+    not outliving it). Once per problem: every span asks (4273 on a 93k-op trace)."""
+    mask = problem.__dict__.get("_internal_kinds")
+    if mask is None:
+        mask = np.isin(problem.kind, ("activation", "temporary")) & ~problem.initial & ~problem.persists
+        problem.__dict__["_internal_kinds"] = mask
+    return mask
 
 
 _SYNTHETIC_ID = -(10**12)  # ids of the concatenation transients (below any -1 - tensor_id)
@@ -687,8 +694,7 @@ def _saved_constants(problem: Problem, span: Span) -> list[int]:
     f0, f1 = span.fwd
     b0, b1 = span.bwd
     out = []
-    made = np.nonzero(np.isin(problem.kind, ("activation", "temporary")) & ~problem.initial & ~problem.persists
-                      & (problem.start >= f0) & (problem.start <= f1) & (problem.end >= b0))[0]
+    made = np.nonzero(_own_kinds(problem) & (problem.start >= f0) & (problem.start <= f1) & (problem.end >= b0))[0]
     for t in made.tolist():
         u = problem.uses[t]
         if (constant_tensor(problem, t) and np.all(((u >= f0) & (u <= f1)) | ((u >= b0) & (u <= b1)))

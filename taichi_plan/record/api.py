@@ -113,7 +113,8 @@ def _raised_in_step(e: Exception, where: str) -> Exception:
     fake = type(e).__module__.startswith("torch._subclasses") or "FakeTensor" in str(e)
     hint = (" Under --fake the step runs on fake tensors: it must not read tensor values (.item(), "
             "printing a tensor, a shape that depends on values)." if fake else "")
-    installed = (sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"], sysconfig.get_paths()["stdlib"])
+    paths = sysconfig.get_paths()
+    installed = (paths["purelib"], paths["platlib"], paths["stdlib"])
     own = [f for f in frames if not f.filename.startswith(installed) and not f.filename.startswith("<")
            and not Path(f.filename).resolve().is_relative_to(_PACKAGE)]
     mine = f", called from {own[-1].name} ({own[-1].filename}, line {own[-1].lineno})" if own and own[-1] != last else ""
@@ -240,11 +241,20 @@ def run_and_record(model, optimizer, step_fn: Callable[[], None], inputs=(), *, 
             session.end()
     records = session.records
     if getattr(model, "_taichi_plan", None) is None:  # a planned model's step is measured, not planned
-        say("probing when the step's Python code frees each tensor")
-        probe, probe_free, probe_ops = probe_step(model, optimizer, step_fn,
-                                                  step_tensors(model, optimizer, inputs), profile)
-        records[-1].extras["python_refs"] = release_points(records[-1], probe, probe_free, probe_ops)
+        add_python_refs(records[-1], model, optimizer, step_fn, step_tensors(model, optimizer, inputs), profile, say)
     return records
+
+
+def add_python_refs(record: StepRecord | None, model, optimizer, step_fn: Callable[[], None], registered: list,
+                    profile: DeviceProfile | None = None, say: Callable[[str], None] = lambda msg: None) -> None:
+    """Run the forward-only probe (:mod:`taichi_plan.record.pyrefs`) of ``step_fn`` and keep in
+    ``record`` when the step's own Python code lets go of each storage (``extras["python_refs"]``;
+    ``record`` None: the probe runs only to keep other ranks' collectives matched). Its backward
+    never runs, so nothing may step the model after it."""
+    say("probing when the step's Python code frees each tensor")
+    probe = probe_step(model, optimizer, step_fn, registered, profile)
+    if record is not None:
+        record.extras["python_refs"] = release_points(record, *probe)
 
 
 def _describe(rec: StepRecord, i: int) -> str:

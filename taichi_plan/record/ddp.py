@@ -38,6 +38,7 @@ from .api import (
     DEFAULT_FAKE_PROFILE,
     STEP_DEFINITION,
     StepRecording,
+    add_python_refs,
     check_counts,
     device_type,
     make_step_fn,
@@ -45,7 +46,6 @@ from .api import (
     trace_from_records,
 )
 from .loop import Loop
-from .pyrefs import probe_step, release_points
 from .workloads import Workload
 
 BUCKET_KIND = "ddp_bucket"
@@ -225,10 +225,8 @@ def record_ddp_workload(
         # as a one-process recording learns it: a module that leaves a tensor in the model's
         # state (a KV cache) is then never partitioned (partition.leaves_state). The probe's
         # backward never runs, so DDP's reducer is left waiting: nothing steps after it.
-        say("probing when the step's Python code frees each tensor")
-        probe, probe_free, probe_ops = probe_step(ddp, optimizer, step,
-                                                  step_tensors(model, optimizer, inputs) + [(BUCKET_KIND, buckets)])
-        records[-1].extras["python_refs"] = release_points(records[-1], probe, probe_free, probe_ops)
+        add_python_refs(records[-1], ddp, optimizer, step, step_tensors(model, optimizer, inputs)
+                        + [(BUCKET_KIND, buckets)], say=say)
         del model, ddp, batch, loss_fn, optimizer, step, session, buckets
     say("building tables")
     trace = trace_from_records(records, warmup=warmup, fake=False, loop=loop, meta={

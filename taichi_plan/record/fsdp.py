@@ -37,13 +37,13 @@ from .api import (
     DEFAULT_FAKE_PROFILE,
     STEP_DEFINITION,
     StepRecording,
+    add_python_refs,
     check_counts,
     make_step_fn,
     step_tensors,
     trace_from_records,
 )
 from .loop import Loop
-from .pyrefs import probe_step, release_points
 from .workloads import Workload
 
 # FSDPMemTracker's categories -> the trace's kinds (activations and temporaries are compared
@@ -452,11 +452,9 @@ def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, prof
     # (a module that leaves a tensor in the model's state, a KV cache, is then never
     # partitioned: partition.leaves_state). Every rank runs the probe (its forward gathers);
     # its backward never runs, so nothing steps after it.
-    say("probing when the step's Python code frees each tensor")
     optimizer.zero_grad(set_to_none=loop.set_to_none)
-    probe = probe_step(model, optimizer, step, step_tensors(model, optimizer, inputs), profile if fake else None)
-    if record:
-        records[-1].extras["python_refs"] = release_points(records[-1], *probe)
+    add_python_refs(records[-1] if record else None, model, optimizer, step, step_tensors(model, optimizer, inputs),
+                    profile if fake else None, say)
     del model, batch, loss_fn, optimizer, step, session
     if not record:
         return None
