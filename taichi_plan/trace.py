@@ -19,16 +19,42 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 7
+FORMAT_VERSION = 8
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
 # DDP traces the kind ddp_bucket and meta.ddp; v5 adds meta.runtime_overhead's partition terms
 # (checkpoint_op_s, chunk_op_s: replay/calibrate.py; older traces cost a chunk by launch overhead);
 # v6 adds meta.runtime_overhead.span_costs (a head + loss over tokens measured chunked) and unfloored;
-# v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost);
+# v8 adds meta.forward_in_backward (module forwards the model itself re-runs in backward)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 PHASES = ("forward", "backward", "optimizer", "other")
+
+
+def rerun_where(info: dict) -> str:
+    """Where ``meta.forward_in_backward`` says the re-runs ran: the first modules, or the model."""
+    mods = list(info.get("modules") or [])
+    if not mods:
+        return "forward code of the model"
+    more = f" and {len(mods) - 3} more" if len(mods) > 3 else ""
+    return f"the forward of {len(mods)} module(s) ({', '.join(mods[:3])}{more})"
+
+
+def own_checkpointing(meta: dict) -> str | None:
+    """A sentence on the model's own activation checkpointing (``meta.forward_in_backward``,
+    trace v8: module forwards re-run inside backward, counted by the recorder), or None when
+    the model re-ran none (or the trace predates v8)."""
+    info = meta.get("forward_in_backward") or {}
+    n = int(info.get("ops") or 0)
+    if not n:
+        return None
+    return (f"The model checkpoints itself: {n} ops of its backward re-run {rerun_where(info)}, as "
+            "torch.utils.checkpoint or a transformers model's "
+            "gradient_checkpointing_enable() does. A plan cannot change those re-runs, and they hold every "
+            "activation of a module at once in backward: turn the model's own checkpointing off "
+            "(model.gradient_checkpointing_disable(), or remove its torch.utils.checkpoint calls) and record "
+            "again, so that the plan chooses what to recompute.")
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary",
          "unsharded_parameter", "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket")
 ROLES = ("read", "write")

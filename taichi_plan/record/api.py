@@ -381,6 +381,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "filtered_ops": ["prim.*", "profiler.*"],
         "model_calls": kept.calls,
         "random_ops": kept.random_ops,
+        "forward_in_backward": forward_in_backward(kept),
         "loop": loop.to_json(),
         "gpu_kernels": meta.get("gpu_kernels"),
         "runtime_overhead": dict(calibrate_overhead()),
@@ -388,6 +389,33 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
     if "python_refs" in kept.extras:
         full["python_refs"] = kept.extras["python_refs"]
     return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)
+
+
+def forward_in_backward(rec: StepRecord) -> dict:
+    """``meta.forward_in_backward`` (trace v8): the ops of forward code that
+    ``torch.utils.checkpoint`` re-ran inside the recorded backward (the model's own activation
+    checkpointing), and per run of them the modules they ran in (their names' common prefix)."""
+    modules: list[str] = []
+    names = rec.ops["module"]
+    prev, cur = -2, None
+    for i in [*rec.rerun_ops, None]:
+        if i is None or i != prev + 1:
+            if cur and cur not in modules:
+                modules.append(cur)
+            cur = None
+        if i is None:
+            break
+        name = names[i]
+        if name:
+            if cur is None:
+                cur = name
+            else:
+                a, b = cur.split("."), name.split(".")
+                k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                cur = ".".join(a[:k])
+        prev = i
+    outer = [m for m in modules if not any(m.startswith(o + ".") for o in modules)]
+    return {"ops": len(rec.rerun_ops), "modules": outer}
 
 
 def check_counts(steps: int, warmup: int) -> None:

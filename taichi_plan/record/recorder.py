@@ -61,6 +61,8 @@ How each column is decided:
 from __future__ import annotations
 
 import gc
+import os
+import sys
 import threading
 import time
 import weakref
@@ -199,10 +201,27 @@ class StepRecord:
     incarnations: dict = field(default_factory=dict)  # storage key -> its rows (tensor ids), when resized
     extras: dict = field(default_factory=dict)  # what add-ons (record.fsdp) note about the step
     random_ops: list = field(default_factory=list)  # op ids that drew random numbers (draws_random)
+    # Op ids of forward code re-run inside backward by torch.utils.checkpoint: the model's own
+    # activation checkpointing (Recorder._note_rerun).
+    rerun_ops: list = field(default_factory=list)
 
     @property
     def num_ops(self) -> int:
         return len(self.ops["op"])
+
+
+_CHECKPOINT_FILE = ("torch", "utils", "checkpoint.py")
+
+
+def _in_checkpoint() -> bool:
+    """Is ``torch.utils.checkpoint``'s code on the Python stack (recomputing a region)?"""
+    tail = os.sep + os.path.join(*_CHECKPOINT_FILE)
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code.co_filename.endswith(tail):
+            return True
+        f = f.f_back
+    return False
 
 
 def op_clock():
@@ -242,6 +261,7 @@ class Recorder(TorchDispatchMode):
         self._thread = threading.get_ident()
         self._n = 0
         self._in_opt = False
+        self._rerun = (-2, False)  # (last grad-enabled backward op, whether its run is a checkpoint's)
         self._rec: StepRecord | None = None
         self._mod_tracker = ModTracker()
         self._root = ""
@@ -474,6 +494,17 @@ class Recorder(TorchDispatchMode):
             if threading.get_ident() != self._thread:
                 self.offthread_freed.append(tid)
 
+    def _note_rerun(self, rec: StepRecord, op_id: int) -> None:
+        """A backward op ran with grad enabled: forward code re-run by a checkpoint (both
+        ``torch.utils.checkpoint`` variants recompute under ``enable_grad``), or a backward
+        with ``create_graph=True``. Once per run of such ops, the Python stack says which."""
+        last, ckpt = self._rerun
+        if last != op_id - 1:
+            ckpt = _in_checkpoint()
+        self._rerun = (op_id, ckpt)
+        if ckpt:
+            rec.rerun_ops.append(op_id)
+
     def _module(self) -> str:
         parents = self._mod_tracker.parents
         best, depth = "Global", -1
@@ -519,6 +550,8 @@ class Recorder(TorchDispatchMode):
 
         if torch._C._current_graph_task_id() != -1:
             phase = "backward"
+            if torch.is_grad_enabled():
+                self._note_rerun(rec, op_id)
         elif self._in_opt:
             phase = "optimizer"
         else:

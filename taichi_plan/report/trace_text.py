@@ -8,7 +8,7 @@ import shutil
 
 import numpy as np
 
-from ..trace import KINDS, PHASES, Trace, baseline_live_bytes, baseline_peak
+from ..trace import KINDS, PHASES, Trace, baseline_live_bytes, baseline_peak, rerun_where
 from ..units import format_bytes
 
 TOP_TENSORS = 10
@@ -124,6 +124,7 @@ def trace_summary(trace: Trace) -> dict:
         "kernels": kernels_line(meta),
         "gpu_kernels": meta.get("gpu_kernels"),
         "python_refs": python_refs_summary(meta, tensors),
+        "forward_in_backward": meta.get("forward_in_backward"),
         "num_ops": n,
         "ops_per_phase": ops_per_phase,
         "num_tensors": int(len(tensors)),
@@ -266,6 +267,9 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
     refs = python_refs_line(s.get("python_refs"), size)
     if refs:
         fields.append(("py refs", refs))
+    fib = s.get("forward_in_backward") or {}
+    if fib.get("ops"):
+        fields.append(("own ckpt", f"{fib['ops']} backward ops re-run {rerun_where(fib)}: the model checkpoints itself"))
     if s.get("source"):
         fields.append(("source", s["source"]))
     phases = ", ".join(f"{p} {c}" for p, c in s["ops_per_phase"].items() if c)

@@ -33,7 +33,7 @@ from ..prefetch import movable
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
 from ..reshard import reshard_units
 from ..simulate import simulate_plan
-from ..trace import Trace
+from ..trace import Trace, own_checkpointing
 from ..units import format_bytes
 from .fsdp import solve_with_fsdp
 from .heuristic import best_by_simulator, plan_heuristic
@@ -451,8 +451,11 @@ def _what_helps(problem: Problem, op: int, floor: int, deadline: float | None = 
             text += _options_floor(recorded_problem(problem), used, floor)
     except OutOfTime:  # the step's views under the other options can take long to build
         text += " What the other optimizer options would reach was not weighed within the time limit."
+    own = own_checkpointing(problem.trace.meta)
+    if own is not None:
+        text += " " + own
     if floor <= 0 or state < floor / 2:
-        return text + " Otherwise, reduce the batch size."
+        return text + (" Otherwise, reduce the batch size." if own is None else "")
     return (text + f" Parameters, gradients and optimizer state are {100 * state / floor:.0f}% of it: no "
             "activation plan and no smaller batch frees them; sharding them across devices (FSDP), an optimizer "
             "with less state, or lower-precision parameters and state would.")
