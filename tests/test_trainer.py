@@ -133,6 +133,11 @@ def test_the_trace_is_the_step_the_trainer_runs(planned_example):
     kinds = trace.tensors["kind"].tolist()
     # Both micro-batches (input_ids, labels) and num_items_in_batch exist before the step.
     assert kinds.count("input") >= 5
+    # When the step's code lets go of each storage: the probe ran the Trainer's training_step,
+    # and both micro-batches' forwards are mapped (the second starts with the Trainer's own
+    # add of the first's loss to its running total).
+    refs = meta["python_refs"]
+    assert refs["segments"] == refs["segments_known"] == 2 and refs["release"], refs
 
 
 def test_plan_for_another_accumulation_is_refused(planned_example, tmp_path):
@@ -146,10 +151,9 @@ def test_plan_for_another_accumulation_is_refused(planned_example, tmp_path):
 
 
 def test_blocks_checkpointed_whole_measure_as_predicted_with_the_kv_cache_on(planned_example):
-    """A Trainer's trace has no ``python_refs`` (the step runs inside ``trainer.train()``), so
-    ``partition.leaves_state`` cannot rule out the KV cache that the example's GPT-2 keeps on.
-    It need not here: ``compute_loss`` lets go of the model's outputs, and with them the
-    cache, before backward. A block and an attention checkpointed whole (one chunk each)
+    """The KV cache that the example's GPT-2 keeps on is no hazard in the Trainer:
+    ``compute_loss`` lets go of the model's outputs, and with them the cache, before backward
+    (so ``partition.leaves_state``, reading the probe's ``python_refs``, offers the blocks). A block and an attention checkpointed whole (one chunk each)
     measure their predicted peak over the Trainer's step, and train bitwise."""
     from taichi_plan.partition import as_partition, module_spans
     from taichi_plan.plan import save_plan
@@ -171,3 +175,51 @@ def test_blocks_checkpointed_whole_measure_as_predicted_with_the_kv_cache_on(pla
     # to the byte here; a cache kept past the module would add its keys and values (2 x 131,072 B per layer)
     assert abs(peak - plan.predicted["planned_peak_bytes"]) <= 1024, (peak, plan.predicted["planned_peak_bytes"])
     assert_bitwise(base, planned, lambda: train(out)[1])
+
+
+def _bf16_trainer(out: Path, steps: int, seed: int, callbacks=()):
+    """The example's tiny GPT-2 without dropout (its blocks split along the batch), trained
+    under the Trainer's bf16 autocast on the CPU."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    s = example.SIZES
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=s["layers"], n_embd=s["hidden"], n_head=s["heads"],
+                                       vocab_size=s["vocab"], n_positions=s["seq"], resid_pdrop=0.0,
+                                       embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0))
+    args = TrainingArguments(
+        output_dir=str(out / "bf16"), max_steps=steps, per_device_train_batch_size=s["batch"],
+        gradient_accumulation_steps=2, max_grad_norm=1.0, learning_rate=1e-3, eval_strategy="no",
+        logging_strategy="no", save_strategy="no", report_to="none", disable_tqdm=True, use_cpu=True,
+        dataloader_drop_last=True, seed=seed, bf16=True)
+    data = example.SyntheticText(2 * s["batch"] * steps, s["seq"], s["vocab"], seed=1)
+    return Trainer(model=model, args=args, train_dataset=data, callbacks=list(callbacks))
+
+
+def test_a_bf16_trainer_splits_under_autocast_as_predicted(tmp_path):
+    """With ``python_refs`` the planner knows when autocast's cache lets go of a weight's cast,
+    so a Trainer's bf16 trace is offered batch splits of its modules (before the probe, none:
+    this budget had no plan). Trained with the plan, the last step's peak is the predicted one
+    (to 16 bytes here; live_peak.py counts independently of the recorder and the simulator), and
+    no container (``transformer.h``, a ModuleList the Trainer never calls) is partitioned."""
+    from taichi_plan.plan import save_plan
+    from taichi_plan.problem import build_problem
+    from taichi_plan.solve import solve
+    from taichi_plan.trace import write_trace
+
+    trace = record_trainer(_bf16_trainer(tmp_path, 3, 1), steps=2, warmup=1)
+    assert trace.meta["loop"]["autocast"] == "bf16" and "python_refs" in trace.meta
+    write_trace(trace, tmp_path / "trace")
+    p = build_problem(trace)
+    plan = solve(trace, int(p.baseline_peak[0] * 0.65), "heuristic", problem=p, optimizer="as-recorded")
+    split = [q for q in plan.partitions if q.chunks > 1]
+    assert split and all(q.module != "transformer.h" for q in plan.partitions), plan.partitions
+    plan.trace["path"] = str(tmp_path / "trace")
+    save_plan(plan, tmp_path / "bf16.plan.json")
+    cb = PlanCallback(tmp_path / "bf16.plan.json")
+    trainer = _bf16_trainer(tmp_path, 3, 0, [cb])
+    peak = PeakOfLastStep(trainer, 2)
+    trainer.add_callback(peak)
+    trainer.train()
+    assert cb.runtime.mismatches == 0 and cb.runtime.planned_calls == 6
+    assert abs(peak.peak - plan.predicted["planned_peak_bytes"]) <= 16, (peak.peak, plan.predicted)

@@ -30,8 +30,17 @@ except ImportError as e:  # transformers' Trainer imports accelerate
 
 from ..errors import PlanError, UsageError, WorkloadError
 from ..plan import Plan
-from ..record.api import StepRecording, check_calls, device_type, dtype_name, trace_from_records
+from ..record.api import (
+    StepRecording,
+    add_python_refs,
+    check_calls,
+    device_type,
+    dtype_name,
+    step_tensors,
+    trace_from_records,
+)
 from ..record.loop import Loop
+from ..record.recorder import StepRecord
 from ..trace import Trace
 
 TRAINER_STEP_DEFINITION = (
@@ -62,8 +71,9 @@ class _RecordSteps(TrainerCallback):
     stops it; suppresses evaluation, checkpoints and logs meanwhile (they run between steps,
     outside what is recorded)."""
 
-    def __init__(self, warmup: int, steps: int, batches: list, say: Callable[[str], None]):
-        self.warmup, self.steps, self.batches, self.say = warmup, steps, batches, say
+    def __init__(self, warmup: int, steps: int, batches: list, say: Callable[[str], None],
+                 probe: Callable[[StepRecord], None]):
+        self.warmup, self.steps, self.batches, self.say, self.probe = warmup, steps, batches, say, probe
         self.session: StepRecording | None = None
         self.model = None
 
@@ -81,7 +91,9 @@ class _RecordSteps(TrainerCallback):
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         if self.session is not None and self.session.active:
-            self.session.end()
+            rec = self.session.end()
+            if len(self.session.records) == self.steps:
+                self.probe(rec)  # while the Trainer's state (its optimizer, this step's batches) is as recorded
 
     def on_step_end(self, args, state, control, **kwargs):
         control.should_evaluate = control.should_save = control.should_log = False
@@ -120,7 +132,6 @@ def record_trainer(trainer: Trainer, *, steps: int = 2, warmup: int = 1, name: s
     say = progress or (lambda msg: None)
     loop = trainer_loop(trainer)
     batches: list = []
-    callback = _RecordSteps(warmup, steps, batches, say)
     saved = {a: getattr(trainer, a) for a in ("optimizer", "lr_scheduler")}
     overridden = "get_batch_samples" in vars(trainer)
     fetch = trainer.get_batch_samples
@@ -133,6 +144,17 @@ def record_trainer(trainer: Trainer, *, steps: int = 2, warmup: int = 1, name: s
         batches[:] = [samples, num_items]
         return samples, num_items
 
+    def probe(rec: StepRecord) -> None:
+        # When the step's Python code lets go of each storage (meta.python_refs): the Trainer's
+        # own training_step on the step's first micro-batch, forward only (record.pyrefs).
+        samples, num_items = batches
+        model = callback.model
+        optimizer = _torch_optimizer(trainer.optimizer)
+        add_python_refs(rec, model, optimizer,
+                        lambda: trainer.training_step(trainer.model_wrapped, samples[0], num_items),
+                        step_tensors(model, optimizer, list(batches)), None, say)
+
+    callback = _RecordSteps(warmup, steps, batches, say, probe)
     trainer.get_batch_samples = get_batch_samples
     trainer.add_callback(callback)
     try:

@@ -19,7 +19,10 @@ statistics), so the probe changes nothing the user trains with; it costs one for
 the ops PyTorch's selective checkpointing ignores (saved-tensor hooks remove the ``detach``
 of saved outputs), and storage by storage through (producer op, output position). Each
 forward segment of the recorded step (the ops before a backward: one per micro-batch) whose
-op sequence equals the probe's is mapped; another one is listed as not known.
+op sequence equals the probe's, or ends with it, is mapped; another one is listed as not
+known. A segment may begin with ops of the loop's own that the probe does not run: the
+Trainer adds the last micro-batch's loss to its running total after that backward, so its
+second micro-batch's segment starts with that ``add``; those leading ops are not mapped.
 """
 
 from __future__ import annotations
@@ -143,9 +146,11 @@ def release_points(main: StepRecord, probe: StepRecord, probe_free: list[int], p
     unknown: list[int] = []
     for start, end in segments:
         m_idx = [i for i in range(start, end) if names[i] not in IGNORED_OPS]
-        if [names[i] for i in m_idx] != p_key:
+        lead = len(m_idx) - len(p_key)  # ops of the loop's own before this forward (see above)
+        if lead < 0 or [names[i] for i in m_idx[lead:]] != p_key:
             unknown.append(start)
             continue
+        m_idx = m_idx[lead:]
         for k, op in enumerate(m_idx):
             for j, tid in m_made_by.get(op, ()):
                 ptid = p_made.get((p_idx[k], j))

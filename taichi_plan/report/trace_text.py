@@ -176,7 +176,7 @@ def python_refs_line(s: dict | None, size) -> str | None:
     if s is None:
         return None
     if not s["known"]:
-        return ("not recorded (a trace before v4, record_trainer or --fsdp): a drop is taken to free its "
+        return ("not recorded (a trace before v4, or a Trainer or --fsdp recording made before they had it): a drop is taken to free its "
                 "tensor at its last use")
     text = (f"{s['held']} storages ({size(s['held_nbytes'])}) held by Python after their last use, "
             f"{s['into_backward']} of them into backward")
