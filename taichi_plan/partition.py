@@ -242,6 +242,25 @@ def random_draws(problem: Problem, span: Span, chunks: int = 2) -> str | None:
     return "as-unpartitioned" if same else "per-chunk"
 
 
+def _called_modules(problem: Problem, under: dict) -> set[str]:
+    """The modules whose forward the step called (trace v8 ``meta.called_modules``): replay
+    partitions a module by wrapping its forward, and a container (``ModuleList``,
+    ``ModuleDict``) runs its children's ops without ever being called, so a wrapper on it
+    would never run. Older traces: every module with ops under it except those that look like
+    such a container, with no ops of their own and only numbered children (a ``Sequential``
+    of that shape is left out too: one option fewer, never a plan that cannot run)."""
+    known = problem.trace.meta.get("called_modules")
+    if known is not None:
+        return set(known)
+    own = set(problem.op_module)
+    children: dict[str, list[str]] = {}
+    for m in under:
+        if "." in m:
+            parent, last = m.rsplit(".", 1)
+            children.setdefault(parent, []).append(last)
+    return {m for m in under if m in own or not all(c.isdigit() for c in children.get(m, ["x"]))}
+
+
 def _module_spans(problem: Problem) -> list[Span]:
     if not problem.trace.meta.get("workload"):
         return []  # no model to run the module of (hand-built traces): nothing to replay
@@ -250,8 +269,11 @@ def _module_spans(problem: Problem) -> list[Span]:
     batch = _batch_size(problem) or 1
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)
+    called = _called_modules(problem, under)
     out = []
     for m in sorted(under):
+        if m not in called:
+            continue  # a ModuleList or ModuleDict: never called, so nothing can run it on chunks
         ops = under[m]
         f = ops[phases[ops] == "forward"]
         b = ops[phases[ops] == "backward"]
@@ -316,7 +338,7 @@ def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     weights to bf16/fp16)? Autocast keeps such a cast in its cache until its region ends: split
     along the batch, the first chunk casts and the others find it cached, one cast node for all
     (:func:`_chunked_peaks` models it, from when the step's code lets go of the cast: trace
-    ``python_refs``; a trace without them, the Trainer's, does not split such
+    ``python_refs``; a trace without them, an older Trainer recording, does not split such
     modules). Over positions such modules are not split yet: not measured under autocast."""
     reads = read_args(problem)
     return any(_casts_weight(problem, i, reads) for i in range(f0, f1 + 1))

@@ -110,3 +110,35 @@ def reads_values(batch: int = 4, **_):
         return y * float(y.sum().item() > 0)
 
     return _one_linear(forward, batch)
+
+
+def stacked_blocks(batch: int = 8, **_):
+    """Residual MLP blocks in a ``ModuleList`` run back to back (the container is never called
+    itself), then a head; no dropout, so every block can be split along the batch."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, h: int):
+            super().__init__()
+            self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+        def forward(self, x):
+            return x + self.down(torch.relu(self.up(x)))
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, n: int = 3):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(h) for _ in range(n))
+            self.head = nn.Linear(h, 4)
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, 16, 32, generator=g)
+    return model, x, (lambda out, _b: out.square().mean()), torch.optim.SGD(model.parameters(), lr=0.1)

@@ -204,6 +204,9 @@ class StepRecord:
     # Op ids of forward code re-run inside backward by torch.utils.checkpoint: the model's own
     # activation checkpointing (Recorder._note_rerun).
     rerun_ops: list = field(default_factory=list)
+    # Names (relative to the model) of the modules whose forward was called in the step: a
+    # ModuleList or ModuleDict runs ops only through its children and is never called itself.
+    called_modules: set = field(default_factory=set)
 
     @property
     def num_ops(self) -> int:
@@ -262,6 +265,8 @@ class Recorder(TorchDispatchMode):
         self._n = 0
         self._in_opt = False
         self._rerun = (-2, False)  # (last grad-enabled backward op, whether its run is a checkpoint's)
+        self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
+        self._call_hook = None
         self._rec: StepRecord | None = None
         self._mod_tracker = ModTracker()
         self._root = ""
@@ -313,14 +318,23 @@ class Recorder(TorchDispatchMode):
     def __enter__(self):
         self._mod_tracker.__enter__()
         self._patch_resize()
+        self._call_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
+            self._call_hook.remove()
             self._restore_resize()
             self._mod_tracker.__exit__(*exc)
+
+    def _called(self, module, _args) -> None:
+        rec = self._rec
+        if rec is not None:
+            name = self._names.get(id(module))
+            if name is not None:
+                rec.called_modules.add(name)
 
     def _patch_resize(self) -> None:
         """``UntypedStorage.resize_`` reaches no dispatch mode (MemTracker patches it too)."""

@@ -36,6 +36,11 @@ def install_partitions(model, partitions, rt) -> callable:
         except AttributeError as e:
             raise PlanError(f"The plan partitions module {part.module!r}, which this model does not have: "
                             "the plan was made for another model.") from e
+        if type(module).forward is torch.nn.Module.forward:
+            raise PlanError(f"The plan partitions module {part.module!r}, a {type(module).__name__} that has no forward "
+                            "of its own (its children run, it is never called), so it cannot run on chunks: the plan "
+                            "was made from a trace without the modules each call ran (before trace v8). Record and "
+                            "solve again.")
         if part.dim != (1 if part.over == "sequence" else 0):
             raise PlanError(f"Partition {part.over!r} along dim {part.dim} is not supported; the batch is split "
                             "along dim 0, the sequence along dim 1.")

@@ -162,6 +162,7 @@ class Frame:
     shared: dict | None = None  # while a group is rebuilt: its transients, re-made once
     next_sid: int = 0
     smaller: bool = False  # inputs no larger than the recorded ones in any dimension, some smaller
+    entered: set = field(default_factory=set)  # partitioned modules whose wrapper ran in this call
 
 
 def no_larger(got: list, want: list) -> bool:
@@ -259,6 +260,14 @@ class PlanRuntime(TorchDispatchMode):
             self.__exit__(None, None, None)
             self._frame = self._stack[-1][0] if self._stack else None
         self._skip(frame)
+        missed = [m for m in frame.call.spans if m not in frame.entered]
+        if not failed and frame.enabled and missed:
+            self._frame_mismatch(frame, (
+                f"The plan partitions module {missed[0]!r}, but its forward was not called in call "
+                f"{frame.call.index} of the model, so its ops ran whole and the plan's memory prediction does "
+                "not hold. The model's code reaches that module's ops another way than through its forward: "
+                "record and solve again."))
+            return
         if not failed and frame.enabled and frame.n != len(frame.call.ops):
             self._frame_mismatch(frame, (
                 f"The model's forward ran {frame.n} ops but call {frame.call.index} of the plan's trace has "
@@ -470,6 +479,7 @@ class PlanRuntime(TorchDispatchMode):
         if frame.partition_depth == 0 and frame.enabled and span is not None and frame.n != span[0]:
             self._frame_mismatch(frame, f"The partitioned module {name!r} started at op {frame.n} of the model's "
                                         f"call, but the plan expects it at op {span[0]}. Record and solve again.")
+        frame.entered.add(name)
         frame.partition_depth += 1
 
     def leave_partition(self, name: str) -> None:

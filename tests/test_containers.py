@@ -1,0 +1,92 @@
+"""A container (``ModuleList``, ``ModuleDict``) is never called: it cannot be partitioned.
+
+Replay partitions a module by wrapping its ``forward``; a ``ModuleList`` runs its children's
+ops without ever being called, so a wrapper on it never ran and the plan's prediction did not
+hold (found on a Trainer's bf16 GPT-2 without dropout: ``transformer.h`` split into 8 chunks,
+predicted 3.89 MB, measured 7.84 MB). The recorder now writes which modules were called (trace
+v8 ``meta.called_modules``) and the planners offer only those; older traces leave out what
+looks like a container; ``apply`` refuses a plan that partitions one, and the runtime says so
+when a partitioned module's ops ran without its forward being called.
+"""
+
+from __future__ import annotations
+
+import pytest
+import tiny_models
+import torch
+
+import taichi_plan
+from taichi_plan.errors import MismatchError, PlanError
+from taichi_plan.partition import as_partition, module_spans
+from taichi_plan.plan import save_plan
+from taichi_plan.problem import build_problem
+from taichi_plan.record import record
+from taichi_plan.solve.result import Decisions, make_plan
+from taichi_plan.trace import read_trace, write_trace
+
+
+@pytest.fixture(scope="module")
+def trace(tmp_path_factory):
+    path = tmp_path_factory.mktemp("containers") / "trace"
+    write_trace(record(*tiny_models.stacked_blocks(), steps=1, warmup=0), path)
+    return read_trace(path)
+
+
+def _offered(trace) -> set[str]:
+    return {s.module for s in module_spans(build_problem(trace))}
+
+
+def test_only_called_modules_are_offered(trace):
+    called = trace.meta["called_modules"]
+    assert {"", "blocks.0", "blocks.1", "blocks.2", "head"} <= set(called) and "blocks" not in called
+    offered = _offered(trace)
+    assert {"blocks.0", "blocks.1", "blocks.2"} <= offered and "blocks" not in offered, offered
+    # a trace from before v8: what looks like a container (no ops of its own, numbered children) is left out
+    old = read_trace(trace.path)
+    del old.meta["called_modules"]
+    assert "blocks" not in _offered(old) and {"blocks.0", "blocks.1"} <= _offered(old)
+    # (without either rule the container would be offered: the rule is what keeps it out)
+    old.meta["called_modules"] = [*called, "blocks"]
+    assert "blocks" in _offered(old)
+
+
+def _plan_path(trace, tmp_path, module: str, meta_called=None, chunks: int = 2):
+    t = read_trace(trace.path)
+    if meta_called is not None:  # as a trace that does not know its calls may offer it
+        t.meta["called_modules"] = meta_called
+        write_trace(t, tmp_path / "trace")
+        t = read_trace(tmp_path / "trace")
+    p = build_problem(t)
+    span = next(s for s in module_spans(p) if s.module == module)
+    plan = make_plan(p, None, "manual", Decisions(partitions=[as_partition(span, chunks)]), 0.0, 0)
+    path = tmp_path / f"{module}.plan.json"
+    save_plan(plan, path)
+    return path
+
+
+def test_apply_refuses_a_plan_that_partitions_a_container(trace, tmp_path):
+    # checkpointed whole (one chunk): a wrapper on the container would never run either
+    path = _plan_path(trace, tmp_path, "blocks", [*trace.meta["called_modules"], "blocks"], chunks=1)
+    model, *_ = tiny_models.stacked_blocks()
+    with pytest.raises(PlanError, match="'blocks', a ModuleList that has no forward of its own"):
+        taichi_plan.apply(model, path)
+
+
+def test_a_partitioned_module_run_without_its_forward_is_a_mismatch(trace, tmp_path):
+    path = _plan_path(trace, tmp_path, "blocks.1", chunks=1)
+    model, x, loss_fn, _ = tiny_models.stacked_blocks()
+    model = taichi_plan.apply(model, path)
+    loss_fn(model(x), x).backward()  # as planned: no mismatch
+    assert model._taichi_plan["runtime"].mismatches == 0
+
+    def forward(x):  # the model's code reaches block 1's ops through its class, not its (wrapped) forward
+        for i, b in enumerate(model.blocks):
+            x = type(b).forward(b, x) if i == 1 else b(x)
+        return model.head(x)
+
+    model.forward = forward
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(MismatchError, match="partitions module 'blocks.1', but its forward was not called"):
+        model(x)
+    taichi_plan.finish(model)
+    assert torch.ones(3).add(1).sum() == 6  # nothing left installed
