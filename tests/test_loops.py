@@ -306,6 +306,29 @@ def test_smaller_batches_and_sequences_run_the_plan(plain_plan):
     taichi_plan.finish(model)
 
 
+def test_a_batch_of_one_that_takes_another_op_path_says_so(plain_plan):
+    """At batch 1 GPT-2's attention skips the clone of ``.contiguous()`` (a transpose with a
+    size-1 dimension is contiguous already): another op path, so the plan cannot run as it is.
+    The error says why and what to do; with ``on_mismatch="warn"`` that call runs unplanned
+    and the next full batch runs the plan again."""
+    _, path = plain_plan
+    model, batch, loss_fn, opt = build(seed=0)
+    one = {k: v[:1].contiguous() for k, v in batch.items()}
+    model = taichi_plan.apply(model, path, optimizer=opt)
+    with pytest.raises(MismatchError, match="smaller than the recorded ones.*drop_last=True"):
+        model(**one)
+    taichi_plan.finish(model)
+    model = taichi_plan.apply(model, path, optimizer=opt, on_mismatch="warn")
+    rt = model._taichi_plan["runtime"]
+    with pytest.warns(UserWarning, match="another op path"):
+        loss_fn(model(**one), one).backward()
+    opt.step()
+    opt.zero_grad()
+    loss_fn(model(**batch), batch).backward()
+    assert rt.mismatches == 1 and rt.planned_calls == 2 and rt.dropped_storages > 0
+    taichi_plan.finish(model)
+
+
 def test_a_last_step_with_fewer_micro_batches_runs_the_plan(tmp_path):
     """Accumulation over 4 micro-batches, the epoch's last step with 2 left: planned, no
     warning, training as unplanned, its peak no higher than a full step's."""

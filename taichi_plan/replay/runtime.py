@@ -349,10 +349,16 @@ class PlanRuntime(TorchDispatchMode):
         where = (f"op {i} of the model's call {frame.call.index}: the plan expects {expected[0]} in "
                  f"{expected[1] or '<top level>'}" if expected else
                  f"op {i} of the model's call {frame.call.index}: the plan's call has only {len(ops)} ops")
+        why = ("The model or its code changed since the trace was recorded: record and solve again, or apply the "
+               "plan with on_mismatch='warn'.")
+        if frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
+            why = ("These inputs are smaller than the recorded ones, and at these sizes the model takes another op "
+                   "path (a dimension of size 1 makes some copies unnecessary). Apply the plan with "
+                   "on_mismatch='warn' to run such calls unplanned, drop such a last batch (a DataLoader's "
+                   "drop_last=True), or record and solve at these sizes.")
         self._frame_mismatch(frame, (
             f"The live op sequence differs from the one the plan was made for, at {where}, but the model ran "
-            f"{name}. The model or its code changed since the trace was recorded: record and solve again, or "
-            "apply the plan with on_mismatch='warn'."))
+            f"{name}. {why}"))
 
     def _size_mismatch(self, frame: Frame, i: int, name: str, j: int, got: int, want: int) -> None:
         self._frame_mismatch(frame, (
