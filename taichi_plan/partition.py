@@ -178,6 +178,15 @@ def module_spans(problem: Problem) -> list:
     return spans
 
 
+def state_keepers(problem: Problem) -> list[str]:
+    """The innermost modules left out of partitioning because their forward leaves a tensor
+    in the model's Python state (:func:`leaves_state`: a Hugging Face attention's KV cache;
+    the blocks and the model around them are left out too, and not named)."""
+    _batch_spans(problem)
+    keeps = getattr(problem, "_keeps_state", None) or []
+    return [m for m in keeps if not any(o.startswith(m + ".") for o in keeps)]
+
+
 def partitionable_spans(problem: Problem) -> list:
     """Every span a plan may name, random modules included: what a plan's partitions are
     looked up in (the planners choose from :func:`module_spans`)."""
@@ -270,6 +279,7 @@ def _module_spans(problem: Problem) -> list[Span]:
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)
     called = _called_modules(problem, under)
+    keeps = problem._keeps_state = []
     out = []
     for m in sorted(under):
         if m not in called:
@@ -291,6 +301,7 @@ def _module_spans(problem: Problem) -> list[Span]:
         made = np.nonzero(np.logical_or.reduce([(problem.start >= a) & (problem.start <= z) for (a, z), _ in occ])
                           & ~problem.initial)[0]
         if any(leaves_state(problem, made, a, z) for (a, z), _ in occ):
+            keeps.append(m)
             continue  # a re-run forward would add to that state again (leaves_state)
         ok = batch > 1
         for t in made.tolist() if ok else ():

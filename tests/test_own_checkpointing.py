@@ -82,3 +82,24 @@ def test_an_infeasible_budget_says_to_turn_it_off_and_that_reaches_it(traces):
     # The same model with its checkpointing off: the plan reaches that budget.
     plan = solve(traces[False], budget, "heuristic")
     assert plan.predicted["planned_peak_bytes"] <= budget
+
+
+def test_modules_kept_out_by_the_kv_cache_are_named_with_the_way_out(traces):
+    """transformers' decoders keep a KV cache unless told otherwise: each attention appends
+    its keys and values to it, so no attention or block is partitioned (partition.leaves_state).
+    The plan's notes and an out-of-reach budget's message name those modules and the setting
+    that frees them; recorded with ``use_cache = False`` there are none."""
+    from taichi_plan.partition import state_keepers
+
+    p = build_problem(traces[False])
+    keeps = state_keepers(p)
+    assert keeps == ["transformer.h.0.attn", "transformer.h.1.attn"], keeps
+    plan = solve(traces[False], int(p.baseline_peak[0] * 0.8), "heuristic")
+    assert any("model.config.use_cache = False" in n and "transformer.h.0.attn" in n for n in plan.solver["notes"])
+    with pytest.raises(InfeasibleBudgetError, match="keep tensors in the model's state"):
+        solve(traces[False], int(p.baseline_peak[0] * 0.1), "heuristic")
+    torch.manual_seed(0)
+    model, batch, loss_fn, opt = get_workload(**GPT2).build(False)
+    model.config.use_cache = False
+    off = record(model, batch, loss_fn, opt, steps=1, warmup=0)
+    assert state_keepers(build_problem(off)) == []

@@ -27,7 +27,7 @@ from ..optimizer_plan import (
     refusal,
     view_problem,
 )
-from ..partition import allow_random, floor_bytes
+from ..partition import allow_random, floor_bytes, state_keepers
 from ..plan import Plan
 from ..prefetch import movable
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
@@ -255,6 +255,9 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
         if mode != "as-recorded":
             plan.optimizer["chosen_by"] = "auto" if optimizer == "auto" else "asked"
             plan.solver["notes"].insert(0, optimizer_note(plan.optimizer, optimizer == "auto"))
+        kv = kv_cache_note(recorded_problem(prob)) if plan.budget_bytes < int(prob.baseline_peak[0]) else None
+        if kv is not None:
+            plan.solver["notes"].append(kv)
         return plan
     raise AssertionError("unreachable: the last option raises or returns")
 
@@ -454,11 +457,27 @@ def _what_helps(problem: Problem, op: int, floor: int, deadline: float | None = 
     own = own_checkpointing(problem.trace.meta)
     if own is not None:
         text += " " + own
+    kv = kv_cache_note(recorded_problem(problem))
+    if kv is not None:
+        text += " " + kv
     if floor <= 0 or state < floor / 2:
         return text + (" Otherwise, reduce the batch size." if own is None else "")
     return (text + f" Parameters, gradients and optimizer state are {100 * state / floor:.0f}% of it: no "
             "activation plan and no smaller batch frees them; sharding them across devices (FSDP), an optimizer "
             "with less state, or lower-precision parameters and state would.")
+
+
+def kv_cache_note(problem: Problem) -> str | None:
+    """A sentence on the modules no plan partitions because they keep tensors in the model's
+    state (a KV cache), or None."""
+    keeps = state_keepers(problem)
+    if not keeps:
+        return None
+    more = f" and {len(keeps) - 3} more" if len(keeps) > 3 else ""
+    return (f"{len(keeps)} module(s) ({', '.join(keeps[:3])}{more}) keep tensors in the model's state past "
+            "their forward (a transformers model's KV cache), so no plan partitions or checkpoints them: "
+            "training needs no cache, and a model recorded with model.config.use_cache = False (as "
+            "gradient_checkpointing_enable() sets it) has them all as options.")
 
 
 def _options_floor(rec: Problem, used: str | None, floor: int) -> str:
