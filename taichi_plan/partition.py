@@ -267,7 +267,8 @@ def _called_modules(problem: Problem, under: dict) -> set[str]:
         if "." in m:
             parent, last = m.rsplit(".", 1)
             children.setdefault(parent, []).append(last)
-    return {m for m in under if m in own or not all(c.isdigit() for c in children.get(m, ["x"]))}
+    return {m for m in under
+            if m in own or m not in children or not all(c.isdigit() for c in children[m])}
 
 
 def _module_spans(problem: Problem) -> list[Span]:

@@ -12,6 +12,7 @@ See :mod:`taichi_plan.record.recorder` for what a step is and how each column is
 from __future__ import annotations
 
 import contextlib
+import os
 import sysconfig
 from collections.abc import Callable
 from pathlib import Path
@@ -396,25 +397,19 @@ def forward_in_backward(rec: StepRecord) -> dict:
     """``meta.forward_in_backward`` (trace v8): the ops of forward code that
     ``torch.utils.checkpoint`` re-ran inside the recorded backward (the model's own activation
     checkpointing), and per run of them the modules they ran in (their names' common prefix)."""
-    modules: list[str] = []
+    runs: list[list[int]] = []  # the re-run ops in runs of consecutive op ids
+    for i in rec.rerun_ops:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
     names = rec.ops["module"]
-    prev, cur = -2, None
-    for i in [*rec.rerun_ops, None]:
-        if i is None or i != prev + 1:
-            if cur and cur not in modules:
-                modules.append(cur)
-            cur = None
-        if i is None:
-            break
-        name = names[i]
-        if name:
-            if cur is None:
-                cur = name
-            else:
-                a, b = cur.split("."), name.split(".")
-                k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                cur = ".".join(a[:k])
-        prev = i
+    modules: list[str] = []
+    for run in runs:
+        parts = [names[i].split(".") for i in run if names[i]]
+        prefix = ".".join(os.path.commonprefix(parts)) if parts else ""
+        if prefix and prefix not in modules:
+            modules.append(prefix)
     outer = [m for m in modules if not any(m.startswith(o + ".") for o in modules)]
     return {"ops": len(rec.rerun_ops), "modules": outer}
 
