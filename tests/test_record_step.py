@@ -45,3 +45,34 @@ def test_record_step_refuses_a_loop_it_did_not_run():
         record_step(model, opt, step, inputs=batch, loop=Loop(micro_batches=2))
     with pytest.raises(WorkloadError, match="step_fn is a int"):
         record_step(model, opt, 3)
+
+
+def test_a_gradient_penalty_step_records_and_gets_an_honest_answer():
+    """``torch.autograd.grad(..., create_graph=True)`` over an input the step made require grad
+    (a WGAN-GP or R1 penalty): PyTorch's ModTracker, which labels ops with modules, aborted such
+    a step ("A leaf node was passed to _will_engine_execute_node ..."); the recorder closes a
+    module whose inputs are all leaves at their first gradient instead."""
+    from taichi_plan.errors import InfeasibleBudgetError
+    from taichi_plan.problem import build_problem
+    from taichi_plan.solve import solve
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(32, 16)
+
+    def step():
+        xi = x.clone().requires_grad_(True)
+        out = model(xi)
+        (g,) = torch.autograd.grad(out.sum(), xi, create_graph=True)
+        (out.mean() + 10 * (g.norm(dim=1) - 1).pow(2).mean()).backward()
+        opt.step()
+
+    trace = record_step(model, opt, step, inputs=(x,))
+    ops = trace.ops
+    # the penalty's grad pass is labelled with the model's modules, as a backward
+    first_pass = ops[(ops["phase"] == "backward") & (ops["module"] == "0")]
+    assert len(first_pass) and int(first_pass.index[0]) < int(ops.index[ops["op"] == "aten.linalg_vector_norm.default"][0])
+    problem = build_problem(trace)
+    with pytest.raises(InfeasibleBudgetError, match="more than one backward pass"):
+        solve(trace, int(problem.baseline_peak[0] * 0.5), "heuristic", problem=problem)

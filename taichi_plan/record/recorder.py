@@ -70,6 +70,7 @@ from dataclasses import dataclass, field
 from functools import partial
 
 import torch
+from torch.distributed._tools import mod_tracker as _mod_tracker_module
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
@@ -235,6 +236,26 @@ def op_clock():
     return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
 
 
+def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
+    """``register_multi_grad_hook`` as ModTracker calls it (on a module's inputs, to close the
+    module in backward), safe under ``torch.autograd.grad``. In its ``"all"`` mode the first
+    hook to fire asks the engine whether each input's node will run, and for a leaf input (a
+    tensor the user made require grad: a gradient penalty's ``x.requires_grad_()``) the engine
+    answers ``RuntimeError: A leaf node was passed to _will_engine_execute_node but we are
+    currently running autograd.grad()``, aborting the user's step. So leaves are left out when
+    other inputs carry the module's gradient, and a module whose inputs are all leaves is
+    closed at the first of their gradients (``"any"``): where several leaf inputs get their
+    gradients at different times, the module closes at the first (its later backward ops are
+    then labelled with its parent)."""
+    from torch.autograd.graph import register_multi_grad_hook
+
+    if mode == "all":
+        inner = [t for t in tensors if t.grad_fn is not None]
+        if len(inner) < len(tensors):
+            tensors, mode = (inner, "all") if inner else (tensors, "any")
+    return register_multi_grad_hook(tensors, fn, mode=mode)
+
+
 class Recorder(TorchDispatchMode):
     """Records ops, storages and accesses; one instance serves several steps.
 
@@ -318,6 +339,8 @@ class Recorder(TorchDispatchMode):
     def __enter__(self):
         self._mod_tracker.__enter__()
         self._patch_resize()
+        self._multi_grad_hook = _mod_tracker_module.register_multi_grad_hook
+        _mod_tracker_module.register_multi_grad_hook = _leaf_safe_multi_grad_hook
         self._call_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
         return super().__enter__()
 
@@ -326,6 +349,7 @@ class Recorder(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._call_hook.remove()
+            _mod_tracker_module.register_multi_grad_hook = self._multi_grad_hook
             self._restore_resize()
             self._mod_tracker.__exit__(*exc)
 
