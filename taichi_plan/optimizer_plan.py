@@ -415,8 +415,12 @@ def describe(problem) -> dict | None:
     rec = recorded_problem(problem)
     before, _ = rec.baseline_peak
     after, after_op = problem.baseline_peak
-    peaks = (f"the unplanned step peaks at {format_bytes(after)} (op {after_op}) instead of "
-             f"{format_bytes(before)}")
+    peaks = f"the unplanned step peaks at {format_bytes(after)} (op {after_op}) instead of {format_bytes(before)}"
+    if format_bytes(after) == format_bytes(before):  # "5.52 MB instead of 5.52 MB" says nothing
+        diff = int(before) - int(after)
+        peaks = (f"the unplanned step peaks at {format_bytes(after)} (op {after_op}), "
+                 + (f"{diff:,} bytes below the recorded step's peak" if diff > 0 else
+                    f"{-diff:,} bytes above the recorded step's peak" if diff < 0 else "as the recorded step does"))
     if info["mode"] == "groups":
         groups = info["groups"]
         why = (f"the foreach step over {info['parameters']} parameters runs in {len(groups)} groups, one after the "

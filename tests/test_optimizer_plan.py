@@ -241,3 +241,20 @@ def test_accumulating_with_a_plan_that_steps_in_backward_raises_instead_of_stepp
     opt.step()  # a step boundary: the next backward updates again
     loss_fn(model(batch), batch).backward()
     taichi_plan.finish(model)
+
+
+def test_the_options_sentence_never_says_a_peak_is_itself_instead():
+    """``describe`` printed "peaks at 5.52 MB (op 462) instead of 5.52 MB" where stepping in
+    backward lowered the unplanned peak by a few KB (a BART): the difference is given in bytes."""
+    from types import SimpleNamespace
+
+    from taichi_plan.optimizer_plan import describe
+
+    def view(before: int, after: int):
+        rec = SimpleNamespace(baseline_peak=(before, 7))
+        trace = SimpleNamespace(meta={"optimizer_view": {"mode": "in-backward", "parameters": 3}})
+        return SimpleNamespace(trace=trace, recorded_problem=rec, baseline_peak=(after, 5), num_ops=9,
+                               nbytes=np.array([400, 400]), kind=np.array(["gradient", "activation"]))
+
+    assert "peaks at 5.52 MB (op 5), 4,000 bytes below the recorded step's peak" in describe(view(5_524_000, 5_520_000))["why"]
+    assert "peaks at 4.00 MB (op 5) instead of 5.52 MB" in describe(view(5_520_000, 4_000_000))["why"]
