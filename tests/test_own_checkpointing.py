@@ -96,6 +96,10 @@ def test_modules_kept_out_by_the_kv_cache_are_named_with_the_way_out(traces):
     assert keeps == ["transformer.h.0.attn", "transformer.h.1.attn"], keeps
     plan = solve(traces[False], int(p.baseline_peak[0] * 0.8), "heuristic")
     assert any("model.config.use_cache = False" in n and "transformer.h.0.attn" in n for n in plan.solver["notes"])
+    from taichi_plan.commands.solve import render_solve_summary
+
+    text = render_solve_summary(plan)  # what `taichi-plan solve` prints
+    assert any(line.startswith("Note ") and "model.config.use_cache = False" in line for line in text.splitlines()), text
     with pytest.raises(InfeasibleBudgetError, match="keep tensors in the model's state"):
         solve(traces[False], int(p.baseline_peak[0] * 0.1), "heuristic")
     torch.manual_seed(0)

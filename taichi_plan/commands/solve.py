@@ -59,6 +59,8 @@ def render_solve_summary(plan, units: str = "auto") -> str:
     bound = (f"lower bound {format_cost(lb, unit)}, gap {100 * gap:.2f}%" if lb is not None and gap is not None
              else "no lower bound")
     lines.append(f"Solver     {s['method']}: {s['status']}, {bound}, {s['wall_s']:.2f} s")
+    why = (plan.optimizer or {}).get("why")
+    lines += [f"Note       {n}" for n in s.get("notes", []) if not (why and why in n)]  # the optimizer's is above
     return "\n".join(lines)
 
 
