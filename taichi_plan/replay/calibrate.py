@@ -14,10 +14,9 @@ the plain forward, divided by the call's ops. ``rebuild_op_s``: after each recip
 and its backward (a rebuild's inputs are gone by then, as in a real rebuild), every recipe of
 the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
 minus the seconds of the ops themselves (timed inside it), per re-run op, median over the runs;
-and ``rebuild_time_ratio``: per op name, the seconds its ops took re-run there over the seconds
-the trace recorded for them (a rebuilt ``native_batch_norm`` on ResNet-50 takes about 3x its
-recorded time, a ``relu`` half: a rebuild's inputs, its ``no_grad`` path and the caches differ
-from the recorded forward's).
+and ``rebuild_time_ratio``: per op name, the seconds one run of its ops took there over the
+seconds the trace recorded for them (a rebuild's inputs, its ``no_grad`` path and the caches
+differ from the recorded forward's).
 
 Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.record.recorder.op_clock`).
 """
@@ -107,7 +106,8 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     device = next((p.device.type for p in model.parameters()), "cpu")
     runtimes = []
     rebuilds: list[float] = []  # per recipe forward: the rebuild path's own seconds per re-run op
-    rebuilt_s: dict[int, float] = {}  # counted op of the call -> seconds it ran in the rebuilds (all runs)
+    # counted op of the call -> [seconds it ran in the rebuilds, times it ran] (all runs)
+    rebuilt_s: dict[int, list[float]] = {}
 
     def forward(variant: tuple) -> tuple[float, float]:
         plan, parts = variant
@@ -178,7 +178,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
                              for kind, (span, ks, _p) in span_probes.items()}
     if rebuilds:
         out["rebuild_op_s"] = statistics.median(rebuilds)
-        out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s, len(rebuilds))
+        out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s)
     out = floored(out, trace.meta.get("runtime_overhead") or {})
     if drop_probe is not None and "rebuild_op_s" in out:
         out.update(_drop_rate(drop_probe, extra("drops", "kept", 1), out))
@@ -270,9 +270,12 @@ def floored(measured: dict, bookkeeping: dict) -> dict:
     return out
 
 
-def _time_ratios(trace, call: dict, ops: list, rebuilt_s: dict[int, float], runs: int) -> dict[str, float]:
-    """Per op name: the seconds its ops took re-run in the rebuilds (``rebuilt_s``, counted op
-    of the call -> seconds over ``runs`` runs) over the seconds the trace recorded for them."""
+def _time_ratios(trace, call: dict, ops: list, rebuilt_s: dict[int, list[float]]) -> dict[str, float]:
+    """Per op name: the seconds one re-run of its ops took in the rebuilds (``rebuilt_s``,
+    counted op of the call -> [seconds, times it ran]) over the seconds the trace recorded for
+    them. Per run of the op, not per rebuild: a rebuild of every recipe runs an op of several
+    outputs once per output (``native_batch_norm``'s three: its ratio read about 3 on
+    ResNet-50), where a plan's rebuild runs it for the outputs it dropped."""
     from . import counted_ops
 
     counted = counted_ops(trace)
@@ -280,18 +283,19 @@ def _time_ratios(trace, call: dict, ops: list, rebuilt_s: dict[int, float], runs
     recorded = trace.ops["duration_s"].to_numpy()
     ran: dict[str, float] = {}
     rec: dict[str, float] = {}
-    for i, sec in rebuilt_s.items():
+    for i, (sec, times) in rebuilt_s.items():
         name = ops[i][0]
-        ran[name] = ran.get(name, 0.0) + sec / runs
+        ran[name] = ran.get(name, 0.0) + sec / times
         rec[name] = rec.get(name, 0.0) + float(recorded[op_ids[i]])
     return {n: ran[n] / rec[n] for n in sorted(ran) if rec[n] > 0}
 
 
-def _rebuild_all(rt, frame, clock, op_seconds: dict[int, float] | None = None) -> list[float]:
+def _rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = None) -> list[float]:
     """Re-run every recipe of ``frame`` (a call run with every recipe kept) through the runtime's
     rebuild path, in op order, each storage held until its last reader has re-run; returns
     [(seconds - the seconds of the ops themselves) / re-run ops]: the path's own cost per op,
-    the ops timed where they run (and added, per counted op of the call, to ``op_seconds``).
+    the ops timed where they run (added, per counted op of the call, to ``op_seconds``: [seconds,
+    times run]).
     [] when a recipe cannot re-run here (an input overwritten in place, say): then nothing is
     measured."""
     from . import runtime
@@ -307,7 +311,7 @@ def _rebuild_all(rt, frame, clock, op_seconds: dict[int, float] | None = None) -
     run_op = runtime._run
     op_s = [0.0]
 
-    per_op: dict[int, float] = {}
+    per_op: dict[int, list[float]] = {}
 
     def timed_op(step, args, kwargs):
         t = clock()
@@ -316,7 +320,9 @@ def _rebuild_all(rt, frame, clock, op_seconds: dict[int, float] | None = None) -
         finally:
             dt = clock() - t
             op_s[0] += dt
-            per_op[step.op] = per_op.get(step.op, 0.0) + dt
+            got = per_op.setdefault(step.op, [0.0, 0])
+            got[0] += dt
+            got[1] += 1
 
     n0 = rt.recompute_ops
     runtime._run = timed_op
@@ -336,8 +342,10 @@ def _rebuild_all(rt, frame, clock, op_seconds: dict[int, float] | None = None) -
         frame.cache.clear()
     n = rt.recompute_ops - n0
     if n and op_seconds is not None:
-        for i, sec in per_op.items():
-            op_seconds[i] = op_seconds.get(i, 0.0) + sec
+        for i, (sec, times) in per_op.items():
+            acc = op_seconds.setdefault(i, [0.0, 0])
+            acc[0] += sec
+            acc[1] += times
     return [(dt - op_s[0]) / n] if n else []
 def _runs_cleanly(forward, variants: list, runtimes: list) -> bool:
     """Whether each of ``variants`` runs once, forward and backward, with no error and no
