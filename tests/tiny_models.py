@@ -142,3 +142,21 @@ def stacked_blocks(batch: int = 8, **_):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, 16, 32, generator=g)
     return model, x, (lambda out, _b: out.square().mean()), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def bn_cnn(batch: int = 8, **_):
+    """Conv, batch norm, in-place ReLU and max pooling, four times, then a linear head: ops of
+    several outputs (``native_batch_norm``'s output, mean and invstd; ``max_pool2d_with_indices``)
+    whose outputs a rebuild may need together."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers, c = [], 3
+    for w in (8, 16, 16, 32):
+        layers += [nn.Conv2d(c, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU(inplace=True), nn.MaxPool2d(2)]
+        c = w
+    model = nn.Sequential(*layers, nn.Flatten(), nn.Linear(32 * 2 * 2, 10))
+    x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.SGD(model.parameters(), lr=0.1,
+                                                                                               momentum=0.9)

@@ -552,8 +552,11 @@ class PlanRuntime(TorchDispatchMode):
             frame.cache[sid] = st
         return st
 
-    def _run_recipe(self, frame: Frame, sid: int) -> torch.UntypedStorage:
-        """Re-run the recipe of ``sid`` (its inputs: alive, cached, shared, or rebuilt first)."""
+    def _run_recipe(self, frame: Frame, sid: int, siblings: dict[int, int] | None = None) -> torch.UntypedStorage:
+        """Re-run the recipe of ``sid`` (its inputs: alive, cached, shared, or rebuilt first).
+        ``siblings``: other storages (sid -> output position) the recipe's first op makes too;
+        their storages from this run are returned in it (``siblings[sid]`` replaced by the
+        storage), so an op of several outputs is not run once per output."""
         steps = frame.recipes.get(sid)
         if not steps:
             raise MismatchError(f"A storage the plan needs back (id {sid}) has no recipe; the plan does not "
@@ -573,6 +576,11 @@ class PlanRuntime(TorchDispatchMode):
                                 if isinstance(o, _Tensor)]
                         st = flat[step.out_pos].untyped_storage()
                         frame.building[sid] = st
+                        if siblings and step is steps[0]:
+                            for other, pos in siblings.items():
+                                siblings[other] = flat[pos].untyped_storage()
+                            siblings = None
+                        del flat
         finally:
             frame.building.pop(sid, None)
             frame.depth -= 1
@@ -613,10 +621,25 @@ class PlanRuntime(TorchDispatchMode):
             for u in reads[x]:
                 if u in first_op:
                     left[u] = left.get(u, 0) + 1
+        # Storages of the group made by one op (a batch norm's output, mean and invstd): the op
+        # runs once, as the simulator re-runs it, and its other outputs are taken from that run
+        # (when their recipe is that op alone).
+        made_by: dict[int, list[int]] = {}
+        for x in order:
+            first = frame.recipes[x][0]
+            if first.out_pos is not None:
+                made_by.setdefault(first.op, []).append(x)
+        premade: dict[int, torch.UntypedStorage] = {}
         frame.shared = {}
         try:
             for x in order:
-                st = self._run_recipe(frame, x)
+                if x in premade:
+                    st = premade.pop(x)
+                else:
+                    sibs = {y: frame.recipes[y][0].out_pos for y in made_by.get(frame.recipes[x][0].op, ())
+                            if y != x and len(frame.recipes[y]) == 1}
+                    st = self._run_recipe(frame, x, sibs or None)
+                    premade.update({y: v for y, v in sibs.items() if isinstance(v, torch.UntypedStorage)})
                 if x in frame.dropped and frame.pending.get(x, 0) > 0:
                     frame.cache[x] = st
                 else:
