@@ -160,3 +160,27 @@ def bn_cnn(batch: int = 8, **_):
     x, y = torch.randn(batch, 3, 32, 32), torch.randint(0, 10, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.SGD(model.parameters(), lr=0.1,
                                                                                                momentum=0.9)
+
+
+def encoder_layer(batch: int = 4, seq: int = 32, **_):
+    """Embeddings, one ``nn.TransformerEncoderLayer`` (batch first, dropout 0.1: PyTorch's own
+    attention, its q, k and v views of one packed projection) and a head whose loss the model
+    returns."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, vocab: int = 128, h: int = 32):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, h)
+            self.layer = nn.TransformerEncoderLayer(h, 4, 64, dropout=0.1, batch_first=True)
+            self.head = nn.Linear(h, vocab)
+
+        def forward(self, ids, labels):
+            logits = self.head(self.layer(self.emb(ids)))
+            return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    torch.manual_seed(0)
+    model = Net()
+    ids = torch.randint(0, 128, (batch, seq))
+    return model, {"ids": ids, "labels": ids.clone()}, (lambda out, _b: out), torch.optim.AdamW(model.parameters())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from ..errors import PlanError
 from ..plan import Plan, load_plan
 
@@ -102,7 +104,15 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
             if where is not None and where[0] == head[0]:
                 skip[head[0]].add(where[1])
 
-    group_of = rebuild_groups(plan, trace, problem)
+    group_of, trigger_of = rebuild_groups(plan, trace, problem)
+    triggers: list[dict] = [{} for _ in calls]
+    producer_of = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["producer_op"].tolist(), strict=True))
+    for tid, group in trigger_of.items():
+        op = int(producer_of.get(tid, -1))
+        where = locate(op) if op >= 0 else None
+        j = pos.get((op, tid))
+        if where is not None and j is not None:
+            triggers[where[0]].setdefault(where[1], []).append((j, group))
     tensors = trace.tensors
     kinds = tensors["kind"].tolist()
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
@@ -112,7 +122,8 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         s0 = call["start"]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
-                            bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c])))
+                            bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c]),
+                            triggers=triggers[c]))
     return out
 
 
@@ -158,18 +169,45 @@ def token_partitions(plan: Plan, problem) -> list[tuple[str, int, tuple[int, ...
     return out
 
 
-def rebuild_groups(plan: Plan, trace, problem=None) -> dict[int, int]:
-    """Dropped tensor id -> the op before which the simulator rebuilds it (its group)."""
+def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dict[int, int]]:
+    """(dropped tensor id -> the op before which the simulator rebuilds it (its group),
+    trigger tensor id -> group).
+
+    The runtime rebuilds a group when backward first unpacks one of its tensors. A group the
+    simulator runs earlier than that (every member rebuilt *early*, before the first of its
+    inputs dies: docs/planner.md) needs another moment: the last unpack of a saved tensor
+    that the group's op reads for the last time (its *trigger*), while that tensor is still
+    alive. A group with no such tensor is left to its members' unpack (then its gone inputs
+    are re-made from recipes where they have them)."""
     from ..optimizer_plan import problem_for_plan
+    from ..problem import rebuild_inputs
     from ..simulate import simulate_plan
     from ..solve.result import drops_from_plan
 
     problem = problem_for_plan(plan, trace, problem)
     drops = drops_from_plan(problem, plan)
     if not drops:
-        return {}
+        return {}, {}
     sim, parted = simulate_plan(problem, drops, plan.partitions)
-    return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}
+    phase = np.asarray(parted.op_phase)
+    members: dict[int, list[int]] = {}
+    for t, r in sim.remat_at.items():
+        members.setdefault(int(r), []).append(int(t))
+    dropped = set(sim.remat_at)
+    triggers: dict[int, int] = {}
+    for r, ts in members.items():
+        first_unpack = min((int(o) for t in ts for o in parted.uses[t].tolist() if phase[o] == "backward"),
+                           default=r)
+        if first_unpack <= r:
+            continue
+        reads = {u for t in ts for u in rebuild_inputs(parted, t)}
+        found = [int(u) for u in parted.op_reads[r].tolist()
+                 if int(parted.end[u]) == r and u not in dropped and int(parted.producer[u]) >= 0
+                 and phase[int(parted.producer[u])] == "forward"]
+        found.sort(key=lambda u: (u not in reads, u))
+        if found:
+            triggers[int(parted.tensor_id[found[0]])] = r
+    return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}, triggers
 
 
 def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:

@@ -21,7 +21,10 @@ It executes what the simulator models (docs/planner.md#replay), one model call a
 * When backward unpacks a handle, the storage is rebuilt from its frame's recipes: each input
   is used if it is still alive, else rebuilt too (recursively). A rebuilt storage that the plan
   drops is kept until all its handles are unpacked (the simulator's "rebuilt early, held until
-  its last use"); any other rebuilt input is a transient, freed when the rebuild is done.
+  its last use"); any other rebuilt input is a transient, freed when the rebuild is done. A
+  group the simulator rebuilds before backward unpacks any of its tensors runs at the last
+  unpack of its *trigger*, a saved tensor its op reads for the last time (the pack hook keeps
+  it as :class:`_Trigger`).
 
 Frames are independent: two forwards before one backward, gradient accumulation, or an eval
 pass in between each keep their own. A frame lives as long as autograd holds its handles.
@@ -135,6 +138,9 @@ class CallPlan:
     # Run under the mode and hooks although the plan changes nothing here: what calibration
     # (taichi_plan.replay.calibrate) measures the runtime's own cost on.
     probe: bool = False
+    # op -> [(flattened output index, group)]: storages whose last unpack in backward runs
+    # that rebuild group (one rebuilt early, before any of its tensors is unpacked).
+    triggers: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -160,6 +166,8 @@ class Frame:
     building: dict = field(default_factory=dict)
     depth: int = 0  # rebuilds in progress (a rebuild rebuilds its gone inputs first)
     shared: dict | None = None  # while a group is rebuilt: its transients, re-made once
+    trigger_of: dict = field(default_factory=dict)  # sid -> the rebuild group its last unpack runs
+    trigger_pending: dict = field(default_factory=dict)  # sid -> its saved copies not unpacked yet
     next_sid: int = 0
     smaller: bool = False  # inputs no larger than the recorded ones in any dimension, some smaller
     entered: set = field(default_factory=set)  # partitioned modules whose wrapper ran in this call
@@ -184,6 +192,16 @@ def _off(got: int, want: int, smaller: bool) -> bool:
     """Is a storage of ``got`` bytes off the recorded ``want``: other (the recorded inputs) or
     larger (smaller inputs)?"""
     return got > want if smaller else got != want
+
+
+class _Trigger:
+    """What autograd keeps instead of a saved tensor whose last unpack runs a rebuild group
+    (the tensor itself, held as autograd would)."""
+
+    __slots__ = ("frame", "sid", "tensor")
+
+    def __init__(self, frame: Frame, sid: int, tensor: _Tensor):
+        self.frame, self.sid, self.tensor = frame, sid, tensor
 
 
 class _Handle:
@@ -393,6 +411,14 @@ class PlanRuntime(TorchDispatchMode):
         return TRef(self._sid(frame, t.untyped_storage()), t.dtype, t.device, tuple(t.size()), tuple(t.stride()),
                     t.storage_offset())
 
+    def _note_triggers(self, frame: Frame, i: int, out) -> None:
+        """Mark the outputs of op ``i`` whose last unpack runs a rebuild group (after their
+        recipes, if kept: a storage gets its recipe when its id is new)."""
+        flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
+        for j, group in frame.call.triggers[i]:
+            if j < len(flat):
+                frame.trigger_of[self._sid(frame, flat[j].untyped_storage())] = group
+
     # -- dispatch -------------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -414,6 +440,8 @@ class PlanRuntime(TorchDispatchMode):
         out = func(*args, **kwargs)
         sizes = call.ops[i][2]
         if not keep:
+            if i in call.triggers:
+                self._note_triggers(frame, i, out)
             if sizes:
                 flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
                 for j, want in sizes.items():
@@ -456,6 +484,8 @@ class PlanRuntime(TorchDispatchMode):
             if j < len(outs) and outs[j] in frame.recipes:
                 frame.dropped[outs[j]] = tid
                 self.dropped_storages += 1
+        if i in call.triggers:
+            self._note_triggers(frame, i, out)
         return out
 
     @staticmethod
@@ -503,12 +533,22 @@ class PlanRuntime(TorchDispatchMode):
         if frame is None or not frame.enabled or not isinstance(t, _Tensor):
             return t
         sid = frame.sid_of.get(t.untyped_storage()._cdata)
+        if sid is not None and sid in frame.trigger_of:
+            frame.trigger_pending[sid] = frame.trigger_pending.get(sid, 0) + 1
+            return _Trigger(frame, sid, t)
         if sid is None or sid not in frame.dropped:
             return t
         frame.pending[sid] = frame.pending.get(sid, 0) + 1
         return _Handle(frame, self._ref(frame, t))
 
     def _unpack(self, packed):
+        if isinstance(packed, _Trigger):
+            frame, sid = packed.frame, packed.sid
+            left = frame.trigger_pending.get(sid, 1) - 1
+            frame.trigger_pending[sid] = left
+            if left == 0 and frame.enabled and frame.depth == 0:
+                self._fire(frame, frame.trigger_of[sid])
+            return packed.tensor
         if not isinstance(packed, _Handle):
             return packed
         frame, ref = packed.frame, packed.ref
@@ -522,6 +562,16 @@ class PlanRuntime(TorchDispatchMode):
         return t
 
     # -- rebuilding -----------------------------------------------------------------------------------
+    def _fire(self, frame: Frame, group: int) -> None:
+        """Rebuild ``group`` now (its trigger's last unpack: the inputs it reads are alive), if
+        one of its tensors is still awaited and gone."""
+        group_of = frame.call.group_of
+        for sid, tid in list(frame.dropped.items()):
+            if (group_of.get(tid) == group and frame.pending.get(sid, 0) > 0 and sid not in frame.cache
+                    and self._alive(frame, sid) is None):
+                self._rebuild_group(frame, sid)
+                return
+
     def _tensor(self, frame: Frame, ref: TRef) -> _Tensor:
         if 0 in ref.size:  # an empty tensor (e.g. a cache's torch.tensor([])): nothing to rebuild
             return torch.empty(ref.size, dtype=ref.dtype, device=ref.device)
