@@ -184,3 +184,31 @@ def encoder_layer(batch: int = 4, seq: int = 32, **_):
     model = Net()
     ids = torch.randint(0, 128, (batch, seq))
     return model, {"ids": ids, "labels": ids.clone()}, (lambda out, _b: out), torch.optim.AdamW(model.parameters())
+
+
+def frozen_leaf_mlp(batch: int = 512, **_):
+    """An MLP whose first layer is frozen (a partial fine-tune) and whose forward makes its
+    hidden state a leaf that requires grad before the next layer (as wav2vec2's feature
+    encoder does with its input): what PyTorch's MemTracker, replay's cross-check, tripped on."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stem = nn.Linear(32, 64)
+            self.body = nn.Sequential(nn.Linear(64, 128), nn.GELU(), *[m for _ in range(4) for m in (nn.Linear(128, 128),
+                                                                                                   nn.GELU())])
+            self.head = nn.Linear(128, 10)
+
+        def forward(self, x):
+            h = self.stem(x).detach()
+            h.requires_grad = True
+            return self.head(self.body(h))
+
+    torch.manual_seed(0)
+    model = Net()
+    model.stem.requires_grad_(False)
+    x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), opt

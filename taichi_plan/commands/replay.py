@@ -24,7 +24,9 @@ def render(r: dict) -> str:
         f"ratio {pct(r['peak_ratio'])}, {'within' if r['within_budget'] else 'OVER'} budget",
         f"  unplanned peak     predicted {format_bytes(r['baseline_predicted_peak_bytes'])}, "
         f"measured {format_bytes(r['baseline_measured_peak_bytes'])}",
-        "  MemTracker peak    " + ("-" if r.get("memtracker_peak_bytes") is None else
+        "  MemTracker peak    " + (f"- ({r.get('memtracker_note') or 'not measured'})"
+                                  if r.get("memtracker_peak_bytes") is None or
+                                  r.get("baseline_memtracker_peak_bytes") is None else
                                   f"planned {format_bytes(r['memtracker_peak_bytes'])}, unplanned "
                                   f"{format_bytes(r['baseline_memtracker_peak_bytes'])} (PyTorch's "
                                   "torch.distributed._tools MemTracker, one more step)"),

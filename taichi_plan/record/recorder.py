@@ -60,6 +60,7 @@ How each column is decided:
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -256,6 +257,21 @@ def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
     return register_multi_grad_hook(tensors, fn, mode=mode)
 
 
+@contextlib.contextmanager
+def leaf_safe_module_tracking():
+    """While active, PyTorch's ``ModTracker`` (the recorder's, and the one inside ``MemTracker``)
+    registers its backward hooks with :func:`_leaf_safe_multi_grad_hook`. Besides the abort
+    under ``autograd.grad``, its ``"all"`` mode reaches a leaf input's gradient accumulator
+    through ``t.view_as(t)``: an op inside the model's call that the replay runtime would count
+    as the model's own (a mismatch)."""
+    saved = _mod_tracker_module.register_multi_grad_hook
+    _mod_tracker_module.register_multi_grad_hook = _leaf_safe_multi_grad_hook
+    try:
+        yield
+    finally:
+        _mod_tracker_module.register_multi_grad_hook = saved
+
+
 class Recorder(TorchDispatchMode):
     """Records ops, storages and accesses; one instance serves several steps.
 
@@ -339,8 +355,8 @@ class Recorder(TorchDispatchMode):
     def __enter__(self):
         self._mod_tracker.__enter__()
         self._patch_resize()
-        self._multi_grad_hook = _mod_tracker_module.register_multi_grad_hook
-        _mod_tracker_module.register_multi_grad_hook = _leaf_safe_multi_grad_hook
+        self._leaf_safe = leaf_safe_module_tracking()
+        self._leaf_safe.__enter__()
         self._call_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
         return super().__enter__()
 
@@ -349,7 +365,7 @@ class Recorder(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._call_hook.remove()
-            _mod_tracker_module.register_multi_grad_hook = self._multi_grad_hook
+            self._leaf_safe.__exit__(None, None, None)
             self._restore_resize()
             self._mod_tracker.__exit__(*exc)
 

@@ -195,6 +195,20 @@ def cuda_peaks(torch) -> dict:
             "cuda_max_reserved_bytes": int(torch.cuda.max_memory_reserved())}
 
 
+def seed_everything(seed: int) -> None:
+    """Seed torch, Python's ``random`` and NumPy's global generator: a step that draws from
+    NumPy (wav2vec2's SpecAugment masks) or ``random`` then draws the same in the planned and
+    the unplanned run, which replay compares."""
+    import random
+
+    import numpy as np
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
 def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, device: str,
                     say: Callable[[str], None] = lambda msg: None, what: str = "run",
                     rng_seed: int | None = None) -> dict:
@@ -246,7 +260,7 @@ class MeasuredRun:
         from .partition import install_partitions
 
         self.device, self.say, self.what = device, say, what
-        torch.manual_seed(seed)
+        seed_everything(seed)
         say(f"{what}: building {workload.name}")
         self.model, self.batch, self.loss_fn, self.optimizer = workload.build(False)
         if device == "cuda":
@@ -264,7 +278,7 @@ class MeasuredRun:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
         if rng_seed is not None:
-            torch.manual_seed(rng_seed)
+            seed_everything(rng_seed)
         self.rt, self._handles, self._undo = None, [], (lambda: None)
         self.step_s: list[float] = []
         self.recompute_s: list[float] = []
@@ -332,7 +346,7 @@ class MeasuredRun:
                 h.remove()
             hooks = []
             self.say(f"{self.what}: measuring a step with MemTracker")
-            memtracker = _memtracker_peak(model, optimizer, self.one_step, self.loop)
+            memtracker, memtracker_note = _memtracker_peak(model, optimizer, self.one_step, self.loop)
         finally:
             for h in hooks:
                 h.remove()
@@ -340,7 +354,7 @@ class MeasuredRun:
         measured = step_to_trace(rec, 0, "measured", {})
         peak, peak_op = baseline_peak(measured)
         return {"peak_bytes": peak, "peak_op": peak_op, "ops": measured.num_ops,
-                "memtracker_peak_bytes": memtracker}
+                "memtracker_peak_bytes": memtracker, "memtracker_note": memtracker_note}
 
     def close(self) -> None:
         """Remove the plan's hooks and partitions (the model stays usable, unplanned)."""
@@ -377,22 +391,42 @@ def cuda_report(predicted: dict, base: dict, planned: dict) -> dict:
     return out
 
 
-def _memtracker_peak(model, optimizer, one_step, loop) -> int | None:
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str | None]:
     """One more step under PyTorch's own ``MemTracker`` (an accounting independent of the
-    recorder's): its peak, or None where it cannot follow the loop (MemTracker refuses a model
-    called more than once per step)."""
+    recorder's): (its peak, None), or (None, why) where it cannot follow the step: MemTracker
+    refuses a model called more than once per step, and a failure of its own (a cross-check)
+    is reported, not raised. Two of its limits are worked around: it registers a gradient hook
+    on every parameter, which PyTorch refuses for a frozen one ("cannot register a hook on a
+    tensor that doesn't require gradient"), so frozen ones are marked as hooked already; and
+    its module tracking runs leaf-safe (record.recorder.leaf_safe_module_tracking)."""
     if loop.micro_batches * loop.forwards != 1:
-        return None
+        return None, "MemTracker follows one model call per step"
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    from ..record.recorder import leaf_safe_module_tracking
+
     tracker = MemTracker()
-    with warnings.catch_warnings():  # it warns about each parameter without a gradient (None)
-        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-        tracker.track_external(model, optimizer)
-        with tracker:
-            one_step()
+    hooked = getattr(tracker, "_param_to_grad_hook_handles", None)  # a WeakIdKeyDictionary
+    if hooked is not None and hasattr(hooked, "__setitem__"):
+        for p in model.parameters():
+            if not p.requires_grad:
+                hooked[p] = (_NoHook(), _NoHook())
+    try:
+        with warnings.catch_warnings(), leaf_safe_module_tracking():
+            # it warns about each parameter without a gradient (None)
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            tracker.track_external(model, optimizer)
+            with tracker:
+                one_step()
+    except Exception as e:  # noqa: BLE001  (a cross-check of PyTorch's: its failure is reported, not ours)
+        return None, f"MemTracker failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     snap = tracker.get_tracker_snapshot("peak")
-    return int(sum(v["Total"] for v in snap.values()))
+    return int(sum(v["Total"] for v in snap.values())), None
 
 
 def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, seed: int = 0, *,
@@ -433,6 +467,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "baseline_predicted_peak_bytes": pred["baseline_peak_bytes"],
         "baseline_measured_peak_bytes": base["peak_bytes"],
         "memtracker_peak_bytes": planned["memtracker_peak_bytes"],
+        "memtracker_note": planned.get("memtracker_note") or base.get("memtracker_note"),
         "baseline_memtracker_peak_bytes": base["memtracker_peak_bytes"],
         "step_s_unplanned": base["step_s"],
         "step_s_planned": planned["step_s"],
