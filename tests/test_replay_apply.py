@@ -125,3 +125,32 @@ def test_replay_and_apply_take_the_trace_when_it_moved(replay_cases, tmp_path):
     model = taichi_plan.apply(model, plan_path, optimizer=opt, trace=moved)
     assert model._taichi_plan["plan"].predicted == plan.predicted
     taichi_plan.finish(model)
+
+
+def test_a_model_whose_steps_differ_says_so_on_mismatch():
+    """Layerdrop (wav2vec2's default) changes the op sequence from step to step: the recording
+    warns, and a plan applied to such a model stops at the first step that differs. It said
+    "The model or its code changed since the trace was recorded: record and solve again",
+    which cannot help; it now names the difference the recording saw and the way out."""
+    import warnings
+
+    from taichi_plan.record import record_workload
+    from taichi_plan.simulate import Drop
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trace = record_workload(get_workload(entry="tiny_models:layerdrop_mlp"), fake=False, calibrate=False, steps=3)
+    assert trace.meta["steps_match"] is False
+    problem = build_problem(trace)
+    drops = [Drop(int(t), int(a), int(b)) for t, a, b in zip(problem.candidates, problem.cand_free_after,
+                                                            problem.cand_remat_before, strict=True)]
+    plan = make_plan(problem, None, "manual", Decisions(drops=drops[:2]), 0.0, 0)
+    model, x, loss_fn, opt = get_workload(entry="tiny_models:layerdrop_mlp").build(False)
+    model = taichi_plan.apply(model, plan, trace=trace)
+    with pytest.raises(MismatchError, match="recorded steps already differed") as e:
+        for _ in range(20):
+            opt.zero_grad()
+            loss_fn(model(x), x).backward()
+            opt.step()
+    assert "layerdrop=0" in str(e.value) and "on_mismatch='warn'" in str(e.value)
+    taichi_plan.finish(model)

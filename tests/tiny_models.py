@@ -212,3 +212,28 @@ def frozen_leaf_mlp(batch: int = 512, **_):
     x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), opt
+
+
+def layerdrop_mlp(batch: int = 64, **_):
+    """Residual MLP blocks that training skips at random (layerdrop, stochastic depth): the op
+    sequence changes from step to step."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, n: int = 6):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+                                        for _ in range(n))
+            self.head = nn.Linear(h, 4)
+
+        def forward(self, x):
+            for b in self.blocks:
+                if not self.training or torch.rand(()) >= 0.5:
+                    x = x + b(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randn(batch, 32), torch.randint(0, 4, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())

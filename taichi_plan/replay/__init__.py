@@ -225,7 +225,8 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
     """The :class:`~taichi_plan.replay.runtime.PlanRuntime` that executes ``plan``."""
     from .runtime import PlanRuntime
 
-    return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}))
+    return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}),
+                       None if trace.meta.get("steps_match", True) else trace.meta.get("first_mismatch"))
 
 
 def partition_spans(plan: Plan, trace, problem=None) -> list[tuple[str, tuple[int, int]]]:

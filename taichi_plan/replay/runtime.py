@@ -219,9 +219,12 @@ class PlanRuntime(TorchDispatchMode):
     of the model (``apply`` does this with module hooks); :meth:`end_step` when the optimizer
     steps. ``calls``: the plan of each grad-enabled call of the recorded step, in order."""
 
-    def __init__(self, calls: list[CallPlan], on_mismatch: str = "raise", loop: dict | None = None):
+    def __init__(self, calls: list[CallPlan], on_mismatch: str = "raise", loop: dict | None = None,
+                 steps_differed: dict | None = None):
         super().__init__()
         self.calls = calls
+        # where the recorded steps already differed from each other (trace meta.first_mismatch)
+        self.steps_differed = steps_differed
         self.on_mismatch = on_mismatch
         self.loop = loop or {}
         self._infos: dict = {}
@@ -369,7 +372,14 @@ class PlanRuntime(TorchDispatchMode):
                  f"op {i} of the model's call {frame.call.index}: the plan's call has only {len(ops)} ops")
         why = ("The model or its code changed since the trace was recorded: record and solve again, or apply the "
                "plan with on_mismatch='warn'.")
-        if frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
+        if self.steps_differed:  # random control flow (layerdrop, stochastic depth): no one step to plan
+            d = self.steps_differed
+            why = (f"The recorded steps already differed from each other (step {d.get('step')} ran {d.get('got')} "
+                   f"where the first ran {d.get('expected')}): the model changes its op sequence from step to step, "
+                   "as random layer skipping (layerdrop, stochastic depth) or data-dependent branches do, so no "
+                   "one plan fits every step. Turn that off for training with a plan (e.g. layerdrop=0), or apply "
+                   "the plan with on_mismatch='warn' to run the steps that differ unplanned.")
+        elif frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
             why = ("These inputs are smaller than the recorded ones, and at these sizes the model takes another op "
                    "path (a dimension of size 1 makes some copies unnecessary). Apply the plan with "
                    "on_mismatch='warn' to run such calls unplanned, drop such a last batch (a DataLoader's "

@@ -474,10 +474,12 @@ def kv_cache_note(problem: Problem) -> str | None:
     if not keeps:
         return None
     more = f" and {len(keeps) - 3} more" if len(keeps) > 3 else ""
-    return (f"{len(keeps)} module(s) ({', '.join(keeps[:3])}{more}) keep tensors in the model's state past "
-            "their forward (a transformers model's KV cache), so no plan partitions or checkpoints them: "
-            "training needs no cache, and a model recorded with model.config.use_cache = False (as "
-            "gradient_checkpointing_enable() sets it) has them all as options.")
+    return (f"{len(keeps)} module(s) ({', '.join(keeps[:3])}{more}) make tensors that the step's code still "
+            "holds after their forward although no later forward op reads them (a transformers model's KV cache, "
+            "or outputs the model returns and the loss does not use), so no plan partitions or checkpoints them: "
+            "re-run in backward, such a module would make them a second time while the first copies are held. "
+            "For a transformers model, training needs no cache: recorded with model.config.use_cache = False (as "
+            "gradient_checkpointing_enable() sets it), its modules are all options.")
 
 
 def _options_floor(rec: Problem, used: str | None, floor: int) -> str:
