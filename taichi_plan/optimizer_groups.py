@@ -178,7 +178,7 @@ def groups_view(trace, step: ForeachStep, groups: list[list[int]]):
     import pandas as pd
 
     from .deadline import check
-    from .trace import Trace
+    from .trace import Trace, remap_backward_nodes
 
     ops, acc, tensors = trace.ops, trace.accesses, trace.tensors
     names = ops["op"].tolist()
@@ -312,6 +312,8 @@ def groups_view(trace, step: ForeachStep, groups: list[list[int]]):
             rows.append(r)
     new_tensors = pd.DataFrame(rows, columns=list(tensors.columns))
     meta = dict(trace.meta)
+    remap_backward_nodes(meta, ops["phase"].to_numpy(),
+                         list(range(first)) + [o for o, _g in emitted] + list(range(last + 1, n_old)))
     view = Trace(ops=new_ops, tensors=new_tensors, accesses=new_acc, meta=meta, path=trace.path)
     view.position = new_pos
     return view

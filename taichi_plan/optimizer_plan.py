@@ -260,7 +260,7 @@ def recorded_trace(trace):
 
 
 def _in_backward_view(trace, steps: list[ParamStep]):
-    from .trace import Trace
+    from .trace import Trace, remap_backward_nodes
 
     n = len(trace.ops)
     after: dict[int, list[int]] = {}
@@ -310,6 +310,7 @@ def _in_backward_view(trace, steps: list[ParamStep]):
             if call.get(key) is not None:
                 call[key] = int(new[int(call[key])])
     meta["optimizer_view"] = {"mode": "in-backward", "parameters": len(steps)}
+    remap_backward_nodes(meta, trace.ops["phase"].to_numpy(), order)
     view = Trace(ops=ops, tensors=tensors, accesses=acc, meta=meta, path=trace.path)
     view.position = new  # recorded op id -> its position in the view
     return view

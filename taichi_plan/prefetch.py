@@ -250,7 +250,8 @@ def prefetch_view(trace, early: dict[str, set[int] | list[int]]):
     o2 = o2.reset_index(drop=True)
 
     early_forward = [g for g in gatherings(trace) if g.phase == "forward" and g.early]
-    meta = _view_meta(trace.meta, spans, members, pos, new_tid, row_of, want, moves, early_forward)
+    meta = _view_meta(trace.meta, spans, members, pos, new_tid, row_of, want, moves, early_forward,
+                      trace.ops["phase"].to_numpy())
     view = Trace(ops=o2, tensors=t2, accesses=a2, meta=meta, path=trace.path)
     base_pos = getattr(trace, "position", None)
     view.recorded = getattr(trace, "recorded", None) or trace
@@ -261,8 +262,10 @@ def prefetch_view(trace, early: dict[str, set[int] | list[int]]):
 
 def _view_meta(meta: dict, spans: list, members: list[set[int]], pos: np.ndarray, new_tid: np.ndarray,
                row_of: np.ndarray, want: dict[str, set[int]], moves: list[Gathering],
-               early_forward: list[Gathering]) -> dict:
+               early_forward: list[Gathering], phase: np.ndarray | None = None) -> dict:
     import copy
+
+    from .trace import remap_backward_nodes
 
     out = copy.deepcopy(meta)
     f = out["fsdp"]
@@ -282,6 +285,8 @@ def _view_meta(meta: dict, spans: list, members: list[set[int]], pos: np.ndarray
                 c[key] = int(pos[int(c[key])])
     if out.get("random_ops") is not None:
         out["random_ops"] = sorted(int(pos[int(i)]) for i in out["random_ops"])
+    if phase is not None:
+        remap_backward_nodes(out, phase, np.argsort(pos, kind="stable"))
     names = [u["module"] for u in f.get("units", [])]
     out["prefetch_view"] = {ph: [names[u] for u in sorted(want[ph])] for ph in PHASES}
     out["prefetch_view"]["units"] = unit_settings(meta, moves, names, early_forward)

@@ -185,11 +185,39 @@ class Problem:
         self.op_call = model_call_of_ops(self.trace)  # per op: its grad model call, or -1
         # per tensor: the last op the step's own Python code holds it (-1: not known)
         self.python_release = python_release(self.trace.meta, self._index, self.end)
+        self.unpack_at = unpack_points(self.trace.meta, self._phase_array)
+
+    def unpack_point(self, op: int) -> int:
+        """Where a tensor that backward op ``op`` reads from autograd's saved tensors is
+        unpacked: the first op of ``op``'s autograd node (trace v9 ``meta.backward_nodes``;
+        ``op`` itself for older traces and outside backward)."""
+        return int(self.unpack_at[op])
 
     def release_after(self, t: int, last_use: int) -> int:
         """The op after which dropping ``t`` (last used by op ``last_use`` before a gap) really
         frees it: when the step's Python code lets go of it, if that is later (``meta.python_refs``)."""
         return max(int(last_use), int(self.python_release[t]))
+
+
+def unpack_points(meta: dict, phase: np.ndarray) -> np.ndarray:
+    """Per op: the first op of its autograd node for backward ops (``meta.backward_nodes``,
+    trace v9: the op ids where backward starts running another node), itself otherwise. A
+    node unpacks its saved tensors before it runs any op, and replay rebuilds a dropped one
+    there, not at the op that reads it (a linear layer's backward computes its input's
+    gradient before the weight's, which reads the saved input)."""
+    n = len(phase)
+    ops = np.arange(n, dtype=np.int64)
+    starts = meta.get("backward_nodes")
+    if not starts or n == 0:
+        return ops
+    s = np.asarray(sorted(int(x) for x in starts), dtype=np.int64)
+    k = np.searchsorted(s, ops, side="right") - 1
+    start = np.where(k >= 0, s[np.maximum(k, 0)], ops)
+    backward = phase == "backward"
+    # a node's ops are contiguous backward ops: one that starts after a non-backward op is its own
+    prev_bw = np.maximum.accumulate(np.where(~backward, ops, -1))
+    start = np.maximum(start, prev_bw + 1)
+    return np.where(backward, np.minimum(start, ops), ops)
 
 
 def grad_model_calls(meta: dict) -> list[dict] | None:
@@ -364,6 +392,7 @@ def _add_gap(prob: Problem, t: int, a: int, b: int, cands, frees, remats, early)
     starts when a drop really frees ``t``: after ``a``, or later when the step's Python code
     still holds it then (:meth:`Problem.release_after`); held until ``b - 1``, it gains nothing."""
     f = prob.release_after(t, a)
+    b = prob.unpack_point(b)  # where replay rebuilds it: its node unpacks it before running
     if b - f < 2 or b > prob.end[t] or b > prob.remat_deadline[t] or not rebuildable(prob, t, b):
         return
     if not prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]), np.asarray([b]))[0]:
@@ -372,7 +401,7 @@ def _add_gap(prob: Problem, t: int, a: int, b: int, cands, frees, remats, early)
     frees.append(f)
     remats.append(b)
     reads = rebuild_inputs(prob, t)
-    r = int(min(int(prob.end[reads].min()), b)) if reads else b
+    r = prob.unpack_point(int(min(int(prob.end[reads].min()), b))) if reads else b
     early_ok = f + 2 <= r < b and prob.gap_allowed(np.asarray([prob.producer[t]]), np.asarray([a]),
                                                     np.asarray([r]))[0]
     early.append(r if early_ok else -1)

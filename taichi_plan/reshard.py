@@ -186,7 +186,7 @@ def reshard_view(trace, units: set[int] | list[int]):
     o2["op_id"] = np.arange(len(o2), dtype=np.int32)
     o2 = o2.reset_index(drop=True)
 
-    meta = _view_meta(trace.meta, units, keep, new_op, new_tid, merge)
+    meta = _view_meta(trace.meta, units, keep, new_op, new_tid, merge, trace.ops["phase"].to_numpy())
     view = Trace(ops=o2, tensors=t2, accesses=a2, meta=meta, path=trace.path)
     view.recorded = trace
     view.kept_ops = kept_ids
@@ -197,8 +197,10 @@ def reshard_view(trace, units: set[int] | list[int]):
 
 
 def _view_meta(meta: dict, units: list[int], keep: np.ndarray, new_op: np.ndarray, new_tid: dict[int, int],
-               merge: dict[int, int]) -> dict:
+               merge: dict[int, int], phase: np.ndarray | None = None) -> dict:
     import copy
+
+    from .trace import remap_backward_nodes
 
     out = copy.deepcopy(meta)
     f = out["fsdp"]
@@ -219,6 +221,8 @@ def _view_meta(meta: dict, units: list[int], keep: np.ndarray, new_op: np.ndarra
                 c[key] = int(new_op[int(c[key])])
     if out.get("random_ops") is not None:  # trace v4: op ids (FSDP's gathering draws none)
         out["random_ops"] = [int(new_op[int(i)]) for i in out["random_ops"] if keep[int(i)]]
+    if phase is not None:
+        remap_backward_nodes(out, phase, np.nonzero(keep)[0])
     out.pop("python_refs", None)  # trace v4; never recorded for sharded traces (record --fsdp)
     out["num_ops"] = int(keep.sum())
     out["num_tensors"] = len(new_tid) - len(merge)

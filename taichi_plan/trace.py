@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 8
+FORMAT_VERSION = 9
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
@@ -27,9 +27,32 @@ FORMAT_VERSION = 8
 # (checkpoint_op_s, chunk_op_s: replay/calibrate.py; older traces cost a chunk by launch overhead);
 # v6 adds meta.runtime_overhead.span_costs (a head + loss over tokens measured chunked) and unfloored;
 # v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost);
-# v8 adds meta.forward_in_backward (module forwards the model itself re-runs in backward)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+# v8 adds meta.forward_in_backward (module forwards the model itself re-runs in backward); v9 adds
+# meta.backward_nodes (where each autograd node starts in backward: where it unpacks saved tensors)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 PHASES = ("forward", "backward", "optimizer", "other")
+
+
+def remap_backward_nodes(meta: dict, phase, order) -> None:
+    """Rewrite ``meta["backward_nodes"]`` (trace v9: op ids where backward starts running
+    another autograd node) for a view whose ops are the recorded ops ``order`` (recorded op
+    ids, in the view's order; ops left out are gone), ``phase`` the recorded ops' phases: each
+    op keeps its node, and a node starts in the view wherever an op's node differs from the
+    op's before it (an op outside backward belongs to none)."""
+    starts = meta.get("backward_nodes")
+    if not starts:
+        return
+    phase = np.asarray(phase)
+    n = len(phase)
+    s = np.asarray(sorted(int(x) for x in starts), dtype=np.int64)
+    ops = np.arange(n, dtype=np.int64)
+    node = np.searchsorted(s, ops, side="right") - 1
+    node = np.where(phase == "backward", node, -2 - ops)  # outside backward: a node of its own
+    seq = node[np.asarray(order, dtype=np.int64)]
+    keep = np.ones(len(seq), dtype=bool)
+    keep[1:] = seq[1:] != seq[:-1]
+    meta["backward_nodes"] = [int(i) for i in np.nonzero(keep)[0].tolist()
+                              if phase[int(order[i])] == "backward"]
 
 
 def rerun_where(info: dict) -> str:

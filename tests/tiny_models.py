@@ -237,3 +237,18 @@ def layerdrop_mlp(batch: int = 64, **_):
     model = Net()
     x, y = torch.randn(batch, 32), torch.randint(0, 4, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def relu_mlp(batch: int = 512, **_):
+    """Linear + ReLU layers: ReLU saves its output, which the next layer's backward reads as
+    its saved input after computing its input's gradient (the rebuild point that matters)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 128), nn.ReLU()]
+    for _ in range(4):
+        layers += [nn.Linear(128, 128), nn.ReLU()]
+    model = nn.Sequential(*layers, nn.Linear(128, 10))
+    x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())

@@ -382,6 +382,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "filtered_ops": ["prim.*", "profiler.*"],
         "model_calls": kept.calls,
         "random_ops": kept.random_ops,
+        "backward_nodes": kept.node_starts,
         "forward_in_backward": forward_in_backward(kept),
         "called_modules": sorted(kept.called_modules),
         "loop": loop.to_json(),

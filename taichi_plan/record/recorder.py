@@ -209,6 +209,9 @@ class StepRecord:
     # Names (relative to the model) of the modules whose forward was called in the step: a
     # ModuleList or ModuleDict runs ops only through its children and is never called itself.
     called_modules: set = field(default_factory=set)
+    # Op ids where backward starts running another autograd node (trace v9 meta.backward_nodes):
+    # a node unpacks its saved tensors before its first op, which is when replay rebuilds one.
+    node_starts: list = field(default_factory=list)
 
     @property
     def num_ops(self) -> int:
@@ -216,6 +219,8 @@ class StepRecord:
 
 
 _CHECKPOINT_FILE = ("torch", "utils", "checkpoint.py")
+_NO_NODE = object()  # no backward op seen since the last forward or optimizer op
+_current_node = getattr(torch._C, "_current_autograd_node", None)  # torch >= 2.1
 
 
 def _in_checkpoint() -> bool:
@@ -302,6 +307,7 @@ class Recorder(TorchDispatchMode):
         self._n = 0
         self._in_opt = False
         self._rerun = (-2, False)  # (last grad-enabled backward op, whether its run is a checkpoint's)
+        self._node = _NO_NODE  # the autograd node the last backward op ran in (held: its id stays unique)
         self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self._call_hook = None
         self._rec: StepRecord | None = None
@@ -464,6 +470,7 @@ class Recorder(TorchDispatchMode):
         if self._gc_was_enabled:
             gc.enable()
             self._gc_was_enabled = False
+        self._node = _NO_NODE
         rec = self._rec
         kinds = rec.tensors["kind"]
         for kind, tensors in late_kinds:
@@ -606,10 +613,13 @@ class Recorder(TorchDispatchMode):
             phase = "backward"
             if torch.is_grad_enabled():
                 self._note_rerun(rec, op_id)
-        elif self._in_opt:
-            phase = "optimizer"
+            node = _current_node() if _current_node is not None else None
+            if node is not self._node:
+                rec.node_starts.append(op_id)
+                self._node = node
         else:
-            phase = "forward"
+            self._node = _NO_NODE
+            phase = "optimizer" if self._in_opt else "forward"
         ops = rec.ops
         ops["op"].append(info.name)
         ops["phase"].append(phase)

@@ -173,11 +173,11 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
     """(dropped tensor id -> the op before which the simulator rebuilds it (its group),
     trigger tensor id -> group).
 
-    The runtime rebuilds a group when backward first unpacks one of its tensors. A group the
-    simulator runs earlier than that (every member rebuilt *early*, before the first of its
-    inputs dies: docs/planner.md) needs another moment: the last unpack of a saved tensor
-    that the group's op reads for the last time (its *trigger*), while that tensor is still
-    alive. A group with no such tensor is left to its members' unpack (then its gone inputs
+    The runtime rebuilds a group when backward first unpacks one of its tensors (at the start
+    of the autograd node that reads it: ``Problem.unpack_at``). A group the simulator runs
+    earlier than that (every member rebuilt *early*, before the first of its inputs dies:
+    docs/planner.md) needs another moment: the last unpack of a saved tensor that the group's
+    node reads for the last time (its *trigger*), while that tensor is still alive. A group with no such tensor is left to its members' unpack (then its gone inputs
     are re-made from recipes where they have them)."""
     from ..optimizer_plan import problem_for_plan
     from ..problem import rebuild_inputs
@@ -195,14 +195,18 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
         members.setdefault(int(r), []).append(int(t))
     dropped = set(sim.remat_at)
     triggers: dict[int, int] = {}
+    unpack = parted.unpack_at
+    node_ops: dict[int, list[int]] = {}  # a node's first op -> its ops
+    for o in np.nonzero(phase == "backward")[0].tolist():
+        node_ops.setdefault(int(unpack[o]), []).append(o)
     for r, ts in members.items():
-        first_unpack = min((int(o) for t in ts for o in parted.uses[t].tolist() if phase[o] == "backward"),
+        first_unpack = min((int(unpack[o]) for t in ts for o in parted.uses[t].tolist() if phase[o] == "backward"),
                            default=r)
         if first_unpack <= r:
             continue
         reads = {u for t in ts for u in rebuild_inputs(parted, t)}
-        found = [int(u) for u in parted.op_reads[r].tolist()
-                 if int(parted.end[u]) == r and u not in dropped and int(parted.producer[u]) >= 0
+        found = [int(u) for o in node_ops.get(r, [r]) for u in parted.op_reads[o].tolist()
+                 if int(parted.end[u]) == o and u not in dropped and int(parted.producer[u]) >= 0
                  and phase[int(parted.producer[u])] == "forward"]
         found.sort(key=lambda u: (u not in reads, u))
         if found:
