@@ -20,7 +20,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # its seconds below (make test on 2026-12-01, under load, divided by 4), else 0.
 TEST_SECONDS_KEY = "taichi_plan/test_seconds"
 SLOW_FILES = {
-    "test_replay.py": 85, "test_loops.py": 55, "test_tokens.py": 50, "test_fsdp_replay.py": 44,
+    "test_replay.py": 85, "test_rebuild_points.py": 12, "test_loops.py": 55, "test_tokens.py": 50, "test_fsdp_replay.py": 44,
     "test_record.py": 32, "test_replay_apply.py": 30, "test_ddp.py": 29, "test_optimizer_plan.py": 28,
     "test_reshard.py": 28, "test_ilp_exhaustive.py": 24, "test_readme.py": 23, "test_gpu_check.py": 22,
     "test_maxbatch.py": 22, "test_replay_blocks.py": 21, "test_partition_exact.py": 20, "test_pyrefs.py": 19,
