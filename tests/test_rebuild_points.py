@@ -134,3 +134,20 @@ def test_rebuilds_are_placed_where_backward_unpacks(nodes):
         assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"]
     else:
         assert planned["peak_bytes"] != plan.predicted["planned_peak_bytes"]
+
+
+def test_a_batch_that_keeps_its_gradient_measures_as_recorded():
+    """A batch that requires grad keeps its ``.grad`` from step to step. The recorder had seen
+    it in earlier steps and counted it from the start; replay's measuring recorder had not, took
+    it for a tensor made at the ``add_`` that accumulates into it, and measured the unplanned
+    peak that gradient (65,536 B) below the trace's. Now it is registered as a gradient."""
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.trace import baseline_peak
+
+    trace = record_workload(get_workload(entry="tiny_models:leaf_batch_mlp"), fake=False, calibrate=False)
+    tensors = trace.tensors
+    grad_of_x = tensors[(tensors["nbytes"] == 256 * 64 * 4) & (tensors["alloc_op"] == -1) & (tensors["free_op"] == -1)]
+    assert sorted(grad_of_x["kind"]) == ["gradient", "input"]  # x, and its gradient from the steps before
+    plain = run_and_measure(get_workload(entry="tiny_models:leaf_batch_mlp"), None, trace, 1, 0, "cpu")
+    assert plain["peak_bytes"] == baseline_peak(trace)[0]

@@ -252,3 +252,15 @@ def relu_mlp(batch: int = 512, **_):
     model = nn.Sequential(*layers, nn.Linear(128, 10))
     x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def leaf_batch_mlp(batch: int = 256, **_):
+    """A batch made with ``requires_grad=True`` (input gradients, adversarial examples): its
+    ``.grad`` stays on it and accumulates from step to step."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10))
+    x, y = torch.randn(batch, 64, requires_grad=True), torch.randint(0, 10, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())

@@ -142,14 +142,20 @@ def _optimizer_state(optimizer) -> list:
 def step_tensors(model, optimizer, inputs=()) -> list[tuple[str, list]]:
     """The tensors a step starts with, by kind, for :meth:`Recorder.begin_step`: the model's
     parameters, buffers and gradients, the optimizer's state, and every tensor in ``inputs``
-    (any nesting of lists, tuples and dicts)."""
+    (any nesting of lists, tuples and dicts), and the gradients an input that requires grad
+    has kept from earlier steps (a batch made with ``requires_grad=True``: its ``.grad``
+    accumulates step after step). Unregistered, such a gradient was taken for one made at the
+    op that first touched it whenever the recorder had not seen it before (replay's measured
+    step), and the measured peak came out that gradient below the trace's."""
     params = list(model.parameters())
+    ins = _tensors(inputs)
     return [
         ("parameter", params),
         ("buffer", list(model.buffers())),
-        ("gradient", [p.grad for p in params if p.grad is not None]),
+        ("gradient", [p.grad for p in params if p.grad is not None]
+         + [t.grad for t in ins if t.requires_grad and t.grad is not None]),
         ("optimizer_state", _optimizer_state(optimizer)),
-        ("input", _tensors(inputs)),
+        ("input", ins),
     ]
 
 
