@@ -217,7 +217,7 @@ def unpack_points(meta: dict, phase: np.ndarray) -> np.ndarray:
     # a node's ops are contiguous backward ops: one that starts after a non-backward op is its own
     prev_bw = np.maximum.accumulate(np.where(~backward, ops, -1))
     start = np.maximum(start, prev_bw + 1)
-    return np.where(backward, np.minimum(start, ops), ops)
+    return np.where(backward, start, ops)
 
 
 def grad_model_calls(meta: dict) -> list[dict] | None:

@@ -99,9 +99,8 @@ def test_memtracker_cross_check_follows_frozen_parameters_and_leaf_inputs():
     plain = run_and_measure(wl, None, trace, 1, 0, "cpu")
     for r in (planned, plain):
         assert r["memtracker_peak_bytes"] is not None and r["memtracker_note"] is None, r["memtracker_note"]
-    # (512 bytes apart on this model, as test_measured_peak_matches_predicted allows: the
-    # runtime rebuilds at a backward node's start, the simulator before the op reading the
-    # tensor; docs/planner.md, "Known limits")
+    # (the 5% test_measured_peak_matches_predicted allows: a rebuilt tensor can be freed before
+    # its node ends, a few hundred bytes here at some budgets; docs/planner.md, "Known limits")
     assert abs(planned["peak_bytes"] / plan.predicted["planned_peak_bytes"] - 1) <= 0.05
     assert abs(planned["memtracker_peak_bytes"] / planned["peak_bytes"] - 1) <= 0.05
     assert all(a.equal(b) for a, b in zip(planned["params"], plain["params"], strict=True))

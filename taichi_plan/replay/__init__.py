@@ -106,9 +106,9 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
 
     group_of, trigger_of = rebuild_groups(plan, trace, problem)
     triggers: list[dict] = [{} for _ in calls]
-    producer_of = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["producer_op"].tolist(), strict=True))
     for tid, group in trigger_of.items():
-        op = int(producer_of.get(tid, -1))
+        k = problem._index.get(tid)  # a chunk's piece of a partition is no tensor of the trace
+        op = int(problem.producer[k]) if k is not None else -1
         where = locate(op) if op >= 0 else None
         j = pos.get((op, tid))
         if where is not None and j is not None:
@@ -196,16 +196,14 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
     dropped = set(sim.remat_at)
     triggers: dict[int, int] = {}
     unpack = parted.unpack_at
-    node_ops: dict[int, list[int]] = {}  # a node's first op -> its ops
-    for o in np.nonzero(phase == "backward")[0].tolist():
-        node_ops.setdefault(int(unpack[o]), []).append(o)
     for r, ts in members.items():
         first_unpack = min((int(unpack[o]) for t in ts for o in parted.uses[t].tolist() if phase[o] == "backward"),
                            default=r)
         if first_unpack <= r:
             continue
         reads = {u for t in ts for u in rebuild_inputs(parted, t)}
-        found = [int(u) for o in node_ops.get(r, [r]) for u in parted.op_reads[o].tolist()
+        node = np.nonzero((unpack == r) & (phase == "backward"))[0].tolist() or [r]  # the ops of r's node
+        found = [int(u) for o in node for u in parted.op_reads[o].tolist()
                  if int(parted.end[u]) == o and u not in dropped and int(parted.producer[u]) >= 0
                  and phase[int(parted.producer[u])] == "forward"]
         found.sort(key=lambda u: (u not in reads, u))

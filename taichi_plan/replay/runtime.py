@@ -194,6 +194,11 @@ def _off(got: int, want: int, smaller: bool) -> bool:
     return got > want if smaller else got != want
 
 
+def _flat_tensors(out) -> list:
+    """The tensors of an op's result, in flattened output order (the trace's output index)."""
+    return [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
+
+
 class _Trigger:
     """What autograd keeps instead of a saved tensor whose last unpack runs a rebuild group
     (the tensor itself, held as autograd would)."""
@@ -424,7 +429,7 @@ class PlanRuntime(TorchDispatchMode):
     def _note_triggers(self, frame: Frame, i: int, out) -> None:
         """Mark the outputs of op ``i`` whose last unpack runs a rebuild group (after their
         recipes, if kept: a storage gets its recipe when its id is new)."""
-        flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
+        flat = _flat_tensors(out)
         for j, group in frame.call.triggers[i]:
             if j < len(flat):
                 frame.trigger_of[self._sid(frame, flat[j].untyped_storage())] = group
@@ -453,7 +458,7 @@ class PlanRuntime(TorchDispatchMode):
             if i in call.triggers:
                 self._note_triggers(frame, i, out)
             if sizes:
-                flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out)) if isinstance(o, _Tensor)]
+                flat = _flat_tensors(out)
                 for j, want in sizes.items():
                     if j < len(flat) and _off(flat[j].untyped_storage().nbytes(), want, frame.smaller):
                         self._size_mismatch(frame, i, info.name, j, flat[j].untyped_storage().nbytes(), want)
@@ -612,11 +617,12 @@ class PlanRuntime(TorchDispatchMode):
             frame.cache[sid] = st
         return st
 
-    def _run_recipe(self, frame: Frame, sid: int, siblings: dict[int, int] | None = None) -> torch.UntypedStorage:
+    def _run_recipe(self, frame: Frame, sid: int, siblings: dict[int, int] | None = None,
+                    made: dict | None = None) -> torch.UntypedStorage:
         """Re-run the recipe of ``sid`` (its inputs: alive, cached, shared, or rebuilt first).
         ``siblings``: other storages (sid -> output position) the recipe's first op makes too;
-        their storages from this run are returned in it (``siblings[sid]`` replaced by the
-        storage), so an op of several outputs is not run once per output."""
+        their storages from this run go into ``made`` (sid -> storage), so an op of several
+        outputs is not run once per output."""
         steps = frame.recipes.get(sid)
         if not steps:
             raise MismatchError(f"A storage the plan needs back (id {sid}) has no recipe; the plan does not "
@@ -632,14 +638,11 @@ class PlanRuntime(TorchDispatchMode):
                     out = _run(step, args, kwargs)
                     self.recompute_ops += 1
                     if step.out_pos is not None:
-                        flat = [o for o in ([out] if isinstance(out, _Tensor) else tree_leaves(out))
-                                if isinstance(o, _Tensor)]
+                        flat = _flat_tensors(out)
                         st = flat[step.out_pos].untyped_storage()
                         frame.building[sid] = st
-                        if siblings and step is steps[0]:
-                            for other, pos in siblings.items():
-                                siblings[other] = flat[pos].untyped_storage()
-                            siblings = None
+                        if siblings and made is not None and step is steps[0]:
+                            made.update({other: flat[pos].untyped_storage() for other, pos in siblings.items()})
                         del flat
         finally:
             frame.building.pop(sid, None)
@@ -698,8 +701,7 @@ class PlanRuntime(TorchDispatchMode):
                 else:
                     sibs = {y: frame.recipes[y][0].out_pos for y in made_by.get(frame.recipes[x][0].op, ())
                             if y != x and len(frame.recipes[y]) == 1}
-                    st = self._run_recipe(frame, x, sibs or None)
-                    premade.update({y: v for y, v in sibs.items() if isinstance(v, torch.UntypedStorage)})
+                    st = self._run_recipe(frame, x, sibs, premade)
                 if x in frame.dropped and frame.pending.get(x, 0) > 0:
                     frame.cache[x] = st
                 else:
