@@ -22,6 +22,9 @@ Variables and constraints:
   model stays a relaxation.
 * Memory at each modelled op ``i``: sum of ``nbytes[t] * away[t,i]`` >= baseline[i] - budget;
   at each modelled recompute group, see :meth:`_Model.add_group`.
+* Forward-only graphs (revivals): an input a rebuild reads after its last op is re-made
+  (its ops' cost) or kept, its bytes added at the ops it is held through
+  (:meth:`_Model._dead_inputs`).
 Byte coefficients are divided by their GCD (and, if still huge, rounded up to a unit, which
 keeps the relaxation); costs are rounded down to a unit of step_cost / 1e7.
 """
@@ -55,6 +58,7 @@ from ..problem import (
     rebuild_closure,
     rebuild_inputs,
     rebuild_set,
+    revivable,
     revival_options,
 )
 from ..simulate import Drop, SimResult, is_revival, rebuild_overhead, simulate_plan
@@ -329,7 +333,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         """Constraints valid for every plan at the ops and groups ``sim`` finds over budget,
         in the main model and the bound model; whether any was new."""
         over = sim_over(parted, sim) - budget_bytes
-        new = [int(i) for i in np.nonzero(over > 0)[0] if req[i] > 0]
+        # On forward-only graphs a kept dead tensor (_dead_inputs) can put an op over budget
+        # that the unplanned step keeps under it: such ops get constraints too.
+        new = [int(i) for i in np.nonzero(over > 0)[0] if req[i] > 0 or problem.every_gap]
         new_main = [i for i in new if i not in model.ops]
         if new_main and model.terms < MAX_TERMS:
             for i in sorted(new_main, key=lambda i: -over[i])[:64]:
@@ -625,6 +631,7 @@ class _Model:
                 if p not in rerun:
                     rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
                 model.Add(rerun[p] >= sum(z[j] for j in rebuilt))
+        self._dead_inputs(rerun, most, ops_all)
         # What the simulator charges: each re-run op's rerun cost, each drop's own cost (x: a
         # drop; revivals, z, exist only in forward-only graphs, which have no drop cost), each
         # partition's. Rounded down, so the objective and its bound stay below the simulator's.
@@ -648,6 +655,193 @@ class _Model:
         self.byte_unit = unit
         self.sizes = [-(-int(s) // unit) for s in st.sizes.tolist()]
         self.scale_note = f"bytes divided by {unit} (GCD {g}{', sizes rounded up' if unit != g else ''})"
+
+    def _dead_inputs(self, rerun: dict, most: dict, ops_all: np.ndarray) -> None:
+        """[Constraint] (forward-only graphs, with revivals) a rebuild that reads a tensor
+        dead by then needs it back: kept since its last op, its bytes in memory all along, or
+        made again, its rebuild ops re-run. Without these the relaxation counts neither (any
+        dead input may be kept, so no transient is certain) and its bound stays at each
+        drop's own re-run (gaps of 45-53% on ``random_layered``).
+
+        Variables: ``rem[u]``, ``u`` re-made after its last op; ``held[u][e]``, ``u`` kept
+        and in memory through run op ``e`` (so through ``end[u]+1 .. e``; an implication chain
+        over ``e``), which adds its bytes at those ops (:meth:`add_op`). Where the group
+        rebuilding a dropped ``t`` runs decides how long a kept input must be held: before
+        its own point ``b``, or earlier when a group inside its gap re-runs an op that reads
+        ``t`` (re-makes a reader of ``t`` while ``t`` is gone). ``remake[v, c]``/``via``
+        bound when that can happen, per cell of group points (cells end before each
+        budget-binding op, where the held bytes are checked). Every constraint is an upper
+        bound on such an indicator or an implication that a plan's true values satisfy, so
+        the model stays a relaxation (``tests/test_ilp_exhaustive.py``, imported space).
+        The terms of each rule are in the comments below."""
+        problem, model, st = self.problem, self.model, self.st
+        self.rem: dict[int, cp_model.IntVar] = {}
+        self.held: dict[int, dict[int, cp_model.IntVar]] = {}
+        if not problem.every_gap or not len(self.z):
+            return
+        ok = set(revivable(problem).tolist())
+        end = problem.end
+        keep_of = {int(u): j for j, u in enumerate(self.rv.tensor.tolist())
+                   if self.rv.remat_before[j] == end[u] + 1}
+
+        def held(u: int, e: int):
+            hs = self.held.setdefault(u, {})
+            if e not in hs:
+                hs[e] = model.NewBoolVar(f"h{u}_{e}")
+                if u in keep_of:
+                    model.AddImplication(hs[e], self.z[keep_of[u]])
+            return hs[e]
+
+        def remade(u: int):
+            """rem[u], with its re-run cost and the needs of its own rebuild (once per u)."""
+            if u in self.rem:
+                return self.rem[u]
+            v = self.rem[u] = model.NewBoolVar(f"m{u}")
+            if not problem.rematerializable[u]:
+                model.Add(v == 0)
+                return v
+            for p in problem.rebuild_ops[u].tolist():
+                if p not in rerun:
+                    rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
+                model.Add(rerun[p] >= v)
+            for w in rebuild_inputs(problem, u):
+                if w in ok and end[w] <= end[u]:
+                    model.AddBoolOr([v.Not(), remade(w), held(w, int(end[u]))])
+            return v
+
+        readers: dict[int, list[int]] = {}
+        for w in np.nonzero(problem.rematerializable)[0].tolist():
+            for v in rebuild_inputs(problem, w):
+                readers.setdefault(v, []).append(w)
+        opts_of: dict[int, list[int]] = {}
+        for c, w in enumerate(st.tensor.tolist()):
+            opts_of.setdefault(w, []).append(c)
+        # Where a kept tensor's memory is checked: at the budget-binding ops. Group points are
+        # cut into cells at each binding op + 1, so that each cell ends right before one.
+        cuts = sorted({int(i) + 1 for i in ops_all.tolist()} | {problem.num_ops})
+        cell_of = np.searchsorted(np.asarray(cuts), np.arange(problem.num_ops + 1), side="right")
+        lo_of = [1, *cuts]  # cell c: points lo_of[c] .. lo_of[c + 1] - 1 (cell of point p: cell_of[p])
+
+        def cell(c: int) -> tuple[int, int]:
+            return lo_of[c], (lo_of[c + 1] - 1 if c + 1 < len(lo_of) else problem.num_ops)
+
+        # remake[v, c]: some group of cell c re-runs v's rebuild ops. Only when an option of v
+        # rebuilt there, a revival of v rebuilt there, or a reader w of v re-made there while v
+        # may be gone (via[w, v, c]: dead and not kept, or inside one of its dropped gaps).
+        # Upper bounds only: a plan's true values satisfy them.
+        remake: dict[tuple[int, int], object] = {}
+        via: dict[tuple[int, int, int], object] = {}
+        direct: dict[tuple[int, int], list] = {}
+        for c, w in enumerate(st.tensor.tolist()):
+            direct.setdefault((w, int(cell_of[st.b[c]])), []).append(self.x[c])
+        for j, w in enumerate(self.rv.tensor.tolist()):
+            if self.rv.remat_before[j] > end[w] + 1:  # a keep re-runs nothing
+                direct.setdefault((w, int(cell_of[self.rv.remat_before[j]])), []).append(self.z[j])
+
+        def gone(v: int, c: int):
+            """None (never) or a literal: may v be gone at some group of cell c."""
+            first, last = cell(c)
+            ways = [self.x[k] for k in opts_of.get(v, ()) if st.a[k] < last and first <= st.b[k]]
+            if last > end[v]:  # dead at its last points, unless kept (through op last - 1)
+                if v not in ok:
+                    return True
+                g = model.NewBoolVar(f"g{v}_{c}")
+                model.Add(g + held(v, last - 1) <= 1 + sum(ways))
+                return g
+            if not ways:
+                return None
+            g = model.NewBoolVar(f"g{v}_{c}")
+            model.Add(g <= sum(ways))
+            return g
+
+        def reached(w: int, v: int, c: int):
+            """via[w, v, c] (None when it cannot hold)."""
+            key = (w, v, c)
+            if key not in via:
+                via[key] = None
+                g = gone(v, c)
+                if g is not None:
+                    r = remade_in(w, c)
+                    if r is not None:
+                        lit = model.NewBoolVar(f"c{w}_{v}_{c}")
+                        model.Add(lit <= r)
+                        if g is not True:
+                            model.Add(lit <= g)
+                        via[key] = lit
+            return via[key]
+
+        def remade_in(v: int, c: int):
+            """remake[v, c] (None when it cannot hold)."""
+            key = (v, c)
+            if key in remake:
+                return remake[key]
+            remake[key] = None  # while its readers are followed (the graph has no cycles)
+            causes = list(direct.get(key, ()))
+            causes += [lit for w in readers.get(v, ()) if (lit := reached(w, v, c)) is not None]
+            if not causes:
+                return None
+            r = model.NewBoolVar(f"rm{v}_{c}")
+            model.Add(r <= sum(causes))
+            first, last = cell(c)
+            if last > end[v]:
+                # re-made after its last op (it pays its re-run), or before it, inside a gap of
+                # its own (an option of v covering that point is chosen)
+                inside = [self.x[k] for k in opts_of.get(v, ()) if first <= end[v] and st.a[k] < min(last, int(end[v]))
+                          and first <= st.b[k]]
+                if v in ok:
+                    model.Add(remade(v) + sum(inside) >= r)
+                elif not problem.rematerializable[v]:
+                    model.Add(sum(inside) >= r)
+                else:
+                    for op in problem.rebuild_ops[v].tolist():
+                        if op not in rerun:
+                            rerun[op] = model.NewIntVar(0, most.get(op, 1), f"r{op}")
+                        model.Add(rerun[op] + sum(inside) >= r)
+            remake[key] = r
+            return r
+
+        gaps: dict[tuple[int, int], list[int]] = {}
+        for k, (t, a) in enumerate(zip(st.tensor.tolist(), st.a.tolist(), strict=True)):
+            gaps.setdefault((t, a), []).append(k)
+        for (t, a), ks in gaps.items():
+            bmax = max(int(st.b[k]) for k in ks)
+            dead = [u for u in rebuild_inputs(problem, t) if u in ok and end[u] < bmax - 1]
+            if not dead:
+                continue
+            chosen = sum(self.x[k] for k in ks)  # at most one option per gap
+            for u in dead:  # dead at any group after a: kept through op a at least
+                if end[u] <= a:
+                    model.Add(remade(u) + held(u, a) >= chosen)
+            # late[q] (q a cut): the gap's tensor is rebuilt in a group before op q or later:
+            # an option with point >= q chosen, and no reader of it re-made in a cell from the
+            # one of point a + 1 to the one ending at q - 1 (early[q]).
+            lo = max(min(int(end[u]) for u in dead) + 2, a + 2)
+            e_prev, c_next = None, int(cell_of[a + 1])
+            for q in cuts:
+                if q > bmax:
+                    break
+                if q <= a + 1:
+                    continue
+                new = []
+                while c_next < len(lo_of) and cell(c_next)[1] <= q - 1:
+                    new += [lit for w in readers.get(t, ()) if (lit := reached(w, t, c_next)) is not None]
+                    c_next += 1
+                if new or e_prev is not None:
+                    eq = model.NewBoolVar(f"e{t}_{a}_{q}")
+                    model.Add(eq <= sum(new) + (e_prev if e_prev is not None else 0))
+                    e_prev = eq
+                at_least = [self.x[k] for k in ks if st.b[k] >= q]
+                if q < lo or not at_least:
+                    continue
+                lq = model.NewBoolVar(f"lt{t}_{a}_{q}")
+                model.Add(lq >= sum(at_least) - (e_prev if e_prev is not None else 0))
+                for u in dead:
+                    if q - 1 > end[u]:  # u is dead at that group: kept through op q - 1, or re-made
+                        model.Add(remade(u) + held(u, q - 1) >= lq)
+        for hs in self.held.values():  # held through a later op: held through every earlier one
+            es = sorted(hs)
+            for e1, e2 in zip(es, es[1:]):
+                model.AddImplication(hs[e2], hs[e1])
 
     def cutoff(self, cost: float) -> None:
         """[Constraint] (warm start) beat the incumbent: no plan of the space costing at most
@@ -863,5 +1057,13 @@ class _Model:
         unit = self.byte_unit
         need = -(-(int(self.req[i]) + extra) // unit)
         part_terms = [(-(-int(po.savings[i]) // unit)) * y[j] for j, po in enumerate(self.parts) if po.savings[i] > 0]
-        model.Add(sum(self.sizes[k] * away[k] for k in cover) + sum(part_terms) >= need)
+        # A dead tensor kept through op i (_dead_inputs) is in memory there: its bytes rounded
+        # down to the unit, so the constraint stays a relaxation.
+        kept = []
+        for u, hs in self.held.items():
+            if self.problem.end[u] < i:
+                e = min((e for e in hs if e >= i), default=None)
+                if e is not None and int(self.problem.nbytes[u]) >= unit:
+                    kept.append((int(self.problem.nbytes[u]) // unit) * hs[e])
+        model.Add(sum(self.sizes[k] * away[k] for k in cover) + sum(part_terms) - sum(kept) >= need)
         self.terms += len(cover)
