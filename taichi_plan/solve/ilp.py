@@ -79,9 +79,10 @@ BOUND_NODES_PER_WORK = 200
 # Pairs of options per op that re-run it in two groups (apart_reruns): each a constraint.
 APART_MAX_PAIRS = 64
 # The dead-input constraints (_Model._dead_inputs) are left out of models with more options
-# and revivals than this: on a generated 1,000-node forward-only graph (16,783 options, 411,684
-# revivals) a CP-SAT round with them ran past its limit (`solve --time-limit 20`: 43-48 s,
-# 18-19 s without them); a 500-node one (105,898) took 21.3 s with them, 21.0 s without.
+# than CHAIN_MAX_OPTIONS, or more options and revivals than this: CP-SAT's rounds with them
+# run past the time limit there (a generated 1,000-node forward-only graph, 16,783 options and
+# 411,684 revivals, `solve --time-limit 20`: 43-48 s, 18-19 s without them; random_layered
+# n250, 9,875 options: `--time-limit 5` 6.3 s in `make test`'s load, where the limit allows 5.7).
 DEAD_INPUTS_MAX_VARS = 200_000
 
 
@@ -636,7 +637,7 @@ class _Model:
                 if p not in rerun:
                     rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
                 model.Add(rerun[p] >= sum(z[j] for j in rebuilt))
-        if C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
+        if C <= CHAIN_MAX_OPTIONS and C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
             self._dead_inputs(rerun, most, ops_all)
         else:  # too large for CP-SAT to presolve them within its limit: left out (a weaker relaxation)
             self.rem, self.held = {}, {}
