@@ -339,9 +339,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         """Constraints valid for every plan at the ops and groups ``sim`` finds over budget,
         in the main model and the bound model; whether any was new."""
         over = sim_over(parted, sim) - budget_bytes
-        # On forward-only graphs a kept dead tensor (_dead_inputs) can put an op over budget
-        # that the unplanned step keeps under it: such ops get constraints too.
-        new = [int(i) for i in np.nonzero(over > 0)[0] if req[i] > 0 or problem.every_gap]
+        # A kept dead tensor (_dead_inputs) can put an op over budget that the unplanned step
+        # keeps under it: where the model counts kept tensors, such ops get constraints too.
+        new = [int(i) for i in np.nonzero(over > 0)[0] if req[i] > 0 or model.held]
         new_main = [i for i in new if i not in model.ops]
         if new_main and model.terms < MAX_TERMS:
             for i in sorted(new_main, key=lambda i: -over[i])[:64]:
