@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .sharding import incarnations
-from .trace import Trace, baseline_live_bytes, live_intervals
+from .trace import Trace, backward_node_starts, baseline_live_bytes, live_intervals
 
 # Kinds no plan frees: model state, inputs, and what FSDP allocates and frees itself (its
 # unsharded parameters and gradients, its communication buffers), and DDP's gradient buckets.
@@ -201,23 +201,13 @@ class Problem:
 
 def unpack_points(meta: dict, phase: np.ndarray) -> np.ndarray:
     """Per op: the first op of its autograd node for backward ops (``meta.backward_nodes``,
-    trace v9: the op ids where backward starts running another node), itself otherwise. A
-    node unpacks its saved tensors before it runs any op, and replay rebuilds a dropped one
-    there, not at the op that reads it (a linear layer's backward computes its input's
-    gradient before the weight's, which reads the saved input)."""
-    n = len(phase)
-    ops = np.arange(n, dtype=np.int64)
-    starts = meta.get("backward_nodes")
-    if not starts or n == 0:
-        return ops
-    s = np.asarray(sorted(int(x) for x in starts), dtype=np.int64)
-    k = np.searchsorted(s, ops, side="right") - 1
-    start = np.where(k >= 0, s[np.maximum(k, 0)], ops)
-    backward = phase == "backward"
-    # a node's ops are contiguous backward ops: one that starts after a non-backward op is its own
-    prev_bw = np.maximum.accumulate(np.where(~backward, ops, -1))
-    start = np.maximum(start, prev_bw + 1)
-    return np.where(backward, start, ops)
+    trace v9: :func:`~taichi_plan.trace.backward_node_starts`), itself otherwise. A node
+    unpacks its saved tensors before it runs any op, and replay rebuilds a dropped one there,
+    not at the op that reads it (a linear layer's backward computes its input's gradient
+    before the weight's, which reads the saved input)."""
+    ops = np.arange(len(phase), dtype=np.int64)
+    node = backward_node_starts(meta, phase)
+    return ops if node is None else np.where(node >= 0, node, ops)
 
 
 def grad_model_calls(meta: dict) -> list[dict] | None:

@@ -33,21 +33,37 @@ READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
-def remap_backward_nodes(meta: dict, phase, order) -> None:
-    """Rewrite ``meta["backward_nodes"]`` (trace v9: op ids where backward starts running
-    another autograd node) for a view whose ops are the recorded ops ``order`` (recorded op
-    ids, in the view's order; ops left out are gone), ``phase`` the recorded ops' phases: each
-    op keeps its node, and a node starts in the view wherever an op's node differs from the
-    op's before it (an op outside backward belongs to none)."""
+def backward_node_starts(meta: dict, phase) -> np.ndarray | None:
+    """Per op of a trace with ``meta["backward_nodes"]`` (trace v9: op ids where backward
+    starts running another autograd node) and phases ``phase``: the first op of its node for
+    a backward op, -1 for any other op; None when the trace lists no node starts. A node's
+    ops are contiguous backward ops, so one that follows a non-backward op starts its own."""
     starts = meta.get("backward_nodes")
-    if not starts:
-        return
     phase = np.asarray(phase)
     n = len(phase)
+    if not starts or n == 0:
+        return None
     s = np.asarray(sorted(int(x) for x in starts), dtype=np.int64)
     ops = np.arange(n, dtype=np.int64)
-    node = np.searchsorted(s, ops, side="right") - 1
-    node = np.where(phase == "backward", node, -2 - ops)  # outside backward: a node of its own
+    k = np.searchsorted(s, ops, side="right") - 1
+    start = np.where(k >= 0, s[np.maximum(k, 0)], ops)
+    backward = phase == "backward"
+    prev_other = np.maximum.accumulate(np.where(~backward, ops, -1))
+    return np.where(backward, np.maximum(start, prev_other + 1), -1)
+
+
+def remap_backward_nodes(meta: dict, phase, order) -> None:
+    """Rewrite ``meta["backward_nodes"]`` for a view whose ops are the recorded ops ``order``
+    (recorded op ids, in the view's order; ops left out are gone), ``phase`` the recorded ops'
+    phases: each op keeps its node (:func:`backward_node_starts`), and a node starts in the
+    view wherever an op's node differs from the op's before it (an op outside backward
+    belongs to none)."""
+    node = backward_node_starts(meta, phase)
+    if node is None:
+        return
+    phase = np.asarray(phase)
+    ops = np.arange(len(phase), dtype=np.int64)
+    node = np.where(node >= 0, node, -2 - ops)  # outside backward: a node of its own
     seq = node[np.asarray(order, dtype=np.int64)]
     keep = np.ones(len(seq), dtype=bool)
     keep[1:] = seq[1:] != seq[:-1]

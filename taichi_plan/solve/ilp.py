@@ -718,10 +718,7 @@ class _Model:
                     model.AddBoolOr([v.Not(), remade(w), held(w, int(end[u]))])
             return v
 
-        readers: dict[int, list[int]] = {}
-        for w in np.nonzero(problem.rematerializable)[0].tolist():
-            for v in rebuild_inputs(problem, w):
-                readers.setdefault(v, []).append(w)
+        readers = self._readers()
         opts_of: dict[int, list[int]] = {}
         for c, w in enumerate(st.tensor.tolist()):
             opts_of.setdefault(w, []).append(c)
@@ -926,20 +923,24 @@ class _Model:
                     stack.append(u)
         return False
 
+    def _readers(self) -> dict[int, list[int]]:
+        """Tensor -> the rematerializable tensors whose rebuild reads it (cached)."""
+        if not hasattr(self, "_read_by"):
+            self._read_by: dict[int, list[int]] = {}
+            for x in np.nonzero(self.problem.rematerializable)[0].tolist():
+                for u in rebuild_inputs(self.problem, x):
+                    self._read_by.setdefault(u, []).append(x)
+        return self._read_by
+
     def _may_need_tensor(self, t: int, lo: int, hi: int) -> set[int]:
         """The tensors whose rebuild in a group before an op in ``lo..hi`` may need ``t``
         (:meth:`_may_need` for all at once): one walk from ``t`` to the rebuilds that read it."""
-        problem = self.problem
-        if not hasattr(self, "_read_by"):
-            self._read_by: dict[int, list[int]] = {}
-            for x in np.nonzero(problem.rematerializable)[0].tolist():
-                for u in rebuild_inputs(problem, x):
-                    self._read_by.setdefault(u, []).append(x)
+        read_by = self._readers()
         out: set[int] = set()
         walked = {t}
         stack = [t]
         while stack:
-            for x in self._read_by.get(stack.pop(), ()):
+            for x in read_by.get(stack.pop(), ()):
                 out.add(x)
                 if x in walked:
                     continue
