@@ -6,12 +6,19 @@ that (on this 2-core CPU, a 4-layer Llama's forward paid 15-18 us per op under t
 dispatch mode, against 5 us on one-element additions): its arguments cross into Python and
 back, and between kernels that stream megabytes the interpreter runs from cold caches. So a
 real recording of a workload measures the two per-op terms on the workload's own forward
-(:func:`measure_on_model`): its first grad-enabled call, run plain, under the runtime with
-every op checked (``check_op_s``), and with a recipe kept for every op (``recipe_op_s``),
-``repeats`` times each, interleaved, each followed by its backward (so every forward starts
-from the same allocator state); a term is the median of the per-repetition differences to
-the plain forward, divided by the call's ops. ``rebuild_op_s``: after each recipe forward
-and its backward (a rebuild's inputs are gone by then, as in a real rebuild), every recipe of
+(:func:`measure_on_model`): its first grad-enabled call under the runtime with every op
+checked (``check_op_s``), and with a recipe kept for every op (``recipe_op_s``), ``repeats``
+times each, interleaved with the other probes, each followed by its backward (so the
+runtime's Python runs from the caches a training step leaves it). A term is the runtime's
+own seconds in that forward, per op of the call, median over the repetitions: the seconds
+spent in its dispatch handler and its saved-tensor pack hook, minus the seconds of the
+kernels it called there, which a stopwatch mode beneath it times (:class:`_Stopwatch`; its
+own crossing into Python stands in for the runtime's, which no clock inside the handler
+sees). Before (trace v9 and older) a term was the difference of two whole forwards per op,
+and the forwards' noise was the size of the term: a BERT's ``check_op_s`` read 9, 18, 23
+and 62 us in four recordings on this 2-core CPU, where its own seconds read 31-41 us.
+``rebuild_op_s``: after each recipe forward and its backward (a rebuild's inputs are gone
+by then, as in a real rebuild), every recipe of
 the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
 minus the seconds of the ops themselves (timed inside it), per re-run op, median over the runs;
 and ``rebuild_time_ratio``: per op name, the seconds one run of its ops took there over the
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import statistics
+import time
 import warnings
 from dataclasses import replace
 
@@ -85,7 +93,10 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         return None
     probe = CallPlan(0, ops, {}, set(), {}, call.get("inputs", []), None, bool(call.get("training", True)),
                      probe=True)
-    variants = {"plain": (None, []), "check": (probe, []), "recipe": (replace(probe, recipe_ops=None), [])}
+    # "check" (untimed inside: the partition and span probes' base) and the two own-clocked
+    # variants (the third element) whose own seconds give the per-op terms
+    variants = {"check": (probe, []), "check_own": (probe, [], True),
+                "recipe": (replace(probe, recipe_ops=None), [], True)}
     from ..problem import build_problem
 
     built = build_problem(trace)  # one problem for the partition and span probes (caches shared)
@@ -109,9 +120,11 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     # counted op of the call -> [seconds it ran in the rebuilds, times it ran] (all runs)
     rebuilt_s: dict[int, list[float]] = {}
 
-    def forward(variant: tuple) -> tuple[float, float]:
-        plan, parts = variant
-        rt = PlanRuntime([plan], on_mismatch="warn") if plan is not None else None
+    def forward(variant: tuple) -> tuple[float, float] | tuple[float, float, float]:
+        plan, parts, *own_clocked = variant
+        own_clocked = bool(own_clocked and own_clocked[0])
+        rt = ((_own_clocked() if own_clocked else PlanRuntime)([plan], on_mismatch="warn")
+              if plan is not None else None)
         handles = install(model, rt) if rt is not None else []
         undo_parts = install_partitions(model, parts, rt) if parts else (lambda: None)
         runtimes.extend([rt] if rt is not None else [])
@@ -129,8 +142,10 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         try:
             with torch.enable_grad(), autocast, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
+                stopwatch = _Stopwatch(rt) if own_clocked else contextlib.nullcontext()
                 t0 = clock()
-                out = call_model(model, batch)
+                with stopwatch:  # beneath the runtime, which enters its mode in the call
+                    out = call_model(model, batch)
                 dt = clock() - t0
                 loss = loss_fn(out, batch)
                 del out
@@ -142,6 +157,8 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
             undo_parts()
             for h in handles:
                 h.remove()
+        if own_clocked:
+            return dt, total, rt.own_s - stopwatch.kernel_s
         return dt, total
 
     was_training = model.training
@@ -169,8 +186,12 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         1: forward and backward)."""
         return statistics.median(a[which] - b[which] for a, b in zip(times[name], times[base], strict=True))
 
-    out = {"check_op_s": extra("check", "plain") / n_ops, "recipe_op_s": extra("recipe", "plain") / n_ops,
-           "ops": n_ops, "repeats": len(times["plain"])}
+    def own(name: str) -> float:
+        """Median over the repetitions of the runtime's own seconds in ``name``'s forward."""
+        return statistics.median(t[2] for t in times[name])
+
+    out = {"check_op_s": own("check_own") / n_ops, "recipe_op_s": own("recipe") / n_ops,
+           "ops": n_ops, "repeats": len(times["check"])}
     if chunked is not None:
         out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
     if span_probes:
@@ -183,6 +204,72 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     if drop_probe is not None and "rebuild_op_s" in out:
         out.update(_drop_rate(drop_probe, extra("drops", "kept", 1), out))
     return out
+
+
+def _own_clocked():
+    """:class:`~taichi_plan.replay.runtime.PlanRuntime` with the seconds it spends in its
+    dispatch handler and its pack hook summed in ``own_s`` (kernels included: a
+    :class:`_Stopwatch` beneath it times those), for calibration only."""
+    global _OwnClocked
+    if _OwnClocked is None:
+        from .runtime import PlanRuntime
+
+        class OwnClocked(PlanRuntime):
+            def __init__(self, *args, **kwargs):
+                super().__init__(*args, **kwargs)
+                self.own_s, self.inside = 0.0, False
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                t0 = time.perf_counter()
+                self.inside = True
+                try:
+                    return super().__torch_dispatch__(func, types, args, kwargs)
+                finally:
+                    self.inside = False
+                    self.own_s += time.perf_counter() - t0
+
+            def _pack(self, t):
+                t0 = time.perf_counter()
+                try:
+                    return super()._pack(t)
+                finally:
+                    self.own_s += time.perf_counter() - t0
+
+        _OwnClocked = OwnClocked
+    return _OwnClocked
+
+
+_OwnClocked = None
+
+
+class _Stopwatch:
+    """A dispatch mode beneath an own-clocked runtime: sums in ``kernel_s`` the seconds of the
+    ops the runtime's handler calls (its own ops pass through untimed). Its entry from C++
+    into Python is in the runtime's seconds, where it stands in for the runtime's own entry."""
+
+    def __init__(self, rt):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        watch = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if not rt.inside:
+                    return func(*args, **(kwargs or {}))
+                t0 = time.perf_counter()
+                try:
+                    return func(*args, **(kwargs or {}))
+                finally:
+                    watch.kernel_s += time.perf_counter() - t0
+
+        self.kernel_s, self._mode = 0.0, Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
 
 
 # A plan of drops is solved (heuristic) at the first of these shares of the trace's peak that
