@@ -107,8 +107,8 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     span_probes = _span_probes(trace, call, built)
     drop_probe = _drop_probe(trace, call)
     if drop_probe is not None:  # the plan's call, and the same call with its recipes kept but nothing dropped
-        variants["drops"] = (drop_probe[2], [])
-        variants["kept"] = (replace(drop_probe[2], drops={}, group_of={}, probe=True), [])
+        variants["drops"] = (drop_probe[2], [], True)
+        variants["kept"] = (replace(drop_probe[2], drops={}, group_of={}, probe=True), [], True)
     for kind, (_span, _ks, probes_k) in span_probes.items():
         variants.update({f"{kind}{k}": v for k, v in probes_k.items()})
     clock = op_clock()
@@ -120,7 +120,10 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     # counted op of the call -> [seconds it ran in the rebuilds, times it ran] (all runs)
     rebuilt_s: dict[int, list[float]] = {}
 
-    def forward(variant: tuple) -> tuple[float, float] | tuple[float, float, float]:
+    def forward(variant: tuple) -> tuple[float, ...]:
+        """(forward seconds, forward and backward seconds) of ``variant``; an own-clocked one
+        adds the runtime's own seconds in the forward (kernels out) and in its unpack hooks
+        (the rebuilds they run in)."""
         plan, parts, *own_clocked = variant
         own_clocked = bool(own_clocked and own_clocked[0])
         rt = ((_own_clocked() if own_clocked else PlanRuntime)([plan], on_mismatch="warn")
@@ -158,7 +161,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
             for h in handles:
                 h.remove()
         if own_clocked:
-            return dt, total, rt.own_s - stopwatch.kernel_s
+            return dt, total, rt.own_s - stopwatch.kernel_s, rt.unpack_s
         return dt, total
 
     was_training = model.training
@@ -202,14 +205,16 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s)
     out = floored(out, trace.meta.get("runtime_overhead") or {})
     if drop_probe is not None and "rebuild_op_s" in out:
-        out.update(_drop_rate(drop_probe, extra("drops", "kept", 1), out))
+        out.update(_drop_rate(drop_probe, statistics.median(
+            (a[2] + a[3]) - (b[2] + b[3]) for a, b in zip(times["drops"], times["kept"], strict=True)), out))
     return out
 
 
 def _own_clocked():
     """:class:`~taichi_plan.replay.runtime.PlanRuntime` with the seconds it spends in its
     dispatch handler and its pack hook summed in ``own_s`` (kernels included: a
-    :class:`_Stopwatch` beneath it times those), for calibration only."""
+    :class:`_Stopwatch` beneath it times those), and in its unpack hook in ``unpack_s`` (the
+    rebuilds it runs included), for calibration only."""
     global _OwnClocked
     if _OwnClocked is None:
         from .runtime import PlanRuntime
@@ -217,7 +222,7 @@ def _own_clocked():
         class OwnClocked(PlanRuntime):
             def __init__(self, *args, **kwargs):
                 super().__init__(*args, **kwargs)
-                self.own_s, self.inside = 0.0, False
+                self.own_s, self.unpack_s, self.inside = 0.0, 0.0, False
 
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 t0 = time.perf_counter()
@@ -234,6 +239,13 @@ def _own_clocked():
                     return super()._pack(t)
                 finally:
                     self.own_s += time.perf_counter() - t0
+
+            def _unpack(self, packed):
+                t0 = time.perf_counter()
+                try:
+                    return super()._unpack(packed)
+                finally:
+                    self.unpack_s += time.perf_counter() - t0
 
         _OwnClocked = OwnClocked
     return _OwnClocked
@@ -310,10 +322,12 @@ def _drop_probe(trace, call: dict):
 
 
 def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
-    """``drop_s``: per dropped tensor, the step's extra seconds under the drop probe's plan
-    against the same call with the same recipes kept and nothing dropped (``measured_s``,
-    forward and backward: the checking and the recipes cancel out, so their terms' noise does
-    not land here) beyond what the rebuild terms of ``rates`` predict for the drops (their
+    """``drop_s``: per dropped tensor, the runtime's own extra seconds under the drop probe's
+    plan against the same call with the same recipes kept and nothing dropped (``measured_s``:
+    in the forward, its handler and pack hook with the kernels taken out; in the backward, its
+    unpack hooks with the rebuilds they run; the checking and the recipes cancel out. Until
+    2026-12-01 it was the difference of whole forwards and backwards, whose noise read 0-870 us
+    per drop) beyond what the rebuild terms of ``rates`` predict for the drops (their
     re-run ops at their measured time ratios, ``rebuild_op_s`` each:
     :func:`taichi_plan.overhead.rebuild_seconds`); not below 0. ``drop_probe`` says what
     it was measured on."""
