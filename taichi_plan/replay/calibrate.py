@@ -16,7 +16,7 @@ kernels it called there, which a stopwatch mode beneath it times (:class:`_Stopw
 own crossing into Python stands in for the runtime's, which no clock inside the handler
 sees). Before (trace v9 and older) a term was the difference of two whole forwards per op,
 and the forwards' noise was the size of the term: a BERT's ``check_op_s`` read 9, 18, 23
-and 62 us in four recordings on this 2-core CPU, where its own seconds read 31-41 us.
+and 62 us in four recordings on this 2-core CPU; its own seconds read 21.6-28.2 us in three.
 ``rebuild_op_s``: after each recipe forward and its backward (a rebuild's inputs are gone
 by then, as in a real rebuild), every recipe of
 the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
