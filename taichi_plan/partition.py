@@ -161,10 +161,13 @@ def module_spans(problem: Problem) -> list:
     # Over positions: where the batch cannot be split (a batch of one, tensors not batch-major),
     # so a trace whose batch splits keeps the options it had; a random module only with the
     # opt-in (none is checkpointed whole over positions: that is its batch span's one chunk).
+    # One that casts a weight (autocast) only where the trace says when the cast is let go
+    # of, as along the batch.
     by_batch = {s.module for s in _batch_spans(problem) if s.split}
+    refs = "python_refs" in problem.trace.meta
     spans += [s for s in _sequence_spans(problem)
               if s.module not in by_batch and (problem.partition_random or not s.random_ops)
-              and not casts_parameter(problem, *s.fwd)]
+              and (refs or not casts_parameter(problem, *s.fwd))]
     # Capped apart: modules that can be split (along the batch or the sequence), and those that
     # can only be checkpointed whole (outer ones hold the most bytes and would crowd the split
     # ones out of one cap).
@@ -351,7 +354,8 @@ def casts_parameter(problem: Problem, f0: int, f1: int) -> bool:
     along the batch, the first chunk casts and the others find it cached, one cast node for all
     (:func:`_chunked_peaks` models it, from when the step's code lets go of the cast: trace
     ``python_refs``; a trace without them, an older Trainer recording, does not split such
-    modules). Over positions such modules are not split yet: not measured under autocast."""
+    modules), and so over positions (the cast is a constant of the span, not one row per
+    position: :func:`taichi_plan.position_span.not_position_wise`)."""
     reads = read_args(problem)
     return any(_casts_weight(problem, i, reads) for i in range(f0, f1 + 1))
 

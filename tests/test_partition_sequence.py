@@ -153,3 +153,36 @@ def test_the_planner_reaches_as_low_with_sequence_partitions(llama_b1, monkeypat
     dec = plan_heuristic(build_problem(llama_b1.trace), asked, local_max_s=BISECT_LOCAL_MAX_S)
     sim, _ = simulate_plan(llama_b1, dec.drops, dec.partitions)
     assert sim.peak_bytes == with_seq <= asked, (sim.peak_bytes, with_seq, asked)
+
+
+def _autocast_traced(tmp_path, model: str, micro_batches: int):
+    from taichi_plan.record.loop import Loop
+
+    trace = record_workload(get_workload(model=model, seq=48, batch=1, **TINY), fake=False,
+                            loop=Loop(autocast="bf16", micro_batches=micro_batches), calibrate=False)
+    write_trace(trace, tmp_path / f"ac-{model}")
+    return build_problem(trace)
+
+
+@pytest.mark.parametrize("model,micro_batches,parts", [
+    ("gpt2", 2, [[("transformer.h.0.mlp.c_fc", 2)],
+                 [("transformer.h.0.mlp.act", 4), ("transformer.h.1.attn.c_attn", 2)]]),
+    ("llama", 1, [[("model.layers.1.mlp.down_proj", 4)]]),
+])
+def test_under_autocast_linears_split_over_positions_as_predicted(tmp_path, model, micro_batches, parts):
+    """Batch 1 under bf16 autocast: a linear layer casts its weight inside the module (a
+    constant of the span, not one row per position), which kept every linear layer from
+    qualifying as position-wise before. Split over the sequence, the first run casts and the
+    others find the cast in autocast's cache, as along the batch (test_partition_exact):
+    measured == predicted to the byte, gradients within the stated bf16 roundings."""
+    from taichi_plan.partition import casts_parameter
+
+    p = _autocast_traced(tmp_path, model, micro_batches)
+    spans = {s.module: s for s in module_spans(p) if s.over == "sequence"}
+    for group in parts:
+        for m, k in group:
+            if m.endswith(("c_fc", "c_attn", "down_proj")):
+                assert casts_parameter(p, *spans[m].fwd) and k in spans[m].chunk_choices, m
+        _plan, r = replay_partitions(p, [_seq(m, k) for m, k in group], tmp_path)
+        assert r["measured_peak_bytes"] == r["predicted_peak_bytes"], (group, r)
+        assert r["grads_match"] and "bf16 roundings" in r["grads_check"], (group, r)
