@@ -82,6 +82,23 @@ def test_aa_spread():
     assert br.aa_spread([1.0] * 7, again) == pytest.approx(0.05)
 
 
+def test_measured_extra_is_the_median_of_paired_differences():
+    """Slow repetitions that both steps share cancel out: each same-repetition difference is
+    20 ms, the reported extra, with no spread, though the steps range over a second."""
+    plain = [1.00, 1.00, 2.00, 2.00, 2.00]
+    ours = [1.02, 1.02, 2.02, 2.02, 2.02]
+    assert br.paired_extra(plain, ours) == pytest.approx([0.02] * 5)
+    assert br.paired_extra([1.0, 2.0, 1.0], [2.02, 1.02, 1.02]) == pytest.approx([1.02, -0.98, 0.02])
+    out = {"methods": {"plain": {"step_s": 2.0, "step_times_s": plain, "peak_bytes": 1},
+                       "plain-again": {"step_s": 2.0, "step_times_s": plain, "peak_bytes": 1},
+                       "ours-no-drops": {"step_s": 2.02, "step_times_s": ours, "peak_bytes": 1,
+                                         "predicted_extra_s": 0.019}}}
+    br.judge(out, ())
+    row = out["methods"]["ours-no-drops"]
+    assert row["measured_extra_s"] == pytest.approx(0.02) and row["measured_extra_spread_s"] == pytest.approx(0.0)
+    assert row["extra_ok"] and "+20.0" in br._measured(row)
+
+
 def test_extra_within():
     assert br.extra_within(0.100, 0.119) and not br.extra_within(0.100, 0.130)  # 20% of measured
     assert br.extra_within(0.0, 0.004) and not br.extra_within(0.0, 0.006)  # or 5 ms

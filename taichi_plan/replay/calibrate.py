@@ -16,7 +16,7 @@ kernels it called there, which a stopwatch mode beneath it times (:class:`_Stopw
 own crossing into Python stands in for the runtime's, which no clock inside the handler
 sees). Before (trace v9 and older) a term was the difference of two whole forwards per op,
 and the forwards' noise was the size of the term: a BERT's ``check_op_s`` read 9, 18, 23
-and 62 us in four recordings on this 2-core CPU; its own seconds read 21.6-28.2 us in three.
+and 62 us in four recordings on this 2-core CPU; its own seconds read 21.6-29.7 us in four.
 ``rebuild_op_s``: after each recipe forward and its backward (a rebuild's inputs are gone
 by then, as in a real rebuild), every recipe of
 the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
@@ -233,25 +233,27 @@ def _own_clocked():
                     self.inside = False
                     self.own_s += time.perf_counter() - t0
 
-            def _pack(self, t):
-                t0 = time.perf_counter()
-                try:
-                    return super()._pack(t)
-                finally:
-                    self.own_s += time.perf_counter() - t0
-
-            def _unpack(self, packed):
-                t0 = time.perf_counter()
-                try:
-                    return super()._unpack(packed)
-                finally:
-                    self.unpack_s += time.perf_counter() - t0
+            _pack = _clocked(PlanRuntime._pack, "own_s")
+            _unpack = _clocked(PlanRuntime._unpack, "unpack_s")
 
         _OwnClocked = OwnClocked
     return _OwnClocked
 
 
 _OwnClocked = None
+
+
+def _clocked(method, total: str):
+    """``method`` with its seconds added to the attribute ``total`` of its object."""
+
+    def clocked(self, arg):
+        t0 = time.perf_counter()
+        try:
+            return method(self, arg)
+        finally:
+            setattr(self, total, getattr(self, total) + time.perf_counter() - t0)
+
+    return clocked
 
 
 class _Stopwatch:
