@@ -375,8 +375,8 @@ def judge(out: dict, baselines) -> None:
     out["aa_ratio"], out["aa_spread"], out["aa_margin"] = aa, spread, margin
     for row in rows.values():
         if "predicted_extra_s" in row and row.get("step_s") and plain.get("step_s"):
-            diffs = paired_extra(plain.get("step_times_s") or [], row.get("step_times_s") or [])
-            row["measured_extra_s"] = statistics.median(diffs) if diffs else row["step_s"] - plain["step_s"]
+            diffs = paired_extra(plain["step_times_s"], row["step_times_s"])
+            row["measured_extra_s"] = statistics.median(diffs)  # a timed row has its repetitions
             row["measured_extra_spread_s"] = _half_iqr(diffs)
             row["extra_ok"] = extra_within(row["predicted_extra_s"], row["measured_extra_s"])
             if row["predicted_extra_s"] is not None and margin is not None:  # off by no more than the noise

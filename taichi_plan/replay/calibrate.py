@@ -12,11 +12,12 @@ times each, interleaved with the other probes, each followed by its backward (so
 runtime's Python runs from the caches a training step leaves it). A term is the runtime's
 own seconds in that forward, per op of the call, median over the repetitions: the seconds
 spent in its dispatch handler and its saved-tensor pack hook, minus the seconds of the
-kernels it called there, which a stopwatch mode beneath it times (:class:`_Stopwatch`; its
+kernels it called there, which a stopwatch mode beneath it times (:func:`_stopwatch`; its
 own crossing into Python stands in for the runtime's, which no clock inside the handler
 sees). Before (trace v9 and older) a term was the difference of two whole forwards per op,
 and the forwards' noise was the size of the term: a BERT's ``check_op_s`` read 9, 18, 23
-and 62 us in four recordings on this 2-core CPU; its own seconds read 21.6-29.7 us in four.
+and 62 us in four recordings on this 2-core CPU; its own seconds read 21.6-29.7 us in four (15.9-25.3 in seven since
+the runtime flattens its ops itself).
 ``rebuild_op_s``: after each recipe forward and its backward (a rebuild's inputs are gone
 by then, as in a real rebuild), every recipe of
 the call is re-run through the runtime's rebuild path (:func:`_rebuild_all`); its seconds
@@ -31,6 +32,7 @@ Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 import warnings
@@ -145,7 +147,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         try:
             with torch.enable_grad(), autocast, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                stopwatch = _Stopwatch(rt) if own_clocked else contextlib.nullcontext()
+                stopwatch = _stopwatch(rt) if own_clocked else contextlib.nullcontext()
                 t0 = clock()
                 with stopwatch:  # beneath the runtime, which enters its mode in the call
                     out = call_model(model, batch)
@@ -210,37 +212,32 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     return out
 
 
+@functools.cache
 def _own_clocked():
     """:class:`~taichi_plan.replay.runtime.PlanRuntime` with the seconds it spends in its
     dispatch handler and its pack hook summed in ``own_s`` (kernels included: a
-    :class:`_Stopwatch` beneath it times those), and in its unpack hook in ``unpack_s`` (the
+    :func:`_stopwatch` beneath it times those), and in its unpack hook in ``unpack_s`` (the
     rebuilds it runs included), for calibration only."""
-    global _OwnClocked
-    if _OwnClocked is None:
-        from .runtime import PlanRuntime
+    from .runtime import PlanRuntime
 
-        class OwnClocked(PlanRuntime):
-            def __init__(self, *args, **kwargs):
-                super().__init__(*args, **kwargs)
-                self.own_s, self.unpack_s, self.inside = 0.0, 0.0, False
+    class OwnClocked(PlanRuntime):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.own_s, self.unpack_s, self.inside = 0.0, 0.0, False
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                t0 = time.perf_counter()
-                self.inside = True
-                try:
-                    return super().__torch_dispatch__(func, types, args, kwargs)
-                finally:
-                    self.inside = False
-                    self.own_s += time.perf_counter() - t0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            t0 = time.perf_counter()
+            self.inside = True
+            try:
+                return super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self.inside = False
+                self.own_s += time.perf_counter() - t0
 
-            _pack = _clocked(PlanRuntime._pack, "own_s")
-            _unpack = _clocked(PlanRuntime._unpack, "unpack_s")
+        _pack = _clocked(PlanRuntime._pack, "own_s")
+        _unpack = _clocked(PlanRuntime._unpack, "unpack_s")
 
-        _OwnClocked = OwnClocked
-    return _OwnClocked
-
-
-_OwnClocked = None
+    return OwnClocked
 
 
 def _clocked(method, total: str):
@@ -256,34 +253,31 @@ def _clocked(method, total: str):
     return clocked
 
 
-class _Stopwatch:
-    """A dispatch mode beneath an own-clocked runtime: sums in ``kernel_s`` the seconds of the
-    ops the runtime's handler calls (its own ops pass through untimed). Its entry from C++
-    into Python is in the runtime's seconds, where it stands in for the runtime's own entry."""
+def _stopwatch(rt):
+    """A dispatch mode to enter beneath the own-clocked runtime ``rt``: it sums in ``kernel_s``
+    the seconds of the ops ``rt``'s handler calls (other ops pass through untimed). Its entry
+    from C++ into Python is in the runtime's seconds, where it stands in for the runtime's own
+    entry."""
+    mode = _stopwatch_class()()
+    mode.rt, mode.kernel_s = rt, 0.0
+    return mode
 
-    def __init__(self, rt):
-        from torch.utils._python_dispatch import TorchDispatchMode
 
-        watch = self
+@functools.cache
+def _stopwatch_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if not rt.inside:
-                    return func(*args, **(kwargs or {}))
-                t0 = time.perf_counter()
-                try:
-                    return func(*args, **(kwargs or {}))
-                finally:
-                    watch.kernel_s += time.perf_counter() - t0
+    class Stopwatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not self.rt.inside:
+                return func(*args, **(kwargs or {}))
+            t0 = time.perf_counter()
+            try:
+                return func(*args, **(kwargs or {}))
+            finally:
+                self.kernel_s += time.perf_counter() - t0
 
-        self.kernel_s, self._mode = 0.0, Mode()
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
+    return Stopwatch
 
 
 # A plan of drops is solved (heuristic) at the first of these shares of the trace's peak that

@@ -227,7 +227,7 @@ class _Deep(Exception):
 
 def _flatten(args, kwargs) -> tuple[list, object]:
     """``(leaves, spec)`` of an op's arguments: pytree's flattening, without its cost per node
-    (about half a kept recipe's bookkeeping on a 4-layer BERT) where :class:`_FlatSpec`
+    (the largest part of a kept recipe's bookkeeping on a 4-layer BERT) where :class:`_FlatSpec`
     describes them."""
     leaves: list = []
 

@@ -609,15 +609,20 @@ class _Model:
         apart = apart_reruns(problem, st)
         for p in apart:
             most[p] = max(most.get(p, 1), 2)
+
+        def rerun_of(p: int):
+            """The variable counting op ``p``'s re-runs (made on first use)."""
+            if p not in rerun:
+                rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
+            return rerun[p]
+
         # One constraint per option; past CHAIN_MAX_OPTIONS, one per gap over its options (they
         # share their ops; at most one is chosen). The same plans, but the per-option form
         # solved ResNet-50 at 0.4 to optimality where the per-gap one stalled at 30 s.
         per = [[k] for k in range(C)] if C <= CHAIN_MAX_OPTIONS else list(alts.values())
         for ks in per:
             for p in [*st.own_ops[ks[0]], *st.temporaries[ks[0]]]:
-                if p not in rerun:
-                    rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
-                model.Add(rerun[p] >= sum(x[k] for k in ks))
+                model.Add(rerun_of(p) >= sum(x[k] for k in ks))
         for (p, _t), ks in gaps_of.items():
             if most[p] > 1:
                 model.Add(rerun[p] >= sum(x[k] for k in ks))
@@ -634,13 +639,12 @@ class _Model:
             model.AddAtMostOne([z[j] for j in js])
             rebuilt = [j for j in js if self.rv.remat_before[j] >= problem.end[self.rv.tensor[j]] + 2]
             for p in problem.rebuild_ops[int(self.rv.tensor[js[0]])].tolist() if rebuilt else ():
-                if p not in rerun:
-                    rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
-                model.Add(rerun[p] >= sum(z[j] for j in rebuilt))
+                model.Add(rerun_of(p) >= sum(z[j] for j in rebuilt))
+        self.rem: dict[int, cp_model.IntVar] = {}
+        self.held: dict[int, dict[int, cp_model.IntVar]] = {}
+        # past these sizes CP-SAT cannot presolve them within its limit: left out (a weaker relaxation)
         if C <= CHAIN_MAX_OPTIONS and C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
-            self._dead_inputs(rerun, most, ops_all)
-        else:  # too large for CP-SAT to presolve them within its limit: left out (a weaker relaxation)
-            self.rem, self.held = {}, {}
+            self._dead_inputs(rerun_of, ops_all)
         # What the simulator charges: each re-run op's rerun cost, each drop's own cost (x: a
         # drop; revivals, z, exist only in forward-only graphs, which have no drop cost), each
         # partition's. Rounded down, so the objective and its bound stay below the simulator's.
@@ -665,7 +669,7 @@ class _Model:
         self.sizes = [-(-int(s) // unit) for s in st.sizes.tolist()]
         self.scale_note = f"bytes divided by {unit} (GCD {g}{', sizes rounded up' if unit != g else ''})"
 
-    def _dead_inputs(self, rerun: dict, most: dict, ops_all: np.ndarray) -> None:
+    def _dead_inputs(self, rerun_of, ops_all: np.ndarray) -> None:
         """[Constraint] (forward-only graphs, with revivals) a rebuild that reads a tensor
         dead by then needs it back: kept since its last op, its bytes in memory all along, or
         made again, its rebuild ops re-run. Without these the relaxation counts neither (any
@@ -684,8 +688,6 @@ class _Model:
         the model stays a relaxation (``tests/test_ilp_exhaustive.py``, imported space).
         The terms of each rule are in the comments below."""
         problem, model, st = self.problem, self.model, self.st
-        self.rem: dict[int, cp_model.IntVar] = {}
-        self.held: dict[int, dict[int, cp_model.IntVar]] = {}
         if not problem.every_gap or not len(self.z):
             return
         ok = set(revivable(problem).tolist())
@@ -710,9 +712,7 @@ class _Model:
                 model.Add(v == 0)
                 return v
             for p in problem.rebuild_ops[u].tolist():
-                if p not in rerun:
-                    rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
-                model.Add(rerun[p] >= v)
+                model.Add(rerun_of(p) >= v)
             for w in rebuild_inputs(problem, u):
                 if w in ok and end[w] <= end[u]:
                     model.AddBoolOr([v.Not(), remade(w), held(w, int(end[u]))])
@@ -800,9 +800,7 @@ class _Model:
                     model.Add(sum(inside) >= r)
                 else:
                     for op in problem.rebuild_ops[v].tolist():
-                        if op not in rerun:
-                            rerun[op] = model.NewIntVar(0, most.get(op, 1), f"r{op}")
-                        model.Add(rerun[op] + sum(inside) >= r)
+                        model.Add(rerun_of(op) + sum(inside) >= r)
             remake[key] = r
             return r
 
