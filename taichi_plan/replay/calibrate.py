@@ -14,9 +14,9 @@ own seconds in that forward, per op of the call, median over the repetitions: th
 spent in its dispatch handler and its saved-tensor pack hook, minus the seconds of the
 kernels it called there, which a stopwatch mode beneath it times (:func:`_stopwatch`; its
 own crossing into Python stands in for the runtime's, which no clock inside the handler
-sees). Before (trace v9 and older) a term was the difference of two whole forwards per op,
+sees). Before 2026-12-02 a term was the difference of two whole forwards per op,
 and the forwards' noise was the size of the term: a BERT's ``check_op_s`` read 9, 18, 23
-and 62 us in four recordings on this 2-core CPU; its own seconds read 21.6-29.7 us in four (15.9-25.3 in seven since
+and 62 us in four recordings on this 2-core CPU; its own seconds read 21.6-29.7 us in four (15.9-25.3 in ten since
 the runtime flattens its ops itself).
 ``rebuild_op_s``: after each recipe forward and its backward (a rebuild's inputs are gone
 by then, as in a real rebuild), every recipe of
