@@ -1,6 +1,6 @@
 """Replay a sharded or DDP plan for real: N gloo ranks on this machine (``replay --nproc N``).
 
-Each rank is a process (``torch.multiprocessing`` spawn) joined over loopback TCP with the
+Each rank is a process (forked by multiprocessing's forkserver, :func:`spawn_ranks`) joined over loopback TCP with the
 gloo backend (CPU); it builds the plan's workload from the same seed, shards it as the
 trace's layout says (:func:`taichi_plan.record.fsdp.shard_model`), or wraps it in DDP with
 the recorded bucket settings (:func:`taichi_plan.record.ddp.wrap_as_recorded`; DDP's buckets
@@ -20,6 +20,7 @@ need a trace per rank).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -37,41 +38,72 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+# Imported once by the process that starts every rank (multiprocessing's forkserver), so that
+# a rank starts as a fork of an interpreter that has them already: about 5 s of imports per
+# rank otherwise (torch.distributed, transformers' model index), paid by every run.
+PRELOAD = ["taichi_plan.replay.distributed", "taichi_plan.replay.measure", "taichi_plan.record.fsdp",
+           "taichi_plan.record.ddp", "torch.distributed.fsdp", "transformers.models", "transformers.modeling_utils"]
+
+
+@functools.cache
+def _rank_context():
+    """The start method of the ranks: multiprocessing's ``forkserver``, with :data:`PRELOAD`
+    (the server is started from this process's state only once, then forks each rank from
+    its own single-threaded interpreter: no thread or lock of this process is inherited)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _rank_process(job: str, rank: int, threads: int) -> None:
+    """A rank's process: its output to ``rank<r>.log`` beside the job, ``threads`` torch
+    threads (``OMP_NUM_THREADS`` of the caller, as a fresh process would have), then the job."""
+    import torch
+
+    fd = os.open(Path(job).parent / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    torch.set_num_threads(threads)
+    _main([job, str(rank)])
+
+
 def spawn_ranks(nproc: int, target: str, spec: dict, timeout_s: float = 600.0) -> list[dict]:
-    """Start ``nproc`` processes (``python -m taichi_plan.replay.distributed``, as torchrun
-    would: one per rank, joined on a free loopback port) that each run the function
-    ``target`` (a name in this module) with ``(rank, nproc, port, out_dir, **spec)``; each
-    writes ``out_dir/rank<r>.json``. Returns those, by rank. A rank that fails or outlives
-    ``timeout_s`` ends the others; its error is raised here."""
-    import subprocess
-    import sys
+    """Start ``nproc`` processes (one per rank, as torchrun would, joined on a free loopback
+    port; forked by multiprocessing's forkserver, :func:`_rank_context`) that each run the
+    function ``target`` (a name in this module) with ``(rank, nproc, port, out_dir, **spec)``;
+    each writes ``out_dir/rank<r>.json``. Returns those, by rank. A rank that fails or
+    outlives ``timeout_s`` ends the others; its error is raised here."""
     import time
 
     port = free_port()
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
     with tempfile.TemporaryDirectory(prefix="taichi-ranks-") as out_dir:
         job = Path(out_dir) / "job.json"
         job.write_text(json.dumps({"target": target, "nproc": nproc, "port": port, "spec": spec}))
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-        procs = [subprocess.Popen([sys.executable, "-m", "taichi_plan.replay.distributed", str(job), str(r)],
-                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(nproc)]
+        ctx = _rank_context()
+        procs = [ctx.Process(target=_rank_process, args=(str(job), r, threads), daemon=True) for r in range(nproc)]
         deadline = time.monotonic() + timeout_s
         try:
-            while any(p.poll() is None for p in procs):
-                if any(p.returncode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+            for p in procs:
+                p.start()
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
         finally:
             for p in procs:
-                if p.poll() is None:
+                if p.is_alive():
                     p.kill()
-            logs = [p.communicate()[0] for p in procs]
+                p.join()
         out = []
         for r, p in enumerate(procs):
             f = Path(out_dir) / f"rank{r}.json"
             if not f.exists():
-                why = "timed out" if p.returncode in (None, -9) else f"exited with code {p.returncode}"
-                tail = "\n".join(logs[r].strip().splitlines()[-15:])
+                why = "timed out" if p.exitcode in (None, -9) else f"exited with code {p.exitcode}"
+                log = Path(out_dir) / f"rank{r}.log"
+                tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:]) if log.exists() else ""
                 raise PlanError(f"Rank {r} of the {nproc}-rank run {why} before reporting. Its last output:\n{tail}")
             out.append(json.loads(f.read_text()))
         errors = [o["error"] for o in out if o.get("error")]
@@ -345,14 +377,8 @@ def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, 
 
 
 def _main(argv: list[str]) -> None:
-    """One rank of :func:`spawn_ranks`: ``python -m taichi_plan.replay.distributed JOB RANK``."""
+    """One rank of :func:`spawn_ranks`: ``argv`` is the job file and the rank."""
     job = json.loads(Path(argv[0]).read_text())
     rank = int(argv[1])
     fn = {"replay_rank": replay_rank, "record_rank": record_rank}[job["target"]]
     fn(rank, job["nproc"], job["port"], str(Path(argv[0]).parent), **job["spec"])
-
-
-if __name__ == "__main__":
-    import sys
-
-    _main(sys.argv[1:])
