@@ -37,6 +37,10 @@ CASES = [  # (label, ranks, sizes)
     ("Llama-style 7B", 8, {"layers": 32, "hidden": 4096, "heads": 32, **LLAMA}),
     ("Llama-style 70B", 64, {"layers": 80, "hidden": 8192, "heads": 64, **LLAMA}),
 ]
+# The same models built as training runs them (``--no-kv-cache``: config.use_cache = False); the
+# cases above keep transformers' default, whose forward holds every layer's keys and values.
+NO_KV_CASES = [(f"{label}, KV cache off (--no-kv-cache)", ranks, {**sizes, "kv_cache": False})
+               for label, ranks, sizes in CASES]
 PROFILE = "h100-80gb"
 BUDGET = 0.6
 TIME_LIMIT_S = 30.0
@@ -156,7 +160,7 @@ def maxbatch_table(case, result: dict) -> str:
             + "\n".join(rows) + "".join(f"\n\n{n}" for n in notes))
 
 
-def maxbatch_section(cases=CASES) -> str:
+def maxbatch_section(cases=(*CASES, *NO_KV_CASES)) -> str:
     return "\n\n".join(maxbatch_table(case, maxbatch_rows(case)) for case in cases)
 
 

@@ -27,6 +27,9 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 @size_options(batch=False)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Built-in models only. [default: adamw]")
+@click.option("--no-kv-cache", is_flag=True,
+              help="gpt2, llama: config.use_cache = False, as training runs them. [default: transformers' setting, "
+                   "whose forward keeps every layer's keys and values in a KV cache]")
 @click.option("--device-profile", metavar="NAME", default=DEFAULT_PROFILE, show_default=True,
               help="Device the fake steps are costed on; its memory is the default budget. See `taichi-plan devices`.")
 @click.option("--budget", "-b", default=None,
@@ -47,8 +50,8 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the table.")
 @units_option
 @handle_errors
-def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, device_profile,
-            budget, max_overhead, method, time_limit, seed, limit, fsdp, guide, as_json, units) -> None:
+def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, no_kv_cache,
+            device_profile, budget, max_overhead, method, time_limit, seed, limit, fsdp, guide, as_json, units) -> None:
     """The largest batch size whose training step fits the budget with extra compute within
     --max-overhead: for our planner, for no planning, sqrt(n) checkpointing, checkpointing every
     block and DTR (offline); a planner stopped by the overhead cap rather than the budget is
@@ -71,12 +74,12 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
     with Status('searching') as status:
         record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, fsdp=fsdp, seq=seq,
                                image_size=image_size, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
-                               dtype=dtype, optimizer=optimizer)
+                               dtype=dtype, optimizer=optimizer, kv_cache=not no_kv_cache)
         result = max_batch(record, budget_bytes, method=method, max_overhead_pct=overhead, time_limit=time_limit,
                            seed=seed, limit=limit, progress=status, guide=guide)
     result["workload"] = {"model": model_name, "entry": entry, "seq": seq, "image_size": image_size,
                           "layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "dtype": dtype,
-                          "optimizer": optimizer}
+                          "optimizer": optimizer, **({"kv_cache": False} if no_kv_cache else {})}
     result["device_profile"] = profile.name
     result["fsdp"] = fsdp
     if as_json:

@@ -18,6 +18,9 @@ from ._common import Status, handle_errors, size_options
 @size_options(batch=True)
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]), default="fp32", show_default=True)
 @click.option("--optimizer", type=click.Choice(["sgd", "adamw"]), default=None, help="Built-in models only. [default: adamw]")
+@click.option("--no-kv-cache", is_flag=True,
+              help="gpt2, llama: config.use_cache = False, as training runs them. [default: transformers' setting, "
+                   "whose forward keeps every layer's keys and values in a KV cache]")
 @click.option("--fake", is_flag=True, help="Trace under FakeTensorMode: no memory, any size; costs are roofline estimates.")
 @click.option("--device-profile", metavar="NAME", default=None,
               help="Device to cost a fake run on (default a100-40gb); metadata only for real runs. See `taichi-plan devices`.")
@@ -53,7 +56,7 @@ from ._common import Status, handle_errors, size_options
 @click.option("--force", is_flag=True, help="Replace an existing trace directory (only a trace, never other files).")
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
-            fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
+            no_kv_cache, fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
             fsdp, no_reshard_after_forward, ddp, bucket_cap_mb, gradient_as_bucket_view, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
@@ -68,7 +71,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
                 set_to_none=not keep_grads)
     workload = get_workload(
         model=model_name, entry=entry, batch=batch, seq=seq, image_size=image_size, layers=layers,
-        hidden=hidden, heads=heads, vocab=vocab, dtype=dtype, optimizer=optimizer,
+        hidden=hidden, heads=heads, vocab=vocab, dtype=dtype, optimizer=optimizer, kv_cache=not no_kv_cache,
     )
     if no_reshard_after_forward and fsdp is None:
         raise UsageError("--no-reshard-after-forward applies to sharded recordings: add --fsdp N.")

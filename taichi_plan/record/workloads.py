@@ -68,6 +68,8 @@ class Workload:
                 parts.append(f"{tag}{self.args[key]}")
         if self.dtype != "fp32":
             parts.append(self.dtype)
+        if self.args.get("kv_cache") is False:
+            parts.append("nokv")
         return "-".join(parts)
 
 
@@ -196,6 +198,8 @@ def _image_batch(a: dict, fake: bool, classes: int) -> dict:
 
 def _build_hf(a: dict, fake: bool, make_model: Callable, batch: dict, loss_type: str | None = None):
     model = _instantiate(make_model, fake, a["dtype"])
+    if a.get("kv_cache") is False:  # record --no-kv-cache
+        model.config.use_cache = False
     if loss_type:  # transformers guesses it from the class name; GPT2LMHeadModel matches none
         model.loss_type = loss_type
     return model, batch, _hf_loss, _make_optimizer(a["optimizer"], model.parameters())
@@ -258,8 +262,16 @@ _BUILDERS = {
 }
 
 
-def builtin_workload(name: str, *, dtype: str = "fp32", optimizer: str | None = "adamw", **sizes) -> Workload:
-    """A built-in model sized by ``sizes`` (``batch``, ``seq``, ``layers``, ...; None = default)."""
+KV_CACHE_MODELS = ("gpt2", "llama")  # decoders whose forward appends keys and values to a cache
+
+
+def builtin_workload(name: str, *, dtype: str = "fp32", optimizer: str | None = "adamw", kv_cache: bool = True,
+                     **sizes) -> Workload:
+    """A built-in model sized by ``sizes`` (``batch``, ``seq``, ``layers``, ...; None = default).
+    ``kv_cache=False`` (``--no-kv-cache``) builds a decoder with ``config.use_cache = False``,
+    as training runs it (``gradient_checkpointing_enable()`` sets it so); by default the model
+    is as ``transformers`` configures it, whose forward keeps every layer's keys and values in
+    its KV cache until the step lets go of the output."""
     optimizer = optimizer or "adamw"
     key = str(name).strip().lower()
     if key not in _DEFAULTS:
@@ -283,6 +295,11 @@ def builtin_workload(name: str, *, dtype: str = "fp32", optimizer: str | None = 
     if key in ("gpt2", "bert", "llama", "vit") and args["hidden"] % args["heads"]:
         raise UsageError(f"--hidden ({args['hidden']}) must be a multiple of --heads ({args['heads']}).")
     args.update(dtype=dtype, optimizer=optimizer)
+    if not kv_cache:
+        if key not in KV_CACHE_MODELS:
+            raise UsageError(f"--no-kv-cache applies to the decoders with a KV cache ({', '.join(KV_CACHE_MODELS)}); "
+                             f"{key!r} keeps none: leave the flag out.")
+        args["kv_cache"] = False  # only when off: traces recorded before the flag read as on
     return Workload(key, args, partial_builder(_BUILDERS[key], args), dtype, "builtin", defaults)
 
 
@@ -330,8 +347,11 @@ def load_entry(entry: str) -> Callable:
     return fn
 
 
-def entry_workload(entry: str, *, dtype: str = "fp32", **kwargs) -> Workload:
+def entry_workload(entry: str, *, dtype: str = "fp32", kv_cache: bool = True, **kwargs) -> Workload:
     """A user workload: ``entry`` = ``module.path:function`` (see the module docstring)."""
+    if not kv_cache:
+        raise UsageError("--no-kv-cache applies to built-in models; an --entry builds its own model: set "
+                         "model.config.use_cache = False there (a transformers model) and leave the flag out.")
     if kwargs.pop("optimizer", None) is not None:
         raise UsageError("--optimizer applies to built-in models; an --entry builds its own optimizer.")
     _check_common(dtype, "adamw")

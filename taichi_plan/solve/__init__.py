@@ -479,7 +479,16 @@ def kv_cache_note(problem: Problem) -> str | None:
             "or outputs the model returns and the loss does not use), so no plan partitions or checkpoints them: "
             "re-run in backward, such a module would make them a second time while the first copies are held. "
             "For a transformers model, training needs no cache: recorded with model.config.use_cache = False (as "
-            "gradient_checkpointing_enable() sets it), its modules are all options.")
+            "gradient_checkpointing_enable() sets it), its modules are all options"
+            + (" (this built-in model: record it with --no-kv-cache)." if _builtin_decoder(problem) else "."))
+
+
+def _builtin_decoder(problem: Problem) -> bool:
+    """Was the trace recorded from a built-in decoder, which ``--no-kv-cache`` builds without its cache?"""
+    from ..record.workloads import KV_CACHE_MODELS
+
+    wl = problem.trace.meta.get("workload") or {}
+    return wl.get("kind") == "builtin" and wl.get("name") in KV_CACHE_MODELS
 
 
 def _options_floor(rec: Problem, used: str | None, floor: int) -> str:
