@@ -36,6 +36,10 @@ MODELS = [  # (label, model, flags): fake, a100-40gb
     ("ViT-base b32 224", "vit", {"batch": 32}),
     ("ResNet-50 b32 224", "resnet50", {"batch": 32}),
     ("Llama 8L h1024 b4 s1024", "llama", {}),
+    # The two decoders as training runs them (record --no-kv-cache); above, transformers' default
+    # keeps every layer's keys and values in a KV cache, so no attention or block is partitioned.
+    ("GPT-2 small b8 s1024, KV cache off", "gpt2", {"batch": 8, "seq": 1024, "kv_cache": False}),
+    ("Llama 8L h1024 b4 s1024, KV cache off", "llama", {"kv_cache": False}),
 ]
 LEVERS = ("remat only", "partition only", "both", "both + dropout", "both + optimizer", "every block", "DTR")
 TITLE = "## Least reachable peak per lever (fraction of the plain peak)"
