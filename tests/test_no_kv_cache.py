@@ -27,15 +27,18 @@ TINY = ["--model", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
+    """The cache off through the CLI (what a user runs; replayed below), and on through the
+    library, uncalibrated (only its problem is compared)."""
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.trace import write_trace
+
     d = tmp_path_factory.mktemp("kv")
-    out = {}
-    for on in (True, False):
-        path = d / "traces" / ("on" if on else "off")
-        r = CliRunner().invoke(main, ["record", *TINY, "--steps", "1", "-o", str(path)]
-                               + ([] if on else ["--no-kv-cache"]))
-        assert r.exit_code == 0, r.output
-        out[on] = path
-    return out
+    r = CliRunner().invoke(main, ["record", *TINY, "--steps", "1", "--no-kv-cache", "-o", str(d / "traces" / "off")])
+    assert r.exit_code == 0, r.output
+    sizes = {TINY[i].lstrip("-"): TINY[i + 1] for i in range(0, len(TINY), 2)}
+    model = sizes.pop("model")
+    on = record_workload(get_workload(model=model, **{k: int(v) for k, v in sizes.items()}), steps=1, calibrate=False)
+    return {True: write_trace(on, d / "traces" / "on"), False: d / "traces" / "off"}
 
 
 def test_the_cache_off_frees_its_bytes_and_the_attentions(recorded):
