@@ -343,17 +343,10 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
         names = [n for n in runs if n != "plain-again"]  # the A/A copy half a round away from plain, so
         if "plain-again" in runs:  # that a burst of load on the machine does not hit both copies alike
             names.insert(len(names) // 2 + 1, "plain-again")
-        # What every run built is frozen out of the collector (gc.freeze): each timed step
-        # collects first (MeasuredRun.timed_step), which then scans only what steps made since.
-        gc.collect()
-        gc.freeze()
-        try:
-            for r, order in enumerate(interleaved(names, reps)):
-                say(f"{label}: repetition {r + 1}/{reps}")
-                for name in order:
-                    runs[name].timed_step()
-        finally:
-            gc.unfreeze()
+        for r, order in enumerate(interleaved(names, reps)):
+            say(f"{label}: repetition {r + 1}/{reps}")
+            for name in order:
+                runs[name].timed_step()
         for name, run in runs.items():
             t = run.timings()
             rows[name].update(step_s=t["step_s"], step_times_s=list(run.step_s), recompute_s=t["recompute_s"],

@@ -35,7 +35,6 @@ predicted allocated and reserved peaks (docs/allocator.md).
 
 from __future__ import annotations
 
-import gc
 import os
 import statistics
 import time
@@ -305,10 +304,6 @@ class MeasuredRun:
         import torch
 
         cuda = self.device == "cuda"
-        # Each timed step starts from a collected heap: the collections inside it are those its
-        # own allocations trigger (the runtime's included), not a full one that another run's
-        # objects happened to bring on in this step.
-        gc.collect()
         if cuda:
             torch.cuda.synchronize()
             if read_cuda_peaks:
