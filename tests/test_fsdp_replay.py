@@ -46,6 +46,16 @@ def test_torchrun_script_applies_the_plan(fsdp2_plan):
     assert set(losses) == {0, 1} and losses[0] == losses[1], losses  # same batch on both ranks: same loss
 
 
+def test_a_rank_that_dies_is_reported_with_its_output():
+    """A rank that fails before it reports (here: a job its function cannot take) ends the run
+    with a sentence naming the rank and the last lines it printed (each rank's output goes to
+    a log beside the job: the ranks are forked by a forkserver, not piped)."""
+    from taichi_plan.replay.distributed import spawn_ranks
+
+    with pytest.raises(PlanError, match=r"(?s)Rank \d of the 2-rank run exited with code 1 before reporting.*TypeError"):
+        spawn_ranks(2, "replay_rank", {"no_such_argument": 1}, timeout_s=120)
+
+
 def test_sharded_plan_refused_where_the_layout_differs(fsdp2_plan):
     import taichi_plan
     from taichi_plan.record import get_workload

@@ -1,7 +1,7 @@
 """Replay a sharded or DDP plan for real: N gloo ranks on this machine (``replay --nproc N``).
 
-Each rank is a process (forked by multiprocessing's forkserver, :func:`spawn_ranks`) joined over loopback TCP with the
-gloo backend (CPU); it builds the plan's workload from the same seed, shards it as the
+Each rank is a process (forked by multiprocessing's forkserver, :func:`spawn_ranks`) joined
+over loopback TCP with the gloo backend (CPU); it builds the plan's workload from the same seed, shards it as the
 trace's layout says (:func:`taichi_plan.record.fsdp.shard_model`), or wraps it in DDP with
 the recorded bucket settings (:func:`taichi_plan.record.ddp.wrap_as_recorded`; DDP's buckets
 are registered for the measured step, as the recording did), and runs it twice, each
@@ -96,7 +96,8 @@ def spawn_ranks(nproc: int, target: str, spec: dict, timeout_s: float = 600.0) -
             for p in procs:
                 if p.is_alive():
                     p.kill()
-                p.join()
+                if p.pid is not None:  # (started)
+                    p.join()
         out = []
         for r, p in enumerate(procs):
             f = Path(out_dir) / f"rank{r}.json"
