@@ -137,8 +137,9 @@ def test_linear_layers_with_a_bias_split_measure_as_predicted(tmp_path, parts):
     bias is added to the first chunk's before its weight is (GPT-2's Conv1D has no transpose:
     both at once, above). The --entry example's blocks (LayerNorm, Linear, GELU, Linear)
     split: measured == predicted to the byte, the peak in a split block's gradient
-    accumulation (before, 1,024 B over with 8 and 2, one bias gradient; a placement at the
-    transpose's end instead was 523,264 B under with 4 and 2)."""
+    accumulation (before, the prediction was 1,024 B above the measured peak with 8 and 2, one
+    bias gradient; a placement after the transpose's node instead predicted 523,264 B below it
+    with 4 and 2)."""
     trace = record_workload(get_workload(entry="examples.my_workload:make_step", batch=128), fake=False,
                             calibrate=False)
     write_trace(trace, tmp_path / "example")
