@@ -41,6 +41,20 @@ def test_replay_two_gloo_ranks_measured_equals_predicted(fsdp2_plan):
     replay_measures_the_prediction(fsdp2_plan)
 
 
+def test_ranks_take_the_callers_environment_of_the_moment(fsdp2_plan, monkeypatch):
+    """The ranks are forked by a server that keeps the environment it started with; each rank
+    takes the caller's as it is at the call (multiprocessing already gives it the caller's
+    directory and sys.path), as a new process would: gloo set to a network interface that does
+    not exist after the server is up makes the ranks fail, with gloo's own words."""
+    from taichi_plan.replay.distributed import replay_sharded, spawn_ranks
+
+    with pytest.raises(PlanError):  # the server is up (started here, or by an earlier test)
+        spawn_ranks(2, "replay_rank", {"no_such_argument": 1}, timeout_s=120)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no_such_if0")
+    with pytest.raises(PlanError, match="no_such_if0"):
+        replay_sharded(fsdp2_plan, 2, steps=1)
+
+
 def test_torchrun_script_applies_the_plan(fsdp2_plan):
     losses = torchrun_losses("train_fsdp_with_plan.py", str(fsdp2_plan))
     assert set(losses) == {0, 1} and losses[0] == losses[1], losses  # same batch on both ranks: same loss

@@ -57,11 +57,15 @@ def _rank_context():
     return ctx
 
 
-def _rank_process(job: str, rank: int, threads: int) -> None:
-    """A rank's process: its output to ``rank<r>.log`` beside the job, ``threads`` torch
-    threads (``OMP_NUM_THREADS`` of the caller, as a fresh process would have), then the job."""
+def _rank_process(job: str, rank: int, threads: int, env: dict) -> None:
+    """A rank's process: the caller's environment as it is now (the forkserver kept the one
+    of its start; multiprocessing itself gives each child the caller's directory and
+    ``sys.path``), its output to ``rank<r>.log`` beside the job, ``threads`` torch threads
+    (``OMP_NUM_THREADS`` of the caller, as a fresh process would have), then the job."""
     import torch
 
+    os.environ.clear()
+    os.environ.update(env)
     fd = os.open(Path(job).parent / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -83,7 +87,9 @@ def spawn_ranks(nproc: int, target: str, spec: dict, timeout_s: float = 600.0) -
         job = Path(out_dir) / "job.json"
         job.write_text(json.dumps({"target": target, "nproc": nproc, "port": port, "spec": spec}))
         ctx = _rank_context()
-        procs = [ctx.Process(target=_rank_process, args=(str(job), r, threads), daemon=True) for r in range(nproc)]
+        env = dict(os.environ)
+        procs = [ctx.Process(target=_rank_process, args=(str(job), r, threads, env), daemon=True)
+                 for r in range(nproc)]
         deadline = time.monotonic() + timeout_s
         try:
             for p in procs:
