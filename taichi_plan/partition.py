@@ -1003,7 +1003,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         at = after_node(int(problem.producer[t]))
         used = [u for u in problem.uses[t].tolist() if at <= u <= b1]
         if any(problem.op_name[u] not in _STORE_OPS for u in used):  # through a later node first
-            return min(max(at, max(used)), b1)
+            return max(used)
         return at
 
     for t in acc_grads + acc_added:

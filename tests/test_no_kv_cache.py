@@ -41,7 +41,7 @@ def recorded(tmp_path_factory):
     return {True: write_trace(on, d / "traces" / "on"), False: d / "traces" / "off"}
 
 
-def test_the_cache_off_frees_its_bytes_and_the_attentions(recorded):
+def test_the_cache_off_frees_the_attentions(recorded):
     on, off = (build_problem(read_trace(recorded[k])) for k in (True, False))
     assert read_trace(recorded[False]).meta["workload"]["args"]["kv_cache"] is False
     assert "kv_cache" not in read_trace(recorded[True]).meta["workload"]["args"]  # traces before the flag read so

@@ -1,8 +1,8 @@
 """Replay a sharded or DDP plan for real: N gloo ranks on this machine (``replay --nproc N``).
 
 Each rank is a process (forked by multiprocessing's forkserver, :func:`spawn_ranks`) joined
-over loopback TCP with the gloo backend (CPU); it builds the plan's workload from the same seed, shards it as the
-trace's layout says (:func:`taichi_plan.record.fsdp.shard_model`), or wraps it in DDP with
+over loopback TCP with the gloo backend (CPU); it builds the plan's workload from the same
+seed, shards it as the trace's layout says (:func:`taichi_plan.record.fsdp.shard_model`), or wraps it in DDP with
 the recorded bucket settings (:func:`taichi_plan.record.ddp.wrap_as_recorded`; DDP's buckets
 are registered for the measured step, as the recording did), and runs it twice, each
 from the same initial state: unplanned, then with the plan applied (``apply`` hooks the root

@@ -542,9 +542,8 @@ class PlanRuntime(TorchDispatchMode):
                 refs.append(r)
             else:
                 refs.append(x)
-        flat_out = _out_leaves(out)
         outs = []
-        for j, x in enumerate(o for o in flat_out if isinstance(o, _Tensor)):
+        for j, x in enumerate(_flat_tensors(out)):
             st = x.untyped_storage()
             fresh = st._cdata not in frame.sid_of
             sid = self._sid(frame, st)
