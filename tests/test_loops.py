@@ -107,13 +107,6 @@ def train(loop: Loop, steps: int, plan_path=None, eval_every: int = 0, eval_mode
     return [p.detach().clone() for p in model.parameters()], peak
 
 
-@pytest.fixture(scope="module")
-def plain_plan(tmp_path_factory):
-    """The plain loop's (plan, path), recorded and solved once for the tests that only need a
-    plan for it."""
-    return plan_for(Loop(), tmp_path_factory.mktemp("plain"))
-
-
 LOOPS = {
     "plain": (Loop(), {}),
     "accumulate-2": (Loop(micro_batches=2), {}),
@@ -126,10 +119,30 @@ LOOPS = {
 }
 
 
+@pytest.fixture(scope="module")
+def loop_plan(tmp_path_factory):
+    """(plan, path) for a loop of LOOPS, recorded and solved once per test file for the tests
+    that read it."""
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            loop, flags = LOOPS[name]
+            made[name] = plan_for(loop, tmp_path_factory.mktemp(name), **flags)
+        return made[name]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def plain_plan(loop_plan):
+    return loop_plan("plain")
+
+
 @pytest.mark.parametrize("name", list(LOOPS))
-def test_loop_trains_planned_bitwise_within_budget(name, tmp_path, request):
+def test_loop_trains_planned_bitwise_within_budget(name, loop_plan):
     loop, flags = LOOPS[name]
-    plan, path = request.getfixturevalue("plain_plan") if name == "plain" else plan_for(loop, tmp_path, **flags)
+    plan, path = loop_plan(name)
     base, _ = train(loop, 3, **flags)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no mismatch may be reported
@@ -329,11 +342,10 @@ def test_a_batch_of_one_that_takes_another_op_path_says_so(plain_plan):
     taichi_plan.finish(model)
 
 
-def test_a_last_step_with_fewer_micro_batches_runs_the_plan(tmp_path):
+def test_a_last_step_with_fewer_micro_batches_runs_the_plan(loop_plan):
     """Accumulation over 4 micro-batches, the epoch's last step with 2 left: planned, no
     warning, training as unplanned, its peak no higher than a full step's."""
-    loop = Loop(micro_batches=4)
-    plan, path = plan_for(loop, tmp_path)
+    plan, path = loop_plan("accumulate-4")
 
     def run(plan_path=None):
         model, batch, loss_fn, opt = build(seed=0)

@@ -15,9 +15,13 @@ from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan
 
 
-# BERT at 0.7 and 0.5 repeat what GPT-2 shows, at 26 s: they run in make bench (tests/conftest.py).
+# BERT at 0.7 and 0.5 repeat what GPT-2 shows, at 26 s, and GPT-2 at 0.7 what it shows at 0.5
+# (fewer drops), at 15 s: they run in make bench (tests/conftest.py).
+_BENCH = {("bert", 0.7), ("bert", 0.5), ("gpt2", 0.7)}
+
+
 @pytest.mark.parametrize(("frac", "name"), [
-    pytest.param(frac, name, marks=[pytest.mark.bench] if name == "bert" and frac != 0.35 else [])
+    pytest.param(frac, name, marks=[pytest.mark.bench] if (name, frac) in _BENCH else [])
     for frac in (0.7, 0.5, 0.35) for name in MODELS])
 def test_measured_peak_matches_predicted(replay_cases, name, frac):
     """Below the least budget the planner reaches, a fraction falls back to that budget: on
