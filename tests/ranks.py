@@ -19,6 +19,15 @@ from taichi_plan.replay.distributed import free_port
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def record_cli(*args: str) -> str:
+    """``taichi-plan record ARGS`` in this process (a recording leaves no process group and no
+    patch behind: test_fsdp_record.py checks it); asserts it passed, returns its output. In
+    process, the test worker's imports serve it: a new interpreter cost about 5 s a recording."""
+    r = CliRunner().invoke(main, ["record", *args])
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
 def replay_measures_the_prediction(plan_path: Path, nproc: int = 2, fraction: float = 0.5) -> tuple[dict, dict]:
     """``replay PLAN --nproc N --steps 1``; asserts that it passed, that the plan is at
     ``fraction`` of its per-rank peak, and that every rank measured exactly the predicted peak

@@ -1,17 +1,15 @@
 """Rank 0 of an FSDP2 job, traced on the fake process group, against PyTorch's FSDPMemTracker.
 
 The gate of sharded planning (issue 10): the trace's peak, and its bytes per category at the
-peak, agree with ``FSDPMemTracker`` over the same step. Recordings run in a subprocess (the
-CLI) because a process group is global state; the one in-process test checks that nothing
-leaks out of a recording.
+peak, agree with ``FSDPMemTracker`` over the same step. Recordings run in this process
+through the CLI; a process group is global state, and one test checks that nothing leaks out
+of a recording.
 """
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from ranks import record_cli
 
 from taichi_plan.devices import get_profile
 from taichi_plan.record.roofline import collective_duration_s
@@ -24,10 +22,8 @@ TINY_GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4
 
 def _record(tmp_path, args, name="t"):
     out = tmp_path / name
-    r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", *args, "--fake", "-o", str(out)],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return read_trace(out), r.stdout
+    output = record_cli(*args, "--fake", "-o", str(out))
+    return read_trace(out), output
 
 
 @pytest.fixture(scope="module")

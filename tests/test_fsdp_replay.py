@@ -15,7 +15,7 @@ import sys
 
 import pytest
 from click.testing import CliRunner
-from ranks import replay_measures_the_prediction, torchrun_losses
+from ranks import record_cli, replay_measures_the_prediction, torchrun_losses
 
 from taichi_plan.cli import main
 from taichi_plan.errors import PlanError
@@ -27,9 +27,7 @@ TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "-
 @pytest.fixture(scope="module")
 def fsdp2_plan(tmp_path_factory):
     d = tmp_path_factory.mktemp("fsdp2")
-    r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", *TINY, "--fake", "--fsdp", "2",
-                        "-o", str(d / "traces" / "t")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    record_cli(*TINY, "--fake", "--fsdp", "2", "-o", str(d / "traces" / "t"))
     plan = d / "plans" / "t.plan.json"
     r = CliRunner().invoke(main, ["solve", str(d / "traces" / "t"), "--budget", "50%", "--method", "heuristic",
                                   "-o", str(plan)])
@@ -120,9 +118,7 @@ def llama_fsdp2(tmp_path_factory):
     """A tiny Llama (untied head, vocabulary 2000: the logits and their log-softmax are most of
     the step's peak) at 2 ranks, fake."""
     d = tmp_path_factory.mktemp("llama-fsdp2")
-    r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", *LLAMA, "--fake", "--fsdp", "2",
-                        "-o", str(d / "traces" / "t")], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
+    record_cli(*LLAMA, "--fake", "--fsdp", "2", "-o", str(d / "traces" / "t"))
     return d
 
 

@@ -14,7 +14,6 @@ from taichi_plan.problem import build_problem
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan
 
-
 # BERT at 0.7 and 0.5 repeat what GPT-2 shows, at 26 s, and GPT-2 at 0.7 what it shows at 0.5
 # (fewer drops), at 15 s: they run in make bench (tests/conftest.py).
 _BENCH = {("bert", 0.7), ("bert", 0.5), ("gpt2", 0.7)}

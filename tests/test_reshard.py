@@ -21,19 +21,6 @@ from taichi_plan.prefetch import gatherings, setting_of, view_of_prefetch
 from taichi_plan.reshard import regather_ops, reshard_units, reshard_view, view_of_choice
 from taichi_plan.trace import read_trace
 
-# A tiny GPT-2 whose gathered parameters weigh against its activations (batch 1): at 75% of its
-# per-rank peak, keeping every unit gathered does not pay, keeping none is FSDP's default; so is
-# prefetching every all-gather.
-RECORD = """
-import json, sys
-from taichi_plan.record import get_workload
-from taichi_plan.record.fsdp import record_fsdp_workload
-from taichi_plan.trace import write_trace
-w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
-for out, setting, prefetch in json.loads(sys.argv[1]):
-    write_trace(record_fsdp_workload(w, 2, reshard_after_forward=setting, prefetch=prefetch, check_tracker=False), out)
-"""
-
 # FSDP2's own default leaves the root gathered (fully_shard's reshard_after_forward=None);
 # the last block is the usual hand-set choice (backward gathers it again at once).
 SETTINGS = {"all": {}, "root+last": {"": False, "transformer.h.3": False},
@@ -49,11 +36,20 @@ PREFETCH = {"": {"forward": ["transformer.h.0"]},
 
 @pytest.fixture(scope="module")
 def recordings(tmp_path_factory):
+    """A tiny GPT-2 recorded with each setting, in this process (a recording leaves no process
+    group and no patch: test_fsdp_record.py), written and read back (tests read ``.path``). Its
+    gathered parameters weigh against its activations (batch 1): at 75% of its per-rank peak,
+    keeping every unit gathered does not pay, keeping none is FSDP's default; so is prefetching
+    every all-gather."""
+    from taichi_plan.record import get_workload
+    from taichi_plan.record.fsdp import record_fsdp_workload
+    from taichi_plan.trace import write_trace
+
     d = tmp_path_factory.mktemp("reshard")
-    jobs = [[str(d / name), setting, PREFETCH if name == "prefetch" else None] for name, setting in SETTINGS.items()]
-    r = subprocess.run([sys.executable, "-c", RECORD, json.dumps(jobs)], capture_output=True, text=True,
-                       timeout=300)
-    assert r.returncode == 0, r.stderr
+    w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
+    for name, setting in SETTINGS.items():
+        write_trace(record_fsdp_workload(w, 2, reshard_after_forward=setting, check_tracker=False,
+                                         prefetch=PREFETCH if name == "prefetch" else None), d / name)
     return {name: read_trace(d / name) for name in SETTINGS}
 
 
