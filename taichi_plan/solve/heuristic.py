@@ -11,7 +11,6 @@ runs again, keeping what was dropped.
 from __future__ import annotations
 
 import heapq
-import re
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ from ..partition import (
     _under,
     apply_partitions,
     as_partition,
+    module_class,
     module_spans,
     partition_cost,
     partition_savings,
@@ -128,7 +128,7 @@ def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, optio
         trials = [_compatible(chosen, sorted(free, key=lambda o: -o[2][worst] / max(o[3], 1e-12)), take)]
         classes: dict[str, list] = {}
         for o in free:
-            classes.setdefault(_BLOCK_INDEX.sub(".#", o[0].module), []).append(o)
+            classes.setdefault(module_class(o[0].module), []).append(o)
         freed = {name: -max(o[2][worst] for o in cls) for name, cls in classes.items()}
         per_cost = {name: f / max(sum(o[3] for o in classes[name]), 1e-12) for name, f in freed.items()}
         for rank in (per_cost, freed):
@@ -154,9 +154,6 @@ def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, optio
         if _fits(problem, best, budget_bytes):
             break
     return best
-
-
-_BLOCK_INDEX = re.compile(r"\.\d+(?=\.|$)")
 
 
 def _compatible(chosen: list[Partition], ranked: list, take: int) -> list[Partition]:
