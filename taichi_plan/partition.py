@@ -195,9 +195,10 @@ def module_class(module: str) -> str:
 
 
 def _capped_by_class(inside: dict, most: int) -> list:
-    """At most ``most`` of the spans ``inside`` (key -> bytes made inside), whole classes of
-    repeats at a time (:func:`module_class`), the classes with the most bytes in one repeat
-    first; a class that no longer fits is passed over for smaller ones after it. Repeats tie
+    """Of the spans ``inside`` (key -> bytes made inside), whole classes of repeats at a time
+    (:func:`module_class`), the classes with the most bytes in one repeat first, at most
+    ``most`` spans; a class that no longer fits is passed over for smaller ones after it, but
+    the first class is taken whole whatever its size (an 80-layer model's norms). Repeats tie
     in bytes, so a cap by bytes alone kept an arbitrary part of a class (24 of the 32 input
     norms of a 32-layer Llama): a plan of a class in part moves a repeated peak to the repeats
     left out instead of lowering it."""
@@ -206,7 +207,7 @@ def _capped_by_class(inside: dict, most: int) -> list:
         classes.setdefault(module_class(key[0]) + "|" + key[1], []).append(key)
     out: list = []
     for members in sorted(classes.values(), key=lambda c: -inside[c[0]]):
-        if len(out) + len(members) <= most:
+        if not out or len(out) + len(members) <= most:
             out.extend(members)
     return out
 
