@@ -22,7 +22,8 @@ contiguous forward span and a contiguous backward span in the trace):
 
 One chunk (``k = 1``) is the module checkpointed whole: the same model with nothing shrunk
 and nothing joined (no concatenation, no gradient pieces, each parameter's gradient made
-once). It needs no batch dimension, only that no forward op of the module mixes samples or
+once); its outputs stay droppable (:func:`whole_outputs`: rebuilt through its insides from
+its held inputs, which the runtime does by re-running the module's recorded ops). It needs no batch dimension, only that no forward op of the module mixes samples or
 writes a parameter or buffer (a re-run would update a running statistic twice); a module
 that draws random numbers is an option at ``k = 1`` without the opt-in below, since the
 re-run restores the RNG state its forward ran with and draws the same numbers.
@@ -585,6 +586,38 @@ def span_tensors(problem: Problem, span: Span) -> set[int]:
     return out
 
 
+def whole_outputs(problem: Problem, span: Span) -> set[int]:
+    """The outputs of a module checkpointed whole (one chunk) that a plan may still drop: made
+    by its forward, read after it only by ops outside the module that run before its backward
+    (never by its own backward, whose re-run re-makes what it reads, nor after it, when the
+    checkpoint no longer holds the inputs). A drop of one is rebuilt through the module's insides,
+    re-run from its inputs, which the checkpoint holds until its backward (the runtime rebuilds
+    gone inputs recursively): so a norm checkpointed whole keeps its input alone, not its
+    output too. Split into chunks, a module's outputs are joined pieces: never dropped."""
+    if span.over == "tokens":
+        return set()
+    f0, f1 = span.fwd
+    b0, b1 = span.bwd
+    made = np.nonzero(_own_kinds(problem) & (problem.start >= f0) & (problem.start <= f1) & (problem.end > f1))[0]
+    out = set()
+    for t in made.tolist():
+        u = problem.uses[t]
+        if (u > f1).any() and not (u >= b0).any():
+            out.add(t)
+    return out
+
+
+def blocked_tensors(problem: Problem, span, chunks: int) -> set[int]:
+    """Tensors no drop may touch (nor re-make in its rebuild) when ``span`` is partitioned into
+    ``chunks``: everything its forward reads or makes (:func:`span_tensors`), except, for one
+    chunk, the outputs of :func:`whole_outputs`."""
+    owned = span_tensors(problem, span)
+    if chunks == 1 and span.over != "tokens":
+        for s in occurrence_spans(span):
+            owned = owned - whole_outputs(problem, s)
+    return owned
+
+
 def candidate_rebuild_sets(problem: Problem) -> list[set[int] | tuple]:
     """Per candidate of ``problem``: the tensors its lone rebuild at its rebuild point re-makes
     (:func:`~taichi_plan.problem.rebuild_set`; empty when it cannot be rebuilt alone).
@@ -629,7 +662,8 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
     end = problem.end.copy()
     new_t, new_id, new_nb, new_s, new_e = [], [], [], [], []
     cost = 0.0
-    internal: set[int] = set()
+    internal: set[int] = set()  # no drop may touch these, nor re-make one in its rebuild
+    through: set[int] = set()  # insides of modules checkpointed whole: a rebuild may re-run them
     for part in partitions:
         span = spans.get(span_key(part))
         if span is None or part.dim != (1 if span.over == "sequence" else 0):
@@ -672,7 +706,11 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
             continue
         for occ in occurrence_spans(span):  # once per micro-batch
             if k == 1:
-                internal.update(_checkpointed_whole(problem, occ, nbytes, end, new_t, new_id, new_nb, new_s, new_e))
+                owned = _checkpointed_whole(problem, occ, nbytes, end, new_t, new_id, new_nb, new_s, new_e)
+                outs = whole_outputs(problem, occ)
+                if outs:
+                    through.update(t for t in owned if problem.start[t] >= occ.fwd[0] and t not in outs)
+                internal.update(owned - outs)
                 continue
             internal.update(span_tensors(problem, occ))
             for at, nb in _chunked_peaks(problem, occ, k, nbytes, start, end).items():
@@ -711,8 +749,10 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
         end=np.concatenate([end, np.asarray(new_e, dtype=np.int64)]),
         uses=problem.uses + [empty] * len(extra),
         # Replay runs a partitioned module's forward on chunks: none of the tensors it reads or
-        # makes exists as the trace's op made it, so no rebuild can re-run one of those ops.
-        rematerializable=np.concatenate([_without(problem.rematerializable, internal),
+        # makes exists as the trace's op made it, so no rebuild can re-run one of those ops;
+        # but a module checkpointed whole runs its forward as recorded, and a dropped output of
+        # it is rebuilt through its insides (whole_outputs).
+        rematerializable=np.concatenate([_without(problem.rematerializable, internal - through),
                                          np.zeros(len(extra), dtype=bool)]),
         rebuild_ops=problem.rebuild_ops + [empty] * len(extra),
         remat_deadline=np.concatenate([problem.remat_deadline, np.zeros(len(extra), dtype=np.int64)]),

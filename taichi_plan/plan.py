@@ -1,4 +1,4 @@
-"""Plan format v9: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
+"""Plan format v10: one JSON file (see ``docs/plan-format.md``). No torch, no simulator.
 
 A plan names the trace it was solved for (its path relative to the plan file and its
 absolute path, content hash, op-sequence signature), the budget, the solver's status and
@@ -19,7 +19,9 @@ all-gathers issued so, :mod:`taichi_plan.prefetch`); version 7 revivals in
 kept or rebuilt for later rebuilds that read it); version 8 partitions of a position-wise
 module over its positions (``over: "sequence"``, ``dim: 1``: :mod:`taichi_plan.position_span`);
 version 9 counts the runtime's per-re-run and per-drop costs in ``extra_compute`` (the
-objective) instead of ``predicted.runtime_overhead`` (:mod:`taichi_plan.overhead`).
+objective) instead of ``predicted.runtime_overhead`` (:mod:`taichi_plan.overhead`);
+version 10 drops of the outputs of a module checkpointed whole (``chunks: 1``), rebuilt
+through its insides (:func:`taichi_plan.partition.whole_outputs`). Version 9 files,
 Version 8 files, version 7 files, version 6 files, version 5 files, version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
@@ -36,8 +38,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 9
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+FORMAT_VERSION = 10
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 

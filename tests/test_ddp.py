@@ -105,7 +105,7 @@ def test_allreduces_are_costed_over_the_ranks(ddp_plan):
 def test_replay_two_gloo_ranks_measured_equals_predicted(ddp_plan):
     # each rank measures the predicted peak planned, and the one-process recording's peak unplanned
     report, plan = replay_measures_the_prediction(ddp_plan)
-    assert plan["format_version"] == 9 and plan["trace"]["layout"]["ddp"]["gradient_as_bucket_view"] is False
+    assert plan["format_version"] == 10 and plan["trace"]["layout"]["ddp"]["gradient_as_bucket_view"] is False
     assert report["parallelism"] == "DDP"
     assert plan["predicted"]["baseline_peak_bytes"] == baseline_peak(_trace_of(ddp_plan))[0]
 

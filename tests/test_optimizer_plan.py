@@ -88,7 +88,7 @@ def test_auto_keeps_the_recorded_step_when_it_fits_and_steps_in_backward_below_i
     assert plan.predicted["planned_peak_bytes"] >= int(floor_bytes(v).max())
     path = save_plan(plan, tmp_path / "p.plan.json")
     back = load_plan(path)
-    assert back.optimizer == plan.optimizer and back.to_json()["format_version"] == 9
+    assert back.optimizer == plan.optimizer and back.to_json()["format_version"] == 10
 
 
 def test_the_infeasible_message_states_the_floor_parts_and_the_option(mlp):

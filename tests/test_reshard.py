@@ -181,7 +181,7 @@ def _off(plan: dict) -> list[str]:
 def test_planner_keeps_some_units_gathered_between_the_extremes(chosen):
     plan = json.loads(chosen["auto"].read_text())
     kept = json.loads(chosen["as-recorded"].read_text())
-    assert plan["format_version"] == 9
+    assert plan["format_version"] == 10
     units = plan["decisions"]["reshard_after_forward"]["units"]
     off = _off(plan)
     assert 0 < len(off) < len(units), units  # some units, not every one

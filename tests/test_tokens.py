@@ -272,7 +272,7 @@ def test_plan_format_v4_over(tmp_path):
     trace = record(model, batch, _shifted_loss, opt)
     plan, path, _ = _plan(trace, tmp_path, 4)
     data = json.loads(path.read_text())
-    assert data["format_version"] == 9 and data["decisions"]["partitions"][0]["over"] == "tokens"
+    assert data["format_version"] == 10 and data["decisions"]["partitions"][0]["over"] == "tokens"
     assert load_plan(path).partitions[0].over == "tokens"
     from click.testing import CliRunner
 

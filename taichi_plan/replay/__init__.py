@@ -85,11 +85,15 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                             "forward; replay cannot re-run it. Solve again with this version.")
         recipes[where[0]].add(where[1])
     spans: list[dict] = [{} for _ in calls]
+    whole: list[set] = [set() for _ in calls]
+    one_chunk = {p.module for p in plan.partitions if p.chunks == 1 and p.over in ("batch", "sequence")}
     for module, (f0, f1) in partition_spans(plan, trace, problem):
         a, b = locate(f0), locate(f1)
         if a is None or b is None or a[0] != b[0]:
             raise PlanError(f"The plan partitions {module!r}, whose ops do not all run in one call of the model.")
         spans[a[0]][module] = (a[1], b[1] + counted[f1] - 1)
+        if module in one_chunk and any(f0 <= r.op <= f1 for r in plan.recompute):
+            whole[a[0]].add(module)  # checkpointed whole, an output dropped (partition.whole_outputs)
 
     tokens: list[dict] = [{} for _ in calls]
     skip: list[set] = [set() for _ in calls]
@@ -123,7 +127,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
                             bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c]),
-                            triggers=triggers[c]))
+                            triggers=triggers[c], whole=frozenset(whole[c])))
     return out
 
 
@@ -216,11 +220,19 @@ def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     """Op ids whose recipes a rebuild may need: every op the simulator re-runs for this plan,
     and the rebuild ops of every dropped tensor."""
     from ..optimizer_plan import problem_for_plan
+    from ..partition import apply_partitions
     from ..simulate import rerun_ops
     from ..solve.result import drops_from_plan
 
     problem = problem_for_plan(plan, trace, problem)
-    return {int(i) for i in rerun_ops(problem, drops_from_plan(problem, plan))}
+    drops = drops_from_plan(problem, plan)
+    # With the modules checkpointed whole applied: a dropped output of one is rebuilt through
+    # the module's insides (partition.whole_outputs), gone there. (Split modules' tensors are
+    # never dropped nor re-made.)
+    whole = [p for p in plan.partitions if p.chunks == 1 and p.over in ("batch", "sequence")]
+    if drops and whole:
+        problem = apply_partitions(problem, whole, drops)[0]
+    return {int(i) for i in rerun_ops(problem, drops)}
 
 
 def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):

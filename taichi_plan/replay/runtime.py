@@ -142,6 +142,10 @@ class CallPlan:
     # op -> [(flattened output index, group)]: storages whose last unpack in backward runs
     # that rebuild group (one rebuilt early, before any of its tensors is unpacked).
     triggers: dict[int, list[tuple[int, int]]] = field(default_factory=dict)
+    # Modules checkpointed whole (one chunk) whose outputs the plan drops: their forward runs
+    # the recorded ops, so they are counted and tracked as any other (recipes, drops), where a
+    # module split into chunks runs ops of its pieces, which are not counted.
+    whole: frozenset = frozenset()
 
     @property
     def active(self) -> bool:
@@ -598,11 +602,12 @@ class PlanRuntime(TorchDispatchMode):
             self._frame_mismatch(frame, f"The partitioned module {name!r} started at op {frame.n} of the model's "
                                         f"call, but the plan expects it at op {span[0]}. Record and solve again.")
         frame.entered.add(name)
-        frame.partition_depth += 1
+        if name not in frame.call.whole:
+            frame.partition_depth += 1
 
     def leave_partition(self, name: str) -> None:
         frame = self._frame
-        if frame is None or torch._C._current_graph_task_id() != -1:
+        if frame is None or torch._C._current_graph_task_id() != -1 or name in frame.call.whole:
             return
         frame.partition_depth -= 1
         span = frame.call.spans.get(name)

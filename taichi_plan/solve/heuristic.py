@@ -24,6 +24,7 @@ from ..partition import (
     module_spans,
     partition_cost,
     partition_savings,
+    whole_outputs,
 )
 from ..plan import Partition
 from ..problem import Options, Problem, gap_bytes, options, rebuild_closure
@@ -86,15 +87,21 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
         return dec
     remat_only = dec
-    # Each module's savings at its most chunks, once. Split modules only: ranked by what they
-    # free at the worst op alone, a module checkpointed whole (one chunk) would win where it
-    # merely moves the peak into its backward (GPT-2's whole transformer), and rule out every
-    # module inside it. The ILP weighs those options (docs/planner.md).
+    # Each module's savings at its most chunks, once. Split modules, and checkpointed whole only
+    # the innermost modules whose outputs a plan may then drop (partition.whole_outputs: a
+    # norm keeps its input alone). Ranked by what they free at the worst op alone, an outer
+    # module checkpointed whole would win where it merely moves the peak into its backward
+    # (GPT-2's whole transformer), and rule out every module inside it. The ILP weighs every
+    # option (docs/planner.md).
+    spans = module_spans(problem)
     options = []
-    for span in module_spans(problem):
+    for span in spans:
         k = max(span.chunk_choices, default=0)
         if k >= 2:
             options.append((span, k, partition_savings(problem, span, k), partition_cost(problem, span, k)))
+        if (1 in span.chunk_choices and not any(o is not span and _under(o.module, span.module) for o in spans)
+                and whole_outputs(problem, span)):
+            options.append((span, 1, partition_savings(problem, span, 1), partition_cost(problem, span, 1)))
     best = _add_partitions(problem, budget_bytes, dec, options, deadline)
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
     return best_by_simulator(problem, budget_bytes, [best, remat_only])
@@ -128,7 +135,7 @@ def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, optio
         trials = [_compatible(chosen, sorted(free, key=lambda o: -o[2][worst] / max(o[3], 1e-12)), take)]
         classes: dict[str, list] = {}
         for o in free:
-            classes.setdefault(module_class(o[0].module), []).append(o)
+            classes.setdefault(f"{module_class(o[0].module)} x{o[1]}", []).append(o)
         freed = {name: -max(o[2][worst] for o in cls) for name, cls in classes.items()}
         per_cost = {name: f / max(sum(o[3] for o in classes[name]), 1e-12) for name, f in freed.items()}
         for rank in (per_cost, freed):

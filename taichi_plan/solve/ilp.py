@@ -44,11 +44,11 @@ from ..partition import (
     Span,
     apply_partitions,
     as_partition,
+    blocked_tensors,
     module_spans,
     partition_cost,
     partition_savings,
     span_key,
-    span_tensors,
 )
 from ..problem import (
     Problem,
@@ -248,13 +248,17 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
     # Each option's rebuild set, once (it does not depend on the span).
     rebuilds = [rebuild_set(problem, t, b) or () for t, b in zip(st.tensor.tolist(), st.b.tolist(), strict=True)]
     for span in spans:
-        inner = span_tensors(problem, span)
-        # Options the partition rules out: its own tensors, and those whose rebuild would
-        # re-make one of them (replay cannot re-run a partitioned module's ops one by one).
-        blocked = {k for t in inner for k in opt_of.get(t, [])}
-        blocked.update(k for k, rs in enumerate(rebuilds) if k not in blocked and not inner.isdisjoint(rs))
-        internal = np.asarray(sorted(blocked), dtype=np.int64)
+        by_set: dict[frozenset, np.ndarray] = {}
         for chunks in span.chunk_choices:
+            # Options the partition rules out: its own tensors, and those whose rebuild would
+            # re-make one of them (replay cannot re-run a partitioned module's ops one by one;
+            # checkpointed whole, its outputs may still be dropped: partition.whole_outputs).
+            inner = frozenset(blocked_tensors(problem, span, chunks))
+            if inner not in by_set:
+                blocked = {k for t in inner for k in opt_of.get(t, [])}
+                blocked.update(k for k, rs in enumerate(rebuilds) if k not in blocked and not inner.isdisjoint(rs))
+                by_set[inner] = np.asarray(sorted(blocked), dtype=np.int64)
+            internal = by_set[inner]
             sav = partition_savings(problem, span, chunks)
             if not np.any(sav[over] > 0):
                 if chunks == 1:
