@@ -664,6 +664,7 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
     cost = 0.0
     internal: set[int] = set()  # no drop may touch these, nor re-make one in its rebuild
     through: set[int] = set()  # insides of modules checkpointed whole: a rebuild may re-run them
+    whole_outs: set[int] = set()  # their outputs a plan may drop (whole_outputs)
     for part in partitions:
         span = spans.get(span_key(part))
         if span is None or part.dim != (1 if span.over == "sequence" else 0):
@@ -710,6 +711,7 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
                 outs = whole_outputs(problem, occ)
                 if outs:
                     through.update(t for t in owned if problem.start[t] >= occ.fwd[0] and t not in outs)
+                    whole_outs.update(outs)
                 internal.update(owned - outs)
                 continue
             internal.update(span_tensors(problem, occ))
@@ -764,6 +766,18 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
         cand_early_remat=problem.cand_early_remat[keep],
     )
     out.baseline_live = _live(out)
+    # A whole module's output is rebuilt through its insides: only where that can run (every
+    # parameter it reads in memory then: under FSDP, its unit gathered).
+    # Its early-rebuild point (before its inputs die) was found with the module's insides alive.
+    lost = [k for k, (t, b) in enumerate(zip(out.candidates.tolist(), out.cand_remat_before.tolist(), strict=True))
+            if t in whole_outs and rebuild_set(out, t, b) is None]
+    if whole_outs:
+        out.cand_early_remat = np.where(np.isin(out.candidates, list(whole_outs)), -1, out.cand_early_remat)
+    if lost:
+        ok = np.ones(len(out.candidates), dtype=bool)
+        ok[lost] = False
+        out.candidates, out.cand_free_after = out.candidates[ok], out.cand_free_after[ok]
+        out.cand_remat_before, out.cand_early_remat = out.cand_remat_before[ok], out.cand_early_remat[ok]
     return out, cost
 
 
