@@ -190,3 +190,36 @@ def test_a_sharded_recording_knows_what_the_kv_cache_holds(fsdp2_plan):
     names = {s.module for s in module_spans(build_problem(trace))}
     assert "transformer.h.0.mlp" in names
     assert not any(n.endswith(".attn") or n in ("transformer.h.0", "transformer.h.1") for n in names), names
+
+
+def test_norms_checkpointed_whole_with_their_outputs_dropped_run_under_fsdp2(llama_fsdp2):
+    """Every RMSNorm checkpointed whole and its output dropped (plan v10, rebuilt through the
+    norm from its held input with the unit's weight gathered again in backward): 2 gloo
+    ranks measure exactly the predicted peak, shards bitwise."""
+    from taichi_plan.partition import apply_partitions, as_partition, module_spans, whole_outputs
+    from taichi_plan.plan import save_plan
+    from taichi_plan.problem import build_problem
+    from taichi_plan.simulate import Drop
+    from taichi_plan.solve.result import Decisions, make_plan
+    from taichi_plan.trace import read_trace
+
+    problem = build_problem(read_trace(llama_fsdp2 / "traces" / "t"))
+    norms = [s for s in module_spans(problem) if s.module.endswith("layernorm") and s.over == "batch"]
+    parts = [as_partition(s, 1) for s in norms]
+    parted, _ = apply_partitions(problem, parts)
+    gap = {int(t): (int(a), int(b)) for t, a, b in zip(parted.candidates, parted.cand_free_after,
+                                                      parted.cand_remat_before, strict=True)}
+    outs = set().union(*(whole_outputs(problem, s) for s in norms))
+    drops = [Drop(t, *gap[t]) for t in sorted(outs) if t in gap]
+    assert len(norms) == 4 and len(drops) == 4
+    plan = make_plan(problem, None, "manual", Decisions(drops=drops, partitions=parts), 0.0, 0)
+    save_plan(plan, llama_fsdp2 / "plans" / "whole.plan.json")
+    r = CliRunner().invoke(main, ["replay", str(llama_fsdp2 / "plans" / "whole.plan.json"), "--nproc", "2",
+                                  "--steps", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    report = json.loads(r.output[r.output.index("{"):r.output.rindex("}") + 1])
+    assert report["predicted_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
+    for rank in report["ranks"]:
+        assert rank["measured_peak_bytes"] == report["predicted_peak_bytes"], rank
+        assert rank["grads_match"] and rank["params_match"] and rank["dropped_storages"] > 0, rank
+    assert report["grads_check"].startswith("bitwise"), report["grads_check"]
