@@ -8,6 +8,17 @@ from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan
 
 
+def recorded(directory, **sizes):
+    """A workload recorded for real, its trace written to ``directory``: (directory, problem)."""
+    from taichi_plan.problem import build_problem
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.trace import write_trace
+
+    trace = record_workload(get_workload(**sizes), fake=False)
+    write_trace(trace, directory)
+    return directory, build_problem(trace)
+
+
 def replay_partitions(problem, parts, tmp_path):
     """(the plan as written, the replay report) of ``parts`` on ``problem`` (its trace written)."""
     plan = make_plan(problem, None, "manual", Decisions(partitions=parts), 0.0, 0)

@@ -13,7 +13,7 @@ from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate import simulate_plan
 from taichi_plan.trace import write_trace
-from tests.partition_replay import assert_measured_as_predicted, replay_partitions
+from tests.partition_replay import assert_measured_as_predicted, recorded, replay_partitions
 
 # transformers' default dropout is on: the blocks, attn and mlp draw random numbers and cannot be
 # split without the opt-in, their linear layers and the activation can.
@@ -22,10 +22,7 @@ SIZES = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=64, seq=16, batch
 
 @pytest.fixture(scope="module")
 def traced(tmp_path_factory):
-    d = tmp_path_factory.mktemp("exact") / "tiny-gpt2"
-    trace = record_workload(get_workload(**SIZES), fake=False)
-    write_trace(trace, d)
-    return d, build_problem(trace)
+    return recorded(tmp_path_factory.mktemp("exact") / "tiny-gpt2", **SIZES)
 
 
 def _in_span(problem, parts, op: int) -> bool:

@@ -23,17 +23,14 @@ from taichi_plan.replay.measure import replay
 from taichi_plan.simulate import Drop, simulate_plan
 from taichi_plan.solve.heuristic import plan_heuristic
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import write_trace
+from tests.partition_replay import recorded
 
 LLAMA = dict(model="llama", layers=2, hidden=64, heads=4, seq=64, batch=4, vocab=256)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("whole") / "t"
-    trace = record_workload(get_workload(**LLAMA), fake=False)
-    write_trace(trace, d)
-    return d, build_problem(trace)
+    return recorded(tmp_path_factory.mktemp("whole") / "t", **LLAMA)
 
 
 def _norms(p):
