@@ -597,12 +597,21 @@ def whole_outputs(problem: Problem, span: Span) -> set[int]:
     if span.over == "tokens":
         return set()
     f0, f1 = span.fwd
-    b0, b1 = span.bwd
+    b0 = span.bwd[0]
     made = np.nonzero(_own_kinds(problem) & (problem.start >= f0) & (problem.start <= f1) & (problem.end > f1))[0]
+    # What a re-run of the module reads from outside it: its inputs (held by the checkpoint)
+    # and parameters, which must be in memory at the rebuild (under FSDP: its unit gathered).
+    held_in = set(module_inputs(problem, span))
+    outside = {u for i in range(f0, f1 + 1) for u in problem.op_reads[i].tolist()
+               if problem.start[u] < f0 or problem.initial[u]} - held_in
+    rebuild_at = {}
+    for t, b in zip(problem.candidates.tolist(), problem.cand_remat_before.tolist(), strict=True):
+        rebuild_at[t] = min(b, rebuild_at.get(t, b))
     out = set()
     for t in made.tolist():
         u = problem.uses[t]
-        if (u > f1).any() and not (u >= b0).any():
+        if ((u > f1).any() and not (u >= b0).any() and t in rebuild_at
+                and all(problem.held(x, rebuild_at[t]) for x in outside)):
             out.add(t)
     return out
 
