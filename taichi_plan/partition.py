@@ -23,8 +23,9 @@ contiguous forward span and a contiguous backward span in the trace):
 One chunk (``k = 1``) is the module checkpointed whole: the same model with nothing shrunk
 and nothing joined (no concatenation, no gradient pieces, each parameter's gradient made
 once); its outputs stay droppable (:func:`whole_outputs`: rebuilt through its insides from
-its held inputs, which the runtime does by re-running the module's recorded ops). It needs no batch dimension, only that no forward op of the module mixes samples or
-writes a parameter or buffer (a re-run would update a running statistic twice); a module
+its held inputs, which the runtime does by re-running the module's recorded ops). It needs
+no batch dimension, only that no forward op of the module mixes samples or writes a
+parameter or buffer (a re-run would update a running statistic twice); a module
 that draws random numbers is an option at ``k = 1`` without the opt-in below, since the
 re-run restores the RNG state its forward ran with and draws the same numbers.
 
@@ -775,13 +776,13 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
         cand_early_remat=problem.cand_early_remat[keep],
     )
     out.baseline_live = _live(out)
-    # A whole module's output is rebuilt through its insides: only where that can run (every
-    # parameter it reads in memory then: under FSDP, its unit gathered).
-    # Its early-rebuild point (before its inputs die) was found with the module's insides alive.
+    if whole_outs:
+        # A whole module's output has no early-rebuild point here (it was found with the
+        # module's insides alive), and stays a candidate only where its rebuild through them
+        # can run (whole_outputs checks the parameters; this, the whole chain).
+        out.cand_early_remat = np.where(np.isin(out.candidates, list(whole_outs)), -1, out.cand_early_remat)
     lost = [k for k, (t, b) in enumerate(zip(out.candidates.tolist(), out.cand_remat_before.tolist(), strict=True))
             if t in whole_outs and rebuild_set(out, t, b) is None]
-    if whole_outs:
-        out.cand_early_remat = np.where(np.isin(out.candidates, list(whole_outs)), -1, out.cand_early_remat)
     if lost:
         ok = np.ones(len(out.candidates), dtype=bool)
         ok[lost] = False

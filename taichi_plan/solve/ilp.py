@@ -49,6 +49,7 @@ from ..partition import (
     partition_cost,
     partition_savings,
     span_key,
+    span_tensors,
 )
 from ..problem import (
     Problem,
@@ -257,6 +258,12 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
             if inner not in by_set:
                 blocked = {k for t in inner for k in opt_of.get(t, [])}
                 blocked.update(k for k, rs in enumerate(rebuilds) if k not in blocked and not inner.isdisjoint(rs))
+                # A whole module's dropped output is rebuilt at its use only (its early point
+                # was found with the module's insides alive: partition._apply_partitions).
+                outs = span_tensors(problem, span) - inner
+                if outs:
+                    early = np.nonzero(st.b != problem.cand_remat_before[st.cand])[0].tolist()
+                    blocked.update(k for k in early if int(st.tensor[k]) in outs)
                 by_set[inner] = np.asarray(sorted(blocked), dtype=np.int64)
             internal = by_set[inner]
             sav = partition_savings(problem, span, chunks)
