@@ -39,8 +39,10 @@ def _norms(p):
 
 def _output_drops(p, spans, every=True):
     """The drops of the spans' outputs, at their gaps in the problem with the spans whole
-    (every one of them, or those that stay candidates there: with several modules whole, some
-    outputs do not, e.g. where a rebuild would re-make what another whole module blocks)."""
+    (every one of them, or those that stay candidates there: with several modules whole, an
+    output that is another whole module's input is held by that checkpoint, and one whose
+    rebuild in the unplanned step re-makes a tensor a whole module keeps to itself, such as
+    a dropout's mask, is not offered)."""
     parted, _ = apply_partitions(p, [as_partition(s, 1) for s in spans])
     gap = {int(t): (int(a), int(b)) for t, a, b in zip(parted.candidates, parted.cand_free_after,
                                                       parted.cand_remat_before, strict=True)}
