@@ -605,9 +605,12 @@ def whole_outputs(problem: Problem, span: Span) -> set[int]:
     held_in = set(module_inputs(problem, span))
     outside = {u for i in range(f0, f1 + 1) for u in problem.op_reads[i].tolist()
                if problem.start[u] < f0 or problem.initial[u]} - held_in
-    rebuild_at = {}
-    for t, b in zip(problem.candidates.tolist(), problem.cand_remat_before.tolist(), strict=True):
-        rebuild_at[t] = min(b, rebuild_at.get(t, b))
+    rebuild_at = problem.__dict__.get("_first_rebuild")  # per candidate tensor: its first rebuild point
+    if rebuild_at is None:
+        rebuild_at = {}
+        for t, b in zip(problem.candidates.tolist(), problem.cand_remat_before.tolist(), strict=True):
+            rebuild_at[t] = min(b, rebuild_at.get(t, b))
+        problem.__dict__["_first_rebuild"] = rebuild_at
     out = set()
     for t in made.tolist():
         u = problem.uses[t]
