@@ -204,9 +204,9 @@ def _capped_by_class(inside: dict, most: int) -> list:
     in bytes, so a cap by bytes alone kept an arbitrary part of a class (24 of the 32 input
     norms of a 32-layer Llama): a plan of a class in part moves a repeated peak to the repeats
     left out instead of lowering it."""
-    classes: dict[str, list] = {}
+    classes: dict[tuple, list] = {}
     for key in sorted(inside, key=lambda k: -inside[k]):
-        classes.setdefault(module_class(key[0]) + "|" + key[1], []).append(key)
+        classes.setdefault((module_class(key[0]), key[1]), []).append(key)
     out: list = []
     for members in sorted(classes.values(), key=lambda c: -inside[c[0]]):
         if not out or len(out) + len(members) <= most:

@@ -1,5 +1,6 @@
-"""Shared by the partition tests: replay a plan of given partitions and check that its
-measured peak is the predicted one, to the byte, with gradients allclose."""
+"""Shared by the partition tests: record a workload; the drops of the outputs of modules
+checkpointed whole; replay a plan of given partitions and check that its measured peak is
+the predicted one, to the byte, with gradients allclose."""
 
 from __future__ import annotations
 
@@ -17,6 +18,23 @@ def recorded(directory, **sizes):
     trace = record_workload(get_workload(**sizes), fake=False)
     write_trace(trace, directory)
     return directory, build_problem(trace)
+
+
+def whole_output_drops(p, spans, every=True):
+    """The drops of the spans' outputs, at their gaps in the problem with the spans whole
+    (every one of them, or those that stay candidates there: with several modules whole, an
+    output that is another whole module's input is held by that checkpoint, and one whose
+    rebuild in the unplanned step re-makes a tensor a whole module keeps to itself, such as
+    a dropout's mask, is not offered)."""
+    from taichi_plan.partition import apply_partitions, as_partition, whole_outputs
+    from taichi_plan.simulate import Drop
+
+    parted, _ = apply_partitions(p, [as_partition(s, 1) for s in spans])
+    gap = {int(t): (int(a), int(b)) for t, a, b in zip(parted.candidates, parted.cand_free_after,
+                                                      parted.cand_remat_before, strict=True)}
+    outs = sorted(set().union(*(whole_outputs(p, s) for s in spans)))
+    assert outs and (all(t in gap for t in outs) if every else any(t in gap for t in outs))
+    return [Drop(t, *gap[t]) for t in outs if t in gap]
 
 
 def replay_partitions(problem, parts, tmp_path):

@@ -19,6 +19,7 @@ from ranks import record_cli, replay_measures_the_prediction, torchrun_losses
 
 from taichi_plan.cli import main
 from taichi_plan.errors import PlanError
+from tests.partition_replay import whole_output_drops
 
 TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500", "--seq", "128",
         "--batch", "4"]
@@ -196,21 +197,16 @@ def test_norms_checkpointed_whole_with_their_outputs_dropped_run_under_fsdp2(lla
     """Every RMSNorm checkpointed whole and its output dropped (plan v10, rebuilt through the
     norm from its held input with the unit's weight gathered again in backward): 2 gloo
     ranks measure exactly the predicted peak, shards bitwise."""
-    from taichi_plan.partition import apply_partitions, as_partition, module_spans, whole_outputs
+    from taichi_plan.partition import as_partition, module_spans
     from taichi_plan.plan import save_plan
     from taichi_plan.problem import build_problem
-    from taichi_plan.simulate import Drop
     from taichi_plan.solve.result import Decisions, make_plan
     from taichi_plan.trace import read_trace
 
     problem = build_problem(read_trace(llama_fsdp2 / "traces" / "t"))
     norms = [s for s in module_spans(problem) if s.module.endswith("layernorm") and s.over == "batch"]
     parts = [as_partition(s, 1) for s in norms]
-    parted, _ = apply_partitions(problem, parts)
-    gap = {int(t): (int(a), int(b)) for t, a, b in zip(parted.candidates, parted.cand_free_after,
-                                                      parted.cand_remat_before, strict=True)}
-    outs = set().union(*(whole_outputs(problem, s) for s in norms))
-    drops = [Drop(t, *gap[t]) for t in sorted(outs) if t in gap]
+    drops = whole_output_drops(problem, norms)
     assert len(norms) == 4 and len(drops) == 4
     plan = make_plan(problem, None, "manual", Decisions(drops=drops, partitions=parts), 0.0, 0)
     save_plan(plan, llama_fsdp2 / "plans" / "whole.plan.json")

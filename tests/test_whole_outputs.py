@@ -23,7 +23,7 @@ from taichi_plan.replay.measure import replay
 from taichi_plan.simulate import Drop, simulate_plan
 from taichi_plan.solve.heuristic import plan_heuristic
 from taichi_plan.solve.result import Decisions, make_plan
-from tests.partition_replay import recorded
+from tests.partition_replay import recorded, whole_output_drops
 
 LLAMA = dict(model="llama", layers=2, hidden=64, heads=4, seq=64, batch=4, vocab=256)
 
@@ -37,20 +37,6 @@ def _norms(p):
     return [s for s in module_spans(p) if s.module.endswith("layernorm") and s.over == "batch"]
 
 
-def _output_drops(p, spans, every=True):
-    """The drops of the spans' outputs, at their gaps in the problem with the spans whole
-    (every one of them, or those that stay candidates there: with several modules whole, an
-    output that is another whole module's input is held by that checkpoint, and one whose
-    rebuild in the unplanned step re-makes a tensor a whole module keeps to itself, such as
-    a dropout's mask, is not offered)."""
-    parted, _ = apply_partitions(p, [as_partition(s, 1) for s in spans])
-    gap = {int(t): (int(a), int(b)) for t, a, b in zip(parted.candidates, parted.cand_free_after,
-                                                      parted.cand_remat_before, strict=True)}
-    outs = sorted(set().union(*(whole_outputs(p, s) for s in spans)))
-    assert outs and (all(t in gap for t in outs) if every else any(t in gap for t in outs))
-    return [Drop(t, *gap[t]) for t in outs if t in gap]
-
-
 def test_a_norms_output_is_dropped_and_rebuilt_through_it(llama, tmp_path):
     """Every RMSNorm checkpointed whole, its output (the weight times the normalized input)
     dropped: predicted below the norms checkpointed alone, measured == predicted to the byte,
@@ -62,7 +48,7 @@ def test_a_norms_output_is_dropped_and_rebuilt_through_it(llama, tmp_path):
         (t,) = whole_outputs(p, s)
         assert p.op_name[p.producer[t]] == "aten.mul.Tensor" and p.producer[t] == s.fwd[1]
     parts = [as_partition(s, 1) for s in spans]
-    drops = _output_drops(p, spans)
+    drops = whole_output_drops(p, spans)
     alone, _ = simulate_plan(p, [], parts)
     both, _ = simulate_plan(p, drops, parts)
     assert both.peak_bytes < alone.peak_bytes < p.baseline_peak[0]
@@ -80,7 +66,7 @@ def test_only_outputs_of_a_module_checkpointed_whole_may_be_dropped(llama):
     what it saves for its own backward still cannot."""
     _d, p = llama
     span = _norms(p)[0]
-    (drop,) = _output_drops(p, [span])
+    (drop,) = whole_output_drops(p, [span])
     with pytest.raises(PlanError, match="partitions a module that reads or makes it"):
         apply_partitions(p, [as_partition(span, 2)], [drop])
     saved = set(internal_tensors(p, span)[1].tolist())
@@ -135,7 +121,7 @@ def test_every_innermost_module_whole_with_its_outputs_dropped_replays_as_predic
     leaf = [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
             and not any(o is not s and _under(o.module, s.module) for o in spans)]
     assert leaf
-    drops = _output_drops(p, leaf, every=False)
+    drops = whole_output_drops(p, leaf, every=False)
     plan = make_plan(p, None, "manual", Decisions(drops=drops, partitions=[as_partition(s, 1) for s in leaf]), 0.0, 0)
     assert plan.predicted["planned_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
     save_plan(plan, tmp_path / "leaf.plan.json")

@@ -86,7 +86,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         recipes[where[0]].add(where[1])
     spans: list[dict] = [{} for _ in calls]
     whole: list[set] = [set() for _ in calls]
-    one_chunk = {p.module for p in plan.partitions if p.chunks == 1 and p.over in ("batch", "sequence")}
+    one_chunk = {p.module for p in _whole_partitions(plan)}
     for module, (f0, f1) in partition_spans(plan, trace, problem):
         a, b = locate(f0), locate(f1)
         if a is None or b is None or a[0] != b[0]:
@@ -216,6 +216,11 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
     return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}, triggers
 
 
+def _whole_partitions(plan: Plan) -> list:
+    """The plan's partitions that checkpoint a module whole (one chunk, along the batch)."""
+    return [p for p in plan.partitions if p.chunks == 1 and p.over in ("batch", "sequence")]
+
+
 def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     """Op ids whose recipes a rebuild may need: every op the simulator re-runs for this plan,
     and the rebuild ops of every dropped tensor."""
@@ -229,7 +234,7 @@ def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     # With the modules checkpointed whole applied: a dropped output of one is rebuilt through
     # the module's insides (partition.whole_outputs), gone there. (Split modules' tensors are
     # never dropped nor re-made.)
-    whole = [p for p in plan.partitions if p.chunks == 1 and p.over in ("batch", "sequence")]
+    whole = _whole_partitions(plan)
     if drops and whole:
         problem = apply_partitions(problem, whole, drops)[0]
     return {int(i) for i in rerun_ops(problem, drops)}

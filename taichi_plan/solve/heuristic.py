@@ -133,9 +133,9 @@ def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, optio
         if not free:
             break
         trials = [_compatible(chosen, sorted(free, key=lambda o: -o[2][worst] / max(o[3], 1e-12)), take)]
-        classes: dict[str, list] = {}
+        classes: dict[tuple, list] = {}
         for o in free:
-            classes.setdefault(f"{module_class(o[0].module)} x{o[1]}", []).append(o)
+            classes.setdefault((module_class(o[0].module), o[1]), []).append(o)
         freed = {name: -max(o[2][worst] for o in cls) for name, cls in classes.items()}
         per_cost = {name: f / max(sum(o[3] for o in classes[name]), 1e-12) for name, f in freed.items()}
         for rank in (per_cost, freed):

@@ -248,6 +248,7 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
     out = []
     # Each option's rebuild set, once (it does not depend on the span).
     rebuilds = [rebuild_set(problem, t, b) or () for t, b in zip(st.tensor.tolist(), st.b.tolist(), strict=True)]
+    early = np.nonzero(st.b != problem.cand_remat_before[st.cand])[0].tolist()  # early-rebuild options
     for span in spans:
         by_set: dict[frozenset, np.ndarray] = {}
         for chunks in span.chunk_choices:
@@ -261,9 +262,7 @@ def partition_options(problem: Problem, st: Structure, budget: int) -> list[Part
                 # A whole module's dropped output is rebuilt at its use only (its early point
                 # was found with the module's insides alive: partition._apply_partitions).
                 outs = span_tensors(problem, span) - inner
-                if outs:
-                    early = np.nonzero(st.b != problem.cand_remat_before[st.cand])[0].tolist()
-                    blocked.update(k for k in early if int(st.tensor[k]) in outs)
+                blocked.update(k for k in early if outs and int(st.tensor[k]) in outs)
                 by_set[inner] = np.asarray(sorted(blocked), dtype=np.int64)
             internal = by_set[inner]
             sav = partition_savings(problem, span, chunks)
