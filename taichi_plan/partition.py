@@ -677,6 +677,7 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
     cost = 0.0
     internal: set[int] = set()  # no drop may touch these, nor re-make one in its rebuild
     through: set[int] = set()  # insides of modules checkpointed whole: a rebuild may re-run them
+    recast: set[int] = set()  # of those, casts of weights the module re-makes (_saved_constants)
     whole_outs: set[int] = set()  # their outputs a plan may drop (whole_outputs)
     for part in partitions:
         span = spans.get(span_key(part))
@@ -725,6 +726,7 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
                 if outs:
                     through.update(t for t in owned if problem.start[t] >= occ.fwd[0] and t not in outs)
                     whole_outs.update(outs)
+                    recast.update(_saved_constants(problem, occ))
                 internal.update(owned - outs)
                 continue
             internal.update(span_tensors(problem, occ))
@@ -767,9 +769,9 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
         # makes exists as the trace's op made it, so no rebuild can re-run one of those ops;
         # but a module checkpointed whole runs its forward as recorded, and a dropped output of
         # it is rebuilt through its insides (whole_outputs).
-        rematerializable=np.concatenate([_without(problem.rematerializable, internal - through),
+        rematerializable=np.concatenate([_with(_without(problem.rematerializable, internal - through), recast),
                                          np.zeros(len(extra), dtype=bool)]),
-        rebuild_ops=problem.rebuild_ops + [empty] * len(extra),
+        rebuild_ops=_recast_ops(problem, recast) + [empty] * len(extra),
         remat_deadline=np.concatenate([problem.remat_deadline, np.zeros(len(extra), dtype=np.int64)]),
         initial=np.concatenate([problem.initial, np.zeros(len(extra), dtype=bool)]),
         persists=np.concatenate([problem.persists, np.zeros(len(extra), dtype=bool)]),
@@ -836,6 +838,29 @@ def _saved_constants(problem: Problem, span: Span) -> list[int]:
         if (constant_tensor(problem, t) and np.all(((u >= f0) & (u <= f1)) | ((u >= b0) & (u <= b1)))
                 and len(u[u >= b0]) and problem.release_after(t, int(u[u <= f1][-1]) if len(u[u <= f1]) else f0) < b0):
             out.append(t)
+    return out
+
+
+def _with(mask: np.ndarray, tensors: set[int]) -> np.ndarray:
+    if not tensors:
+        return mask
+    out = mask.copy()
+    out[np.fromiter(tensors, dtype=np.int64, count=len(tensors))] = True
+    return out
+
+
+def _recast_ops(problem: Problem, recast: set[int]) -> list[np.ndarray]:
+    """``problem.rebuild_ops`` with each tensor of ``recast`` re-made by its producer alone:
+    a weight's cast that autocast caches (the recorder marks its op not recomputable, since
+    dropping it frees nothing while the cache holds it) is gone once a module checkpointed
+    whole has run its forward (:func:`_saved_constants`), and a rebuild of that module's
+    output through its insides casts the weight again, as the checkpoint's own re-run does.
+    Never a drop: these tensors stay internal to the module."""
+    if not recast:
+        return problem.rebuild_ops
+    out = list(problem.rebuild_ops)
+    for t in recast:
+        out[t] = np.asarray([problem.producer[t]], dtype=np.int64)
     return out
 
 

@@ -370,3 +370,46 @@ def test_a_last_step_with_fewer_micro_batches_runs_the_plan(loop_plan):
         planned, peaks = run(path)
     assert_trains_like(base, planned, plan, lambda: run()[0])
     assert peaks[1] <= peaks[2] <= plan.budget_bytes, (peaks, plan.budget_bytes)
+
+
+@pytest.mark.parametrize("name", ["autocast-bf16", "accumulate-2"])
+def test_modules_whole_with_their_outputs_dropped_in_a_loop(name, tmp_path):
+    """Every innermost module of a Llama whose outputs a plan may drop, checkpointed whole
+    with those outputs dropped (plan v10, ``partition.whole_outputs``), in a loop other than
+    the plain one: under autocast (where the norms' float32 outputs are read only by the
+    projections' casts, so they are not among them, and the casts' bfloat16 copies are what
+    the projections save) and over 2 micro-batches with gradients kept between them. Trained
+    planned and unplanned from the same seed: bitwise, and the last step's live peak within
+    the predicted one; replayed, measured == predicted to the byte. Under autocast the
+    rebuild casts the weights again (``partition._recast_ops``): a module checkpointed whole
+    does not keep autocast's cached casts of its weights."""
+    from taichi_plan.partition import _under, as_partition, module_spans, whole_outputs
+    from taichi_plan.plan import save_plan
+    from taichi_plan.record import record_workload
+    from taichi_plan.replay.measure import replay
+    from tests.partition_replay import whole_output_drops
+
+    loop, flags = LOOPS[name]
+    flags = {**flags, "model": "llama"}
+    trace = record_workload(get_workload(**{**GPT2, **flags}), fake=False, loop=loop)
+    p = build_problem(trace)
+    spans = module_spans(p)
+    leaf = [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
+            and not any(o is not s and _under(o.module, s.module) for o in spans)]
+    norms = [s.module for s in leaf if s.module.endswith("layernorm")]
+    assert len(norms) == (0 if loop.autocast else 4), norms
+    drops = whole_output_drops(p, leaf, every=False)
+    plan = make_plan(p, None, "manual", Decisions(drops=drops, partitions=[as_partition(s, 1) for s in leaf]), 0.0, 0)
+    assert plan.predicted["planned_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
+    taichi_plan.write_trace(trace, tmp_path / "trace")
+    plan.trace["path"] = str(tmp_path / "trace")
+    save_plan(plan, tmp_path / "leaf.plan.json")
+    r = replay(tmp_path / "leaf.plan.json", steps=2)  # the recorded loop, as replay runs it
+    assert r["measured_peak_bytes"] == r["predicted_peak_bytes"] == plan.predicted["planned_peak_bytes"], r
+    assert r["grads_check"].startswith("bitwise"), r
+    base, _ = train(loop, 3, **flags)  # and in a loop written out as a user would
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        planned, peak = train(loop, 3, plan_path=tmp_path / "leaf.plan.json", **flags)
+    assert_trains_like(base, planned, plan, lambda: train(loop, 3, **flags)[0], autocast=loop.autocast)
+    assert peak <= plan.predicted["planned_peak_bytes"], (peak, plan.predicted["planned_peak_bytes"])
