@@ -42,11 +42,11 @@ MAKEFILE = REPO_ROOT / "Makefile"
 SUBSTITUTIONS: list[tuple[str, str, str]] = [
     ("--model gpt2 --batch 8 --seq 1024 --fake", "--model gpt2 --batch 8 --seq 1024 --layers 2 --fake",
      "GPT-2 small has 12 layers (1805 ops, 10 s to trace); 2 layers give 355 ops"),
-    ("traces/gpt2-b8 --budget 12GB", "traces/gpt2-b8 --budget 6GB --time-limit 5",
+    ("traces/gpt2-b8 --budget 12GB", "traces/gpt2-b8 --budget 6GB --time-limit 2",
      "the 2-layer trace peaks at 7.18 GB, under 12 GB: 6 GB keeps the budget binding; a bounded search"),
     ("traces/gpt2-b8 --budget 60%", "traces/gpt2-b8 --budget 80%",
      "no plan of the 2-layer trace goes below 69% of its peak (its logits' backward)"),
-    ("--time-limit 120", "--time-limit 5", "the ILP's search, bounded"),
+    ("--time-limit 120", "--time-limit 2", "the ILP's search, bounded"),
     ("--sweep 0.9,0.8,0.6,0.4", "--sweep 0.8,0.5 --time-limit 2",
      "two budgets, auto and ilp 2 s each instead of 30"),
     ("maxbatch --model gpt2 --seq 1024 --budget 16GB",
