@@ -88,15 +88,17 @@ def test_solver_internals_stay_out_of_the_notes(tmp_path):
 
 
 def test_backward_ops_are_named_by_their_forward_module(swin):
-    """ModTracker files the rest of Swin's backward under the last stage's
-    relative_position_bias; the k-th gelu_backward is the backward of the k-th gelu from the end."""
+    """PyTorch's ModTracker filed the rest of Swin's backward under the last stage's
+    relative_position_bias (a module whose inputs carry no gradient); the recorder closes such
+    a module at its parameters' gradients now, and the k-th gelu_backward, the backward of
+    the k-th gelu from the end, is filed under that gelu's module."""
     p = build_problem(swin)
     fwd = [i for i in range(p.num_ops) if p.op_name[i] == "aten.gelu.default" and p.op_phase[i] == "forward"]
     bwd = [i for i in range(p.num_ops) if p.op_name[i] == "aten.gelu_backward.default"]
     assert len(fwd) == len(bwd) == 2
-    assert "relative_position_bias" in p.op_module[bwd[-1]]  # what the trace says (the bug)
+    assert "relative_position_bias" not in p.op_module[bwd[-1]]  # what the trace said before
     for b, f in zip(bwd, reversed(fwd), strict=True):
-        assert forward_module(p, b) == p.op_module[f]
+        assert forward_module(p, b) == p.op_module[f] == p.op_module[b]
         assert describe_op(p, b) == f"op {b} (aten.gelu_backward.default, backward of {p.op_module[f]})"
     assert forward_module(p, fwd[0]) is None
     assert describe_op(p, fwd[0]) == f"op {fwd[0]} (aten.gelu.default in {p.op_module[fwd[0]]})"

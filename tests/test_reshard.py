@@ -2,9 +2,10 @@
 
 The view of a trace recorded with every unit resharding, with some units set not to
 reshard (:func:`taichi_plan.reshard.reshard_view`), equals a recording made with that
-setting, table by table: every tensor row, every access, every op (the ``module`` label of
-backward ops excepted: ModTracker's labels there differed between two recordings of the same
-setting here, e.g. an embedding's backward filed under its neighbour).
+setting, table by table: every tensor row, every access, every op, its ``module`` label in
+backward included (before the recorder told equally deep open modules apart by when they
+opened, those labels differed between two recordings of one setting: the order of a set of
+names, which follows the string hash of each process).
 """
 
 from __future__ import annotations
@@ -65,8 +66,6 @@ def _differences(view, rec) -> list:
                 d = np.asarray([list(p) != list(q) for p, q in zip(x[c], y[c], strict=True)], dtype=bool)
             else:
                 d = x[c].to_numpy() != y[c].to_numpy()
-            if name == "ops" and c == "module":
-                d &= x["phase"].to_numpy() != "backward"
             if d.any():
                 out.append((name, c, int(d.sum()), np.nonzero(d)[0][:5].tolist()))
     for key in ("units", "op_spans", "incarnations"):

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 def swin(batch: int = 2, dtype: str = "fp32", **_):
     """A two-stage windowed-attention vision model (Swin): its backward ops are where
-    ModTracker leaves ``relative_position_bias`` open."""
+    PyTorch's ModTracker leaves ``relative_position_bias`` open (the recorder closes it:
+    ``recorder._ModuleTracker``; tests/test_swin.py)."""
     import torch
     from transformers import SwinConfig, SwinForImageClassification
 

@@ -262,6 +262,64 @@ def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
     return register_multi_grad_hook(tensors, fn, mode=mode)
 
 
+class _ModuleTracker(ModTracker):
+    """PyTorch's ``ModTracker``, with the backward of a module whose inputs carry no gradient
+    closed once all its parameters' gradients are made. ModTracker closes a module in backward
+    through a hook on its inputs' gradients; where none requires grad (a relative position
+    bias computed from an index buffer and a parameter table, as in every Swin block; the
+    first block of a model, fed the batch) it closes the module only when the whole backward
+    ends, and every later backward op reads as that module's (the deepest open one): on a
+    Swin, the backward of the blocks before the first bias read as the bias's, and a block
+    checkpointed whole was predicted 730 KB above its measured peak (its backward found at the
+    wrong ops). Here each such call closes when the last of its parameters gets its gradient
+    (hooks on the parameters, counted: no ``register_multi_grad_hook`` ``"all"``, which asks
+    the engine about leaves and fails under ``torch.autograd.grad``), and at the end of the
+    backward at the latest (ModTracker's own callback), once either way. It also counts when
+    each module was opened (``opened``), for :meth:`Recorder._module` to tell apart equally
+    deep open modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.opened: dict[str, int] = {}  # module name -> when it was last opened (a counter)
+        self._opens = 0
+
+    def _get_append_fn(self, w_mod, name, is_bw):
+        append = super()._get_append_fn(w_mod, name, is_bw)
+
+        def fn(*args):
+            append(*args)
+            self._opens += 1
+            self.opened[name] = self._opens
+
+        return fn
+
+    def _fw_pre_hook(self, mod, input):
+        queued = len(self._post_bw_callbacks_to_enqueue)
+        super()._fw_pre_hook(mod, input)
+        if len(self._post_bw_callbacks_to_enqueue) != queued + 1:
+            return  # an input carries its gradient (ModTracker's own hook), or in backward
+        params = [p for p in mod.parameters() if p.requires_grad]
+        if not params:
+            return
+        pop = self._post_bw_callbacks_to_enqueue[-1]
+        state = {"left": len(params), "done": False, "handles": []}
+
+        def once(*_):
+            if not state["done"]:
+                state["done"] = True
+                for h in state["handles"]:
+                    h.remove()
+                pop()
+
+        def counted(_grad):
+            state["left"] -= 1
+            if state["left"] == 0:
+                once()
+
+        self._post_bw_callbacks_to_enqueue[-1] = once
+        state["handles"] = [p.register_hook(counted) for p in params]
+
+
 @contextlib.contextmanager
 def leaf_safe_module_tracking():
     """While active, PyTorch's ``ModTracker`` (the recorder's, and the one inside ``MemTracker``)
@@ -311,7 +369,7 @@ class Recorder(TorchDispatchMode):
         self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self._call_hook = None
         self._rec: StepRecord | None = None
-        self._mod_tracker = ModTracker()
+        self._mod_tracker = _ModuleTracker()
         self._root = ""
         self._fqn_cache: dict[str, str] = {}
         if model is not None:
@@ -568,10 +626,14 @@ class Recorder(TorchDispatchMode):
 
     def _module(self) -> str:
         parents = self._mod_tracker.parents
+        opened = self._mod_tracker.opened
         best, depth = "Global", -1
         for p in parents:
             d = p.count(".")
-            if d > depth or (d == depth and len(p) > len(best)):
+            # the deepest; of equally deep ones (a query, key and value projection reading one
+            # input are open together in backward), the one opened last, not the first the
+            # set yields: its order follows the string hash, which differs per process
+            if d > depth or (d == depth and opened.get(p, -1) > opened.get(best, -1)):
                 best, depth = p, d
         fqn = self._fqn_cache.get(best)
         if fqn is None:
