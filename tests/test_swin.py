@@ -74,3 +74,16 @@ def test_equally_deep_open_modules_are_told_apart_by_when_they_opened():
         tracker.parents = {"Global", root, first, last}
         tracker.opened = {root: 1, first: 2, last: 3}
         assert rec._module() == last[len(root) + 1:]
+
+
+def test_recording_leaves_no_hook_on_the_parameters():
+    """The hooks that close a module at its parameters' gradients are removed with the
+    recorder, also those of the forward-only Python-reference probe, whose backward never
+    runs: the user's model trains on without them."""
+    import tiny_models
+
+    from taichi_plan.record import record
+
+    model, batch, loss_fn, opt = tiny_models.swin(batch=2)
+    record(model, batch, loss_fn, opt, steps=1, warmup=0)
+    assert not [n for n, q in model.named_parameters() if q._backward_hooks], "hooks left behind"

@@ -282,6 +282,16 @@ class _ModuleTracker(ModTracker):
         super().__init__()
         self.opened: dict[str, int] = {}  # module name -> when it was last opened (a counter)
         self._opens = 0
+        self._param_hooks: dict[int, list] = {}  # per call waiting for its gradients: its hooks
+
+    def __exit__(self, *args):
+        # a call whose backward never ran (the Python-reference probe, an eval forward) leaves
+        # its hooks on the model's parameters: removed with the tracker, nothing stays behind
+        for handles in self._param_hooks.values():
+            for h in handles:
+                h.remove()
+        self._param_hooks.clear()
+        return super().__exit__(*args)
 
     def _get_append_fn(self, w_mod, name, is_bw):
         append = super()._get_append_fn(w_mod, name, is_bw)
@@ -302,12 +312,13 @@ class _ModuleTracker(ModTracker):
         if not params:
             return
         pop = self._post_bw_callbacks_to_enqueue[-1]
-        state = {"left": len(params), "done": False, "handles": []}
+        state = {"left": len(params), "done": False}
+        key = id(state)
 
         def once(*_):
             if not state["done"]:
                 state["done"] = True
-                for h in state["handles"]:
+                for h in self._param_hooks.pop(key, ()):
                     h.remove()
                 pop()
 
@@ -317,7 +328,7 @@ class _ModuleTracker(ModTracker):
                 once()
 
         self._post_bw_callbacks_to_enqueue[-1] = once
-        state["handles"] = [p.register_hook(counted) for p in params]
+        self._param_hooks[key] = [p.register_hook(counted) for p in params]
 
 
 @contextlib.contextmanager
