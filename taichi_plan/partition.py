@@ -143,7 +143,7 @@ def ops_under(op_module: list[str]) -> dict[str, np.ndarray]:
 # Ops by which autograd stores a parameter's gradient (its AccumulateGrad: the gradient kept, or
 # added in place into one there before), not another node.
 _STORE_OPS = frozenset({"aten.detach.default", "aten.alias.default", "aten.add_.Tensor"})
-MAX_SPANS = 48  # options considered, split and whole apart: the modules with the most bytes inside
+MAX_SPANS = 48  # options considered, split and whole apart: the most bytes inside per forward second
 
 
 def module_spans(problem: Problem) -> list:
@@ -151,8 +151,8 @@ def module_spans(problem: Problem) -> list:
     their forward and backward spans, random ones split only where ``problem.partition_random``
     (else checkpointed whole, one chunk), and the position-wise ones that cannot, over their
     positions (:mod:`taichi_plan.position_span`) (of those that can be split, and apart of those that
-    can only be checkpointed whole, the ``MAX_SPANS`` with the most bytes made inside them, the
-    most a partition can save), then the
+    can only be checkpointed whole, the ``MAX_SPANS`` with the most bytes made inside them per
+    second of their forward: what a partition can save, per what it runs again), then the
     head + loss spans that can be partitioned over tokens
     (:func:`taichi_plan.token_span.token_spans`)."""
     cached = getattr(problem, "_module_spans", None)
@@ -181,7 +181,8 @@ def module_spans(problem: Problem) -> list:
     for split in (True, False):
         group = [s for s in spans if s.split == split]
         inside = {span_key(s): sum(int(problem.nbytes[a].sum()) for a in internal_tensors(problem, s)) for s in group}
-        keep.update(_capped_by_class(inside, MAX_SPANS))
+        cost = {span_key(s): float(problem.op_cost[s.fwd[0]:s.fwd[1] + 1].sum()) for s in group}
+        keep.update(_capped_by_class(inside, MAX_SPANS, cost))
     spans = [s for s in spans if span_key(s) in keep] + token_spans(problem)
     problem._module_spans = spans
     return spans
@@ -196,19 +197,26 @@ def module_class(module: str) -> str:
     return _BLOCK_INDEX.sub(".#", module)
 
 
-def _capped_by_class(inside: dict, most: int) -> list:
+def _capped_by_class(inside: dict, most: int, cost: dict | None = None) -> list:
     """Of the spans ``inside`` (key -> bytes made inside), whole classes of repeats at a time
-    (:func:`module_class`), the classes with the most bytes in one repeat first, at most
-    ``most`` spans; a class that no longer fits is passed over for smaller ones after it, but
-    the first class is taken whole whatever its size (an 80-layer model's norms). Repeats tie
-    in bytes, so a cap by bytes alone kept an arbitrary part of a class (24 of the 32 input
-    norms of a 32-layer Llama): a plan of a class in part moves a repeated peak to the repeats
-    left out instead of lowering it."""
+    (:func:`module_class`), at most ``most`` spans: the classes with the most bytes in one
+    repeat first, or, given ``cost`` (key -> recorded seconds of its forward, what
+    checkpointing it re-runs), the most bytes per second of forward first; a class that no
+    longer fits is passed over for the ones after it, but the first class is taken whole
+    whatever its size (an 80-layer model's norms). Repeats tie in bytes, so a cap by bytes
+    alone kept an arbitrary part of a class (24 of the 32 input norms of a 32-layer Llama): a
+    plan of a class in part moves a repeated peak to the repeats left out instead of lowering
+    it. By bytes alone, a 32-layer Llama's attentions (20.8 GB inside each at batch 34, 13.8 ms
+    of forward) crowded out its norms (14.8 GB, 3.1 ms), which a plan frees at a quarter of
+    the cost per byte."""
+    def rank(k) -> float:
+        return inside[k] / max(cost[k], 1e-12) if cost is not None else inside[k]
+
     classes: dict[tuple, list] = {}
-    for key in sorted(inside, key=lambda k: -inside[k]):
+    for key in sorted(inside, key=lambda k: -rank(k)):
         classes.setdefault((module_class(key[0]), key[1]), []).append(key)
     out: list = []
-    for members in sorted(classes.values(), key=lambda c: -inside[c[0]]):
+    for members in sorted(classes.values(), key=lambda c: -rank(c[0])):
         if not out or len(out) + len(members) <= most:
             out.extend(members)
     return out

@@ -35,6 +35,15 @@ def test_the_cap_keeps_whole_classes_most_bytes_first():
     assert sorted(_capped_by_class(inside, 2)) == sorted(k for k in inside if k[0].endswith("mlp"))
 
 
+def test_given_their_cost_the_cap_keeps_the_most_bytes_per_second_first():
+    """A 32-layer Llama's attentions hold more bytes than its norms but cost four times their
+    forward per byte (fake 7B, batch 34): given the forward seconds, the norms come first."""
+    inside = {(f"l.{i}.attn", "batch"): 20 for i in range(4)} | {(f"l.{i}.norm", "batch"): 15 for i in range(4)}
+    cost = {k: (14.0 if k[0].endswith("attn") else 3.0) for k in inside}
+    assert sorted(_capped_by_class(inside, 4)) == sorted(k for k in inside if k[0].endswith("attn"))
+    assert sorted(_capped_by_class(inside, 4, cost)) == sorted(k for k in inside if k[0].endswith("norm"))
+
+
 @pytest.fixture(scope="module")
 def llama():
     return build_problem(record_workload(get_workload(model="llama", layers=4, hidden=64, heads=2, seq=32, batch=4,
