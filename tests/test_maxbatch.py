@@ -343,3 +343,25 @@ def test_a_line_through_flat_peaks_does_not_send_the_search_far_off():
     r = search(peaked(n, peak, seen), None, 1 << 16, target=fixed + 300_000 * (n - 2) + 150_000)
     assert r.max_batch == n and r.stop is not None and r.stop.batch == n + 1
     assert max(seen) <= GUESS_REACH * n, seen
+
+
+def test_a_sharded_probe_asks_solve_not_the_recorded_settings_floor(monkeypatch):
+    """On a sharded trace solve() chooses FSDP's prefetching and resharding, under which the
+    floor is not the recorded setting's (the fake 7B at batch 36 fit 85.33 GB under that floor,
+    87.35 GB): the probe asks solve() itself. Here the recorded floor is made to read above the
+    budget; the probe still finds solve()'s plan."""
+    import numpy as np
+
+    from taichi_plan import maxbatch
+    from taichi_plan.problem import build_problem
+
+    trace = maxbatch.fake_recorder("llama", device_profile="h100-80gb", fsdp=2, layers=2, hidden=64, heads=4,
+                                   vocab=500, seq=64)(4)
+    p = build_problem(trace)
+    budget = int(0.8 * p.baseline_peak[0])
+    fits = maxbatch.probe_planner(p, 4, budget, "heuristic", 100.0, time_limit=30)
+    assert fits.fits, fits
+    monkeypatch.setattr(maxbatch, "floor_bytes", lambda _p: np.full(p.num_ops, 10 * budget))
+    monkeypatch.setattr(maxbatch, "min_live_bytes", lambda _p: np.full(p.num_ops, 10 * budget))
+    again = maxbatch.probe_planner(p, 4, budget, "heuristic", 100.0, time_limit=30)
+    assert again.fits and again.peak_bytes == fits.peak_bytes, again
