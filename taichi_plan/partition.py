@@ -777,7 +777,7 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
         # makes exists as the trace's op made it, so no rebuild can re-run one of those ops;
         # but a module checkpointed whole runs its forward as recorded, and a dropped output of
         # it is rebuilt through its insides (whole_outputs).
-        rematerializable=np.concatenate([_with(_without(problem.rematerializable, internal - through), recast),
+        rematerializable=np.concatenate([_without(_without(problem.rematerializable, internal - through), recast, True),
                                          np.zeros(len(extra), dtype=bool)]),
         rebuild_ops=_recast_ops(problem, recast) + [empty] * len(extra),
         remat_deadline=np.concatenate([problem.remat_deadline, np.zeros(len(extra), dtype=np.int64)]),
@@ -849,14 +849,6 @@ def _saved_constants(problem: Problem, span: Span) -> list[int]:
     return out
 
 
-def _with(mask: np.ndarray, tensors: set[int]) -> np.ndarray:
-    if not tensors:
-        return mask
-    out = mask.copy()
-    out[np.fromiter(tensors, dtype=np.int64, count=len(tensors))] = True
-    return out
-
-
 def _recast_ops(problem: Problem, recast: set[int]) -> list[np.ndarray]:
     """``problem.rebuild_ops`` with each tensor of ``recast`` re-made by its producer alone:
     a weight's cast that autocast caches (the recorder marks its op not recomputable, since
@@ -872,10 +864,11 @@ def _recast_ops(problem: Problem, recast: set[int]) -> list[np.ndarray]:
     return out
 
 
-def _without(mask: np.ndarray, tensors: set[int]) -> np.ndarray:
+def _without(mask: np.ndarray, tensors: set[int], value: bool = False) -> np.ndarray:
+    """A copy of ``mask`` with ``tensors`` set to ``value`` (False: left out)."""
     out = mask.copy()
     if tensors:
-        out[np.fromiter(tensors, dtype=np.int64, count=len(tensors))] = False
+        out[np.fromiter(tensors, dtype=np.int64, count=len(tensors))] = value
     return out
 
 

@@ -20,6 +20,16 @@ def recorded(directory, **sizes):
     return directory, build_problem(trace)
 
 
+def innermost_with_outputs(p):
+    """The innermost modules (along the batch) that may be checkpointed whole and have outputs
+    a plan may then drop (``partition.whole_outputs``), as the trace finds them."""
+    from taichi_plan.partition import _under, module_spans, whole_outputs
+
+    spans = module_spans(p)
+    return [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
+            and not any(o is not s and _under(o.module, s.module) for o in spans)]
+
+
 def whole_output_drops(p, spans, every=True):
     """The drops of the spans' outputs, at their gaps in the problem with the spans whole
     (every one of them, or those that stay candidates there: with several modules whole, an

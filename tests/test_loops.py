@@ -383,19 +383,17 @@ def test_modules_whole_with_their_outputs_dropped_in_a_loop(name, tmp_path):
     the predicted one; replayed, measured == predicted to the byte. Under autocast the
     rebuild casts the weights again (``partition._recast_ops``): a module checkpointed whole
     does not keep autocast's cached casts of its weights."""
-    from taichi_plan.partition import _under, as_partition, module_spans, whole_outputs
+    from taichi_plan.partition import as_partition
     from taichi_plan.plan import save_plan
     from taichi_plan.record import record_workload
     from taichi_plan.replay.measure import replay
-    from tests.partition_replay import whole_output_drops
+    from tests.partition_replay import innermost_with_outputs, whole_output_drops
 
     loop, flags = LOOPS[name]
     flags = {**flags, "model": "llama"}
     trace = record_workload(get_workload(**{**GPT2, **flags}), fake=False, loop=loop)
     p = build_problem(trace)
-    spans = module_spans(p)
-    leaf = [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
-            and not any(o is not s and _under(o.module, s.module) for o in spans)]
+    leaf = innermost_with_outputs(p)
     norms = [s.module for s in leaf if s.module.endswith("layernorm")]
     assert len(norms) == (0 if loop.autocast else 4), norms
     drops = whole_output_drops(p, leaf, every=False)

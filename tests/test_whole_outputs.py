@@ -23,7 +23,7 @@ from taichi_plan.replay.measure import replay
 from taichi_plan.simulate import Drop, simulate_plan
 from taichi_plan.solve.heuristic import plan_heuristic
 from taichi_plan.solve.result import Decisions, make_plan
-from tests.partition_replay import recorded, whole_output_drops
+from tests.partition_replay import innermost_with_outputs, recorded, whole_output_drops
 
 LLAMA = dict(model="llama", layers=2, hidden=64, heads=4, seq=64, batch=4, vocab=256)
 
@@ -114,12 +114,9 @@ def test_every_innermost_module_whole_with_its_outputs_dropped_replays_as_predic
     its activation and a dropout, which draws random numbers; BERT's and ViT's projections),
     all checkpointed whole with those outputs dropped: measured == predicted to the byte,
     gradients bitwise (a dropout re-run draws the masks it drew)."""
-    from taichi_plan.partition import _under
 
     d, p = recorded(tmp_path / "t", **sizes)
-    spans = module_spans(p)
-    leaf = [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
-            and not any(o is not s and _under(o.module, s.module) for o in spans)]
+    leaf = innermost_with_outputs(p)
     assert leaf
     drops = whole_output_drops(p, leaf, every=False)
     plan = make_plan(p, None, "manual", Decisions(drops=drops, partitions=[as_partition(s, 1) for s in leaf]), 0.0, 0)
