@@ -433,18 +433,34 @@ def test_per_op_terms_are_never_below_the_bookkeeping_alone():
     assert "unfloored" not in same and same["recipe_op_s"] == 40e-6
 
 
-def test_every_variant_is_warmed_up_once_before_the_timed_rounds():
-    """Calibration's rounds: one untimed run of every variant (its one-time costs), then
-    ``repeats`` timed runs of each, each round starting one variant later."""
-    from taichi_plan.replay.calibrate import _interleaved
+def test_every_variant_is_warmed_up_once_before_the_timed_rounds(monkeypatch):
+    """Calibration's rounds: one untimed run of every variant not already run once (a trial
+    run of a probe counts: its one-time costs are paid), then ``repeats`` timed runs of each,
+    each round starting one variant later; without the warm-up (the test suite), the rounds
+    only; the rounds stop before one that would pass the budget."""
+    from taichi_plan.replay import calibrate
 
-    ran = []
-    ticks = iter(range(10**6))
-    times = _interleaved(lambda v: ran.append(v) or (0.0, 0.0), {"a": "A", "b": "B", "c": "C"}, 3, 1e9,
-                         lambda: float(next(ticks)))
-    assert ran[:3] == ["A", "B", "C"]
-    assert ran[3:] == ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
-    assert {n: len(v) for n, v in times.items()} == {"a": 3, "b": 3, "c": 3}
+    def rounds(repeats=3, budget=1e9, ran=None, warm_up=True):
+        monkeypatch.setattr(calibrate, "WARM_UP", warm_up)
+        runs, now = [], [0.0]
+
+        def forward(v):  # each run takes one second of this clock
+            runs.append(v)
+            now[0] += 1.0
+            return 0.0, 0.0
+
+        times = calibrate._interleaved(forward, {"a": "A", "b": "B", "c": "C"}, repeats, budget, lambda: now[0], ran)
+        return runs, {n: len(v) for n, v in times.items()}
+
+    timed = ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
+    assert rounds() == (["A", "B", "C"] + timed, {"a": 3, "b": 3, "c": 3})
+    assert rounds(ran={"b": 1.0}) == (["A", "C"] + timed, {"a": 3, "b": 3, "c": 3})
+    assert rounds(warm_up=False) == (timed, {"a": 3, "b": 3, "c": 3})
+    # a round takes 3 s: a budget of 5 s allows one, of 6 s two; warmed up, the rounds are
+    # counted from the warm-up's seconds
+    assert rounds(budget=5, warm_up=False) == (timed[:3], {"a": 1, "b": 1, "c": 1})
+    assert rounds(budget=6, warm_up=False) == (timed[:6], {"a": 2, "b": 2, "c": 2})
+    assert rounds(budget=6) == (["A", "B", "C"] + timed[:6], {"a": 2, "b": 2, "c": 2})
 
 
 def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):

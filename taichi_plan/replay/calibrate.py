@@ -42,6 +42,9 @@ from dataclasses import replace
 # there the runtime's cost is a small part of the step, and an error in it matters less).
 BUDGET_S = 15.0
 REPEATS = 7
+# Run each variant once untimed before the timed rounds (its one-time costs out of the
+# measurement). The test suite turns it off: its tests count what calibration measures.
+WARM_UP = True
 # Partitions are calibrated checkpointed whole and split into this many chunks (fewer when the
 # batch is smaller): the planner's chunk choices are 2, 4 and 8.
 PROBE_CHUNKS = 4
@@ -169,18 +172,20 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     was_training = model.training
     model.train(bool(call.get("training", True)))
     with torch.random.fork_rng(devices=[]):  # the forwards' random draws leave the generator as it was
-        if chunked is not None and not _runs_cleanly(forward, [variants[f"part{k}"] for k in probes], runtimes):
+        ran: dict[str, float] = {}  # variant -> seconds of its trial run: it needs no warm-up run
+        if chunked is not None and not _runs_cleanly(forward, {f"part{k}": variants[f"part{k}"] for k in probes},
+                                                     runtimes, ran, clock):
             chunked = None  # a module that cannot run in chunks here: partitions keep the launch overhead
             variants = {n: v for n, v in variants.items() if not n.startswith("part")}
-        if drop_probe is not None and not _runs_cleanly(forward, [variants["drops"]], runtimes):
+        if drop_probe is not None and not _runs_cleanly(forward, {"drops": variants["drops"]}, runtimes, ran, clock):
             drop_probe = None  # a drop cannot be rebuilt here: drops cost what the other terms say
             del variants["drops"], variants["kept"]
         for kind, (_span, ks, _p) in list(span_probes.items()):
-            if not _runs_cleanly(forward, [variants[f"{kind}{k}"] for k in ks], runtimes):
+            if not _runs_cleanly(forward, {f"{kind}{k}": variants[f"{kind}{k}"] for k in ks}, runtimes, ran, clock):
                 del span_probes[kind]  # it keeps the launch overhead
                 for k in ks:
                     del variants[f"{kind}{k}"]
-        times = _interleaved(forward, variants, repeats, budget_s, clock)
+        times = _interleaved(forward, variants, repeats, budget_s, clock, ran)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
     if any(rt.mismatches for rt in runtimes):  # the forward is not the recorded call: nothing measured
@@ -444,13 +449,17 @@ def _rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = N
             acc[0] += sec
             acc[1] += times
     return [(dt - op_s[0]) / n] if n else []
-def _runs_cleanly(forward, variants: list, runtimes: list) -> bool:
-    """Whether each of ``variants`` runs once, forward and backward, with no error and no
-    mismatch (a trial run: its runtime is not kept among ``runtimes``)."""
+def _runs_cleanly(forward, variants: dict, runtimes: list, ran: dict[str, float], clock) -> bool:
+    """Whether each of ``variants`` (name -> variant) runs once, forward and backward, with no
+    error and no mismatch (a trial run: its runtime is not kept among ``runtimes``). The
+    seconds of each run go to ``ran``: it was the variant's first run, which
+    :func:`_interleaved` then need not repeat untimed."""
     n = len(runtimes)
     try:
-        for v in variants:
+        for name, v in variants.items():
+            t0 = clock()
             forward(v)
+            ran[name] = clock() - t0
     except Exception:  # noqa: BLE001  (calibration only: a module that cannot run in chunks is not timed)
         return False
     finally:
@@ -577,18 +586,30 @@ def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: 
             "partition_probe": {"modules": [s.module for s in spans], "chunks": k_most}}
 
 
-def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock) -> dict[str, list[float]]:
-    """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when one round
-    takes more than ``budget_s / repeats``), each round in another order, after one untimed
-    round: a variant's first run pays one-time costs (the runtime's op table, the first
-    checkpoint or chunked loss of the process) that a step in training does not."""
+def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock,
+                 ran: dict[str, float] | None = None) -> dict[str, list[float]]:
+    """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when the
+    rounds would take more than ``budget_s``), each round in another order, after one untimed
+    run of each variant not already run once (``ran``: name -> seconds of that run): a variant's
+    first run pays one-time costs (the runtime's op table, the first checkpoint or chunked loss
+    of the process) that a step in training does not. Without :data:`WARM_UP` (the test suite:
+    its tests count, they do not time) only the rounds run."""
     names = list(variants)
-    t0 = clock()
-    for n in names:  # the warm-up round, and how long a round (each forward with its backward) takes
-        forward(variants[n])
-    reps = max(1, min(repeats, int(budget_s / max(clock() - t0, 1e-9))))
+    ran = dict(ran or {})
+    if WARM_UP:
+        for n in names:
+            if n not in ran:
+                t0 = clock()
+                forward(variants[n])
+                ran[n] = clock() - t0
+    # how long a round (each forward with its backward) takes, when every variant ran once
+    round_s = sum(ran[n] for n in names) if set(names) <= set(ran) else 0.0
+    reps = max(1, min(repeats, int(budget_s / max(round_s, 1e-9)))) if round_s else repeats
     times: dict[str, list[float]] = {n: [] for n in names}
+    t0 = clock()
     for r in range(reps):
+        if r and (clock() - t0) * (r + 1) / r > budget_s:  # the next round would pass the budget
+            break
         for i in range(len(names)):
             n = names[(r + i) % len(names)]
             times[n].append(forward(variants[n]))
