@@ -490,10 +490,11 @@ def constant_tensor(problem: Problem, t: int) -> bool:
 
 
 def _batch_size(problem: Problem) -> int | None:
-    wl = problem.trace.meta.get("workload") or {}
-    args = wl.get("args") or {}
-    b = args.get("batch")
-    return int(b) if isinstance(b, int) and b > 1 else None
+    """The recorded step's batch size when above 1 (:func:`taichi_plan.problem.batch_and_seq`)."""
+    from .problem import batch_and_seq
+
+    b, _s = batch_and_seq(problem.trace.meta)
+    return b if b is not None and b > 1 else None
 
 
 def launch_overhead_s(problem: Problem) -> float:

@@ -61,10 +61,12 @@ REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "var_mean"}
 
 
 def positions(problem: Problem) -> tuple[int, int] | None:
-    """(batch, seq) of the recorded workload, or None when it does not name both."""
-    args = ((problem.trace.meta.get("workload") or {}).get("args")) or {}
-    b, s = args.get("batch"), args.get("seq")
-    if isinstance(b, int) and isinstance(s, int) and b >= 1 and s > 1:
+    """(batch, seq) of the recorded workload (:func:`taichi_plan.problem.batch_and_seq`: named
+    or read from its model calls' inputs), or None when either is unknown."""
+    from .problem import batch_and_seq
+
+    b, s = batch_and_seq(problem.trace.meta)
+    if b is not None and s is not None and s > 1:
         return b, s
     return None
 

@@ -219,6 +219,34 @@ def grad_model_calls(meta: dict) -> list[dict] | None:
     return [c for c in calls if c.get("grad") and c.get("end") is not None]
 
 
+INTEGER_DTYPES = ("int64", "int32", "int16", "int8", "uint8")
+
+
+def batch_and_seq(meta: dict) -> tuple[int | None, int | None]:
+    """(batch, sequence length) of a recorded step's model calls: the workload's ``batch`` and
+    ``seq`` arguments where it names them (``record --batch/--seq``, the Trainer's batch size),
+    else read from the first grad-enabled model call's inputs (``meta.model_calls``, as the
+    step called the model: an ``--entry`` or ``record_step`` that builds its own batch):
+    the batch is the leading size every input with a dimension shares, the sequence length
+    the second size every integer input with two or more dimensions shares (token ids, their
+    labels and attention masks). None for what is not named and cannot be read, or where the
+    inputs disagree. The partition rules check every tensor against these sizes, so a size
+    read here only offers options the trace's shapes bear out."""
+    args = ((meta.get("workload") or {}).get("args")) or {}
+    b, s = args.get("batch"), args.get("seq")
+    b = b if isinstance(b, int) and b >= 1 else None
+    s = s if isinstance(s, int) and s >= 1 else None
+    calls = grad_model_calls(meta) or []
+    inputs = [(list(shape), str(dtype)) for _name, shape, dtype in calls[0].get("inputs", [])] if calls else []
+    if b is None:
+        leading = {shape[0] for shape, _ in inputs if len(shape) >= 1}
+        b = int(leading.pop()) if len(leading) == 1 else None
+    if s is None:
+        second = {shape[1] for shape, dtype in inputs if len(shape) >= 2 and dtype in INTEGER_DTYPES}
+        s = int(second.pop()) if len(second) == 1 else None
+    return b, s
+
+
 def python_release(meta: dict, index: dict[int, int], end: np.ndarray) -> np.ndarray:
     """Per tensor index: the last op the step's own Python code holds the storage
     (``meta.python_refs.release``, trace v4), its ``end`` when Python still holds it when
