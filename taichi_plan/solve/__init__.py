@@ -478,8 +478,8 @@ def kv_cache_note(problem: Problem) -> str | None:
             "holds after their forward although no later forward op reads them (a transformers model's KV cache, "
             "or outputs the model returns and the loss does not use), so no plan partitions or checkpoints them: "
             "re-run in backward, such a module would make them a second time while the first copies are held. "
-            "For a transformers model, training needs no cache: recorded with model.config.use_cache = False (as "
-            "gradient_checkpointing_enable() sets it), its modules are all options"
+            "Where that is a transformers model's KV cache, training needs none: recorded with "
+            "model.config.use_cache = False (as gradient_checkpointing_enable() sets it), its modules are all options"
             + (" (this built-in model: record it with --no-kv-cache)." if _builtin_decoder(problem) else "."))
 
 
