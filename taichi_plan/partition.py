@@ -929,6 +929,28 @@ def floor_bytes(problem: Problem) -> np.ndarray:
     return floor
 
 
+# What the autograd engine runs after a node's apply, on the gradients it returned
+# (validate_outputs: a broadcast input's gradient summed to its shape), and views between.
+_ENGINE_TAIL_OPS = frozenset({"aten.sum.dim_IntList", "aten.view.default", "aten._unsafe_view.default",
+                              "aten.reshape.default", "aten.t.default", "aten.detach.default"})
+
+
+def _apply_end(problem: Problem, last: int, end: int) -> int:
+    """The last op of the node that read a saved tensor last at op ``last`` and freed it at
+    ``end`` in the trace: ``end``, or, where the ops after ``last`` through ``end`` are only
+    the engine's sums of a broadcast input's gradient to its shape (with views), the op before
+    the first of them. Unplanned, the node's saved variable holds the tensor until the engine
+    releases the node, after those sums; re-made by a checkpoint's re-run, it is held only
+    while the node's apply runs, before them (measured: a bias-sized gradient sum, 128 B, at
+    the peak of a ConvNeXt layer's and of a residual block's backward split in chunks)."""
+    e = end
+    while e > last and problem.op_name[e] in _ENGINE_TAIL_OPS:
+        e -= 1
+    if e < end and any(problem.op_name[i] == "aten.sum.dim_IntList" for i in range(e + 1, end + 1)):
+        return e
+    return end
+
+
 def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> dict[int, int]:
     """The span run in ``k`` chunks, each checkpointed (``replay/partition.py``), event by
     event: the bytes of the span's own tensors at the worst moment of each of its ops, over
@@ -1091,7 +1113,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             # an addmm's backward), or when the step's code lets go, if later
             e = int(problem.release_after(t, int(last[-1]))) if len(last) else r
             if len(last) and int(last[-1]) <= int(problem.end[t]) <= b1:
-                e = max(e, int(problem.end[t]))
+                e = max(e, int(_apply_end(problem, int(last[-1]), int(problem.end[t]))), e)
             back_until[t] = e = min(e, b1)
             saved_b[r - b0] += piece(t)
             saved_b[e - b0 + 1] -= piece(t)

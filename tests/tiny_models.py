@@ -265,3 +265,39 @@ def leaf_batch_mlp(batch: int = 256, **_):
     model = nn.Sequential(nn.Linear(64, 128), nn.GELU(), nn.Linear(128, 10))
     x, y = torch.randn(batch, 64, requires_grad=True), torch.randint(0, 10, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def passthrough_blocks(batch: int = 8, **_):
+    """A downsampling layer, then residual blocks whose drop path is ``nn.Identity`` (a drop
+    path turned off, as ConvNeXt's, Swin's and BEiT's are at rate 0): a module that returns
+    its input as it got it. PyTorch's ``ModTracker`` opened such a module in backward and never
+    closed it (``recorder._ModuleTracker._fw_post_hook``)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, h: int):
+            super().__init__()
+            self.up, self.down, self.drop_path = nn.Linear(h, 4 * h), nn.Linear(4 * h, h), nn.Identity()
+
+        def forward(self, x):
+            return x + self.drop_path(self.down(torch.nn.functional.gelu(self.up(x))))
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, n: int = 2):
+            super().__init__()
+            self.downsample = nn.Sequential(nn.LayerNorm(2 * h), nn.Linear(2 * h, h))
+            self.blocks = nn.ModuleList(Block(h) for _ in range(n))
+            self.head = nn.Linear(h, 4)
+
+        def forward(self, x):
+            x = self.downsample(x)
+            for b in self.blocks:
+                x = b(x)
+            return self.head(x.mean(1))
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 16, 64, generator=g), torch.randint(0, 4, (batch,), generator=g)
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
