@@ -40,3 +40,37 @@ def test_a_passthrough_module_has_no_backward_ops(blocks):
 def test_a_block_around_a_passthrough_splits_as_predicted(blocks, tmp_path):
     _plan, r = replay_partitions(blocks, [Partition("blocks.0", 0, 2), Partition("blocks.1", 0, 4)], tmp_path)
     assert_measured_as_predicted(r)
+
+
+@pytest.fixture(scope="module")
+def gptj(tmp_path_factory):
+    trace = record_workload(get_workload(entry="tiny_models:gptj"), fake=False)
+    write_trace(trace, tmp_path_factory.mktemp("gptj") / "t")
+    return build_problem(trace)
+
+
+def test_parallel_branches_keep_their_own_backward(gptj):
+    """GPT-J's attention and MLP both read the block's norm: the MLP's first linear layer closes
+    in backward only when the attention's backward is done too (its input's gradient is then
+    complete). The recorder files each backward op under the module opened last (the deepest
+    of those opened together), so the attention's own ops are the attention's, not that layer's
+    (it had taken all of them: the deepest open module), and the linear layers whose output is
+    their parent's (the MLP's last, the attention's projection) keep their backward."""
+    p = gptj
+    spans = {s.module: s for s in module_spans(p) if s.over == "batch"}
+    for b in ("transformer.h.0", "transformer.h.1"):
+        fc_in, attn = spans[f"{b}.mlp.fc_in"], spans[f"{b}.attn"]
+        assert fc_in.bwd[1] - fc_in.bwd[0] < 16, fc_in.bwd  # its own few ops, not the attention's
+        assert attn.bwd[0] > fc_in.bwd[1], (attn.bwd, fc_in.bwd)
+        assert f"{b}.mlp.fc_out" in spans and f"{b}.attn.out_proj" in spans
+    backward = np.asarray(p.op_phase) == "backward"
+    sdpa = [m for m, name, b in zip(p.op_module, p.op_name, backward, strict=True)
+            if b and "scaled_dot_product" in name]
+    assert len(sdpa) == 2 and all(m.endswith(".attn") for m in sdpa), sdpa
+
+
+def test_parallel_branches_split_as_predicted(gptj, tmp_path):
+    parts = [Partition("transformer.h.0.mlp.fc_in", 0, 2), Partition("transformer.h.1.attn", 0, 1),
+             Partition("transformer.h.1.mlp", 0, 4)]
+    _plan, r = replay_partitions(gptj, parts, tmp_path)
+    assert_measured_as_predicted(r)

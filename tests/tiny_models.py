@@ -301,3 +301,18 @@ def passthrough_blocks(batch: int = 8, **_):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 16, 64, generator=g), torch.randint(0, 4, (batch,), generator=g)
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def gptj(batch: int = 4, seq: int = 32, dtype: str = "fp32", **_):
+    """A two-layer GPT-J (no download): attention and MLP in parallel, both reading the block's
+    norm, and its dropouts at rate 0 pass their inputs through."""
+    import torch
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    torch.manual_seed(0)
+    cfg = GPTJConfig(vocab_size=256, n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    model = GPTJForCausalLM(cfg)
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    return model, {"input_ids": ids, "labels": ids.clone()}, (lambda out, _b: out.loss), \
+        torch.optim.AdamW(model.parameters(), lr=1e-3)

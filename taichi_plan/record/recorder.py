@@ -281,6 +281,8 @@ class _ModuleTracker(ModTracker):
     def __init__(self):
         super().__init__()
         self.opened: dict[str, int] = {}  # module name -> when it was last opened (a counter)
+        self.opened_at: dict[str, int] = {}  # module name -> ops recorded when it was last opened
+        self.ops_seen = 0  # ops recorded so far (counted by Recorder._module)
         self._opens = 0
         self._param_hooks: dict[int, list] = {}  # per call waiting for its gradients: its hooks
 
@@ -300,6 +302,7 @@ class _ModuleTracker(ModTracker):
             append(*args)
             self._opens += 1
             self.opened[name] = self._opens
+            self.opened_at[name] = self.ops_seen
 
         return fn
 
@@ -663,11 +666,23 @@ class Recorder(TorchDispatchMode):
         parents = self._mod_tracker.parents
         opened = self._mod_tracker.opened
         best, depth = "Global", -1
+        tracker = self._mod_tracker
+        tracker.ops_seen += 1
+        if tracker.is_bw:
+            # In backward, of the modules opened last (between the same two ops: a module and
+            # its last child share an output, whose gradient opens both), the deepest. A module
+            # opens there when its output's gradient arrives and closes when its inputs' are
+            # complete, so one whose input another branch also reads (GPT-J's MLP beside its
+            # attention, both reading the norm's output) stays open through that branch's
+            # backward, and the deepest open module (the MLP's first linear layer) took the
+            # attention's ops, though the attention opened after it.
+            when = tracker.opened_at
+            last = max((when.get(p, -1) for p in parents), default=-1)
+            parents = [p for p in parents if when.get(p, -1) == last]
         for p in parents:
             d = p.count(".")
-            # the deepest; of equally deep ones (a query, key and value projection reading one
-            # input are open together in backward), the one opened last, not the first the
-            # set yields: its order follows the string hash, which differs per process
+            # the deepest; of equally deep ones, the one opened last, not the first the set
+            # yields: its order follows the string hash, which differs per process
             if d > depth or (d == depth and opened.get(p, -1) > opened.get(best, -1)):
                 best, depth = p, d
         fqn = self._fqn_cache.get(best)
