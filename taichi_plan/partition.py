@@ -1113,7 +1113,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             # an addmm's backward), or when the step's code lets go, if later
             e = int(problem.release_after(t, int(last[-1]))) if len(last) else r
             if len(last) and int(last[-1]) <= int(problem.end[t]) <= b1:
-                e = max(e, int(_apply_end(problem, int(last[-1]), int(problem.end[t]))), e)
+                e = max(e, _apply_end(problem, int(last[-1]), int(problem.end[t])))
             back_until[t] = e = min(e, b1)
             saved_b[r - b0] += piece(t)
             saved_b[e - b0 + 1] -= piece(t)

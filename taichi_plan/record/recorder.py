@@ -663,10 +663,9 @@ class Recorder(TorchDispatchMode):
             rec.rerun_ops.append(op_id)
 
     def _module(self) -> str:
-        parents = self._mod_tracker.parents
-        opened = self._mod_tracker.opened
-        best, depth = "Global", -1
         tracker = self._mod_tracker
+        parents, opened = tracker.parents, tracker.opened
+        best, depth = "Global", -1
         tracker.ops_seen += 1
         if tracker.is_bw:
             # In backward, of the modules opened last (between the same two ops: a module and
