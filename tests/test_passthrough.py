@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from partition_replay import assert_measured_as_predicted, replay_partitions
+from partition_replay import assert_measured_as_predicted, recorded, replay_partitions
 
 from taichi_plan.partition import module_spans
 from taichi_plan.plan import Partition
-from taichi_plan.problem import build_problem
-from taichi_plan.record import get_workload, record_workload
-from taichi_plan.trace import write_trace
 
 
 @pytest.fixture(scope="module")
 def blocks(tmp_path_factory):
-    trace = record_workload(get_workload(entry="tiny_models:passthrough_blocks"), fake=False)
-    write_trace(trace, tmp_path_factory.mktemp("pass") / "t")
-    return build_problem(trace)
+    return recorded(tmp_path_factory.mktemp("pass") / "t", entry="tiny_models:passthrough_blocks")[1]
 
 
 def test_a_passthrough_module_has_no_backward_ops(blocks):
@@ -44,9 +39,7 @@ def test_a_block_around_a_passthrough_splits_as_predicted(blocks, tmp_path):
 
 @pytest.fixture(scope="module")
 def gptj(tmp_path_factory):
-    trace = record_workload(get_workload(entry="tiny_models:gptj"), fake=False)
-    write_trace(trace, tmp_path_factory.mktemp("gptj") / "t")
-    return build_problem(trace)
+    return recorded(tmp_path_factory.mktemp("gptj") / "t", entry="tiny_models:gptj")[1]
 
 
 def test_parallel_branches_keep_their_own_backward(gptj):
