@@ -383,12 +383,12 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
     from taichi_plan.replay.partition import install_partitions
 
     cal = gpt2.meta["runtime_overhead"]["span_costs"]["tokens"]
-    assert cal["module"] == "lm_head" and cal["chunks"] == [2, 8] and len(cal["extra_s"]) == 2
+    assert cal["module"] == "lm_head" and cal["chunks"] == [2, 32] and len(cal["extra_s"]) == 2
     assert cal["redo_ratio"] >= 0 and cal["chunk_op_s"] >= 0
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
     probes = _span_probes(gpt2, call)
     (_problem, span), ks, by_k = probes["tokens"]
-    assert span.module == "lm_head" and ks == (2, 8)
+    assert span.module == "lm_head" and ks == (2, 32)
     model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
     logits_runs = [0]
     original = chunked_loss._logits

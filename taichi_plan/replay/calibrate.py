@@ -52,8 +52,14 @@ PROBE_CHUNKS = 4
 # ResNet's classifier, its modules with batch norm being unsplittable) time noise, not a rate.
 PROBE_MIN_SHARE = 0.25
 # A span partitioned over something else than the batch (a head and its loss over tokens) is
-# calibrated split into its fewest chunks and into the most of its choices up to this many.
-SPAN_PROBE_MOST = 8
+# calibrated split into its fewest chunks and into the most of its choices up to this many: its
+# most chunks (32), so the costs of the counts between are interpolated, not extrapolated.
+# Probed at 2 and 8, the difference of two noisy whole-step extras (a 4-layer Llama's read
+# -5.0 to 48.7 ms at 2 chunks in three recordings) gave a per-chunk rate of 161-510 us per op,
+# and where it came out near 0 the planner took 32 chunks as if free: measured 191-204 ms
+# slower than planned, a loss against checkpointing every block (docs/benchmarks.md). At 2
+# and 32: 456-500 us in three recordings.
+SPAN_PROBE_MOST = 32
 
 
 def _span_terms() -> dict:
