@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import PlanError
-from .problem import Problem, read_args, rebuild_set
+from .problem import Problem, batch_and_seq, read_args, rebuild_set
 
 MIXES_BATCH = ("batch_norm", "native_batch_norm", "_batch_norm", "cudnn_batch_norm", "group_norm_backward")
 # Random ops draw different numbers per chunk than for the whole batch: such a module's
@@ -197,11 +197,11 @@ def module_class(module: str) -> str:
     return _BLOCK_INDEX.sub(".#", module)
 
 
-def _capped_by_class(inside: dict, most: int, cost: dict | None = None) -> list:
+def _capped_by_class(inside: dict, most: int, cost: dict) -> list:
     """Of the spans ``inside`` (key -> bytes made inside), whole classes of repeats at a time
     (:func:`module_class`), at most ``most`` spans: the classes with the most bytes in one
-    repeat first, or, given ``cost`` (key -> recorded seconds of its forward, what
-    checkpointing it re-runs), the most bytes per second of forward first; a class that no
+    repeat per second of forward (``cost``: key -> recorded seconds of its forward, what
+    checkpointing it re-runs) first; a class that no
     longer fits is passed over for the ones after it, but the first class is taken whole
     whatever its size (an 80-layer model's norms). Repeats tie in bytes, so a cap by bytes
     alone kept an arbitrary part of a class (24 of the 32 input norms of a 32-layer Llama): a
@@ -210,7 +210,7 @@ def _capped_by_class(inside: dict, most: int, cost: dict | None = None) -> list:
     of forward) crowded out its norms (14.8 GB, 3.1 ms), which a plan frees at a quarter of
     the cost per byte."""
     def rank(k) -> float:
-        return inside[k] / max(cost[k], 1e-12) if cost is not None else inside[k]
+        return inside[k] / max(cost[k], 1e-12)
 
     classes: dict[tuple, list] = {}
     for key in sorted(inside, key=lambda k: -rank(k)):
@@ -491,8 +491,6 @@ def constant_tensor(problem: Problem, t: int) -> bool:
 
 def _batch_size(problem: Problem) -> int | None:
     """The recorded step's batch size when above 1 (:func:`taichi_plan.problem.batch_and_seq`)."""
-    from .problem import batch_and_seq
-
     b, _s = batch_and_seq(problem.trace.meta)
     return b if b is not None and b > 1 else None
 
@@ -778,7 +776,7 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
         # makes exists as the trace's op made it, so no rebuild can re-run one of those ops;
         # but a module checkpointed whole runs its forward as recorded, and a dropped output of
         # it is rebuilt through its insides (whole_outputs).
-        rematerializable=np.concatenate([_without(_without(problem.rematerializable, internal - through), recast, True),
+        rematerializable=np.concatenate([_set_mask(_set_mask(problem.rematerializable, internal - through, False), recast, True),
                                          np.zeros(len(extra), dtype=bool)]),
         rebuild_ops=_recast_ops(problem, recast) + [empty] * len(extra),
         remat_deadline=np.concatenate([problem.remat_deadline, np.zeros(len(extra), dtype=np.int64)]),
@@ -865,8 +863,8 @@ def _recast_ops(problem: Problem, recast: set[int]) -> list[np.ndarray]:
     return out
 
 
-def _without(mask: np.ndarray, tensors: set[int], value: bool = False) -> np.ndarray:
-    """A copy of ``mask`` with ``tensors`` set to ``value`` (False: left out)."""
+def _set_mask(mask: np.ndarray, tensors: set[int], value: bool) -> np.ndarray:
+    """A copy of ``mask`` with ``tensors`` set to ``value`` (``mask`` itself when none)."""
     out = mask.copy()
     if tensors:
         out[np.fromiter(tensors, dtype=np.int64, count=len(tensors))] = value

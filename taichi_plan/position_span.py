@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .problem import Problem, op_stem, read_args
+from .problem import Problem, batch_and_seq, op_stem, read_args
 
 SEQ_CHUNK_CHOICES = (2, 4, 8, 16, 32)
 # Elementwise ops (and their in-place forms), copies, dtype casts, fills of a tensor's shape,
@@ -63,8 +63,6 @@ REDUCTIONS = {"mean", "sum", "amax", "amin", "var", "std", "var_mean"}
 def positions(problem: Problem) -> tuple[int, int] | None:
     """(batch, seq) of the recorded workload (:func:`taichi_plan.problem.batch_and_seq`: named
     or read from its model calls' inputs), or None when either is unknown."""
-    from .problem import batch_and_seq
-
     b, s = batch_and_seq(problem.trace.meta)
     if b is not None and s is not None and s > 1:
         return b, s

@@ -21,18 +21,23 @@ def test_module_class_replaces_block_indices_only():
     assert module_class("lm_head") == "lm_head" and module_class("conv2d_1") == "conv2d_1"
 
 
+def bytes_only(inside: dict) -> dict:
+    """One second of forward each: the spans ranked by their bytes alone."""
+    return dict.fromkeys(inside, 1.0)
+
+
 def test_the_cap_keeps_whole_classes_most_bytes_first():
     inside = {(f"l.{i}.norm", "batch"): 10 for i in range(4)}
     inside |= {(f"l.{i}.mlp", "batch"): 30 for i in range(4)}
     inside |= {("head", "tokens"): 20, ("l.0.attn", "batch"): 5}
-    assert sorted(_capped_by_class(inside, 4)) == sorted(k for k in inside if k[0].endswith("mlp"))
+    assert sorted(_capped_by_class(inside, 4, bytes_only(inside))) == sorted(k for k in inside if k[0].endswith("mlp"))
     # The norms (4) no longer fit beside the MLPs at 6: passed over for the head and the attention.
-    assert sorted(_capped_by_class(inside, 6)) == sorted(
+    assert sorted(_capped_by_class(inside, 6, bytes_only(inside))) == sorted(
         [k for k in inside if k[0].endswith("mlp")] + [("head", "tokens"), ("l.0.attn", "batch")])
-    assert len(_capped_by_class(inside, 100)) == len(inside)
+    assert len(_capped_by_class(inside, 100, bytes_only(inside))) == len(inside)
     # A class larger than the cap is taken whole when it comes first (an 80-layer model), and
     # then nothing more.
-    assert sorted(_capped_by_class(inside, 2)) == sorted(k for k in inside if k[0].endswith("mlp"))
+    assert sorted(_capped_by_class(inside, 2, bytes_only(inside))) == sorted(k for k in inside if k[0].endswith("mlp"))
 
 
 def test_given_their_cost_the_cap_keeps_the_most_bytes_per_second_first():
@@ -40,7 +45,7 @@ def test_given_their_cost_the_cap_keeps_the_most_bytes_per_second_first():
     forward per byte (fake 7B, batch 34): given the forward seconds, the norms come first."""
     inside = {(f"l.{i}.attn", "batch"): 20 for i in range(4)} | {(f"l.{i}.norm", "batch"): 15 for i in range(4)}
     cost = {k: (14.0 if k[0].endswith("attn") else 3.0) for k in inside}
-    assert sorted(_capped_by_class(inside, 4)) == sorted(k for k in inside if k[0].endswith("attn"))
+    assert sorted(_capped_by_class(inside, 4, bytes_only(inside))) == sorted(k for k in inside if k[0].endswith("attn"))
     assert sorted(_capped_by_class(inside, 4, cost)) == sorted(k for k in inside if k[0].endswith("norm"))
 
 

@@ -314,21 +314,10 @@ class _ModuleTracker(ModTracker):
         hooked first in the forward pre-hook), so the module opened there and stayed open to
         the end of the backward, and every later backward op read as its own (a ConvNeXt's
         stage: the backward of the downsampling before it, and a layer split in chunks was
-        predicted 16-21 KB above its measured peak)."""
-        optimized = getattr(torch._dynamo.eval_frame, "_is_in_optimized_module", None)
-        if optimized is not None and optimized():
-            return
-        name = self._get_mod_name(mod)
-        w_mod = weakref.ref(mod)
-        user = getattr(self, "_user_post_fw_hook", None)
-        if user is not None:
-            user(mod, input, output)
-        self._get_pop_fn(w_mod, name, False)()
+        predicted 16-21 KB above its measured peak). ModTracker's own hook runs on the outputs
+        less those (the recorder registers no user hooks, which would see them so)."""
         passed = {id(a) for a in tree_leaves(input) if isinstance(a, torch.Tensor)}
-        tensors = [a for a in tree_leaves(output)
-                   if isinstance(a, torch.Tensor) and a.requires_grad and id(a) not in passed]
-        if not self.is_bw and tensors:
-            _mod_tracker_module.register_multi_grad_hook(tensors, self._get_append_fn(w_mod, name, True), mode="any")
+        super()._fw_post_hook(mod, input, [a for a in tree_leaves(output) if id(a) not in passed])
 
     def _fw_pre_hook(self, mod, input):
         queued = len(self._post_bw_callbacks_to_enqueue)

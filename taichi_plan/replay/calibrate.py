@@ -178,16 +178,16 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     was_training = model.training
     model.train(bool(call.get("training", True)))
     with torch.random.fork_rng(devices=[]):  # the forwards' random draws leave the generator as it was
-        ran: dict[str, float] = {}  # variant -> seconds of its trial run: it needs no warm-up run
+        ran: set[str] = set()  # variants a trial run has run once: they need no warm-up run
         if chunked is not None and not _runs_cleanly(forward, {f"part{k}": variants[f"part{k}"] for k in probes},
-                                                     runtimes, ran, clock):
+                                                     runtimes, ran):
             chunked = None  # a module that cannot run in chunks here: partitions keep the launch overhead
             variants = {n: v for n, v in variants.items() if not n.startswith("part")}
-        if drop_probe is not None and not _runs_cleanly(forward, {"drops": variants["drops"]}, runtimes, ran, clock):
+        if drop_probe is not None and not _runs_cleanly(forward, {"drops": variants["drops"]}, runtimes, ran):
             drop_probe = None  # a drop cannot be rebuilt here: drops cost what the other terms say
             del variants["drops"], variants["kept"]
         for kind, (_span, ks, _p) in list(span_probes.items()):
-            if not _runs_cleanly(forward, {f"{kind}{k}": variants[f"{kind}{k}"] for k in ks}, runtimes, ran, clock):
+            if not _runs_cleanly(forward, {f"{kind}{k}": variants[f"{kind}{k}"] for k in ks}, runtimes, ran):
                 del span_probes[kind]  # it keeps the launch overhead
                 for k in ks:
                     del variants[f"{kind}{k}"]
@@ -455,17 +455,16 @@ def _rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = N
             acc[0] += sec
             acc[1] += times
     return [(dt - op_s[0]) / n] if n else []
-def _runs_cleanly(forward, variants: dict, runtimes: list, ran: dict[str, float], clock) -> bool:
+def _runs_cleanly(forward, variants: dict, runtimes: list, ran: set[str]) -> bool:
     """Whether each of ``variants`` (name -> variant) runs once, forward and backward, with no
-    error and no mismatch (a trial run: its runtime is not kept among ``runtimes``). The
-    seconds of each run go to ``ran``: it was the variant's first run, which
-    :func:`_interleaved` then need not repeat untimed."""
+    error and no mismatch (a trial run: its runtime is not kept among ``runtimes``). Each name
+    run goes to ``ran``: that was the variant's first run, which :func:`_interleaved` then need
+    not repeat untimed."""
     n = len(runtimes)
     try:
         for name, v in variants.items():
-            t0 = clock()
             forward(v)
-            ran[name] = clock() - t0
+            ran.add(name)
     except Exception:  # noqa: BLE001  (calibration only: a module that cannot run in chunks is not timed)
         return False
     finally:
@@ -593,27 +592,21 @@ def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: 
 
 
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock,
-                 ran: dict[str, float] | None = None) -> dict[str, list[float]]:
+                 ran: set[str] | None = None) -> dict[str, list[float]]:
     """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when the
     rounds would take more than ``budget_s``), each round in another order, after one untimed
-    run of each variant not already run once (``ran``: name -> seconds of that run): a variant's
+    run of each variant not already run once (``ran``: their names): a variant's
     first run pays one-time costs (the runtime's op table, the first checkpoint or chunked loss
     of the process) that a step in training does not. Without :data:`WARM_UP` (the test suite:
     its tests count, they do not time) only the rounds run."""
     names = list(variants)
-    ran = dict(ran or {})
     if WARM_UP:
         for n in names:
-            if n not in ran:
-                t0 = clock()
+            if n not in (ran or ()):
                 forward(variants[n])
-                ran[n] = clock() - t0
-    # how long a round (each forward with its backward) takes, when every variant ran once
-    round_s = sum(ran[n] for n in names) if set(names) <= set(ran) else 0.0
-    reps = max(1, min(repeats, int(budget_s / max(round_s, 1e-9)))) if round_s else repeats
     times: dict[str, list[float]] = {n: [] for n in names}
     t0 = clock()
-    for r in range(reps):
+    for r in range(repeats):
         if r and (clock() - t0) * (r + 1) / r > budget_s:  # the next round would pass the budget
             break
         for i in range(len(names)):
