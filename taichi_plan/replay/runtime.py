@@ -643,7 +643,13 @@ class PlanRuntime(TorchDispatchMode):
         left = frame.pending.get(ref.sid, 1) - 1
         if left <= 0:
             frame.pending.pop(ref.sid, None)
-            frame.cache.pop(ref.sid, None)
+            st = frame.cache.pop(ref.sid, None)
+            if st is not None:
+                # Released by the runtime, but alive while autograd holds what it unpacked: a
+                # node unpacks all its saved tensors before it runs, so a later one of them
+                # rebuilt now (an attention's logsumexp, after its query, key and value) reads
+                # this storage as the simulator does, not a third copy rebuilt from scratch.
+                frame.alive[ref.sid] = weakref.ref(st)
         else:
             frame.pending[ref.sid] = left
         return t
