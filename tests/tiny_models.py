@@ -316,3 +316,42 @@ def gptj(batch: int = 4, seq: int = 32, dtype: str = "fp32", **_):
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
     return model, {"input_ids": ids, "labels": ids.clone()}, (lambda out, _b: out.loss), \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def relative_scores(batch: int = 8, **_):
+    """Attention-like scores in the pattern of DeBERTa's disentangled attention: a score matrix
+    that a ``gather`` reads (its backward takes only the shape: autograd saves the matrix, no
+    backward op reads it), and a score written in place later in forward with what is made
+    after it (``scores.add_(c2p / scale)``)."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, h: int = 32, s: int = 16):
+            super().__init__()
+            self.q, self.k, self.pos, self.out = nn.Linear(h, h), nn.Linear(h, h), nn.Linear(h, s), nn.Linear(s, h)
+            idx = torch.arange(s).view(1, s, 1) - torch.arange(s).view(1, 1, s)
+            self.register_buffer("idx", idx.clamp(0, s - 1).expand(batch, s, s).contiguous(), persistent=False)
+
+        def forward(self, x):
+            scores = torch.bmm(self.q(x), self.k(x).transpose(1, 2)) * 0.5  # written in place below
+            rel = self.pos(x)  # [b, s, s]
+            c2p = torch.gather(torch.bmm(rel, rel.transpose(1, 2)), -1, self.idx)  # saved, never read
+            scores.add_(c2p / 4)
+            return x + self.out(torch.tanh(scores))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(Block(), Block())
+            self.head = nn.Linear(32, 4)
+
+        def forward(self, x):
+            return self.head(self.blocks(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 16, 32, generator=g), torch.randint(0, 4, (batch, 16), generator=g)
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())), \
+        torch.optim.AdamW(model.parameters())

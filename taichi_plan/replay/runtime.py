@@ -696,12 +696,13 @@ class PlanRuntime(TorchDispatchMode):
         return st
 
     def _run_recipe(self, frame: Frame, sid: int, siblings: dict[int, int] | None = None,
-                    made: dict | None = None) -> torch.UntypedStorage:
-        """Re-run the recipe of ``sid`` (its inputs: alive, cached, shared, or rebuilt first).
+                    made: dict | None = None, only: list | None = None) -> torch.UntypedStorage | None:
+        """Re-run the recipe of ``sid`` (its inputs: alive, cached, shared, or rebuilt first),
+        or ``only`` those of its steps (None from steps that write in place).
         ``siblings``: other storages (sid -> output position) the recipe's first op makes too;
         their storages from this run go into ``made`` (sid -> storage), so an op of several
         outputs is not run once per output."""
-        steps = frame.recipes.get(sid)
+        steps = frame.recipes.get(sid) if only is None else only
         if not steps:
             raise MismatchError(f"A storage the plan needs back (id {sid}) has no recipe; the plan does not "
                                 "match this model. Record and solve again.")
@@ -719,7 +720,7 @@ class PlanRuntime(TorchDispatchMode):
                         flat = _flat_tensors(out)
                         st = flat[step.out_pos].untyped_storage()
                         frame.building[sid] = st
-                        if siblings and made is not None and step is steps[0]:
+                        if siblings and made is not None and step is frame.recipes[sid][0]:
                             made.update({other: flat[pos].untyped_storage() for other, pos in siblings.items()})
                         del flat
         finally:
@@ -757,11 +758,22 @@ class PlanRuntime(TorchDispatchMode):
             stack.extend(u for u in reads[x] if u not in first_op and u not in frame.cache
                          and self._alive(frame, u) is None)
         order = sorted(first_op, key=lambda x: (first_op[x], x))
+        # Each step runs at its op's place, as the simulator's group runs the ops: a storage
+        # written in place later in forward (DeBERTa's ``scores.add_(c2p / scale)``) gets that
+        # write after the ops that make what it adds, not with its producer (which re-made
+        # those inputs once more, nested, and again in their own turn: 0.5 MB over).
+        events = sorted((st.op, i, k) for i, x in enumerate(order) for k, st in enumerate(frame.recipes[x]))
+        step_reads: dict[tuple[int, int], set[int]] = {}
         left: dict[int, int] = {}
-        for x in order:
-            for u in reads[x]:
-                if u in first_op:
-                    left[u] = left.get(u, 0) + 1
+        for _op, i, k in events:
+            x = order[i]
+            r = {ref.sid for ref in frame.recipes[x][k].leaves
+                 if isinstance(ref, TRef) and ref.sid != x and 0 not in ref.size and ref.sid in first_op}
+            if k > 0:  # a later write keeps its storage as a read would
+                r.add(x)
+            step_reads[(i, k)] = r
+            for u in r:
+                left[u] = left.get(u, 0) + 1
         # Storages of the group made by one op (a batch norm's output, mean and invstd): the op
         # runs once, as the simulator re-runs it, and its other outputs are taken from that run
         # (when their recipe is that op alone).
@@ -773,22 +785,25 @@ class PlanRuntime(TorchDispatchMode):
         premade: dict[int, torch.UntypedStorage] = {}
         frame.shared = {}
         try:
-            for x in order:
-                if x in premade:
-                    st = premade.pop(x)
+            for _op, i, k in events:
+                x = order[i]
+                if k > 0:
+                    self._run_recipe(frame, x, only=[frame.recipes[x][k]])
                 else:
-                    sibs = {y: frame.recipes[y][0].out_pos for y in made_by.get(frame.recipes[x][0].op, ())
-                            if y != x and len(frame.recipes[y]) == 1}
-                    st = self._run_recipe(frame, x, sibs, premade)
-                if x in frame.dropped and frame.pending.get(x, 0) > 0:
-                    frame.cache[x] = st
-                else:
-                    frame.shared[x] = st
-                for u in reads[x]:
-                    if u in left:
-                        left[u] -= 1
-                        if left[u] == 0:
-                            frame.shared.pop(u, None)
+                    if x in premade:
+                        st = premade.pop(x)
+                    else:
+                        sibs = {y: frame.recipes[y][0].out_pos for y in made_by.get(frame.recipes[x][0].op, ())
+                                if y != x and len(frame.recipes[y]) == 1}
+                        st = self._run_recipe(frame, x, sibs, premade, only=frame.recipes[x][:1])
+                    if x in frame.dropped and frame.pending.get(x, 0) > 0:
+                        frame.cache[x] = st
+                    else:
+                        frame.shared[x] = st
+                for u in step_reads[(i, k)]:
+                    left[u] -= 1
+                    if left[u] == 0:
+                        frame.shared.pop(u, None)
             return frame.cache.get(sid) or frame.shared[sid]
         finally:
             frame.shared = None
