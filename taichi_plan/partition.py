@@ -324,6 +324,7 @@ def _module_spans(problem: Problem) -> list[Span]:
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)
     called = _called_modules(problem, under)
+    forwards = problem.trace.meta.get("module_forwards") or {}  # trace v10
     keeps = problem._keeps_state = []
     out = []
     for m in sorted(under):
@@ -335,8 +336,8 @@ def _module_spans(problem: Problem) -> list[Span]:
         if len(f) < 2 or len(b) < 1:
             continue
         occ = _occurrences(f, b)
-        if occ is None:
-            continue  # called more than once per forward, or interleaved: not modelled
+        if occ is None or forwards.get(m, len(occ)) != len(occ):
+            continue  # called more than once per forward (back to back, ALBERT), or interleaved: not modelled
         if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
             continue
         if any(writes_state[f0:f1 + 1].any() for (f0, f1), _ in occ):

@@ -90,3 +90,32 @@ def test_a_partitioned_module_run_without_its_forward_is_a_mismatch(trace, tmp_p
         model(x)
     taichi_plan.finish(model)
     assert torch.ones(3).add(1).sum() == 6  # nothing left installed
+
+
+def test_a_module_called_twice_in_a_row_is_not_offered(tmp_path):
+    """ALBERT calls its one layer group once per layer, back to back: the group's ops form one
+    contiguous run per forward, as one call of a larger module would, so it was offered as a
+    partition, and replay, which wraps each call, stopped at the second call ("started at op
+    167 of the model's call, but the plan expects it at op 17"). The recorder counts each
+    module's forward calls (trace v10 ``meta.module_forwards``); a module called more times
+    than it has (forward, backward) spans is not offered, its caller is."""
+    from partition_replay import replay_partitions
+
+    from taichi_plan.record import get_workload, record_workload
+
+    trace = record_workload(get_workload(entry="tiny_models:shared_block"), fake=False, calibrate=False)
+    write_trace(trace, tmp_path / "trace")
+    assert trace.meta["module_forwards"]["1.block"] == 2 and trace.meta["module_forwards"]["1"] == 1
+    problem = build_problem(read_trace(tmp_path / "trace"))
+    offered = {s.module for s in module_spans(problem)}
+    assert "1" in offered and "1.block" not in offered, offered
+    # without the count the shared block looks like one call, and was offered
+    old = read_trace(tmp_path / "trace")
+    del old.meta["module_forwards"]
+    assert "1.block" in {s.module for s in module_spans(build_problem(old))}
+    # its caller runs as planned (checkpointed whole; split in chunks, the simulator counts
+    # the shared weights' per-use gradients longer than autograd's input buffer holds them:
+    # predicted above measured, docs/planner.md "Known limits")
+    span = next(s for s in module_spans(problem) if s.module == "1")
+    _plan, report = replay_partitions(problem, [as_partition(span, 1)], tmp_path)
+    assert report["measured_peak_bytes"] == report["predicted_peak_bytes"] and report["grads_check"].startswith("bitwise")

@@ -355,3 +355,24 @@ def relative_scores(batch: int = 8, **_):
     x, y = torch.randn(batch, 16, 32, generator=g), torch.randint(0, 4, (batch, 16), generator=g)
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())), \
         torch.optim.AdamW(model.parameters())
+
+
+def shared_block(batch: int = 16, **_):
+    """A block called twice in a row in one forward, its weights shared (ALBERT's layer group):
+    its ops form one contiguous run per forward, as one call of a larger module would."""
+    import torch
+    from torch import nn
+
+    class Body(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 32))
+
+        def forward(self, x):
+            return self.block(self.block(x))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), Body(), nn.Linear(32, 4))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 4, (batch,), generator=g)
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())

@@ -391,6 +391,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "backward_nodes": kept.node_starts,
         "forward_in_backward": forward_in_backward(kept),
         "called_modules": sorted(kept.called_modules),
+        "module_forwards": dict(sorted(kept.module_forwards.items())),
         "loop": loop.to_json(),
         "gpu_kernels": meta.get("gpu_kernels"),
         "runtime_overhead": dict(calibrate_overhead()),

@@ -209,6 +209,10 @@ class StepRecord:
     # Names (relative to the model) of the modules whose forward was called in the step: a
     # ModuleList or ModuleDict runs ops only through its children and is never called itself.
     called_modules: set = field(default_factory=set)
+    # Forward calls per module in the step, outside backward (trace v10 meta.module_forwards):
+    # a module called several times back to back (ALBERT's shared layer group) runs its ops in
+    # one contiguous run per forward, which the ops alone cannot tell from a single call.
+    module_forwards: dict = field(default_factory=dict)
     # Op ids where backward starts running another autograd node (trace v9 meta.backward_nodes):
     # a node unpacks its saved tensors before its first op, which is when replay rebuilds one.
     node_starts: list = field(default_factory=list)
@@ -466,6 +470,8 @@ class Recorder(TorchDispatchMode):
             name = self._names.get(id(module))
             if name is not None:
                 rec.called_modules.add(name)
+                if torch._C._current_graph_task_id() == -1:  # not a checkpoint's re-run in backward
+                    rec.module_forwards[name] = rec.module_forwards.get(name, 0) + 1
 
     def _patch_resize(self) -> None:
         """``UntypedStorage.resize_`` reaches no dispatch mode (MemTracker patches it too)."""
