@@ -567,14 +567,42 @@ _SYNTHETIC_ID = -(10**12)  # ids of the concatenation transients (below any -1 -
 
 
 def module_inputs(problem: Problem, span: Span) -> list[int]:
-    """Batch tensors made before the module and read by its forward (not parameters)."""
+    """Tensors made before the module (not parameters) that its checkpoint holds: those its
+    forward reads, and its call's other tensor arguments (trace v10 ``meta.module_args``: a
+    decoder layer's position ids, passed and never read, stay held all the same)."""
     f0, f1 = span.fwd
     ins: set[int] = set()
     for i in range(f0, f1 + 1):
         for t in problem.op_reads[i].tolist():
             if (problem.start[t] < f0 or problem.initial[t]) and problem.kind[t] in ("activation", "temporary", "input"):
                 ins.add(t)
+    for t in _call_args(problem, span):
+        if ((problem.start[t] < f0 <= problem.end[t] or problem.initial[t])
+                and problem.kind[t] in ("activation", "temporary", "input")):
+            ins.add(t)
     return sorted(ins)
+
+
+def _call_args(problem: Problem, span: Span) -> list[int]:
+    """The tensor arguments (problem indices) of the module call whose forward starts at the
+    span's first op: the call of that order among the module's calls (its forward runs in the
+    trace, one per call: ``_module_spans`` offers no other module). Empty for traces before v10."""
+    calls = (problem.trace.meta.get("module_args") or {}).get(span.module)
+    if not calls or span.over == "tokens":
+        return []
+    fwd = problem.__dict__.get("_forward_ops_under")
+    if fwd is None:
+        phases = np.asarray(problem.op_phase)
+        fwd = problem.__dict__["_forward_ops_under"] = {m: ops[phases[ops] == "forward"]
+                                                        for m, ops in ops_under(problem.op_module).items()}
+    f = fwd.get(span.module)
+    if f is None:
+        return []
+    k = int(np.sum((np.diff(f) != 1)[f[1:] <= span.fwd[0]])) if len(f) > 1 else 0  # runs before this one
+    if k >= len(calls):
+        return []
+    index = problem._index
+    return [index[int(tid)] for tid in calls[k][1] if int(tid) in index]
 
 
 def span_tensors(problem: Problem, span: Span) -> set[int]:

@@ -376,3 +376,38 @@ def shared_block(batch: int = 16, **_):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(batch, 16, generator=g), torch.randint(0, 4, (batch,), generator=g)
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def unused_arg_blocks(batch: int = 8, **_):
+    """Blocks called with a tensor they never read (a decoder layer's position ids, made once
+    in the model's forward and passed to every layer): a checkpoint of a block holds it until
+    the block's backward all the same."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x, positions):
+            return x + torch.tanh(self.lin(x))
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block() for _ in range(3))
+            self.head = nn.Linear(32, 64)
+
+        def forward(self, x):
+            positions = torch.arange(x.shape[1]).expand(x.shape[0], -1) * 1  # made here, never read
+            for b in self.blocks:
+                x = b(x, positions)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 64, 32, generator=g), torch.randint(0, 64, (batch, 64), generator=g)
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())), \
+        torch.optim.SGD(model.parameters(), lr=0.1)

@@ -213,6 +213,11 @@ class StepRecord:
     # a module called several times back to back (ALBERT's shared layer group) runs its ops in
     # one contiguous run per forward, which the ops alone cannot tell from a single call.
     module_forwards: dict = field(default_factory=dict)
+    # Per module, per forward call outside backward: [op id the call started at, tensor ids of
+    # its arguments] (trace v10 meta.module_args). A module checkpointed by a plan holds every
+    # tensor argument until its backward, those its ops never read too (a decoder layer's
+    # position ids): the trace's reads alone miss them.
+    module_args: dict = field(default_factory=dict)
     # Op ids where backward starts running another autograd node (trace v9 meta.backward_nodes):
     # a node unpacks its saved tensors before its first op, which is when replay rebuilds one.
     node_starts: list = field(default_factory=list)
@@ -399,6 +404,8 @@ class Recorder(TorchDispatchMode):
         self._node = _NO_NODE  # the autograd node the last backward op ran in (held: its id stays unique)
         self._names = {id(m): n for n, m in model.named_modules()} if model is not None else {}
         self._call_hook = None
+        self._return_hook = None
+        self._call_starts: list[int] = []  # op count at each module call in progress (nested)
         self._rec: StepRecord | None = None
         self._mod_tracker = _ModuleTracker()
         self._root = ""
@@ -453,6 +460,8 @@ class Recorder(TorchDispatchMode):
         self._leaf_safe = leaf_safe_module_tracking()
         self._leaf_safe.__enter__()
         self._call_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._called)
+        self._return_hook = torch.nn.modules.module.register_module_forward_hook(
+            self._returned, with_kwargs=True, always_call=True)
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -460,11 +469,14 @@ class Recorder(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             self._call_hook.remove()
+            self._return_hook.remove()
+            self._call_starts.clear()
             self._leaf_safe.__exit__(None, None, None)
             self._restore_resize()
             self._mod_tracker.__exit__(*exc)
 
     def _called(self, module, _args) -> None:
+        self._call_starts.append(self._n)
         rec = self._rec
         if rec is not None:
             name = self._names.get(id(module))
@@ -472,6 +484,25 @@ class Recorder(TorchDispatchMode):
                 rec.called_modules.add(name)
                 if torch._C._current_graph_task_id() == -1:  # not a checkpoint's re-run in backward
                     rec.module_forwards[name] = rec.module_forwards.get(name, 0) + 1
+
+    def _returned(self, module, args, kwargs, _out) -> None:
+        start = self._call_starts.pop() if self._call_starts else None
+        rec = self._rec
+        if rec is None or start is None or torch._C._current_graph_task_id() != -1:
+            return
+        name = self._names.get(id(module))
+        if name is None:
+            return
+        tids = set()
+        for x in tree_leaves((args, kwargs)):
+            if isinstance(x, _Tensor):
+                try:
+                    tid = self._tid.get(local_tensor(x).untyped_storage()._cdata)
+                except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
+                    continue
+                if tid is not None:
+                    tids.add(tid)
+        rec.module_args.setdefault(name, []).append([start, sorted(tids)])
 
     def _patch_resize(self) -> None:
         """``UntypedStorage.resize_`` reaches no dispatch mode (MemTracker patches it too)."""
