@@ -962,7 +962,7 @@ _ENGINE_TAIL_OPS = frozenset({"aten.sum.dim_IntList", "aten.view.default", "aten
                               "aten.reshape.default", "aten.t.default", "aten.detach.default"})
 
 
-def _apply_end(problem: Problem, last: int, end: int) -> int:
+def apply_end(problem: Problem, last: int, end: int) -> int:
     """The last op of the node that read a saved tensor last at op ``last`` and freed it at
     ``end`` in the trace: ``end``, or, where the ops after ``last`` through ``end`` are only
     the engine's sums of a broadcast input's gradient to its shape (with views), the op before
@@ -1140,7 +1140,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             # an addmm's backward), or when the step's code lets go, if later
             e = int(problem.release_after(t, int(last[-1]))) if len(last) else r
             if len(last) and int(last[-1]) <= int(problem.end[t]) <= b1:
-                e = max(e, _apply_end(problem, int(last[-1]), int(problem.end[t])))
+                e = max(e, apply_end(problem, int(last[-1]), int(problem.end[t])))
             back_until[t] = e = min(e, b1)
             saved_b[r - b0] += piece(t)
             saved_b[e - b0 + 1] -= piece(t)

@@ -293,8 +293,27 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
 
 
 def _piece_end(problem: Problem, ds: list[Drop], j: int, t: int) -> int:
-    """Last op the copy rebuilt for gap ``j`` of ``t`` is held: the next gap's free_after, or its end."""
-    return ds[j + 1].free_after if j + 1 < len(ds) else int(problem.end[t])
+    """Last op the copy rebuilt for gap ``j`` of ``t`` is held: the next gap's free_after, or
+    the end of its last copy (:func:`rebuilt_end`)."""
+    return ds[j + 1].free_after if j + 1 < len(ds) else rebuilt_end(problem, t)
+
+
+def rebuilt_end(problem: Problem, t: int) -> int:
+    """Last op a rebuilt copy of ``t`` is held. On a recorded step, replay holds it until its
+    last handle is unpacked, then autograd's node holds what it unpacked while its apply runs:
+    it dies before the engine's sums of a broadcast input's gradient to its shape that follow
+    (``partition.apply_end``), where the unplanned step's saved variable lives until the node
+    is released, after them (a linear layer's bias gradient, 512 B, allocated beside the
+    rebuilt input in the prediction, not in the run: a DistilBERT measured 512 B below its
+    predicted peak). Elsewhere: the tensor's own end."""
+    end = int(problem.end[t])
+    if not problem.replayable_only:
+        return end
+    from .partition import apply_end
+
+    u = problem.uses[t]
+    u = u[u <= end]
+    return apply_end(problem, int(u[-1]), end) if len(u) else end
 
 
 def _available(problem: Problem, D: dict[int, list[Drop]], remat_at: dict[tuple[int, int], int], u: int,
@@ -440,7 +459,7 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
         for d in D.get(t, ()):
             frees[d.free_after].append(int(tid[t]))
         if not problem.persists[t] and t not in kept:
-            frees[problem.end[t]].append(int(tid[t]))
+            frees[rebuilt_end(problem, t) if t in D else problem.end[t]].append(int(tid[t]))
     grouped = res.groups()
     events = []
     for i in range(n):

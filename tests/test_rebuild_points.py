@@ -235,3 +235,22 @@ def test_a_tensor_autograd_saves_but_never_reads_may_be_dropped():
     assert planned["recompute_ops"] == plan.predicted["recompute_ops"] == sim.recompute_ops
     assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"] < plain["peak_bytes"]
     assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
+
+
+def test_a_rebuilt_input_dies_with_its_nodes_apply(monkeypatch):
+    """A rebuilt tensor is held by replay until its last handle is unpacked, then by the
+    autograd node's apply alone: it dies before the engine sums a linear layer's bias
+    gradient to its shape, where the unplanned saved variable lives until the node is
+    released. The simulator held it to the trace's free: measured 512 B below the prediction
+    (a DistilBERT at 60%, a GELU MLP). Now the same, to the byte."""
+    from taichi_plan import simulate as simulate_module
+    from taichi_plan.plan import peak_from_schedule
+    from taichi_plan.simulate import build_schedule, simulate_plan
+
+    problem, drops, plan, sim, planned, plain = _replay_drops("tiny_models:gelu_mlp", _made_by("aten.gelu.default"))
+    assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"] == sim.peak_bytes
+    with monkeypatch.context() as m:  # held to the trace's free, as before: the prediction was above
+        m.setattr(simulate_module, "rebuilt_end", lambda p, t: int(p.end[t]))
+        assert simulate_plan(problem, drops, [])[0].peak_bytes == sim.peak_bytes + 512
+    assert peak_from_schedule(build_schedule(problem, drops))[0] == sim.peak_bytes
+    assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))

@@ -411,3 +411,18 @@ def unused_arg_blocks(batch: int = 8, **_):
     x, y = torch.randn(batch, 64, 32, generator=g), torch.randint(0, 64, (batch, 64), generator=g)
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())), \
         torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def gelu_mlp(batch: int = 512, **_):
+    """Linear + GELU layers: each GELU output is saved by the next linear layer alone, whose
+    backward sums the bias gradient after the weight gradient's matmul, in the engine."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(32, 128), nn.GELU()]
+    for _ in range(4):
+        layers += [nn.Linear(128, 128), nn.GELU()]
+    model = nn.Sequential(*layers, nn.Linear(128, 10))
+    x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
