@@ -28,7 +28,8 @@ FORMAT_VERSION = 10
 # v6 adds meta.runtime_overhead.span_costs (a head + loss over tokens measured chunked) and unfloored;
 # v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost);
 # v8 adds meta.forward_in_backward (module forwards the model itself re-runs in backward); v9 adds
-# meta.backward_nodes (where each autograd node starts in backward: where it unpacks saved tensors)
+# meta.backward_nodes (where each autograd node starts in backward: where it unpacks saved tensors);
+# v10 adds meta.module_forwards (forward calls per module) and meta.module_args (each call's tensor arguments)
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 PHASES = ("forward", "backward", "optimizer", "other")
 
