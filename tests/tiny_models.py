@@ -240,19 +240,26 @@ def layerdrop_mlp(batch: int = 64, **_):
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
 
 
-def relu_mlp(batch: int = 512, **_):
-    """Linear + ReLU layers: ReLU saves its output, which the next layer's backward reads as
-    its saved input after computing its input's gradient (the rebuild point that matters)."""
+def _activation_mlp(activation, batch: int):
+    """Five Linear + ``activation`` layers and a classifier, AdamW."""
     import torch
     from torch import nn
 
     torch.manual_seed(0)
-    layers = [nn.Linear(32, 128), nn.ReLU()]
+    layers = [nn.Linear(32, 128), activation()]
     for _ in range(4):
-        layers += [nn.Linear(128, 128), nn.ReLU()]
+        layers += [nn.Linear(128, 128), activation()]
     model = nn.Sequential(*layers, nn.Linear(128, 10))
     x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def relu_mlp(batch: int = 512, **_):
+    """Linear + ReLU layers: ReLU saves its output, which the next layer's backward reads as
+    its saved input after computing its input's gradient (the rebuild point that matters)."""
+    from torch import nn
+
+    return _activation_mlp(nn.ReLU, batch)
 
 
 def leaf_batch_mlp(batch: int = 256, **_):
@@ -416,13 +423,6 @@ def unused_arg_blocks(batch: int = 8, **_):
 def gelu_mlp(batch: int = 512, **_):
     """Linear + GELU layers: each GELU output is saved by the next linear layer alone, whose
     backward sums the bias gradient after the weight gradient's matmul, in the engine."""
-    import torch
     from torch import nn
 
-    torch.manual_seed(0)
-    layers = [nn.Linear(32, 128), nn.GELU()]
-    for _ in range(4):
-        layers += [nn.Linear(128, 128), nn.GELU()]
-    model = nn.Sequential(*layers, nn.Linear(128, 10))
-    x, y = torch.randn(batch, 32), torch.randint(0, 10, (batch,))
-    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+    return _activation_mlp(nn.GELU, batch)
