@@ -324,7 +324,7 @@ def _module_spans(problem: Problem) -> list[Span]:
     shapes = problem.trace.tensors["shape"].tolist()
     writes_state = _writes_state(problem)
     called = _called_modules(problem, under)
-    forwards = problem.trace.meta.get("module_forwards") or {}  # trace v10
+    calls = problem.trace.meta.get("module_args") or {}  # trace v10: one entry per forward call
     keeps = problem._keeps_state = []
     out = []
     for m in sorted(under):
@@ -336,7 +336,7 @@ def _module_spans(problem: Problem) -> list[Span]:
         if len(f) < 2 or len(b) < 1:
             continue
         occ = _occurrences(f, b)
-        if occ is None or forwards.get(m, len(occ)) != len(occ):
+        if occ is None or len(calls.get(m, occ)) != len(occ):
             continue  # called more than once per forward (back to back, ALBERT), or interleaved: not modelled
         if any(any(k in problem.op_name[i] for k in MIXES_BATCH) for i in (*f.tolist(), *b.tolist())):
             continue

@@ -29,7 +29,7 @@ FORMAT_VERSION = 10
 # v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost);
 # v8 adds meta.forward_in_backward (module forwards the model itself re-runs in backward); v9 adds
 # meta.backward_nodes (where each autograd node starts in backward: where it unpacks saved tensors);
-# v10 adds meta.module_forwards (forward calls per module) and meta.module_args (each call's tensor arguments)
+# v10 adds meta.module_args (each module's forward calls, with their tensor arguments)
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 PHASES = ("forward", "backward", "optimizer", "other")
 

@@ -97,7 +97,7 @@ def test_a_module_called_twice_in_a_row_is_not_offered(tmp_path):
     contiguous run per forward, as one call of a larger module would, so it was offered as a
     partition, and replay, which wraps each call, stopped at the second call ("started at op
     167 of the model's call, but the plan expects it at op 17"). The recorder counts each
-    module's forward calls (trace v10 ``meta.module_forwards``); a module called more times
+    module's forward calls (trace v10 ``meta.module_args``, one entry per call); a module called more times
     than it has (forward, backward) spans is not offered, its caller is."""
     from partition_replay import replay_partitions
 
@@ -105,13 +105,13 @@ def test_a_module_called_twice_in_a_row_is_not_offered(tmp_path):
 
     trace = record_workload(get_workload(entry="tiny_models:shared_block"), fake=False, calibrate=False)
     write_trace(trace, tmp_path / "trace")
-    assert trace.meta["module_forwards"]["1.block"] == 2 and trace.meta["module_forwards"]["1"] == 1
+    assert len(trace.meta["module_args"]["1.block"]) == 2 and len(trace.meta["module_args"]["1"]) == 1
     problem = build_problem(read_trace(tmp_path / "trace"))
     offered = {s.module for s in module_spans(problem)}
     assert "1" in offered and "1.block" not in offered, offered
     # without the count the shared block looks like one call, and was offered
     old = read_trace(tmp_path / "trace")
-    del old.meta["module_forwards"]
+    del old.meta["module_args"]
     assert "1.block" in {s.module for s in module_spans(build_problem(old))}
     # its caller runs as planned (checkpointed whole; split in chunks, the simulator counts
     # the shared weights' per-use gradients longer than autograd's input buffer holds them:

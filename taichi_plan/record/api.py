@@ -391,7 +391,6 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "backward_nodes": kept.node_starts,
         "forward_in_backward": forward_in_backward(kept),
         "called_modules": sorted(kept.called_modules),
-        "module_forwards": dict(sorted(kept.module_forwards.items())),
         "module_args": dict(sorted(kept.module_args.items())),
         "loop": loop.to_json(),
         "gpu_kernels": meta.get("gpu_kernels"),

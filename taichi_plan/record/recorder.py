@@ -209,14 +209,12 @@ class StepRecord:
     # Names (relative to the model) of the modules whose forward was called in the step: a
     # ModuleList or ModuleDict runs ops only through its children and is never called itself.
     called_modules: set = field(default_factory=set)
-    # Forward calls per module in the step, outside backward (trace v10 meta.module_forwards):
-    # a module called several times back to back (ALBERT's shared layer group) runs its ops in
-    # one contiguous run per forward, which the ops alone cannot tell from a single call.
-    module_forwards: dict = field(default_factory=dict)
     # Per module, per forward call outside backward: [op id the call started at, tensor ids of
     # its arguments] (trace v10 meta.module_args). A module checkpointed by a plan holds every
     # tensor argument until its backward, those its ops never read too (a decoder layer's
-    # position ids): the trace's reads alone miss them.
+    # position ids): the trace's reads alone miss them. Its calls are counted too: one called
+    # several times back to back (ALBERT's shared layer group) runs its ops in one contiguous
+    # run per forward, which the ops alone cannot tell from a single call.
     module_args: dict = field(default_factory=dict)
     # Op ids where backward starts running another autograd node (trace v9 meta.backward_nodes):
     # a node unpacks its saved tensors before its first op, which is when replay rebuilds one.
@@ -482,14 +480,12 @@ class Recorder(TorchDispatchMode):
             name = self._names.get(id(module))
             if name is not None:
                 rec.called_modules.add(name)
-                if torch._C._current_graph_task_id() == -1:  # not a checkpoint's re-run in backward
-                    rec.module_forwards[name] = rec.module_forwards.get(name, 0) + 1
 
     def _returned(self, module, args, kwargs, _out) -> None:
         start = self._call_starts.pop() if self._call_starts else None
         rec = self._rec
         if rec is None or start is None or torch._C._current_graph_task_id() != -1:
-            return
+            return  # (a checkpoint's re-run in backward is no forward call)
         name = self._names.get(id(module))
         if name is None:
             return
