@@ -224,13 +224,15 @@ def layerdrop_mlp(batch: int = 64, **_):
     class Net(nn.Module):
         def __init__(self, h: int = 32, n: int = 6):
             super().__init__()
-            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h))
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Dropout(0.1),
+                                                      nn.Linear(4 * h, h))
                                         for _ in range(n))
             self.head = nn.Linear(h, 4)
+            self.layerdrop = 0.5
 
         def forward(self, x):
             for b in self.blocks:
-                if not self.training or torch.rand(()) >= 0.5:
+                if not self.training or torch.rand(()) >= self.layerdrop:
                     x = x + b(x)
             return self.head(x)
 

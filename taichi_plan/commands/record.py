@@ -104,8 +104,10 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         m = trace.meta["first_mismatch"]
         click.echo(
             f"Warning: the recorded steps differ: step {m['step']} op {m['op_index']} is {m['got']}, "
-            f"expected {m['expected']}. The trace keeps the last step; a plan made from it may not "
-            "apply to every iteration.",
+            f"expected {m['expected']}. The trace keeps step {trace.meta['kept_step']}, the one that called the "
+            "model's modules the most times. A plan made from it runs on steps that skip some of those calls "
+            "(layerdrop), within its prediction, but stops at a step that calls a "
+            "module this one did not: record more --steps to catch a step that calls every module.",
             err=True,
         )
     path = write_trace(trace, output, force=force)

@@ -40,6 +40,10 @@ def render(r: dict) -> str:
         + ", measured " + ("-" if r.get("measured_extra_time_s") is None else format_cost(r["measured_extra_time_s"]))
         + " (step time planned - unplanned)",
     ]
+    if r.get("skipped_calls"):
+        lines.append(f"  skipped calls      {r['skipped_calls']} recorded module call(s) the planned steps did not make "
+                     "(layerdrop, a branch on a tensor's value): their ops did not run, the plan went on around them, "
+                     "and the peak measured may be below the prediction")
     for run, c in (r.get("cuda") or {}).items():
         def b(x):
             return "-" if x is None else format_bytes(x)

@@ -248,7 +248,7 @@ def run_and_record(model, optimizer, step_fn: Callable[[], None], inputs=(), *, 
             session.end()
     records = session.records
     if getattr(model, "_taichi_plan", None) is None:  # a planned model's step is measured, not planned
-        add_python_refs(records[-1], model, optimizer, step_fn, step_tensors(model, optimizer, inputs), profile, say)
+        add_python_refs(records[kept_index(records)], model, optimizer, step_fn, step_tensors(model, optimizer, inputs), profile, say)
     return records
 
 
@@ -269,6 +269,17 @@ def _describe(rec: StepRecord, i: int) -> str:
         return "<end of step>"
     module = rec.ops["module"][i] or "<top level>"
     return f"{rec.ops['op'][i]} in {module} (outputs {list(map(list, rec.shapes[i]))})"
+
+
+def kept_index(records: list[StepRecord]) -> int:
+    """Which recorded step the trace keeps: the one that called its modules the most times
+    (the last of those). Steps differ where the model skips a module call at random or by its
+    data (layerdrop, a branch on a tensor's value); a plan of the step with the most calls applies
+    to steps that skip some of them (the runtime skips their ops: ``replay.module_calls``), not
+    to a step that calls a module the kept one did not."""
+    counts = [sum(len(v) for v in r.module_args.values()) for r in records]
+    best = max(counts)
+    return max(i for i, c in enumerate(counts) if c == best)
 
 
 def first_mismatch(records: list[StepRecord], step_indices: list[int]) -> dict | None:
@@ -356,7 +367,8 @@ def record_workload(
 
 
 def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, loop: Loop, meta: dict) -> Trace:
-    """The trace of the last of ``records`` (steps ``warmup`` .. ``warmup + len(records) - 1``),
+    """The trace of one of ``records`` (steps ``warmup`` .. ``warmup + len(records) - 1``): the
+    last, or where the steps differ the one with the most module calls (:func:`kept_index`),
     with the recording's own facts in ``meta`` (signatures, whether the steps matched, the
     model's calls, ``loop``) added to the caller's (``device``, ``workload``, ``device_profile``,
     ``dtype``, ``step_definition``), and what the replay runtime costs per op here (``runtime_overhead``)."""
@@ -367,7 +379,8 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
     step_indices = list(range(warmup, warmup + len(records)))
     signatures = [op_signature(r.ops["op"], r.shapes) for r in records]
     mismatch = first_mismatch(records, step_indices)
-    kept = records[-1]
+    k = kept_index(records)
+    kept = records[k]
     full = {
         "torch_version": torch.__version__,
         "torch_build": "cuda" if torch.version.cuda else "cpu",
@@ -378,9 +391,9 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "dtype": meta["dtype"],
         "warmup_steps": warmup,
         "steps_recorded": len(records),
-        "kept_step": step_indices[-1],
+        "kept_step": step_indices[k],
         "signatures": signatures,
-        "signature": signatures[-1],
+        "signature": signatures[k],
         "steps_match": mismatch is None,
         "first_mismatch": mismatch,
         "cost_unit": "s",
@@ -398,7 +411,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
     }
     if "python_refs" in kept.extras:
         full["python_refs"] = kept.extras["python_refs"]
-    return step_to_trace(kept, step_indices[-1], "estimated" if fake else "measured", full)
+    return step_to_trace(kept, step_indices[k], "estimated" if fake else "measured", full)
 
 
 def forward_in_backward(rec: StepRecord) -> dict:

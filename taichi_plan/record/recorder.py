@@ -481,11 +481,14 @@ class Recorder(TorchDispatchMode):
             if name is not None:
                 rec.called_modules.add(name)
 
-    def _returned(self, module, args, kwargs, _out) -> None:
+    def _returned(self, module, args, *rest) -> None:
+        # (module, args, kwargs, output); when the forward raised, PyTorch calls an always_call
+        # hook with (module, args, output) whatever with_kwargs says: no finished call then.
         start = self._call_starts.pop() if self._call_starts else None
         rec = self._rec
-        if rec is None or start is None or torch._C._current_graph_task_id() != -1:
+        if rec is None or start is None or len(rest) != 2 or torch._C._current_graph_task_id() != -1:
             return  # (a checkpoint's re-run in backward is no forward call)
+        kwargs = rest[0]
         name = self._names.get(id(module))
         if name is None:
             return

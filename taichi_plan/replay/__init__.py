@@ -12,6 +12,10 @@ import numpy as np
 from ..errors import PlanError
 from ..plan import Plan, load_plan
 
+# Ops of a caller's own code after a module call that a live forward may skip with it
+# (module_calls): the residual add of ``x = x + layer(x)``, the next layer's layerdrop draw.
+SKIP_GLUE = 4
+
 
 def model_calls(trace) -> list[dict]:
     """The grad-enabled model calls of the trace's step (``meta.model_calls``), in order."""
@@ -122,12 +126,73 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
     grads = [(a, f) for k, a, f in zip(kinds, alloc, free, strict=True) if k == "gradient"]
     out = []
+    skippable = module_calls(trace, calls, counted, before)
+    starts = module_starts(trace, calls, counted, before)
     for c, (call, ops) in enumerate(zip(calls, call_ops(trace, pos), strict=True)):
         s0 = call["start"]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
                             bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c]),
-                            triggers=triggers[c], whole=frozenset(whole[c])))
+                            triggers=triggers[c], whole=frozenset(whole[c]), module_calls=skippable[c],
+                            module_starts=starts[c]))
+    return out
+
+
+def module_calls(trace, calls: list[dict], counted: list[bool], before: list[int]) -> list[dict]:
+    """Per grad-enabled model call: counted op index (from the call's first op) at which a
+    recorded call of a submodule starts -> [(first, last, module name)], outermost first:
+    the counted ops at which the call may go on when a live forward skipped that module call,
+    from the op right after its last one to at most ``SKIP_GLUE`` ops of its caller's own code
+    after it (``x = x + layer(x)``: the residual add is skipped with the layer). The runtime
+    lets a live call skip such a call (layerdrop skips a layer, a branch on a tensor's
+    value skips a block: :meth:`~taichi_plan.replay.runtime.PlanRuntime._resync`).
+
+    A module call's ops: from its start (trace v10 ``meta.module_args``), the contiguous ops
+    whose module is it or one inside it, up to its next call."""
+    modules = trace.ops["module"].tolist()
+    n = len(modules)
+    out: list[dict] = [{} for _ in calls]
+    for name, entries in (trace.meta.get("module_args") or {}).items():
+        starts = sorted(int(e[0]) for e in entries)
+        inside = name + "."
+        for k, s in enumerate(starts):
+            stop = starts[k + 1] if k + 1 < len(starts) else n
+            e = s
+            while e < stop and (modules[e] == name or (modules[e] or "").startswith(inside)):
+                e += 1
+            if e == s:
+                continue  # no op of its own (an identity): nothing to skip
+            for c, call in enumerate(calls):
+                if call["start"] <= s and e - 1 <= call["end"]:
+                    def at(op: int, c0: int = call["start"]) -> int:
+                        return (before[op] if op < n else before[-1] + counted[-1]) - before[c0]
+                    g, glue = e, 0  # the caller's own ops right after the call (an ancestor's, or top level)
+                    while g <= call["end"] and glue < SKIP_GLUE and (
+                            not modules[g] or name.startswith(modules[g] + ".")):
+                        glue += counted[g]
+                        g += 1
+                    a, first, last = at(s), at(e), at(e) + glue
+                    if first > a:
+                        out[c].setdefault(a, []).append((first, last, name))
+                    break
+    for table in out:
+        for ends in table.values():
+            ends.sort(key=lambda x: (-x[0], x[2]))
+    return out
+
+
+def module_starts(trace, calls: list[dict], counted: list[bool], before: list[int]) -> list[dict]:
+    """Per grad-enabled model call: module name -> the counted ops (from the call's first op)
+    at which its recorded calls start, in order (trace v10 ``meta.module_args``)."""
+    out: list[dict] = [{} for _ in calls]
+    n = len(counted)
+    for name, entries in (trace.meta.get("module_args") or {}).items():
+        for s in sorted(int(e[0]) for e in entries):
+            for c, call in enumerate(calls):
+                if call["start"] <= s <= call["end"]:
+                    at = (before[s] if s < n else before[-1] + counted[-1]) - before[call["start"]]
+                    out[c].setdefault(name, []).append(at)
+                    break
     return out
 
 

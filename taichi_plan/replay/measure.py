@@ -324,7 +324,8 @@ class MeasuredRun:
         """``step_s`` and ``recompute_s`` (medians of the timed steps so far), ``recompute_ops``."""
         return {"step_s": statistics.median(self.step_s) if self.step_s else None,
                 "recompute_s": statistics.median(self.recompute_s) if self.recompute_s else 0.0,
-                "recompute_ops": self.rt.recompute_ops if self.rt is not None else 0}
+                "recompute_ops": self.rt.recompute_ops if self.rt is not None else 0,
+                "skipped_calls": self.rt.skipped_calls if self.rt is not None else 0}
 
     def measure_peak(self) -> dict:
         """One step under the recorder, then one under MemTracker: ``peak_bytes``, ``peak_op``,
@@ -480,6 +481,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         else None,
         "measured_recompute_s": planned["recompute_s"],
         "recompute_ops": planned["recompute_ops"],
+        "skipped_calls": planned.get("skipped_calls", 0),
         "partitions": len(plan.partitions),
         "optimizer": plan_mode(plan),
         "steps": steps,

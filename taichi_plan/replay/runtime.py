@@ -146,6 +146,11 @@ class CallPlan:
     # the recorded ops, so they are counted and tracked as any other (recipes, drops), where a
     # module split into chunks runs ops of its pieces, which are not counted.
     whole: frozenset = frozenset()
+    # Counted op at which a recorded submodule call starts -> [(first, last, module)]: where the
+    # call may go on after a live forward skipped it, outermost first (replay.module_calls, _resync).
+    module_calls: dict = field(default_factory=dict)
+    # module name -> the counted ops at which its recorded calls start, in order (_entered)
+    module_starts: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -176,6 +181,8 @@ class Frame:
     next_sid: int = 0
     smaller: bool = False  # inputs no larger than the recorded ones in any dimension, some smaller
     entered: set = field(default_factory=set)  # partitioned modules whose wrapper ran in this call
+    skipped: list = field(default_factory=list)  # (module, counted op) of the recorded calls it skipped
+    module_seen: dict = field(default_factory=dict)  # module name -> its calls so far in this call
 
 
 def no_larger(got: list, want: list) -> bool:
@@ -316,12 +323,17 @@ class PlanRuntime(TorchDispatchMode):
         self.recompute_ops = 0
         self.dropped_storages = 0
         self.planned_calls = 0
+        self.skipped_calls = 0  # recorded module calls a live forward did not make (_resync, _entered)
+        self._module_hook = None  # a global forward pre-hook while a planned call runs (_entered)
+        self._names: dict[int, str] = {}
+        self._names_root = None
 
     def reset_counters(self) -> None:
         self.recompute_s = 0.0
         self.recompute_ops = 0
         self.dropped_storages = 0
         self.planned_calls = 0
+        self.skipped_calls = 0
 
     # -- calls and steps ------------------------------------------------------------------------------
     def begin_call(self, model, args, kwargs) -> bool:
@@ -343,6 +355,10 @@ class PlanRuntime(TorchDispatchMode):
             return False
         frame = Frame(call, smaller=smaller)
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        if call.module_starts:
+            self._names_of(model)
+            if self._module_hook is None:
+                self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
         self._frame = frame
         self.__enter__()
         hooks.__enter__()
@@ -357,8 +373,13 @@ class PlanRuntime(TorchDispatchMode):
         finally:
             self.__exit__(None, None, None)
             self._frame = self._stack[-1][0] if self._stack else None
+            if not self._stack and self._module_hook is not None:
+                self._module_hook.remove()
+                self._module_hook = None
         self._skip(frame)
-        missed = [m for m in frame.call.spans if m not in frame.entered]
+        gone = {m for m, _ in frame.skipped}
+        missed = [m for m in frame.call.spans if m not in frame.entered
+                  and not any(m == g or m.startswith(g + ".") for g in gone)]
         if not failed and frame.enabled and missed:
             self._frame_mismatch(frame, (
                 f"The plan partitions module {missed[0]!r}, but its forward was not called in call "
@@ -453,9 +474,11 @@ class PlanRuntime(TorchDispatchMode):
             d = self.steps_differed
             why = (f"The recorded steps already differed from each other (step {d.get('step')} ran {d.get('got')} "
                    f"where the first ran {d.get('expected')}): the model changes its op sequence from step to step, "
-                   "as random layer skipping (layerdrop, stochastic depth) or data-dependent branches do, so no "
-                   "one plan fits every step. Turn that off for training with a plan (e.g. layerdrop=0), or apply "
-                   "the plan with on_mismatch='warn' to run the steps that differ unplanned.")
+                   "as random layer skipping (layerdrop, stochastic depth) or data-dependent branches do. The plan "
+                   "runs on steps that skip module calls its step made, not on one that calls a module its step "
+                   "did not, as this one did: record more --steps (the trace keeps the step with the most module "
+                   "calls), turn the skipping off for training with a plan (e.g. layerdrop=0), or apply the plan "
+                   "with on_mismatch='warn' to run such steps unplanned.")
         elif frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
             why = ("These inputs are smaller than the recorded ones, and at these sizes the model takes another op "
                    "path (a dimension of size 1 makes some copies unnecessary). Apply the plan with "
@@ -520,8 +543,12 @@ class PlanRuntime(TorchDispatchMode):
         i = self._skip(frame)
         frame.n += 1
         if i >= len(call.ops) or call.ops[i][0] != info.name:
-            self._op_mismatch(frame, i, info.name)
-            return func(*args, **kwargs)
+            j = self._resync(frame, i, info.name)
+            if j is None:
+                self._op_mismatch(frame, i, info.name)
+                return func(*args, **kwargs)
+            i = j
+            frame.n = j + 1
         keep = call.recipe_ops is None or i in call.recipe_ops
         rng = _rng_state(args, kwargs) if info.random and keep and draws_random(func, args, kwargs) else None
         out = func(*args, **kwargs)
@@ -573,6 +600,73 @@ class PlanRuntime(TorchDispatchMode):
         if i in call.triggers:
             self._note_triggers(frame, i, out)
         return out
+
+    def _names_of(self, model) -> None:
+        """Module names as the recorder saw them: ``model.named_modules()`` (cached per model)."""
+        if self._names_root is not model:
+            self._names = {id(m): name for name, m in model.named_modules()}
+            self._names_root = model
+
+    def _entered(self, module, _args) -> None:
+        """A module's forward starts (a global pre-hook, installed while a planned call runs).
+        Where its recorded call starts later than the op the call has reached, and a recorded
+        module call starts there, the live forward skipped that call (and its caller's code
+        after it, up to this module's): its ops never run, and the count moves on to this one.
+        It finds what op names alone cannot, a skipped layer followed by a module that starts
+        with the same ops (the head after a last layer skipped)."""
+        frame = self._frame
+        if (frame is None or not frame.enabled or frame.partition_depth or self.hidden
+                or torch._C._current_graph_task_id() != -1):
+            return
+        name = self._names.get(id(module))
+        starts = frame.call.module_starts.get(name) if name is not None else None
+        if not starts:
+            return
+        k = frame.module_seen.get(name, 0)
+        frame.module_seen[name] = k + 1
+        if k >= len(starts):
+            return
+        want, n = starts[k], self._skip(frame)
+        table = frame.call.module_calls
+        if want <= n or n not in table:
+            return
+        skipped, p = [], n
+        while p < want:
+            fits = [(first, m) for first, _last, m in table.get(p, ()) if first <= want]
+            if fits:  # outermost first
+                skipped.append((fits[0][1], p))
+                p = fits[0][0]
+            else:  # the caller's own code between skipped calls
+                p += 1
+        frame.skipped.extend(skipped)
+        self.skipped_calls += len(skipped)
+        frame.n = want
+
+    def _resync(self, frame: Frame, i: int, name: str) -> int | None:
+        """The op index at which op ``name`` continues the recorded call when the live forward
+        skipped the recorded module call(s) starting at op ``i`` (layerdrop's skipped layer, an
+        branch on a tensor's value), else None (a mismatch). The skipped calls' ops never run: what
+        the plan drops there is never made, their rebuild groups are never needed, and every
+        other op keeps its recorded index, so the plan goes on as recorded with less memory
+        live than predicted (tests/test_skipped_modules.py)."""
+        ops, table = frame.call.ops, frame.call.module_calls
+        paths = [(i, [])]  # (op after the calls skipped so far, those calls): breadth first
+        for _ in range(8):  # at most 8 calls skipped back to back
+            longer = []
+            for k, path in paths:
+                for first, last, module in table.get(k, ()):  # outermost first
+                    for j in range(first, last + 1):  # the first op of the caller's code it matches
+                        if j in frame.call.skip:
+                            continue
+                        if j < len(ops) and ops[j][0] == name:
+                            frame.skipped.extend([*path, (module, k)])
+                            self.skipped_calls += len(path) + 1
+                            return j
+                    longer.append((first, [*path, (module, k)]))
+            paths = longer
+            if not paths:
+                break
+        return None
 
     @staticmethod
     def _skip(frame: Frame) -> int:
