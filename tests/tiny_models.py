@@ -428,3 +428,27 @@ def gelu_mlp(batch: int = 512, **_):
     from torch import nn
 
     return _activation_mlp(nn.GELU, batch)
+
+
+def pooled_mlp(batch: int = 2048, **_):
+    """An MLP whose forward also returns a pooled output that the loss does not use, through a
+    ``tanh`` (which autograd saves as its own output), as a BERT-style pooler next to an MLM
+    head (FNet's ``FNetForMaskedLM``)."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 64):
+            super().__init__()
+            self.body = nn.Sequential(nn.Linear(32, h), nn.GELU(), nn.Linear(h, h), nn.GELU())
+            self.head = nn.Linear(h, 4)
+            self.pool = nn.Linear(h, h)
+
+        def forward(self, x):
+            h = self.body(x)
+            return self.head(h), torch.tanh(self.pool(h[:8]))
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randn(batch, 32), torch.randint(0, 4, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out[0], y)), torch.optim.AdamW(model.parameters())

@@ -710,15 +710,23 @@ class PlanRuntime(TorchDispatchMode):
 
     # -- saved tensors --------------------------------------------------------------------------------
     def _pack(self, t: _Tensor):
-        frame = self._frame
-        if frame is None or not frame.enabled or not isinstance(t, _Tensor):
+        # What is kept is detached: the tensor a pack hook gets still has its grad_fn, and a
+        # node's own output kept so (tanh, softmax, exp save theirs) makes a cycle, output ->
+        # node -> kept output, that nothing reclaims when backward never runs that node (a
+        # pooler's output the loss does not use: FNet leaked 3 tensors a step). Autograd keeps
+        # the grad_fn itself, so unpacking a detached tensor loses nothing (PyTorch's own
+        # SavedVariable keeps an output's data alone for the same reason).
+        if not isinstance(t, _Tensor):
             return t
+        frame = self._frame
+        if frame is None or not frame.enabled:
+            return t.detach()
         sid = frame.sid_of.get(t.untyped_storage()._cdata)
         if sid is not None and sid in frame.trigger_of:
             frame.trigger_pending[sid] = frame.trigger_pending.get(sid, 0) + 1
-            return _Trigger(frame, sid, t)
+            return _Trigger(frame, sid, t.detach())
         if sid is None or sid not in frame.dropped:
-            return t
+            return t.detach()
         frame.pending[sid] = frame.pending.get(sid, 0) + 1
         return _Handle(frame, self._ref(frame, t))
 
