@@ -92,8 +92,9 @@ def test_a_step_calling_a_block_its_recording_skipped_stops_with_the_way_out():
     plan = solve(trace, int(problem.baseline_peak[0] * 0.6), "heuristic", problem=problem, optimizer="as-recorded")
     model2, x2, loss_fn2, opt2 = build(0.0)  # calls every block
     model2 = taichi_plan.apply(model2, plan, trace=trace)
-    with pytest.raises(MismatchError, match="differs"):
+    with pytest.raises(MismatchError, match="differs") as e:
         loss_fn2(model2(x2), x2).backward()
+    assert "on_mismatch='warn'" in str(e.value)
     taichi_plan.finish(model2)
 
 

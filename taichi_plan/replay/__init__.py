@@ -126,8 +126,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
     grads = [(a, f) for k, a, f in zip(kinds, alloc, free, strict=True) if k == "gradient"]
     out = []
-    skippable = module_calls(trace, calls, counted, before)
-    starts = module_starts(trace, calls, counted, before)
+    skippable, starts = module_calls(trace, calls, counted, before)
     for c, (call, ops) in enumerate(zip(calls, call_ops(trace, pos), strict=True)):
         s0 = call["start"]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
@@ -138,62 +137,47 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     return out
 
 
-def module_calls(trace, calls: list[dict], counted: list[bool], before: list[int]) -> list[dict]:
-    """Per grad-enabled model call: counted op index (from the call's first op) at which a
-    recorded call of a submodule starts -> [(first, last, module name)], outermost first:
-    the counted ops at which the call may go on when a live forward skipped that module call,
-    from the op right after its last one to at most ``SKIP_GLUE`` ops of its caller's own code
-    after it (``x = x + layer(x)``: the residual add is skipped with the layer). The runtime
-    lets a live call skip such a call (layerdrop skips a layer, a branch on a tensor's
-    value skips a block: :meth:`~taichi_plan.replay.runtime.PlanRuntime._resync`).
+def module_calls(trace, calls: list[dict], counted: list[bool], before: list[int]) -> tuple[list[dict], list[dict]]:
+    """Per grad-enabled model call, two tables of its recorded submodule calls (trace v10
+    ``meta.module_args``), in counted ops from the call's first op:
 
-    A module call's ops: from its start (trace v10 ``meta.module_args``), the contiguous ops
-    whose module is it or one inside it, up to its next call."""
+    * skippable: the op at which a module call starts -> [(first, last, module name)],
+      outermost first: where the call may go on when a live forward skipped that module call,
+      from the op right after its last one to at most ``SKIP_GLUE`` ops of its caller's own
+      code after it (``x = x + layer(x)``: the residual add is skipped with the layer);
+    * starts: module name -> the ops at which its calls start, in order.
+
+    The runtime lets a live call skip such a call (layerdrop skips a layer, a branch on a
+    tensor's value skips a block: :meth:`~taichi_plan.replay.runtime.PlanRuntime._resync` and
+    ``_entered``). A module call's ops: from its start, the contiguous ops whose module is it or
+    one inside it, up to its next call."""
     modules = trace.ops["module"].tolist()
     n = len(modules)
-    out: list[dict] = [{} for _ in calls]
+    total = [*before, before[-1] + counted[-1]] if n else [0]  # counted ops before op i, for i <= n
+    skippable: list[dict] = [{} for _ in calls]
+    starts: list[dict] = [{} for _ in calls]
     for name, entries in (trace.meta.get("module_args") or {}).items():
-        starts = sorted(int(e[0]) for e in entries)
+        ss = sorted(int(e[0]) for e in entries)
         inside = name + "."
-        for k, s in enumerate(starts):
-            stop = starts[k + 1] if k + 1 < len(starts) else n
+        for k, s in enumerate(ss):
+            c = next((c for c, call in enumerate(calls) if call["start"] <= s <= call["end"]), None)
+            if c is None:
+                continue
+            c0, end = calls[c]["start"], calls[c]["end"]
+            starts[c].setdefault(name, []).append(total[s] - total[c0])
+            stop = min(ss[k + 1] if k + 1 < len(ss) else n, end + 1)
             e = s
             while e < stop and (modules[e] == name or (modules[e] or "").startswith(inside)):
                 e += 1
-            if e == s:
-                continue  # no op of its own (an identity): nothing to skip
-            for c, call in enumerate(calls):
-                if call["start"] <= s and e - 1 <= call["end"]:
-                    def at(op: int, c0: int = call["start"]) -> int:
-                        return (before[op] if op < n else before[-1] + counted[-1]) - before[c0]
-                    g, glue = e, 0  # the caller's own ops right after the call (an ancestor's, or top level)
-                    while g <= call["end"] and glue < SKIP_GLUE and (
-                            not modules[g] or name.startswith(modules[g] + ".")):
-                        glue += counted[g]
-                        g += 1
-                    a, first, last = at(s), at(e), at(e) + glue
-                    if first > a:
-                        out[c].setdefault(a, []).append((first, last, name))
-                    break
-    for table in out:
+            g = e  # the caller's own ops right after the call (an ancestor's, or top level)
+            while g <= end and total[g] - total[e] < SKIP_GLUE and (not modules[g] or name.startswith(modules[g] + ".")):
+                g += 1
+            if total[e] > total[s]:  # (an identity runs no op of its own: nothing to skip)
+                skippable[c].setdefault(total[s] - total[c0], []).append((total[e] - total[c0], total[g] - total[c0], name))
+    for table in skippable:
         for ends in table.values():
             ends.sort(key=lambda x: (-x[0], x[2]))
-    return out
-
-
-def module_starts(trace, calls: list[dict], counted: list[bool], before: list[int]) -> list[dict]:
-    """Per grad-enabled model call: module name -> the counted ops (from the call's first op)
-    at which its recorded calls start, in order (trace v10 ``meta.module_args``)."""
-    out: list[dict] = [{} for _ in calls]
-    n = len(counted)
-    for name, entries in (trace.meta.get("module_args") or {}).items():
-        for s in sorted(int(e[0]) for e in entries):
-            for c, call in enumerate(calls):
-                if call["start"] <= s <= call["end"]:
-                    at = (before[s] if s < n else before[-1] + counted[-1]) - before[call["start"]]
-                    out[c].setdefault(name, []).append(at)
-                    break
-    return out
+    return skippable, starts
 
 
 def _written_at(trace) -> dict[tuple[int, int], int]:

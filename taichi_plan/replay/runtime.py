@@ -149,7 +149,7 @@ class CallPlan:
     # Counted op at which a recorded submodule call starts -> [(first, last, module)]: where the
     # call may go on after a live forward skipped it, outermost first (replay.module_calls, _resync).
     module_calls: dict = field(default_factory=dict)
-    # module name -> the counted ops at which its recorded calls start, in order (_entered)
+    # module name -> the counted ops at which its recorded calls start, in order (replay.module_calls, _entered)
     module_starts: dict = field(default_factory=dict)
 
     @property
@@ -644,7 +644,7 @@ class PlanRuntime(TorchDispatchMode):
 
     def _resync(self, frame: Frame, i: int, name: str) -> int | None:
         """The op index at which op ``name`` continues the recorded call when the live forward
-        skipped the recorded module call(s) starting at op ``i`` (layerdrop's skipped layer, an
+        skipped the recorded module call(s) starting at op ``i`` (layerdrop's skipped layer, a
         branch on a tensor's value), else None (a mismatch). The skipped calls' ops never run: what
         the plan drops there is never made, their rebuild groups are never needed, and every
         other op keeps its recorded index, so the plan goes on as recorded with less memory
