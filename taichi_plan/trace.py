@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 10
+FORMAT_VERSION = 11
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
@@ -29,8 +29,9 @@ FORMAT_VERSION = 10
 # v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost);
 # v8 adds meta.forward_in_backward (module forwards the model itself re-runs in backward); v9 adds
 # meta.backward_nodes (where each autograd node starts in backward: where it unpacks saved tensors);
-# v10 adds meta.module_args (each module's forward calls, with their tensor arguments)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+# v10 adds meta.module_args (each module's forward calls, with their tensor arguments); v11 adds
+# meta.data_sized (tensors whose sizes depend on tensor values: a mixture of experts' routed tokens)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
@@ -95,6 +96,21 @@ def own_checkpointing(meta: dict) -> str | None:
             "activation of a module at once in backward: turn the model's own checkpointing off "
             "(model.gradient_checkpointing_disable(), or remove its torch.utils.checkpoint calls) and record "
             "again, so that the plan chooses what to recompute.")
+def data_sized_note(meta: dict) -> str | None:
+    """A sentence on the tensors whose sizes depend on tensor values (trace v11
+    ``meta.data_sized``), or None when the step has none (or the trace predates v11)."""
+    info = meta.get("data_sized") or {}
+    if not info.get("tensors"):
+        return None
+    src = info.get("sources") or []
+    where = "; ".join(f"{op} in {module or '<top level>'}, {n} call(s)" for op, module, n in src[:3])
+    more = f"; and {len(src) - 3} more" if len(src) > 3 else ""
+    return (f"{len(info['tensors'])} tensors of the step have sizes set by tensor values ({where}{more}), as a "
+            "mixture of experts' tokens per expert are: plans run on steps whose sizes differ (the runtime rebuilds "
+            "such a tensor at its live size), but the peak is predicted at the recorded sizes, and another batch "
+            "can peak a few percent higher. Solve for a budget below the device's memory by that much.")
+
+
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary",
          "unsharded_parameter", "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket")
 ROLES = ("read", "write")

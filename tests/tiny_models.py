@@ -452,3 +452,46 @@ def pooled_mlp(batch: int = 2048, **_):
     model = Net()
     x, y = torch.randn(batch, 32), torch.randint(0, 4, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out[0], y)), torch.optim.AdamW(model.parameters())
+
+
+def looped_moe(batch: int = 256, **_):
+    """A mixture of experts that loops over its experts (top-2 routing): each expert gets the
+    tokens routed to it (``torch.where`` of the routing mask, then ``x[token_idx]``) and adds its
+    output back with ``index_add_``, as transformers' eager experts and SwitchTransformers do. The
+    tokens per expert, and so the sizes of everything an expert computes, change with the data."""
+    import torch
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self, h: int, n: int):
+            super().__init__()
+            self.router = nn.Linear(h, n, bias=False)
+            self.experts = nn.ModuleList(nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+                                         for _ in range(n))
+
+        def forward(self, x):
+            weights, chosen = torch.softmax(self.router(x), dim=-1).topk(2, dim=-1)
+            out = torch.zeros_like(x)
+            for e, expert in enumerate(self.experts):
+                token_idx, slot = torch.where(chosen == e)
+                y = expert(x[token_idx]) * weights[token_idx, slot, None]
+                out.index_add_(0, token_idx, y)
+            return out
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, layers: int = 2, n: int = 4):
+            super().__init__()
+            self.inp = nn.Linear(16, h)
+            self.blocks = nn.ModuleList(Experts(h, n) for _ in range(layers))
+            self.head = nn.Linear(h, 4)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(batch, 16)
+    return model, x, (lambda out, _b: out.float().pow(2).mean()), torch.optim.AdamW(model.parameters())

@@ -61,7 +61,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
     from ..record import Loop, get_workload, record_workload
-    from ..trace import baseline_peak, write_trace
+    from ..trace import baseline_peak, data_sized_note, write_trace
 
     if device_profile is not None:
         get_profile(device_profile)
@@ -113,6 +113,9 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     path = write_trace(trace, output, force=force)
     peak, at = baseline_peak(trace)
     click.echo(f"Wrote {path} ({len(trace.ops)} ops, peak {format_bytes(peak)} at op {at})")
+    sized = data_sized_note(trace.meta)
+    if sized is not None:
+        click.echo(f"Note: {sized}")
     if trace.meta.get("ddp") is not None:
         d = trace.meta["ddp"]
         click.echo(f"One rank of {d['world_size']} (DDP): {len(d['buckets'])} gradient buckets, "

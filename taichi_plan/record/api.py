@@ -290,7 +290,12 @@ def first_mismatch(records: list[StepRecord], step_indices: list[int]) -> dict |
         keys = list(zip(rec.ops["op"], rec.shapes, strict=True))
         if keys == ref_keys:
             continue
-        i = next((k for k, (a, b) in enumerate(zip(ref_keys, keys)) if a != b), min(len(keys), len(ref_keys)))
+        by_data = ref.data_sized_ops | rec.data_sized_ops  # their sizes follow the data: compare names
+        if len(keys) == len(ref_keys) and all(a == b or (k in by_data and a[0] == b[0])
+                                              for k, (a, b) in enumerate(zip(ref_keys, keys))):
+            continue
+        i = next((k for k, (a, b) in enumerate(zip(ref_keys, keys))
+                  if a[0] != b[0] or (a != b and k not in by_data)), min(len(keys), len(ref_keys)))
         return {"step": step, "op_index": i, "expected": _describe(ref, i), "got": _describe(rec, i)}
     return None
 
@@ -405,6 +410,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
         "forward_in_backward": forward_in_backward(kept),
         "called_modules": sorted(kept.called_modules),
         "module_args": dict(sorted(kept.module_args.items())),
+        "data_sized": data_sized(kept),
         "loop": loop.to_json(),
         "gpu_kernels": meta.get("gpu_kernels"),
         "runtime_overhead": dict(calibrate_overhead()),
@@ -412,6 +418,20 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
     if "python_refs" in kept.extras:
         full["python_refs"] = kept.extras["python_refs"]
     return step_to_trace(kept, step_indices[k], "estimated" if fake else "measured", full)
+
+
+def data_sized(rec: StepRecord) -> dict:
+    """``meta.data_sized`` (trace v11): the tensors whose size depends on tensor values
+    (``StepRecord.data_sized``) and, per op and module, how many calls made outputs sized by
+    values (``nonzero``, ``x[mask]``): a mixture of experts routes another number of tokens to each
+    expert every step. The runtime does not hold such a tensor to its recorded size; the plan's
+    peak is predicted at the recorded sizes."""
+    count: dict[tuple[str, str], int] = {}
+    for o in rec.data_sized_sources:
+        key = (rec.ops["op"][o], rec.ops["module"][o] or "")
+        count[key] = count.get(key, 0) + 1
+    return {"tensors": sorted(int(t) for t in rec.data_sized),
+            "sources": [[op, module, n] for (op, module), n in sorted(count.items())]}
 
 
 def forward_in_backward(rec: StepRecord) -> dict:

@@ -118,6 +118,7 @@ class _OpInfo:
     collective: str | None = None  # ring kind (allgather, reduce_scatter, allreduce) of a collective
     no_recompute: bool = False
     seeded: bool = False  # tagged ``nondeterministic_seeded``: may draw from the RNG (see draws_random)
+    sized_by_data: bool = False  # tagged ``dynamic_output_shape``: its outputs' sizes may depend on values
 
 
 def input_signature(args, kwargs) -> list[list]:
@@ -155,7 +156,18 @@ def _op_info(func) -> _OpInfo:
     packet = func.overloadpacket
     flop_fn = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
     return _OpInfo(name, skip, bool(write_args), write_args, flop_fn, collective_kind(name),
-                   func.namespace in _NO_RECOMPUTE_NAMESPACES, _SEEDED is not None and _SEEDED in func.tags)
+                   func.namespace in _NO_RECOMPUTE_NAMESPACES, _SEEDED is not None and _SEEDED in func.tags,
+                   torch.Tag.dynamic_output_shape in func.tags)
+
+
+def sizes_by_data(func, args) -> bool:
+    """Does this call of an op tagged ``dynamic_output_shape`` make outputs whose sizes depend
+    on tensor values (``nonzero``, ``masked_select``, ``unique``, ``x[mask]``)? Indexing is tagged
+    for its boolean masks: ``x[idx]`` with integer indices is sized by ``idx``'s size alone (data
+    dependent only when ``idx`` is, which the recorder follows from its inputs)."""
+    if func is torch.ops.aten.index.Tensor and len(args) > 1:
+        return any(isinstance(i, _Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ())
+    return True
 
 
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
@@ -203,6 +215,14 @@ class StepRecord:
     incarnations: dict = field(default_factory=dict)  # storage key -> its rows (tensor ids), when resized
     extras: dict = field(default_factory=dict)  # what add-ons (record.fsdp) note about the step
     random_ops: list = field(default_factory=list)  # op ids that drew random numbers (draws_random)
+    # Tensor ids whose size depends on tensor values (trace v11 meta.data_sized): made by an op
+    # whose output size does (``nonzero``, ``x[mask]``: sizes_by_data), or by any op reading such a
+    # tensor (a mixture of experts' ``hidden[token_idx]`` and everything its expert computes);
+    # an in-place write keeps its storage's size. ``data_sized_ops``: the ops that made or read
+    # them; ``data_sized_sources``: the ops whose own outputs are sized by values.
+    data_sized: set = field(default_factory=set)
+    data_sized_ops: set = field(default_factory=set)
+    data_sized_sources: list = field(default_factory=list)
     # Op ids of forward code re-run inside backward by torch.utils.checkpoint: the model's own
     # activation checkpointing (Recorder._note_rerun).
     rerun_ops: list = field(default_factory=list)
@@ -769,6 +789,10 @@ class Recorder(TorchDispatchMode):
         bytes_moved = 0
         in_keys = []
         i = 0
+        sized = rec.data_sized
+        by_data = info.sized_by_data and sizes_by_data(func, args)
+        if by_data:
+            rec.data_sized_sources.append(op_id)
         for x in flat_in:
             if isinstance(x, _Tensor):
                 st = x.untyped_storage()
@@ -779,6 +803,8 @@ class Recorder(TorchDispatchMode):
                         i += 1
                         continue
                     tid = self._register(x, st, -1 if key in self._alive else op_id, -1, None)
+                if sized and tid in sized:
+                    by_data = True
                 a_op.append(op_id)
                 a_tid.append(tid)
                 a_role.append("read")
@@ -815,6 +841,8 @@ class Recorder(TorchDispatchMode):
                     j += 1
                     continue
                 tid = self._register(x, st, op_id, op_id, None)
+                if by_data:
+                    sized.add(tid)
             elif written is None or key not in written:
                 j += 1
                 continue
@@ -835,6 +863,8 @@ class Recorder(TorchDispatchMode):
                     a_role.append("write")
                     a_idx.append(pos)
         rec.shapes.append(tuple(shapes))
+        if by_data:
+            rec.data_sized_ops.add(op_id)
 
         flops = 0
         if info.flop_fn is not None:

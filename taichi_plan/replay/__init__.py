@@ -190,8 +190,11 @@ def _written_at(trace) -> dict[tuple[int, int], int]:
 
 def call_ops(trace, pos: dict | None = None) -> list[list]:
     """Per grad-enabled model call, its counted ops as the runtime checks them: (op name,
-    module, {output index: bytes of the storage it creates})."""
+    module, {output index: bytes of the storage it creates}). A storage whose size depends on
+    tensor values (trace v11 ``meta.data_sized``: the tokens a mixture of experts routes to an
+    expert) is not held to its recorded size: its recipe is the live op's, whatever the size."""
     pos = _written_at(trace) if pos is None else pos
+    sized = set((trace.meta.get("data_sized") or {}).get("tensors") or ())
     names = trace.ops["op"].tolist()
     modules = trace.ops["module"].tolist()
     counted = counted_ops(trace)
@@ -200,7 +203,7 @@ def call_ops(trace, pos: dict | None = None) -> list[list]:
     producer = dict(zip(tensors["tensor_id"].tolist(), tensors["producer_op"].tolist(), strict=True))
     made: dict[int, dict[int, int]] = {}
     for (o, t), j in pos.items():
-        if producer.get(t) == o:
+        if producer.get(t) == o and t not in sized:
             made.setdefault(o, {})[j] = int(nbytes[t])
     return [[(names[o], modules[o], made.get(o, {})) for o in range(call["start"], call["end"] + 1) if counted[o]]
             for call in model_calls(trace)]

@@ -33,7 +33,7 @@ from ..prefetch import movable
 from ..problem import Problem, build_problem, describe_op, min_live_bytes
 from ..reshard import reshard_units
 from ..simulate import simulate_plan
-from ..trace import Trace, own_checkpointing
+from ..trace import Trace, data_sized_note, own_checkpointing
 from ..units import format_bytes
 from .fsdp import solve_with_fsdp
 from .heuristic import best_by_simulator, plan_heuristic
@@ -258,6 +258,9 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
         kv = kv_cache_note(recorded_problem(prob)) if plan.budget_bytes < int(prob.baseline_peak[0]) else None
         if kv is not None:
             plan.solver["notes"].append(kv)
+        sized = data_sized_note(trace.meta)
+        if sized is not None:
+            plan.solver["notes"].append(sized)
         return plan
     raise AssertionError("unreachable: the last option raises or returns")
 
