@@ -191,6 +191,27 @@ def test_a_foreach_step_runs_in_groups_bitwise_and_measured_as_predicted():
     measured = record(model, batch, loss_fn, opt)  # the planned step, recorded: its peak is the measured one
     taichi_plan.finish(model)
     assert baseline_peak(measured)[0] == plan.predicted["planned_peak_bytes"]
+    # In groups the step runs inside the user's optimizer.step(), after a GradScaler unscaled
+    # every gradient: scaled training is bitwise the unplanned run's too.
+    plain = _train_scaled(*_foreach_mlp(), steps=3)
+    model, batch, loss_fn, opt, sched = _foreach_mlp()
+    taichi_plan.apply(model, plan, optimizer=opt, trace=trace)
+    planned = _train_scaled(model, batch, loss_fn, opt, sched, steps=3)
+    taichi_plan.finish(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain, planned, strict=True))
+
+
+def _train_scaled(model, batch, loss_fn, optimizer, scheduler, steps):
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss_fn(model(batch), batch)).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+    return [p.detach().clone() for p in model.parameters()]
 
 
 def test_a_foreach_step_can_be_stepped_in_backward_too():
@@ -241,6 +262,38 @@ def test_accumulating_with_a_plan_that_steps_in_backward_raises_instead_of_stepp
     opt.step()  # a step boundary: the next backward updates again
     loss_fn(model(batch), batch).backward()
     taichi_plan.finish(model)
+
+
+def test_a_grad_scaler_or_unrecorded_clipping_with_a_plan_that_steps_in_backward_raises(mlp):
+    """A GradScaler must unscale every gradient, and skip the update when one is inf or NaN,
+    before any update; clipping needs every gradient too. Stepping in backward, both would
+    train otherwise, silently (the scaled gradients applied; nothing left to clip). They raise,
+    the scaler before its backward, and go back to PyTorch's own functions at ``finish``."""
+    from taichi_plan.errors import MismatchError
+
+    scale, norm, value = torch.amp.GradScaler.scale, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
+    plan = solve(mlp, int(view_problem(build_problem(mlp), "in-backward").baseline_peak[0]), optimizer="in-backward")
+    model, batch, loss_fn, opt, _sched = _build(MLP, foreach=False)
+    before = [p.detach().clone() for p in model.parameters()]
+    taichi_plan.apply(model, plan, optimizer=opt)
+    scaler = torch.amp.GradScaler("cpu")
+    with pytest.raises(MismatchError, match="GradScaler"):
+        scaler.scale(loss_fn(model(batch), batch))
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # nothing stepped
+    off = torch.amp.GradScaler("cpu", enabled=False)  # a disabled scaler returns the loss as it is
+    off.scale(loss_fn(model(batch), batch)).backward()
+    opt.step()
+    with pytest.raises(MismatchError, match="clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(MismatchError, match="clip_grad_value_"):
+        torch.nn.utils.clip_grad.clip_grad_value_(model.parameters(), 1.0)
+    other = torch.nn.Linear(2, 2)  # parameters stepped after backward clip as before
+    other(torch.ones(1, 2)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(other.parameters(), 1.0)
+    taichi_plan.finish(model)
+    assert (torch.amp.GradScaler.scale, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_) == (
+        scale, norm, value)
+    assert torch.nn.utils.clip_grad.clip_grad_norm_ is norm
 
 
 def test_the_options_sentence_never_says_a_peak_is_itself_instead():

@@ -11,7 +11,9 @@ after backward then finds no gradient and updates nothing (PyTorch's optimizers 
 parameter whose ``.grad`` is None), so nothing is stepped twice, and ``zero_grad()`` has
 nothing left to free. A parameter whose gradient completes twice before ``optimizer.step()``
 (gradient accumulation the plan was not made for) raises :class:`MismatchError` instead of
-being updated twice. Per-parameter, ``foreach`` and hook-driven AdamW updates are bitwise
+being updated twice, and so does a loop that needs every gradient before any update
+(:class:`_LoopGuard`): a ``GradScaler`` (unscale, skip a step with inf/NaN gradients) or
+gradient clipping the trace's loop did not record. Per-parameter, ``foreach`` and hook-driven AdamW updates are bitwise
 equal on CPU, so parameters after N steps equal the unplanned run's.
 
 ``groups``: a step pre-hook runs the optimizer's step function once per group of parameters
@@ -22,6 +24,8 @@ parameter groups back. Hooks and learning-rate schedulers see one step, as befor
 """
 
 from __future__ import annotations
+
+import torch
 
 from ..errors import MismatchError, PlanError
 from ..optimizer_plan import plan_mode
@@ -89,7 +93,82 @@ def step_in_backward(optimizer) -> list:
             if p.requires_grad and id(p) not in seen:
                 seen.add(id(p))
                 handles.append(p.register_post_accumulate_grad_hook(hook))
+    handles.append(_LoopGuard.install(seen))
     return handles
+
+
+_IN_BACKWARD = ("this plan steps the optimizer in backward (decisions.optimizer: in-backward): each parameter is "
+                "updated, and its gradient freed, as soon as the gradient is complete")
+
+
+class _LoopGuard:
+    """While a plan steps an optimizer in backward, what a loop does with the whole gradient
+    between backward and ``optimizer.step()`` cannot happen: ``GradScaler.scale`` (its
+    ``step`` must unscale every gradient and skip the update when one is inf or NaN) raises
+    before the backward, and ``clip_grad_norm_`` / ``clip_grad_value_`` of a parameter already
+    updated raise instead of clipping nothing. Both would otherwise train otherwise, silently
+    (scaled gradients applied; no clipping). One patch of each, installed with the first
+    optimizer and removed with the last (``remove()``)."""
+
+    params: dict[int, int] = {}  # id of a parameter stepped in backward -> its installs
+    saved: dict | None = None
+
+    def __init__(self, ids: set[int]):
+        self.ids = set(ids)
+
+    @classmethod
+    def install(cls, ids: set[int]) -> _LoopGuard:
+        for i in ids:
+            cls.params[i] = cls.params.get(i, 0) + 1
+        if cls.saved is None:
+            utils = torch.nn.utils
+            cls.saved = {"scale": torch.amp.GradScaler.scale, "norm": utils.clip_grad.clip_grad_norm_,
+                         "value": utils.clip_grad.clip_grad_value_}
+            torch.amp.GradScaler.scale = cls._scale
+            utils.clip_grad_norm_ = utils.clip_grad.clip_grad_norm_ = cls._clipper("norm", "clip_grad_norm_")
+            utils.clip_grad_value_ = utils.clip_grad.clip_grad_value_ = cls._clipper("value", "clip_grad_value_")
+        return cls(ids)
+
+    def remove(self) -> None:
+        cls = type(self)
+        for i in self.ids:
+            n = cls.params.get(i, 0) - 1
+            if n > 0:
+                cls.params[i] = n
+            else:
+                cls.params.pop(i, None)
+        self.ids = set()
+        if not cls.params and cls.saved is not None:
+            utils = torch.nn.utils
+            torch.amp.GradScaler.scale = cls.saved["scale"]
+            utils.clip_grad_norm_ = utils.clip_grad.clip_grad_norm_ = cls.saved["norm"]
+            utils.clip_grad_value_ = utils.clip_grad.clip_grad_value_ = cls.saved["value"]
+            cls.saved = None
+
+    @staticmethod
+    def _scale(scaler, outputs):
+        if scaler.is_enabled():
+            raise MismatchError(
+                f"The loop scales its loss with a GradScaler, but {_IN_BACKWARD}: the scaler could neither unscale the "
+                "gradients nor skip a step with inf or NaN gradients, and the scaled gradients would be applied. "
+                "Solve again with --optimizer groups or as-recorded (both step after backward), or train in bf16 "
+                "without a scaler.")
+        return _LoopGuard.saved["scale"](scaler, outputs)
+
+    @staticmethod
+    def _clipper(key: str, name: str):
+        def clip(parameters, *args, **kwargs):
+            params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            if any(id(p) in _LoopGuard.params for p in params):
+                raise MismatchError(
+                    f"The loop calls {name} after backward, but {_IN_BACKWARD}: those parameters were updated "
+                    "unclipped and have no gradient left to clip. Record the loop with its clipping (--clip-grad-norm, "
+                    "or Loop(clip_grad_norm=...)), whose plans step the optimizer after it, or solve again with "
+                    "--optimizer groups or as-recorded.")
+            return _LoopGuard.saved[key](params, *args, **kwargs)
+
+        clip.__name__ = name
+        return clip
 
 
 def step_in_groups(optimizer, groups: list[list[int]]) -> list:
