@@ -71,7 +71,7 @@ def test_gathering_by_fixed_indices_is_not_sized_by_values():
     torch.manual_seed(0)
     model = Gather()
     trace = record(model, torch.randn(32, 8), lambda out, _b: out.pow(2).mean(), torch.optim.SGD(model.parameters()))
-    assert trace.meta["data_sized"] == {"tensors": [], "sources": []}
+    assert trace.meta["data_sized"] == {"tensors": [], "ops": [], "sources": []}
     assert data_sized_note(trace.meta) is None
 
 
@@ -129,3 +129,47 @@ def test_recorded_steps_compare_sized_outputs_by_name_only():
     assert first_mismatch([ref, _Rec([((2,),), ((5,),), ((4,),)], sized={1})], [1, 2]) is None
     m = first_mismatch([ref, _Rec([((2,),), ((5,),), ((6,),)], sized={1})], [1, 2])
     assert m["step"] == 2 and m["op_index"] == 2
+
+
+def test_a_step_that_routes_no_token_to_an_expert_skips_its_recorded_iteration():
+    """transformers' eager experts loop over the experts that got tokens: a step that routes
+    none to an expert runs one iteration less. The recorded iterations left, every op of them
+    sized by values, are skipped (``PlanRuntime._past_sized``), as a skipped module call is.
+    Before, that step stopped the plan ("the live op sequence differs")."""
+    torch.manual_seed(0)
+    model, x, loss_fn, opt = get_workload(entry="tiny_models:hit_moe", batch=512).build(False)
+    trace = record(model, x, loss_fn, opt)  # at batch 512 every expert of both layers gets tokens
+    problem = build_problem(trace)
+    plan = solve(trace, int(problem.baseline_peak[0] * 0.7), "heuristic", problem=problem, optimizer="as-recorded")
+    sized = set(trace.meta["data_sized"]["tensors"])
+    assert sum(r.tensor in sized for r in plan.recompute) >= 5
+
+    def run(planned: bool):
+        torch.manual_seed(7)
+        model, x, loss_fn, opt = get_workload(entry="tiny_models:hit_moe", batch=512).build(False)
+        if planned:
+            model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
+        g = torch.Generator().manual_seed(1)
+        idle = []
+        for step in range(4):
+            xb = torch.randn(x.shape, generator=g)
+            with torch.no_grad():  # odd steps: the first layer's router picks expert `step` for no token
+                model.blocks[0].router.bias[step % 4] = -1e4 if step % 2 else 0.0
+                if step % 2:
+                    idle.append(int((model.blocks[0].router(model.inp(xb)).topk(2, -1).indices == step % 4).sum()))
+            opt.zero_grad()
+            loss_fn(model(xb), xb).backward()
+            opt.step()
+        rt = model._taichi_plan["runtime"] if planned else None
+        skipped = rt.skipped_sized_ops if planned else 0  # (counted over the last step)
+        params = [p.detach().clone() for p in model.parameters()]
+        if planned:
+            assert rt.mismatches == 0
+            taichi_plan.finish(model)
+        return params, idle, skipped
+
+    base, idle, _ = run(False)
+    got, idle_planned, skipped = run(True)
+    assert idle == idle_planned == [0, 0]  # the steps that left an expert without tokens
+    assert skipped > 0
+    assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))

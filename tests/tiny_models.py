@@ -495,3 +495,51 @@ def looped_moe(batch: int = 256, **_):
     model = Net()
     x = torch.randn(batch, 16)
     return model, x, (lambda out, _b: out.float().pow(2).mean()), torch.optim.AdamW(model.parameters())
+
+
+def hit_moe(batch: int = 128, **_):
+    """A mixture of experts as transformers writes its eager experts (Mixtral's): the experts'
+    weights in one 3-D parameter, and a loop over the experts that got tokens
+    (``for expert_idx in expert_hit``), so a step that routes no token to an expert runs one
+    iteration less."""
+    import torch
+    from torch import nn
+
+    class Experts(nn.Module):
+        def __init__(self, h: int, n: int):
+            super().__init__()
+            self.n = n
+            self.router = nn.Linear(h, n)
+            self.up = nn.Parameter(torch.randn(n, 2 * h, h) / h**0.5)
+            self.down = nn.Parameter(torch.randn(n, h, 2 * h) / (2 * h) ** 0.5)
+
+        def forward(self, x):
+            weights, chosen = torch.softmax(self.router(x), dim=-1).topk(2, dim=-1)
+            out = torch.zeros_like(x)
+            with torch.no_grad():
+                mask = nn.functional.one_hot(chosen, self.n).permute(2, 1, 0)  # expert, slot, token
+                expert_hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+            for expert_idx in expert_hit:
+                e = expert_idx[0]
+                slot, token_idx = torch.where(mask[e])
+                y = nn.functional.linear(nn.functional.gelu(nn.functional.linear(x[token_idx], self.up[e])), self.down[e])
+                out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
+            return out
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, layers: int = 2, n: int = 4):
+            super().__init__()
+            self.inp = nn.Linear(16, h)
+            self.blocks = nn.ModuleList(Experts(h, n) for _ in range(layers))
+            self.head = nn.Linear(h, 4)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for block in self.blocks:
+                h = h + block(h)
+            return self.head(h)
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(batch, 16)
+    return model, x, (lambda out, _b: out.float().pow(2).mean()), torch.optim.AdamW(model.parameters())

@@ -44,6 +44,9 @@ def render(r: dict) -> str:
         lines.append(f"  skipped calls      {r['skipped_calls']} recorded module call(s) the planned steps did not make "
                      "(layerdrop, a branch on a tensor's value): their ops did not run, the plan went on around them, "
                      "and the peak measured may be below the prediction")
+    if r.get("skipped_sized_ops"):
+        lines.append(f"  skipped iterations {r['skipped_sized_ops']} recorded op(s) of loop iterations over routed data "
+                     "(a mixture of experts' experts that got no token) the planned step did not run")
     for run, c in (r.get("cuda") or {}).items():
         def b(x):
             return "-" if x is None else format_bytes(x)

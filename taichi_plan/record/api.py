@@ -422,7 +422,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
 
 def data_sized(rec: StepRecord) -> dict:
     """``meta.data_sized`` (trace v11): the tensors whose size depends on tensor values
-    (``StepRecord.data_sized``) and, per op and module, how many calls made outputs sized by
+    (``StepRecord.data_sized``), the ops that made or read them, and, per op and module, how many calls made outputs sized by
     values (``nonzero``, ``x[mask]``): a mixture of experts routes another number of tokens to each
     expert every step. The runtime does not hold such a tensor to its recorded size; the plan's
     peak is predicted at the recorded sizes."""
@@ -430,7 +430,7 @@ def data_sized(rec: StepRecord) -> dict:
     for o in rec.data_sized_sources:
         key = (rec.ops["op"][o], rec.ops["module"][o] or "")
         count[key] = count.get(key, 0) + 1
-    return {"tensors": sorted(int(t) for t in rec.data_sized),
+    return {"tensors": sorted(int(t) for t in rec.data_sized), "ops": sorted(int(o) for o in rec.data_sized_ops),
             "sources": [[op, module, n] for (op, module), n in sorted(count.items())]}
 
 

@@ -127,13 +127,18 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     grads = [(a, f) for k, a, f in zip(kinds, alloc, free, strict=True) if k == "gradient"]
     out = []
     skippable, starts = module_calls(trace, calls, counted, before)
+    sized: list[set] = [set() for _ in calls]
+    for op in (trace.meta.get("data_sized") or {}).get("ops") or ():
+        where = locate(int(op))
+        if where is not None:
+            sized[where[0]].add(where[1])
     for c, (call, ops) in enumerate(zip(calls, call_ops(trace, pos), strict=True)):
         s0 = call["start"]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
                             bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c]),
                             triggers=triggers[c], whole=frozenset(whole[c]), module_calls=skippable[c],
-                            module_starts=starts[c]))
+                            module_starts=starts[c], sized_ops=frozenset(sized[c])))
     return out
 
 

@@ -325,7 +325,8 @@ class MeasuredRun:
         return {"step_s": statistics.median(self.step_s) if self.step_s else None,
                 "recompute_s": statistics.median(self.recompute_s) if self.recompute_s else 0.0,
                 "recompute_ops": self.rt.recompute_ops if self.rt is not None else 0,
-                "skipped_calls": self.rt.skipped_calls if self.rt is not None else 0}
+                "skipped_calls": self.rt.skipped_calls if self.rt is not None else 0,
+                "skipped_sized_ops": self.rt.skipped_sized_ops if self.rt is not None else 0}
 
     def measure_peak(self) -> dict:
         """One step under the recorder, then one under MemTracker: ``peak_bytes``, ``peak_op``,
@@ -482,6 +483,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         "measured_recompute_s": planned["recompute_s"],
         "recompute_ops": planned["recompute_ops"],
         "skipped_calls": planned.get("skipped_calls", 0),
+        "skipped_sized_ops": planned.get("skipped_sized_ops", 0),
         "partitions": len(plan.partitions),
         "optimizer": plan_mode(plan),
         "steps": steps,

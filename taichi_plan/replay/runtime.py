@@ -61,6 +61,7 @@ _SKIP_NAMESPACES = ("prim", "profiler")
 # ``detach`` of saved outputs), or that only query metadata: not counted, here or in the trace.
 IGNORED_OPS = frozenset(str(op) for op in torch.utils.checkpoint.SAC_IGNORED_OPS) | {"aten.detach.default"}
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
+LOOP_MOST = 256  # the longest loop iteration (counted ops) over routed data that a live call may skip
 
 
 @dataclass(frozen=True)
@@ -151,6 +152,10 @@ class CallPlan:
     module_calls: dict = field(default_factory=dict)
     # module name -> the counted ops at which its recorded calls start, in order (replay.module_calls, _entered)
     module_starts: dict = field(default_factory=dict)
+    # Counted ops that made or read a tensor sized by values (trace v11 meta.data_sized.ops): a
+    # loop over what a step routes (a mixture of experts' experts hit) runs as many times as the
+    # data says, so a live call may run fewer of them (_resync).
+    sized_ops: frozenset = frozenset()
 
     @property
     def active(self) -> bool:
@@ -324,6 +329,7 @@ class PlanRuntime(TorchDispatchMode):
         self.dropped_storages = 0
         self.planned_calls = 0
         self.skipped_calls = 0  # recorded module calls a live forward did not make (_resync, _entered)
+        self.skipped_sized_ops = 0  # recorded ops of loop iterations over routed data a live forward did not run
         self._module_hook = None  # a global forward pre-hook while a planned call runs (_entered)
         self._names: dict[int, str] = {}
         self._names_root = None
@@ -334,6 +340,7 @@ class PlanRuntime(TorchDispatchMode):
         self.dropped_storages = 0
         self.planned_calls = 0
         self.skipped_calls = 0
+        self.skipped_sized_ops = 0
 
     # -- calls and steps ------------------------------------------------------------------------------
     def begin_call(self, model, args, kwargs) -> bool:
@@ -387,6 +394,11 @@ class PlanRuntime(TorchDispatchMode):
                 "not hold. The model's code reaches that module's ops another way than through its forward: "
                 "record and solve again."))
             return
+        if not failed and frame.enabled and frame.n < len(frame.call.ops):  # a loop over routed data ended it?
+            at = self._past_iterations(frame, frame.n, None)
+            if at is not None:
+                self.skipped_sized_ops += at - frame.n
+                frame.n = at
         if not failed and frame.enabled and frame.n != len(frame.call.ops):
             self._frame_mismatch(frame, (
                 f"The model's forward ran {frame.n} ops but call {frame.call.index} of the plan's trace has "
@@ -666,6 +678,42 @@ class PlanRuntime(TorchDispatchMode):
             paths = longer
             if not paths:
                 break
+        j = self._past_iterations(frame, i, name)
+        if j is not None:
+            self.skipped_sized_ops += j - i
+            return j
+        return None
+
+    @staticmethod
+    def _past_iterations(frame: Frame, i: int, name: str | None) -> int | None:
+        """Where the recorded call goes on when the live one left a loop over routed data
+        after fewer iterations than the recorded one, at op ``i`` (``name``: the live op, None
+        at the call's end); None when the ops from ``i`` on are no such loop's iterations.
+
+        transformers' eager experts loop over the experts that got tokens (``for expert_idx in
+        expert_hit``): a step that routes none to an expert runs one iteration less. The
+        recorded ops from ``i`` on must repeat the ``p`` ops before ``i`` (op and module), a
+        whole number of times, each time with an op that makes or reads a tensor sized by
+        values (trace v11 ``meta.data_sized.ops``: the loop follows the data), and the op after
+        the last repeat must be the live one. Those recorded iterations are skipped as a skipped
+        module call is: their ops never run, so what the plan drops there is never made; the
+        live iterations ran on the earlier recorded ones' indices, and their tensors are
+        rebuilt at their live sizes."""
+        ops, sized = frame.call.ops, frame.call.sized_ops
+        n = len(ops)
+        if not sized or i >= n:
+            return None
+
+        def repeats(j: int, p: int) -> bool:  # ops j..j+p-1 are the p ops before i again, one sized by values
+            return j + p <= n and any(j + k in sized for k in range(p)) and all(
+                ops[j + k][0] == ops[i - p + k][0] and ops[j + k][1] == ops[i - p + k][1] for k in range(p))
+
+        for p in range(1, min(i, LOOP_MOST) + 1):
+            j = i
+            while repeats(j, p):
+                j += p
+            if j != i and ((name is None and j == n) or (j < n and ops[j][0] == name)):
+                return j
         return None
 
     @staticmethod
