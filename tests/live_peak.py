@@ -36,3 +36,27 @@ class LivePeak(TorchDispatchMode):
                 self._add(x.untyped_storage())
         self.peak = max(self.peak, sum(self.live.values()))
         return out
+
+
+def step_peak(model, optimizer, x, loss_fn) -> int:
+    """One training step of ``model`` on the tensor batch ``x`` (zero_grad, ``loss_fn(model(x),
+    x)``, backward, ``optimizer.step()``), measured by :class:`LivePeak` from the parameters,
+    the batch and the optimizer's state; returns its peak bytes."""
+    optimizer.zero_grad()
+    held = [*model.parameters(), x, *(v for st in optimizer.state.values() for v in st.values())]
+    with LivePeak(held) as tracker:
+        loss_fn(model(x), x).backward()
+        optimizer.step()
+    return tracker.peak
+
+
+def end_run(model, planned: bool):
+    """(the parameters' values, the plan's runtime or None) at the end of a training run; a
+    planned model's plan is finished (``taichi_plan.finish``)."""
+    import taichi_plan
+
+    rt = model._taichi_plan["runtime"] if planned else None
+    params = [p.detach().clone() for p in model.parameters()]
+    if planned:
+        taichi_plan.finish(model)
+    return params, rt

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from live_peak import LivePeak
+from live_peak import end_run, step_peak
 from torch import nn
 
 import taichi_plan
@@ -87,16 +87,8 @@ def train(plan=None, trace=None):
         with torch.no_grad():  # (outside the model's call: the plan runs inside it only)
             chosen = model.blocks[0].router(model.inp(xb)).topk(2, dim=-1).indices
             counts.append(torch.bincount(chosen.flatten(), minlength=4).tolist())
-        opt.zero_grad()
-        held = [*model.parameters(), xb, *(v for st in opt.state.values() for v in st.values())]
-        with LivePeak(held) as tracker:
-            loss_fn(model(xb), xb).backward()
-            opt.step()
-        peaks.append(tracker.peak)
-    rt = model._taichi_plan["runtime"] if plan is not None else None
-    params = [p.detach().clone() for p in model.parameters()]
-    if plan is not None:
-        taichi_plan.finish(model)
+        peaks.append(step_peak(model, opt, xb, loss_fn))
+    params, rt = end_run(model, plan is not None)
     return params, peaks, counts, rt
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from live_peak import LivePeak
+from live_peak import end_run, step_peak
 
 import taichi_plan
 from taichi_plan.errors import MismatchError
@@ -45,21 +45,13 @@ def train(plan=None, trace=None, layerdrop=0.5, on_mismatch="raise"):
         model = taichi_plan.apply(model, plan, trace=trace, on_mismatch=on_mismatch, optimizer=opt)
     peaks, called = [], []
     for _ in range(STEPS):
-        opt.zero_grad()
-        held = [*model.parameters(), x, *(v for st in opt.state.values() for v in st.values())]
         seen = []
         hooks = [b.register_forward_pre_hook(lambda m, a, i=i, seen=seen: seen.append(i)) for i, b in enumerate(model.blocks)]
-        with LivePeak(held) as tracker:
-            loss_fn(model(x), x).backward()
-            opt.step()
+        peaks.append(step_peak(model, opt, x, loss_fn))
         for h in hooks:
             h.remove()
-        peaks.append(tracker.peak)
         called.append(len(seen))
-    rt = model._taichi_plan["runtime"] if plan is not None else None
-    params = [p.detach().clone() for p in model.parameters()]
-    if plan is not None:
-        taichi_plan.finish(model)
+    params, rt = end_run(model, plan is not None)
     return params, peaks, called, rt
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 
 import torch
-from live_peak import LivePeak
+from live_peak import step_peak
 
 import taichi_plan
 from taichi_plan.problem import build_problem
@@ -35,12 +35,7 @@ def test_an_unused_output_is_freed_and_nothing_builds_up_from_step_to_step():
     model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
     counts, peaks = [], []
     for _ in range(4):
-        opt.zero_grad()
-        held = [*model.parameters(), x, *(v for st in opt.state.values() for v in st.values())]
-        with LivePeak(held) as tracker:
-            loss_fn(model(x), x).backward()
-            opt.step()
-        peaks.append(tracker.peak)
+        peaks.append(step_peak(model, opt, x, loss_fn))
         counts.append(_tensors())
     taichi_plan.finish(model)
     # (the first step makes AdamW's state); before, each step kept its pooled branch: 42, 46, 46, 50

@@ -478,23 +478,7 @@ def looped_moe(batch: int = 256, **_):
                 out.index_add_(0, token_idx, y)
             return out
 
-    class Net(nn.Module):
-        def __init__(self, h: int = 32, layers: int = 2, n: int = 4):
-            super().__init__()
-            self.inp = nn.Linear(16, h)
-            self.blocks = nn.ModuleList(Experts(h, n) for _ in range(layers))
-            self.head = nn.Linear(h, 4)
-
-        def forward(self, x):
-            h = self.inp(x)
-            for block in self.blocks:
-                h = h + block(h)
-            return self.head(h)
-
-    torch.manual_seed(0)
-    model = Net()
-    x = torch.randn(batch, 16)
-    return model, x, (lambda out, _b: out.float().pow(2).mean()), torch.optim.AdamW(model.parameters())
+    return _moe_workload(Experts, batch)
 
 
 def hit_moe(batch: int = 128, **_):
@@ -526,11 +510,20 @@ def hit_moe(batch: int = 128, **_):
                 out.index_add_(0, token_idx, y * weights[token_idx, slot, None])
             return out
 
+    return _moe_workload(Experts, batch)
+
+
+def _moe_workload(experts, batch: int):
+    """(model, batch, loss, optimizer) of residual blocks of ``experts(h, n)`` (a mixture of
+    experts layer) between an input projection and a head."""
+    import torch
+    from torch import nn
+
     class Net(nn.Module):
         def __init__(self, h: int = 32, layers: int = 2, n: int = 4):
             super().__init__()
             self.inp = nn.Linear(16, h)
-            self.blocks = nn.ModuleList(Experts(h, n) for _ in range(layers))
+            self.blocks = nn.ModuleList(experts(h, n) for _ in range(layers))
             self.head = nn.Linear(h, 4)
 
         def forward(self, x):
