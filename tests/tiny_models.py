@@ -536,3 +536,26 @@ def _moe_workload(experts, batch: int):
     model = Net()
     x = torch.randn(batch, 16)
     return model, x, (lambda out, _b: out.float().pow(2).mean()), torch.optim.AdamW(model.parameters())
+
+
+def lstm_lm(batch: int = 8, **_):
+    """A two-layer LSTM language model: on CPU each layer runs ``mkldnn_rnn_layer``, whose
+    fourth output, the workspace its backward reads, is made only with grad enabled."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self, vocab: int = 64, h: int = 64):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, h)
+            self.rnn = nn.LSTM(h, 2 * h, num_layers=2, batch_first=True)
+            self.head = nn.Linear(2 * h, vocab)
+
+        def forward(self, ids):
+            return self.head(self.rnn(self.emb(ids))[0])
+
+    torch.manual_seed(0)
+    model = Net()
+    ids = torch.randint(0, 64, (batch, 32))
+    return model, ids, (lambda out, b: nn.functional.cross_entropy(out.flatten(0, 1), b.flatten())), \
+        torch.optim.AdamW(model.parameters())

@@ -34,8 +34,9 @@ A mismatch (another op, size or input shape) stops the plan for that call only: 
 ``"warn"`` the tensors already dropped are rebuilt at once and the call finishes unplanned.
 Either way the mode and hooks are removed when the call ends, and the next call tries again.
 
-Rebuilt ops run under ``no_grad`` with the recorded RNG state, so values, and gradients, are
-bitwise those of the unplanned run.
+Rebuilt ops run with the recorded RNG state and grad mode, on new tensors over the storages
+(which require no grad: no graph is recorded), so values, and gradients, are bitwise those of
+the unplanned run.
 """
 
 from __future__ import annotations
@@ -84,6 +85,11 @@ class Step:
     out_pos: int | None  # flattened output index that is this storage (None: in-place write)
     rng: tuple | None  # (cpu state, {device: cuda state}) for random ops
     op: int = 0  # the op's index in its model call (rebuild groups run in this order)
+    # Grad mode when it ran: some kernels make outputs only with grad enabled (the CPU LSTM's
+    # mkldnn_rnn_layer returns its workspace, which backward reads, only then), so a rebuild
+    # runs with the same mode. Its inputs are new tensors on the storages, requiring no
+    # grad, so no graph is recorded either way.
+    grad: bool = True
 
 
 @dataclass
@@ -576,6 +582,7 @@ class PlanRuntime(TorchDispatchMode):
                         return out
             return out
         leaves, spec = _flatten(args, kwargs)
+        grad = torch.is_grad_enabled()
         in_sids = set()
         refs = []
         for x in leaves:
@@ -592,7 +599,7 @@ class PlanRuntime(TorchDispatchMode):
             sid = self._sid(frame, st)
             outs.append(sid)
             if fresh and sid not in in_sids:
-                frame.recipes[sid] = [Step(func, spec, refs, j, rng, i)]
+                frame.recipes[sid] = [Step(func, spec, refs, j, rng, i, grad)]
                 want = sizes.get(j)
                 if want is not None and _off(st.nbytes(), want, frame.smaller):
                     self._size_mismatch(frame, i, info.name, j, st.nbytes(), want)
@@ -604,7 +611,7 @@ class PlanRuntime(TorchDispatchMode):
                     if isinstance(w, _Tensor):
                         sid = self._sid(frame, w.untyped_storage())
                         if sid in frame.recipes:
-                            frame.recipes[sid].append(Step(func, spec, refs, None, rng, i))
+                            frame.recipes[sid].append(Step(func, spec, refs, None, rng, i, grad))
         for j, tid in call.drops.get(i, ()):
             if j < len(outs) and outs[j] in frame.recipes:
                 frame.dropped[outs[j]] = tid
@@ -995,14 +1002,15 @@ def _rng_state(args, kwargs):
 
 
 def _run(step: Step, args, kwargs):
-    if step.rng is None:
-        return step.func(*args, **kwargs)
-    cpu, cuda = step.rng
-    with torch.random.fork_rng(devices=list(cuda), enabled=True):
-        torch.set_rng_state(cpu)
-        for d, s in cuda.items():
-            torch.cuda.set_rng_state(s, d)
-        return step.func(*args, **kwargs)
+    with torch.set_grad_enabled(step.grad):
+        if step.rng is None:
+            return step.func(*args, **kwargs)
+        cpu, cuda = step.rng
+        with torch.random.fork_rng(devices=list(cuda), enabled=True):
+            torch.set_rng_state(cpu)
+            for d, s in cuda.items():
+                torch.cuda.set_rng_state(s, d)
+            return step.func(*args, **kwargs)
 
 
 @functools.cache
