@@ -91,3 +91,17 @@ def test_bound_phase_bound_is_below_the_plan_and_reported():
         assert plan.solver["lower_bound"] >= mip, f"seed {seed}: the reported bound is not the best one"
         assert dec.stats["bound_by"] in ("mip-relaxation", "cp-sat")
     assert proved >= 4, proved
+
+
+def test_what_highs_prints_itself_does_not_reach_standard_output(capfd):
+    """HiGHS writes a line of its own to the process's standard output whatever its options
+    say (ERGO-Code/HiGHS#2783); it landed in the middle of ``solve``'s report."""
+    import os
+
+    from taichi_plan.solve.bound import quiet_stdout
+
+    print("before", flush=True)
+    with quiet_stdout():
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")
+    print("after", flush=True)
+    assert capfd.readouterr().out == "before\nafter\n"

@@ -28,8 +28,11 @@ these models (coefficients are integers below 2^40).
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import math
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -117,6 +120,29 @@ def mip_of(proto, deadline: float | None = None) -> tuple[object, list] | None:
     return model, xs
 
 
+@contextlib.contextmanager
+def quiet_stdout():
+    """The process's standard output (file descriptor 1) goes nowhere while the block runs:
+    HiGHS prints "HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();"
+    from C++ whatever its output options say (ERGO-Code/HiGHS#2783), into the middle of what
+    ``solve`` prints (and of a report redirected to a file). Nothing else writes there while
+    the solver runs: this thread waits in it."""
+    try:
+        sys.stdout.flush()
+        saved = os.dup(1)
+    except (OSError, ValueError, AttributeError):  # no standard output to protect
+        yield
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+
+
 def solve_mip(proto, time_limit: float, node_limit: int | None = None) -> MipResult:
     """Solve the MIP form of ``proto`` with HiGHS within ``time_limit`` wall seconds (and
     ``node_limit`` branch-and-bound nodes: a limit that does not depend on the load)."""
@@ -130,7 +156,8 @@ def solve_mip(proto, time_limit: float, node_limit: int | None = None) -> MipRes
     params = mathopt.SolveParameters(time_limit=dt.timedelta(seconds=max(time_limit - (time.perf_counter() - t0),
                                                                          0.01)),
                                      node_limit=node_limit, random_seed=0)
-    res = mathopt.solve(model, mathopt.SolverType.HIGHS, params=params)
+    with quiet_stdout():
+        res = mathopt.solve(model, mathopt.SolverType.HIGHS, params=params)
     seconds = time.perf_counter() - t0
     reason = res.termination.reason
     if reason == mathopt.TerminationReason.INFEASIBLE:
