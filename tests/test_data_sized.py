@@ -15,6 +15,7 @@ import taichi_plan
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.record.api import first_mismatch
+from taichi_plan.report.trace_text import render_trace_summary, trace_summary
 from taichi_plan.solve import solve
 from taichi_plan.trace import data_sized_note
 
@@ -53,6 +54,8 @@ def test_the_recorder_follows_sizes_set_by_values(planned):
         if ops.at[o, "phase"] == "forward" and (op == "aten.zeros_like.default" or ops.at[o, "module"] in ("head", "inp")):
             assert tid not in sized, (tid, op)
     assert data_sized_note(trace.meta).startswith(f"{len(sized)} tensors of the step have sizes set by tensor values")
+    text = " ".join(render_trace_summary(trace_summary(trace), width=100).split())  # inspect says it too
+    assert f"{len(sized)} tensors of the step have sizes set by tensor values" in text
 
 
 def test_gathering_by_fixed_indices_is_not_sized_by_values():

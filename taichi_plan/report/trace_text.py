@@ -5,10 +5,19 @@ terminal (``render_trace_summary``). ``taichi-plan inspect TRACE`` prints one or
 from __future__ import annotations
 
 import shutil
+import textwrap
 
 import numpy as np
 
-from ..trace import KINDS, PHASES, Trace, baseline_live_bytes, baseline_peak, rerun_where
+from ..trace import (
+    KINDS,
+    PHASES,
+    Trace,
+    baseline_live_bytes,
+    baseline_peak,
+    data_sized_note,
+    rerun_where,
+)
 from ..units import format_bytes
 
 TOP_TENSORS = 10
@@ -139,6 +148,7 @@ def trace_summary(trace: Trace) -> dict:
             "steps_match": meta.get("steps_match"),
             "first_mismatch": meta.get("first_mismatch"),
             "signature": trace.signature(),
+            "data_sized": data_sized_note(meta),
         },
         "cost": cost,
     }
@@ -320,6 +330,9 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
     lines.append(f"Regularity: {steps} step(s) recorded, steps match: {verdict}, signature {r['signature']}")
     if r["first_mismatch"]:
         lines.extend(_mismatch(r["first_mismatch"]))
+    if r.get("data_sized"):
+        lines.extend(textwrap.wrap(r["data_sized"], width=max(40, width - 2), initial_indent="  ",
+                                   subsequent_indent="  "))
 
     c = s["cost"]
     lines.append("")
