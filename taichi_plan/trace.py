@@ -105,8 +105,9 @@ def data_sized_note(meta: dict) -> str | None:
     src = info.get("sources") or []
     where = "; ".join(f"{op} in {module or '<top level>'}, {n} call(s)" for op, module, n in src[:3])
     more = f"; and {len(src) - 3} more" if len(src) > 3 else ""
-    return (f"{len(info['tensors'])} tensors of the step have sizes set by tensor values ({where}{more}), as a "
-            "mixture of experts' tokens per expert are: plans run on steps whose sizes differ (the runtime rebuilds "
+    return (f"{len(info['tensors'])} tensors of the step have sizes set by tensor values ({where}{more}), as the "
+            "tokens a mixture of experts routes to each expert, or the labels a mask keeps, are: plans run on steps "
+            "whose sizes differ (the runtime rebuilds "
             "such a tensor at its live size), but the peak is predicted at the recorded sizes, and another batch "
             "can peak a few percent higher. Solve for a budget below the device's memory by that much.")
 
