@@ -168,3 +168,24 @@ def test_a_step_that_routes_no_token_to_an_expert_skips_its_recorded_iteration()
     assert idle == idle_planned == [0, 0]  # the steps that left an expert without tokens
     assert skipped > 0
     assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
+
+
+def test_a_step_that_routes_tokens_to_an_expert_the_recording_did_not_says_so():
+    """The other way round: the recorded step left an expert without tokens, a live one does
+    not. That iteration's ops are not in the trace: the plan stops for the call, and says why."""
+    from taichi_plan.errors import MismatchError
+
+    torch.manual_seed(0)
+    model, x, loss_fn, opt = get_workload(entry="tiny_models:hit_moe", batch=512).build(False)
+    with torch.no_grad():
+        model.blocks[0].router.bias[2] = -1e4  # recorded: the first layer routes nothing to expert 2
+    trace = record(model, x, loss_fn, opt, steps=1)
+    problem = build_problem(trace)
+    plan = solve(trace, int(problem.baseline_peak[0] * 0.7), "heuristic", problem=problem, optimizer="as-recorded")
+    with torch.no_grad():
+        model.blocks[0].router.bias[2] = 0.0
+    model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(MismatchError, match="routed no token to"):
+        loss_fn(model(x), x).backward()
+    taichi_plan.finish(model)

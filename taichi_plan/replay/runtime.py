@@ -497,6 +497,12 @@ class PlanRuntime(TorchDispatchMode):
                    "did not, as this one did: record more --steps (the trace keeps the step with the most module "
                    "calls), turn the skipping off for training with a plan (e.g. layerdrop=0), or apply the plan "
                    "with on_mismatch='warn' to run such steps unplanned.")
+        elif i in frame.call.sized_ops or i - 1 in frame.call.sized_ops:
+            why = ("The ops here follow tensors sized by values (trace meta.data_sized): a loop over what the data "
+                   "routes, as a mixture of experts' loop over the experts that got tokens, ran another number of "
+                   "times than in the recorded step. Fewer iterations run planned; one more, an expert the recorded "
+                   "step routed no token to, has no ops in the trace. Record at a batch that routes tokens to every "
+                   "expert, or apply the plan with on_mismatch='warn' to run such calls unplanned.")
         elif frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
             why = ("These inputs are smaller than the recorded ones, and at these sizes the model takes another op "
                    "path (a dimension of size 1 makes some copies unnecessary). Apply the plan with "
