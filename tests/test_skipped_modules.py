@@ -99,3 +99,22 @@ def test_the_trace_keeps_the_step_with_the_most_module_calls():
     assert kept_index([_Rec([1, 1]), _Rec([1, 1])]) == 1  # the same: the last
     assert kept_index([_Rec([1, 1]), _Rec([1, 0]), _Rec([0, 1])]) == 0
     assert kept_index([_Rec([1, 0]), _Rec([1, 1]), _Rec([1, 1]), _Rec([0, 1])]) == 2
+
+
+def test_a_skipped_layer_that_changes_the_shapes_after_it_says_so():
+    """Informer's layerdrop skips a layer with the convolution that halves its sequence: what
+    follows runs on a longer one, which the plan cannot predict. The plan stops for that call
+    and says what happened (before: "the model or its code changed since the trace was recorded")."""
+    model, x, loss_fn, opt = get_workload(entry="tiny_models:pooling_blocks").build(False)
+    trace = record(model, x, loss_fn, opt)
+    problem = build_problem(trace)
+    plan = solve(trace, int(problem.baseline_peak[0] * 0.7), "heuristic", problem=problem, optimizer="as-recorded")
+    model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
+    model.skip = {0}
+    opt.zero_grad(set_to_none=True)
+    with pytest.raises(MismatchError, match="Earlier in this call the model skipped blocks.0") as e:
+        loss_fn(model(x), x).backward()
+    assert "layerdrop=0" in str(e.value)
+    model.skip = set()  # the next call runs the plan again
+    loss_fn(model(x), x).backward()
+    taichi_plan.finish(model)

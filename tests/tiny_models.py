@@ -559,3 +559,36 @@ def lstm_lm(batch: int = 8, **_):
     ids = torch.randint(0, 64, (batch, 32))
     return model, ids, (lambda out, b: nn.functional.cross_entropy(out.flatten(0, 1), b.flatten())), \
         torch.optim.AdamW(model.parameters())
+
+
+def pooling_blocks(batch: int = 64, **_):
+    """Residual blocks over a sequence, each followed by a pooling that halves it (Informer's
+    distilling convolution); ``model.skip`` names blocks the forward skips with their pooling,
+    as Informer's layerdrop does: what follows then runs on a longer sequence."""
+    import torch
+    from torch import nn
+
+    class Pool(nn.Module):
+        def forward(self, x):
+            b, s, h = x.shape
+            return x.view(b, s // 2, 2, h).mean(2)
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, layers: int = 3):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(h, 2 * h), nn.GELU(), nn.Linear(2 * h, h))
+                                        for _ in range(layers))
+            self.pools = nn.ModuleList(Pool() for _ in range(layers))
+            self.head = nn.Linear(h, 4)
+            self.skip: set = set()
+
+        def forward(self, x):
+            for i, (block, pool) in enumerate(zip(self.blocks, self.pools, strict=True)):
+                if i not in self.skip:
+                    x = pool(x + block(x))
+            return self.head(x).mean(1)
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(batch, 16, 32)
+    return model, x, (lambda out, _b: out.pow(2).mean()), torch.optim.AdamW(model.parameters())

@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import NotEnoughMemoryError, PlanError
+from ..errors import MismatchError, NotEnoughMemoryError, PlanError
 from ..optimizer_plan import plan_mode
 from ..plan import Plan
 from ..units import format_bytes
@@ -234,7 +234,7 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
         peak = run.measure_peak()
     finally:
         run.close()
-    return {**run.timings(), **peak, **run.cuda_peaks, **first, **_state(run.model)}
+    return {**run.timings(), **peak, **run.cuda_peaks, **first}
 
 
 def _state(model, prefix: str = "") -> dict:
@@ -348,6 +348,11 @@ class MeasuredRun:
             for h in hooks:
                 h.remove()
             hooks = []
+            # What replay compares: the parameters and gradients after the recorded step. The
+            # MemTracker step after it is a cross-check that may stop half way (its own failure,
+            # or the plan stopping in a step the plan cannot run): the two runs' states after it
+            # need not be comparable.
+            state = _state(model)
             self.say(f"{self.what}: measuring a step with MemTracker")
             memtracker, memtracker_note = _memtracker_peak(model, optimizer, self.one_step, self.loop)
         finally:
@@ -357,7 +362,7 @@ class MeasuredRun:
         measured = step_to_trace(rec, 0, "measured", {})
         peak, peak_op = baseline_peak(measured)
         return {"peak_bytes": peak, "peak_op": peak_op, "ops": measured.num_ops,
-                "memtracker_peak_bytes": memtracker, "memtracker_note": memtracker_note}
+                "memtracker_peak_bytes": memtracker, "memtracker_note": memtracker_note, **state}
 
     def close(self) -> None:
         """Remove the plan's hooks and partitions (the model stays usable, unplanned)."""
@@ -426,6 +431,8 @@ def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str 
             tracker.track_external(model, optimizer)
             with tracker:
                 one_step()
+    except MismatchError as e:  # the plan stopped in this step (a step whose ops it cannot run)
+        return None, f"not measured: the plan stopped in that step: {str(e).splitlines()[0] if str(e) else ''}"
     except Exception as e:  # noqa: BLE001  (a cross-check of PyTorch's: its failure is reported, not ours)
         return None, f"MemTracker failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     snap = tracker.get_tracker_snapshot("peak")

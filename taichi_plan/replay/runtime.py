@@ -488,7 +488,9 @@ class PlanRuntime(TorchDispatchMode):
                  f"op {i} of the model's call {frame.call.index}: the plan's call has only {len(ops)} ops")
         why = ("The model or its code changed since the trace was recorded: record and solve again, or apply the "
                "plan with on_mismatch='warn'.")
-        if self.steps_differed:  # random control flow (layerdrop, stochastic depth): no one step to plan
+        if frame.skipped:
+            why = self._after_skip(frame)
+        elif self.steps_differed:  # random control flow (layerdrop, stochastic depth): no one step to plan
             d = self.steps_differed
             why = (f"The recorded steps already differed from each other (step {d.get('step')} ran {d.get('got')} "
                    f"where the first ran {d.get('expected')}): the model changes its op sequence from step to step, "
@@ -513,12 +515,26 @@ class PlanRuntime(TorchDispatchMode):
             f"{name}. {why}"))
 
     def _size_mismatch(self, frame: Frame, i: int, name: str, j: int, got: int, want: int) -> None:
+        why = self._after_skip(frame) if frame.skipped else (
+            "The input shapes or the model changed since the trace was recorded: record and solve again, or apply "
+            "the plan with on_mismatch='warn'.")
         self._frame_mismatch(frame, (
             f"The live op sequence differs from the one the plan was made for, at op {i} of the model's call "
             f"{frame.call.index} ({name} in {frame.call.ops[i][1] or '<top level>'}): its output {j} has {got} "
             f"bytes, the plan's trace has {want}{' (or fewer, for these smaller inputs)' if frame.smaller else ''}. "
-            "The input shapes or the model changed since the trace was recorded: record and solve again, or apply "
-            "the plan with on_mismatch='warn'."))
+            + why))
+
+    @staticmethod
+    def _after_skip(frame: Frame) -> str:
+        """Why a call that skipped recorded module calls (layerdrop) then ran other ops."""
+        names = list(dict.fromkeys(m for m, _ in frame.skipped))
+        more = f" and {len(names) - 2} more" if len(names) > 2 else ""
+        return (f"Earlier in this call the model skipped {', '.join(names[:2])}{more}, which the recorded step ran "
+                "(random layer skipping: layerdrop), and what it ran after that differs from the recorded step: a "
+                "skipped layer changed the shapes or the op path after it (Informer's layerdrop skips a layer with the "
+                "convolution that halves its sequence). The plan cannot predict such a step: turn the layer skipping "
+                "off for training with a plan (layerdrop=0 in the model's config), or apply the plan with "
+                "on_mismatch='warn' to run such calls unplanned.")
 
     # -- identity -------------------------------------------------------------------------------------
     @staticmethod
