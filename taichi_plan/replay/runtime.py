@@ -488,9 +488,7 @@ class PlanRuntime(TorchDispatchMode):
                  f"op {i} of the model's call {frame.call.index}: the plan's call has only {len(ops)} ops")
         why = ("The model or its code changed since the trace was recorded: record and solve again, or apply the "
                "plan with on_mismatch='warn'.")
-        if frame.skipped:
-            why = self._after_skip(frame)
-        elif self.steps_differed:  # random control flow (layerdrop, stochastic depth): no one step to plan
+        if self.steps_differed:  # random control flow (layerdrop, stochastic depth): no one step to plan
             d = self.steps_differed
             why = (f"The recorded steps already differed from each other (step {d.get('step')} ran {d.get('got')} "
                    f"where the first ran {d.get('expected')}): the model changes its op sequence from step to step, "
@@ -499,6 +497,8 @@ class PlanRuntime(TorchDispatchMode):
                    "did not, as this one did: record more --steps (the trace keeps the step with the most module "
                    "calls), turn the skipping off for training with a plan (e.g. layerdrop=0), or apply the plan "
                    "with on_mismatch='warn' to run such steps unplanned.")
+        elif frame.skipped:
+            why = self._after_skip(frame)
         elif i in frame.call.sized_ops or i - 1 in frame.call.sized_ops:
             why = ("The ops here follow tensors sized by values (trace meta.data_sized): a loop over what the data "
                    "routes, as a mixture of experts' loop over the experts that got tokens, ran another number of "
