@@ -495,3 +495,17 @@ def test_partition_savings_are_computed_once_per_problem(monkeypatch):
     again = build_problem(trace)  # another problem computes its own
     partition.partition_savings(again, spans[0], spans[0].chunk_choices[0])
     assert len(calls) == first + 1
+
+
+def test_a_warm_start_outside_the_plan_space_caps_the_bound():
+    """DTR's evictions need not be the candidates' gaps: on this trace its plan (the ILP's warm
+    start) drops a gap that is no candidate and costs 4.5 where the ILP's plan space cannot go
+    below 5.5. The bound phase's MIP bound of that space was reported as the plan's bound, above
+    the plan's own cost (make_plan's assertion; found by test_optimal_cost_never_drops_with_the_budget,
+    seed 4917). The bound is now the lower of the space's and the plans found."""
+    trace = random_training_trace(random.Random(4917))
+    p = build_problem(trace)
+    plan = solve(trace, int(p.baseline_peak[0] * 0.85), "ilp", time_limit=5, problem=p)
+    stats = plan.solver["stats"]
+    assert stats["warm_start"] == "dtr baseline" and stats["mip_bound"] > plan.predicted["extra_compute"]
+    assert plan.solver["lower_bound"] == plan.predicted["extra_compute"] and plan.solver["status"] == "optimal"

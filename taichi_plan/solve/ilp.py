@@ -486,6 +486,11 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         return Decisions(status="infeasible" if proven_none else None, lower_bound=None,
                          notes=notes + [why], stats=stats, timed_out=timed_out)
     dec, sim = incumbent
+    # The bound phase's MIP bounds the model's plan space; the incumbent may lie outside it (a
+    # warm start from DTR, whose evictions need not be the candidates' gaps) and cost less:
+    # the bound of the space and the plans found is the lower of the two.
+    if lower_bound is not None:
+        lower_bound = min(lower_bound, sim.extra_cost)
     return Decisions(drops=dec.drops, partitions=dec.partitions, status=status_final or "feasible",
                      objective=sim.extra_cost, lower_bound=lower_bound, notes=notes, stats=stats,
                      timed_out=timed_out)
