@@ -291,11 +291,12 @@ def first_mismatch(records: list[StepRecord], step_indices: list[int]) -> dict |
         if keys == ref_keys:
             continue
         by_data = ref.data_sized_ops | rec.data_sized_ops  # their sizes follow the data: compare names
-        if len(keys) == len(ref_keys) and all(a == b or (k in by_data and a[0] == b[0])
-                                              for k, (a, b) in enumerate(zip(ref_keys, keys))):
-            continue
         i = next((k for k, (a, b) in enumerate(zip(ref_keys, keys))
-                  if a[0] != b[0] or (a != b and k not in by_data)), min(len(keys), len(ref_keys)))
+                  if a[0] != b[0] or (a != b and k not in by_data)), None)
+        if i is None:
+            if len(keys) == len(ref_keys):
+                continue
+            i = min(len(keys), len(ref_keys))
         return {"step": step, "op_index": i, "expected": _describe(ref, i), "got": _describe(rec, i)}
     return None
 

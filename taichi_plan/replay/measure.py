@@ -231,7 +231,7 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
             run.timed_step(read_cuda_peaks=k == steps - 1)
             if k == 0:
                 first = _state(run.model, "first_")
-        peak = run.measure_peak()
+        peak = run.measure_peak(keep_state=True)
     finally:
         run.close()
     return {**run.timings(), **peak, **run.cuda_peaks, **first}
@@ -328,9 +328,10 @@ class MeasuredRun:
                 "skipped_calls": self.rt.skipped_calls if self.rt is not None else 0,
                 "skipped_sized_ops": self.rt.skipped_sized_ops if self.rt is not None else 0}
 
-    def measure_peak(self) -> dict:
+    def measure_peak(self, keep_state: bool = False) -> dict:
         """One step under the recorder, then one under MemTracker: ``peak_bytes``, ``peak_op``,
-        ``ops`` (the recorded step's) and ``memtracker_peak_bytes``."""
+        ``ops`` (the recorded step's) and ``memtracker_peak_bytes``; with ``keep_state``, also
+        the parameters and gradients after the recorded step (what replay compares)."""
         from ..record.api import late_tensors, registered_tensors, step_to_trace
         from ..record.recorder import Recorder
         from ..trace import baseline_peak
@@ -352,7 +353,7 @@ class MeasuredRun:
             # MemTracker step after it is a cross-check that may stop half way (its own failure,
             # or the plan stopping in a step the plan cannot run): the two runs' states after it
             # need not be comparable.
-            state = _state(model)
+            state = _state(model) if keep_state else {}
             self.say(f"{self.what}: measuring a step with MemTracker")
             memtracker, memtracker_note = _memtracker_peak(model, optimizer, self.one_step, self.loop)
         finally:

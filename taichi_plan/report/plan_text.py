@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import textwrap
 from collections import defaultdict
 from pathlib import Path
 
@@ -26,7 +25,7 @@ from ..problem import Problem
 from ..simulate import SimResult
 from ..trace import Trace, read_trace
 from ..units import format_bytes
-from .trace_text import _cost, _cut, terminal_width
+from .trace_text import _cost, _cut, terminal_width, wrap_lines
 from .verdict import resimulate
 
 TOP_DECISIONS = 10
@@ -305,14 +304,6 @@ def _cut_left(text: str, width: int) -> str:
     return text if len(text) <= width else "…" + text[len(text) - width + 1:]
 
 
-def _wrap(text: str, indent: str, width: int) -> list[str]:
-    """``text`` wrapped to ``width``, first line after ``indent`` (e.g. a field label), the
-    others aligned under it."""
-    rest = " " * len(indent)
-    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=rest, break_long_words=False,
-                         break_on_hyphens=False) or [indent.rstrip()]
-
-
 def render_plan_summary(summary: dict, units: str | None = None, width: int | None = None) -> str:
     """The summary as text ``width`` columns wide (default: the terminal's, 80 off a terminal);
     ``units`` is GB, GiB, MB, MiB or None (auto, decimal). Paths are never cut: a path longer
@@ -321,7 +312,7 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
     width = width or terminal_width()
 
     def wrap(text: str, indent: str) -> list[str]:
-        return _wrap(text, indent, width)
+        return wrap_lines(text, indent, width)
 
     def size(b) -> str:
         return "-" if b is None else format_bytes(b, unit)

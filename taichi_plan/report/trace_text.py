@@ -230,6 +230,14 @@ def _cost(value: float, unit: str) -> str:
 _SHORT_KIND = {"optimizer_state": "optim_state"}
 
 
+def wrap_lines(text: str, indent: str, width: int) -> list[str]:
+    """``text`` wrapped to ``width``, first line after ``indent`` (e.g. a field label), the
+    others aligned under it."""
+    rest = " " * len(indent)
+    return textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False) or [indent.rstrip()]
+
+
 def _mismatch(m: object) -> list[str]:
     """Lines describing the recorder's ``first_mismatch`` (a dict with step, op_index,
     expected, got; anything else is shown as is)."""
@@ -331,8 +339,7 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
     if r["first_mismatch"]:
         lines.extend(_mismatch(r["first_mismatch"]))
     if r.get("data_sized"):
-        lines.extend(textwrap.wrap(r["data_sized"], width=max(40, width - 2), initial_indent="  ",
-                                   subsequent_indent="  "))
+        lines.extend(wrap_lines(r["data_sized"], "  ", width))
 
     c = s["cost"]
     lines.append("")
