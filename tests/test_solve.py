@@ -455,6 +455,15 @@ def test_cli_work_limit(golden_dir, tmp_path):
     assert r.exit_code == UsageError.exit_code and "--work-limit must be a positive number" in r.output
 
 
+@pytest.mark.parametrize("limit", ["0", "-1", "nan"])
+def test_cli_time_limit_must_be_positive(golden_dir, tmp_path, limit):
+    # Checked before anything runs: a limit already spent read as "no plan found in time".
+    r = CliRunner().invoke(main, ["solve", str(golden_dir), "--budget", "300", "--time-limit", limit, "-o",
+                                  str(tmp_path / "x.plan.json")])
+    assert r.exit_code == UsageError.exit_code, r.output
+    assert "--time-limit must be a positive number of seconds" in r.output
+
+
 def test_the_heuristic_weighs_a_costlier_partition_that_frees_what_the_budget_needs():
     # GPT-2 small's width and vocabulary, 4 blocks, fake: at 20% of the peak the LM head + loss
     # over tokens is what must be partitioned; ranked by bytes per cost alone, each block's cheap

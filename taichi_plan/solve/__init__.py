@@ -148,6 +148,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     (dropout); their chunks then draw their own, which changes training statistically, and
     the plan records it (:mod:`taichi_plan.partition`). Off, nothing random is partitioned.
     """
+    _check_limits(time_limit, work_limit)
     if on == "reserved":
         from .reserved import solve_on_reserved
 
@@ -265,6 +266,14 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
     raise AssertionError("unreachable: the last option raises or returns")
 
 
+def _check_limits(time_limit, work_limit) -> None:
+    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
+        raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
+    if work_limit is not None and not (isinstance(work_limit, (int, float)) and math.isfinite(work_limit)
+                                       and work_limit > 0):
+        raise UsageError(f"--work-limit must be a positive number, not {work_limit!r}.")
+
+
 def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: float, seed: int,
                 progress: Callable[[float, float], None] | None, problem: Problem, on: str,
                 allocator: AllocatorConfig | None, work_limit: float | None, started: float,
@@ -275,11 +284,7 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
         raise UsageError(f"--on must be allocated or reserved, not {on!r}.")
     if method not in methods():
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
-    if not (isinstance(time_limit, (int, float)) and math.isfinite(time_limit) and time_limit > 0):
-        raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
-    if work_limit is not None and not (isinstance(work_limit, (int, float)) and math.isfinite(work_limit)
-                                       and work_limit > 0):
-        raise UsageError(f"--work-limit must be a positive number, not {work_limit!r}.")
+    _check_limits(time_limit, work_limit)
     t0 = started
     end = t0 + time_limit * (1 - FINISH_SHARE)
     base_peak, _ = problem.baseline_peak
