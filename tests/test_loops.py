@@ -171,6 +171,16 @@ def test_a_plan_for_another_loop_says_so(plain_plan):
     loss_fn(model(**batch), batch).backward()
     with pytest.raises(MismatchError, match="gradients alive"):  # a second micro-batch
         model(**batch)
+    with warnings.catch_warnings():  # the call that raised ran nothing: not counted as the step's
+        warnings.simplefilter("error")
+        opt.step()
+    taichi_plan.finish(model)
+    model, batch, loss_fn, opt = build()  # warned and run unplanned, it is one of the step's calls
+    model = taichi_plan.apply(model, path, optimizer=opt, on_mismatch="warn")
+    opt.zero_grad()
+    loss_fn(model(**batch), batch).backward()
+    with pytest.warns(UserWarning, match="gradients alive"):
+        model(**batch)
     with pytest.warns(UserWarning, match="1 micro-batch"):
         opt.step()
     taichi_plan.finish(model)

@@ -5,6 +5,7 @@ Imports torch lazily: ``import taichi_plan`` stays cheap.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -302,7 +303,20 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
     from .runtime import PlanRuntime
 
     return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}),
-                       None if trace.meta.get("steps_match", True) else trace.meta.get("first_mismatch"))
+                       None if trace.meta.get("steps_match", True) else trace.meta.get("first_mismatch"),
+                       step_at=calls_before_step(trace))
+
+
+def calls_before_step(trace) -> int | None:
+    """How many grad-enabled model calls of the recorded step start before its optimizer step
+    (its first op of phase ``optimizer``); None when the step has no optimizer op. Fewer than
+    all calls when the step calls the model again after ``optimizer.step()``."""
+    phase = trace.ops["phase"].to_numpy()
+    at = np.flatnonzero(phase == "optimizer")
+    if not len(at):
+        return None
+    first = int(trace.ops["op_id"].to_numpy()[at[0]])
+    return sum(1 for c in model_calls(trace) if c["start"] < first)
 
 
 def partition_spans(plan: Plan, trace, problem=None) -> list[tuple[str, tuple[int, int]]]:
@@ -399,8 +413,17 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
         undo_parts()
         unshard()
 
-    model._taichi_plan = {"runtime": rt, "handles": handles, "undo": undo, "plan": plan}
+    model._taichi_plan = Applied(runtime=rt, handles=handles, undo=undo, plan=plan)
     return model
+
+
+class Applied(dict):
+    """What :func:`apply` installed on a model (``model._taichi_plan``). A copy of the model
+    (``copy.deepcopy``) is not planned: its attribute is None, and the hooks it shares with the
+    original leave its calls alone (:func:`install`)."""
+
+    def __deepcopy__(self, memo):
+        return None
 
 
 def apply_sharding(model, plan: Plan, where: str):
@@ -451,13 +474,24 @@ def install(model, rt, optimizer=None) -> list:
     import sys
 
     running = []
+    owner = weakref.ref(model)
 
     def pre_hook(module, args, kwargs):
-        running.append(rt.begin_call(module, args, kwargs))
+        if module is not owner():  # a copy of the model (copy.deepcopy) has these hooks too: it is not planned
+            running.append((False, False))
+            return
+        planned = rt.begin_call(module, args, kwargs)
+        running.append((planned, rt.counted_now))
 
-    def post_hook(_module, _args, _kwargs, _out):
-        if running and running.pop():  # in an exception's handler when the forward raised
-            rt.end_call(failed=sys.exc_info()[0] is not None)
+    def post_hook(_module, _args, _kwargs, out):
+        if not running:
+            return
+        planned, counted = running.pop()
+        failed = sys.exc_info()[0] is not None  # in an exception's handler when the forward raised
+        if planned:
+            rt.end_call(failed=failed)
+        if counted:  # (end_call raised: it said so itself)
+            rt.after_call(out, failed)
 
     handles = [model.register_forward_pre_hook(pre_hook, with_kwargs=True),
                model.register_forward_hook(post_hook, with_kwargs=True, always_call=True)]
@@ -482,4 +516,4 @@ def finish(model) -> None:
     del model._taichi_plan
 
 
-__all__ = ["apply", "call_plans", "finish", "install", "model_calls", "plan_and_trace", "recipe_ops", "runtime_for"]
+__all__ = ["apply", "call_plans", "calls_before_step", "finish", "install", "model_calls", "plan_and_trace", "recipe_ops", "runtime_for"]

@@ -417,6 +417,7 @@ def install_token_heads(model, heads: dict[str, int], rt) -> callable:
     """Make each planned head (module FQN -> chunks) return :class:`LazyLogits` in the calls
     ``rt`` runs planned; returns a function that undoes it."""
     from ..errors import PlanError
+    from .partition import wrap_forward
 
     undo = []
     for name, chunks in heads.items():
@@ -428,13 +429,11 @@ def install_token_heads(model, heads: dict[str, int], rt) -> callable:
         if not isinstance(module, torch.nn.Linear):
             raise PlanError(f"The plan partitions {name!r} over tokens, but it is a {type(module).__name__}, "
                             "not an nn.Linear: the plan was made for another model.")
-        original = module.forward
-        module.forward = _lazy_forward(module, original, int(chunks), rt, name)
-        undo.append((module, original))
+        undo.append(wrap_forward(module, lambda f, m=module, c=int(chunks), n=name: _lazy_forward(m, f, c, rt, n)))
 
     def restore():
-        for module, original in undo:
-            module.forward = original
+        for fn in undo:
+            fn()
 
     return restore
 

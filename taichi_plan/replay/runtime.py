@@ -289,6 +289,43 @@ def _unflatten(leaves: list, spec) -> tuple[tuple, dict]:
     return args, {k: take(v) for k, v in spec.kwargs}
 
 
+class _GraphMark:
+    """A do-nothing pre-hook on an output's ``grad_fn``: the node holds it, so a weak reference
+    to it dies with the call's autograd graph."""
+
+    __slots__ = ("__weakref__",)
+
+    def __call__(self, grad_outputs):
+        return None
+
+
+def _graph_ref(out, depth: int = 3):
+    """A weak reference to a :class:`_GraphMark` registered on the ``grad_fn`` of each tensor
+    output of a model call (in dicts, lists and tuples, ``depth`` levels down); None when no
+    output is part of a graph."""
+    mark = _GraphMark()
+    found = False
+    todo = [(out, 0)]
+    while todo:
+        x, d = todo.pop()
+        if isinstance(x, torch.Tensor):
+            if x.grad_fn is not None:
+                x.grad_fn.register_prehook(mark)
+                found = True
+        elif d < depth and isinstance(x, dict):
+            todo.extend((v, d + 1) for v in x.values())
+        elif d < depth and isinstance(x, (list, tuple)):
+            todo.extend((v, d + 1) for v in x)
+    return weakref.ref(mark) if found else None
+
+
+def _grads_cleared(model) -> bool:
+    """Does the model have trainable parameters and none of the first one's gradient (the
+    runtime's cheap view of ``zero_grad(set_to_none=True)`` having run)?"""
+    p = next((p for p in model.parameters() if p.requires_grad), None)
+    return p is not None and p.grad is None
+
+
 class _Trigger:
     """What autograd keeps instead of a saved tensor whose last unpack runs a rebuild group
     (the tensor itself, held as autograd would)."""
@@ -315,15 +352,21 @@ class PlanRuntime(TorchDispatchMode):
     steps. ``calls``: the plan of each grad-enabled call of the recorded step, in order."""
 
     def __init__(self, calls: list[CallPlan], on_mismatch: str = "raise", loop: dict | None = None,
-                 steps_differed: dict | None = None):
+                 steps_differed: dict | None = None, step_at: int | None = None):
         super().__init__()
         self.calls = calls
+        # grad-enabled calls of the recorded step before its optimizer.step(): fewer than all
+        # when the step calls the model again after it (a GAN's discriminator: real and fake,
+        # its step, then the generator's loss through it)
+        self.step_at = len(calls) if step_at is None else min(step_at, len(calls))
         # where the recorded steps already differed from each other (trace meta.first_mismatch)
         self.steps_differed = steps_differed
         self.on_mismatch = on_mismatch
         self.loop = loop or {}
         self._infos: dict = {}
         self._index = 0  # grad-enabled calls so far in this step
+        self.counted_now = False  # whether the call begun last is one of the step's (begin_call)
+        self._graphs: list = []  # per call of this step: a weak reference into its autograd graph (after_call)
         self._frame: Frame | None = None
         self._stack: list = []  # (frame, hooks context) of the calls running now
         self.hidden = 0  # > 0 while FSDP's own machinery runs: its ops are not counted
@@ -351,17 +394,35 @@ class PlanRuntime(TorchDispatchMode):
     # -- calls and steps ------------------------------------------------------------------------------
     def begin_call(self, model, args, kwargs) -> bool:
         """Start a call of the model; returns whether it runs planned (then :meth:`end_call`
-        must follow, also when the forward raises)."""
+        must follow, also when the forward raises). :attr:`counted_now` says whether the call
+        is one of the step's (then :meth:`after_call` follows it)."""
+        self.counted_now = False
         if not self.calls or not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
             return False
         if torch._C._current_graph_task_id() != -1:  # a forward re-run inside backward
             return False
-        call = self.calls[self._index % len(self.calls)]
+        n = len(self.calls)
+        if self._index >= n > self.step_at:  # the recorded step's calls after its optimizer.step() are done
+            self._index = 0
+        pos = self._index % n
+        if self._index and _grads_cleared(model) and (
+                self.calls[pos].grads_alive or all(g() is None for g in self._graphs)):
+            # The gradients were cleared where the recorded call at this point started with
+            # them alive, or since every earlier call of this step ended its graph (backward
+            # ran, or the loop let go of it): a new step began, and the last one ended without
+            # optimizer.step() (a batch the loop skipped, an exception it caught).
+            self._index = pos = 0
+            self._graphs.clear()
+        call = self.calls[pos]
         if bool(model.training) != call.training:
             return False
         self._index += 1
+        self.counted_now = True
         problem, smaller = self._check_inputs(call, model, args, kwargs)
         if problem is not None:
+            if self.on_mismatch == "raise":  # the call raises: it does not run, so it is not one of the step's
+                self._index -= 1
+                self.counted_now = False
             self._mismatch(problem)
             return False
         if not call.active:
@@ -380,6 +441,8 @@ class PlanRuntime(TorchDispatchMode):
         return True
 
     def end_call(self, failed: bool) -> None:
+        """``failed``: the forward raised, so the step holds nothing of this call (a loop that
+        catches it runs the call again, or another step): it is not counted."""
         frame, hooks = self._stack.pop()
         try:
             hooks.__exit__(None, None, None)
@@ -398,7 +461,7 @@ class PlanRuntime(TorchDispatchMode):
                 f"The plan partitions module {missed[0]!r}, but its forward was not called in call "
                 f"{frame.call.index} of the model, so its ops ran whole and the plan's memory prediction does "
                 "not hold. The model's code reaches that module's ops another way than through its forward: "
-                "record and solve again."))
+                "record and solve again."), ended=True)
             return
         if not failed and frame.enabled and frame.n < len(frame.call.ops):  # a loop over routed data ended it?
             at = self._past_iterations(frame, frame.n, None)
@@ -409,15 +472,29 @@ class PlanRuntime(TorchDispatchMode):
             self._frame_mismatch(frame, (
                 f"The model's forward ran {frame.n} ops but call {frame.call.index} of the plan's trace has "
                 f"{len(frame.call.ops)}. The model or its inputs changed since the trace was recorded: record "
-                "and solve again, or apply the plan with on_mismatch='warn'."))
+                "and solve again, or apply the plan with on_mismatch='warn'."), ended=True)
+
+    def after_call(self, out, failed: bool) -> None:
+        """A call of the step (:attr:`counted_now`) returned ``out``, or raised (``failed``: the
+        step holds nothing of it, and a loop that catches it runs it again or starts another
+        step, so it is not counted). Keeps a weak reference into its autograd graph: a hook
+        object on the ``grad_fn`` of its outputs, which lives as long as that graph does."""
+        if failed:
+            self._index = max(self._index - 1, 0)
+            return
+        ref = _graph_ref(out)
+        if ref is not None:
+            self._graphs.append(ref)
 
     def end_step(self) -> None:
         """The optimizer stepped: the next call is the first of a new step. Says so when this
         step called the model more often than the recorded one. Fewer calls (the last step of
         an epoch, with fewer micro-batches left) each ran their recorded call's plan, and the
         calls not made hold nothing: within the prediction."""
-        n, want = self._index, len(self.calls)
-        self._index = 0
+        n, want = self._index, self.step_at
+        self._graphs.clear()
+        # a step whose recorded calls go on after optimizer.step() continues at the first of them
+        self._index = 0 if want >= len(self.calls) else want
         if n and want and n > want:
             self._mismatch(
                 f"This training step called the model {n} time(s) with grad before optimizer.step(), but "
@@ -471,10 +548,12 @@ class PlanRuntime(TorchDispatchMode):
             return
         raise MismatchError(msg)
 
-    def _frame_mismatch(self, frame: Frame, msg: str) -> None:
+    def _frame_mismatch(self, frame: Frame, msg: str, ended: bool = False) -> None:
         """Stop the plan for ``frame``'s call: what it already dropped is rebuilt now, so the
         rest of the forward may change anything; then raise or warn."""
         frame.enabled = False
+        if ended and self.on_mismatch == "raise":  # raised by end_call: the call returns nothing
+            self.after_call(None, failed=True)
         if self.on_mismatch == "warn":
             for sid in [s for s, k in frame.pending.items() if k > 0]:
                 frame.cache[sid] = self._storage(frame, sid)
