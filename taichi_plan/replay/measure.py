@@ -238,8 +238,11 @@ def run_and_measure(workload, plan: Plan | None, trace, steps: int, seed: int, d
 
 
 def _state(model, prefix: str = "") -> dict:
-    """Copies of ``model``'s parameters and gradients (None where a parameter has none)."""
-    return {f"{prefix}params": [p.detach().clone() for p in model.parameters()],
+    """Copies of ``model``'s parameters and floating-point buffers (a batch norm's running
+    statistics: a rebuild must not update them again), and of its gradients (None where a
+    parameter has none)."""
+    return {f"{prefix}params": [p.detach().clone() for p in model.parameters()]
+            + [b.detach().clone() for b in model.buffers() if b.is_floating_point()],
             f"{prefix}grads": [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]}
 
 

@@ -1102,7 +1102,27 @@ def _rng_state(args, kwargs):
     return torch.get_rng_state(), cuda
 
 
+def _hidden_writes() -> dict:
+    """Ops that write arguments their schema does not mark as written: a batch norm in training
+    mode updates its running mean and variance (arguments 3 and 4) in place. A rebuild re-runs
+    such an op without them (None): its outputs are computed from the batch's statistics alone
+    (bitwise the same, checked on CPU by tests/test_hidden_writes.py), and the running
+    statistics are updated once, by the forward, as without a plan."""
+    out = {}
+    for name in ("native_batch_norm", "cudnn_batch_norm", "miopen_batch_norm"):
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is not None and "default" in packet.overloads():
+            out[packet.default] = (3, 4, 5)  # running mean, running var; training
+    return out
+
+
+_HIDDEN_WRITES = _hidden_writes()
+
+
 def _run(step: Step, args, kwargs):
+    hidden = _HIDDEN_WRITES.get(step.func)
+    if hidden is not None and len(args) > hidden[-1] and args[hidden[-1]] is True:
+        args = tuple(None if i in hidden[:-1] else a for i, a in enumerate(args))
     with torch.set_grad_enabled(step.grad):
         if step.rng is None:
             return step.func(*args, **kwargs)
