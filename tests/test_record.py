@@ -180,3 +180,18 @@ def test_record_objects_from_python():
     assert trace.meta["steps_match"]
     # the loss is computed outside the model: no module name for it
     assert trace.ops.loc[trace.ops["op"].str.startswith("aten.nll_loss"), "module"].eq("").all()
+
+
+def test_a_sparse_gradient_is_refused_by_name():
+    # nn.Embedding(sparse=True) makes a sparse COO gradient, which has no storage to count.
+    import torch.nn.functional as F
+
+    from taichi_plan.errors import WorkloadError
+    from taichi_plan.record import record
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 16, sparse=True), torch.nn.Linear(16, 64))
+    ids = torch.randint(0, 64, (2, 8))
+    with pytest.raises(WorkloadError, match=r"sparse_coo tensor .*sparse=False"):
+        record(model, ids, lambda out, b: F.cross_entropy(out.reshape(-1, 64), b.reshape(-1)),
+               torch.optim.SGD(model.parameters(), lr=0.1))

@@ -144,6 +144,20 @@ def input_signature(args, kwargs) -> list[list]:
     return out
 
 
+def _storage(x, op: str):
+    """``x``'s untyped storage; a tensor without one (sparse, nested) is refused by name."""
+    try:
+        return x.untyped_storage()
+    except (NotImplementedError, RuntimeError) as e:
+        from ..errors import WorkloadError
+
+        raise WorkloadError(
+            f"The step uses a {str(x.layout).replace('torch.', '')} tensor (in {op}), which has no single storage "
+            "to count: taichi-plan records dense (strided) tensors only. Sparse gradients come from "
+            "nn.Embedding(sparse=True) or F.embedding(sparse=True): use sparse=False (dense gradients) to record "
+            "and plan this step.") from e
+
+
 def _op_info(func) -> _OpInfo:
     name = str(func)
     skip = func.namespace in _SKIP_NAMESPACES
@@ -795,7 +809,7 @@ class Recorder(TorchDispatchMode):
             rec.data_sized_sources.append(op_id)
         for x in flat_in:
             if isinstance(x, _Tensor):
-                st = x.untyped_storage()
+                st = _storage(x, info.name)
                 key = st._cdata
                 tid = tids.get(key)
                 if tid is None:  # storage from before the step, or made outside the dispatcher
@@ -832,7 +846,7 @@ class Recorder(TorchDispatchMode):
             if not isinstance(x, _Tensor):
                 continue
             shapes.append(tuple(x.shape))
-            st = x.untyped_storage()
+            st = _storage(x, info.name)
             key = st._cdata
             tid = tids.get(key)
             if tid is None:
