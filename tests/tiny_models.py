@@ -592,3 +592,42 @@ def pooling_blocks(batch: int = 64, **_):
     model = Net()
     x = torch.randn(batch, 16, 32)
     return model, x, (lambda out, _b: out.pow(2).mean()), torch.optim.AdamW(model.parameters())
+
+
+def swish_mlp(batch: int = 128, **_):
+    """Linear layers joined by a custom ``torch.autograd.Function`` (a learned swish): its
+    forward saves its input and weight with ``ctx.save_for_backward``; its backward computes
+    the weight's gradient with a sum of its own (``.sum(0)``), while it still holds what it
+    unpacked."""
+    import torch
+    from torch import nn
+
+    class Swish(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            ctx.save_for_backward(x, w)
+            return x * torch.sigmoid(x * w)
+
+        @staticmethod
+        def backward(ctx, gy):
+            x, w = ctx.saved_tensors
+            s = torch.sigmoid(x * w)
+            dydx = s + x * s * (1 - s) * w
+            dydw = x * x * s * (1 - s)
+            return gy * dydx, (gy * dydw).sum(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2 = nn.Linear(64, 128), nn.Linear(128, 64)
+            self.l3, self.l4 = nn.Linear(64, 128), nn.Linear(128, 10)
+            self.w = nn.Parameter(torch.ones(128))
+
+        def forward(self, x):
+            h = self.l2(Swish.apply(self.l1(x), self.w))
+            return self.l4(Swish.apply(self.l3(h), self.w))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(1))
+    return model, x, (lambda out, b: out.square().mean()), torch.optim.AdamW(model.parameters(), lr=1e-3)
