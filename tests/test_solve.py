@@ -518,3 +518,19 @@ def test_a_warm_start_outside_the_plan_space_caps_the_bound():
     stats = plan.solver["stats"]
     assert stats["warm_start"] == "dtr baseline" and stats["mip_bound"] > plan.predicted["extra_compute"]
     assert plan.solver["lower_bound"] == plan.predicted["extra_compute"] and plan.solver["status"] == "optimal"
+
+
+@pytest.mark.parametrize("seed", [4, 6, 13])
+def test_progress_reports_only_plans_the_simulator_accepted(seed):
+    # CP-SAT's solutions are candidates of the relaxation (their costs rounded down): the
+    # progress line showed them as "best" even in a search that never found a plan.
+    trace = random_training_trace(random.Random(seed), layers=8)
+    p = build_problem(trace)
+    seen = []
+    plan = solve(trace, int(p.baseline_peak[0] * 0.6), "ilp", time_limit=5, problem=p, work_limit=5,
+                 progress=lambda best, bound: seen.append((best, bound)))
+    assert seen
+    cost = plan.predicted["extra_compute"]
+    for best, bound in seen:
+        assert best is None or best >= cost, (best, cost)
+        assert bound <= cost + 1e-9 and (best is None or bound <= best)

@@ -164,8 +164,9 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
 
-        def report(incumbent: float, bound: float) -> None:
-            status.update(f"{method}: best {incumbent:.4g}{unit}, bound {bound:.4g}{unit}")
+        def report(incumbent: float | None, bound: float) -> None:
+            best = "no plan fits yet" if incumbent is None else f"best {incumbent:.4g}{unit}"
+            status.update(f"{method}: {best}, bound {bound:.4g}{unit}")
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
                      problem=problem, on=on, allocator=allocator, work_limit=work_limit, started=started,

@@ -64,7 +64,7 @@ BISECT_LOCAL_MAX_S = 1.0  # local search per bisection step for the least reacha
 
 
 def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: float = 60.0,
-               seed: int = 0, progress: Callable[[float, float], None] | None = None,
+               seed: int = 0, progress: Callable[[float | None, float], None] | None = None,
                work_limit: float | None = None) -> Decisions:
     """Decisions of one planner (no simulation of the result, no errors for infeasible).
     ``time_limit``: wall seconds from this call, everything included; ``work_limit``: CP-SAT's
@@ -116,7 +116,7 @@ def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float)
 
 
 def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: float = 60.0,
-          seed: int = 0, progress: Callable[[float, float], None] | None = None,
+          seed: int = 0, progress: Callable[[float | None, float], None] | None = None,
           problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
           work_limit: float | None = None, started: float | None = None, optimizer: str = "auto",
           partition_random: bool = False, reshard: str = "auto", prefetch: str = "auto") -> Plan:
@@ -275,7 +275,7 @@ def _check_limits(time_limit, work_limit) -> None:
 
 
 def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: float, seed: int,
-                progress: Callable[[float, float], None] | None, problem: Problem, on: str,
+                progress: Callable[[float | None, float], None] | None, problem: Problem, on: str,
                 allocator: AllocatorConfig | None, work_limit: float | None, started: float,
                 asked_limit: float | None = None) -> Plan:
     """:func:`solve` for one optimizer option: ``problem`` is the step as it runs it, within

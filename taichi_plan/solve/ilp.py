@@ -216,13 +216,19 @@ def binding_ops(problem: Problem, budget: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 class _Progress(cp_model.CpSolverSolutionCallback):
-    def __init__(self, report, unit):
+    """Reports (the cheapest plan the simulator accepted so far or None, the bound) at each of
+    CP-SAT's solutions. A solution is a candidate of the relaxation, not yet a plan: its cost
+    is not reported as one (a search that never found a plan showed "best" costs)."""
+
+    def __init__(self, report, unit, best: Callable[[], float | None]):
         super().__init__()
-        self.report, self.unit = report, unit
+        self.report, self.unit, self.best = report, unit, best
 
     def on_solution_callback(self):
         if self.report:
-            self.report(self.ObjectiveValue() * self.unit, self.BestObjectiveBound() * self.unit)
+            best = self.best()
+            bound = self.BestObjectiveBound() * self.unit
+            self.report(best, bound if best is None else min(bound, best))
 
 
 @dataclass
@@ -282,7 +288,7 @@ def _bound_by(lower_bound: float | None, mip_bound: float | None) -> str | None:
 
 
 def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_limit: float = 60.0,
-             hint: Decisions | None = None, progress: Callable[[float, float], None] | None = None,
+             hint: Decisions | None = None, progress: Callable[[float | None, float], None] | None = None,
              workers: int = 2, partitions: bool = True, work_limit: float | None = None,
              bound_share: float = BOUND_SHARE) -> Decisions:
     """Search the plan space for the cheapest plan the simulator accepts.
@@ -411,7 +417,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         rounds += 1
         solver = cp_model.CpSolver()
         params(solver, remaining, None if work_limit is None else work_limit - work_used)
-        code = solver.Solve(model.model, _Progress(progress, cost_unit))
+        code = solver.Solve(model.model, _Progress(progress, cost_unit,
+                                                   lambda: None if incumbent is None else incumbent[1].extra_cost))
         work_used += solver.deterministic_time
         if code == cp_model.INFEASIBLE:
             # Every plan not yet simulated either breaks a constraint every accepted plan
