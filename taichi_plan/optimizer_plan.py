@@ -298,8 +298,21 @@ def _in_backward_view(trace, steps: list[ParamStep]):
     free = np.where((free >= 0) & has, np.maximum(free, np.nan_to_num(hi, nan=0).astype(np.int64)), free)
     # A gradient is freed when its parameter's step is done (the hook sets ``.grad = None``).
     done = {s.grad: int(new[s.ops[-1]]) for s in steps}
-    free = np.asarray([done.get(int(t), f) for t, f in zip(tid.tolist(), free.tolist(), strict=True)],
-                      dtype=np.int64)
+    # So is what the step made and only it used (Adam's ``denom``): the hook's step call
+    # returns there, where the recorded loop freed it only when its next parameter's
+    # iteration made another (in the view, after backward ops in between).
+    step_of = {o: k for k, s in enumerate(steps) for o in s.ops}
+    a_op, a_t = trace.accesses["op_id"].to_numpy(), trace.accesses["tensor_id"].to_numpy()
+    used_in: dict[int, set] = {}
+    for o, t in zip(a_op.tolist(), a_t.tolist(), strict=True):
+        used_in.setdefault(t, set()).add(step_of.get(o, -1))
+    ends = {}
+    for t, p in zip(tid.tolist(), tensors["producer_op"].tolist(), strict=True):
+        k = step_of.get(int(p), -1)
+        if k >= 0 and used_in.get(int(t)) == {k} and int(t) not in done:
+            ends[int(t)] = int(new[steps[k].ops[-1]])
+    free = np.asarray([done.get(t, min(f, ends[t]) if t in ends and f >= 0 else f)
+                       for t, f in zip(tid.tolist(), free.tolist(), strict=True)], dtype=np.int64)
     tensors["producer_op"] = producer.astype(np.int32)
     tensors["alloc_op"] = alloc.astype(np.int32)
     tensors["free_op"] = free.astype(np.int32)
