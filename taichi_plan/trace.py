@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 11
+FORMAT_VERSION = 12
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
@@ -31,7 +31,7 @@ FORMAT_VERSION = 11
 # meta.backward_nodes (where each autograd node starts in backward: where it unpacks saved tensors);
 # v10 adds meta.module_args (each module's forward calls, with their tensor arguments); v11 adds
 # meta.data_sized (tensors whose sizes depend on tensor values: a mixture of experts' routed tokens)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 

@@ -285,3 +285,42 @@ def test_a_copy_runs_its_own_modules_not_the_originals_planned_forwards():
     torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     undo()
     assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_parameters_frozen_or_unfrozen_after_recording_are_a_mismatch(tmp_path):
+    # Autograd saves other tensors then (a rebuild found an input nobody held: "has no recipe",
+    # mid-backward), and the gradients and AdamW state differ from what the plan counted (14%
+    # over budget, silently): said before the forward, by the trace's trainable signature (v12).
+    x = batches(1)[0]
+
+    def build(frozen):
+        model = mlp(0, layers=3)
+        model[0].requires_grad_(not frozen)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(m, o):
+        o.zero_grad()
+        m(x).square().mean().backward()
+        o.step()
+
+    model, opt = build(frozen=True)
+    trace = record_step(model, opt, lambda: step(model, opt), inputs=[x], args={"batch": BATCH})
+    assert trace.meta["model_calls"][0]["trainable"][0] == 6  # 8 parameters, the first layer's 2 frozen
+    path = save(trace, solved(trace), tmp_path)
+    model, opt = build(frozen=True)
+    taichi_plan.apply(model, path, optimizer=opt)
+    step(model, opt)
+    model[2].requires_grad_(False)
+    with pytest.raises(MismatchError, match="trains 4 parameters .* recorded with 6"):
+        step(model, opt)
+    model[2].requires_grad_(True)
+    model[0].requires_grad_(True)
+    with pytest.raises(MismatchError, match="trains 8 parameters .* recorded with 6"):
+        step(model, opt)
+    model[0].requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(model, opt)  # as recorded again: planned, no warning
+    rt = model._taichi_plan["runtime"]
+    assert rt.mismatches == 2 and rt.planned_calls == 2
+    taichi_plan.finish(model)

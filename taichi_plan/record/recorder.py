@@ -158,6 +158,18 @@ def _storage(x, op: str):
             "and plan this step.") from e
 
 
+def trainable_signature(model) -> list[int]:
+    """``[count, bytes]`` of the model's parameters that require grad (trace v12
+    ``model_calls[].trainable``): which tensors autograd saves for backward, and which
+    gradients and optimizer state the step holds, follow from it."""
+    n = b = 0
+    for p in model.parameters():
+        if p.requires_grad:
+            n += 1
+            b += p.numel() * p.element_size()
+    return [n, b]
+
+
 def _op_info(func) -> _OpInfo:
     name = str(func)
     skip = func.namespace in _SKIP_NAMESPACES
@@ -458,7 +470,7 @@ class Recorder(TorchDispatchMode):
             if self._rec is not None:
                 self._rec.calls.append({"start": self._n, "end": None, "inputs": input_signature(args, kwargs),
                                         "grad": torch.is_grad_enabled() and not torch.is_inference_mode_enabled(),
-                                        "training": bool(model.training)})
+                                        "training": bool(model.training), "trainable": trainable_signature(model)})
 
         def post(_module, _args, _kwargs, _out):
             if self._rec is not None and self._rec.calls and self._rec.calls[-1]["end"] is None:

@@ -139,8 +139,16 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
                             bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c]),
                             triggers=triggers[c], whole=frozenset(whole[c]), module_calls=skippable[c],
-                            module_starts=starts[c], sized_ops=frozenset(sized[c])))
+                            module_starts=starts[c], sized_ops=frozenset(sized[c]),
+                            trainable=_trainable(plan, call)))
     return out
+
+
+def _trainable(plan: Plan, call: dict) -> tuple | None:
+    """A recorded call's ``trainable`` signature (trace v12), None where it is not checked: older
+    traces, and sharded or DDP ones (their parameters are shards or wrapped)."""
+    t = call.get("trainable")
+    return None if t is None or plan.trace.get("layout") is not None else tuple(t)
 
 
 def module_calls(trace, calls: list[dict], counted: list[bool], before: list[int]) -> tuple[list[dict], list[dict]]:
@@ -305,6 +313,7 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
     return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}),
                        None if trace.meta.get("steps_match", True) else trace.meta.get("first_mismatch"),
                        step_at=calls_before_step(trace))
+
 
 
 def calls_before_step(trace) -> int | None:

@@ -162,6 +162,9 @@ class CallPlan:
     # loop over what a step routes (a mixture of experts' experts hit) runs as many times as the
     # data says, so a live call may run fewer of them (_resync).
     sized_ops: frozenset = frozenset()
+    # [count, bytes] of the model's parameters requiring grad when the call was recorded (trace
+    # v12; None: older traces and sharded ones, not checked)
+    trainable: tuple | None = None
 
     @property
     def active(self) -> bool:
@@ -524,6 +527,16 @@ class PlanRuntime(TorchDispatchMode):
                     "A plan runs on the shapes it was recorded with, or smaller ones (a last, smaller batch; a "
                     "shorter padded sequence): record and solve again for these shapes, or apply the plan with "
                     "on_mismatch='warn' to run such calls unplanned."), False
+        if call.trainable is not None:
+            from ..record.recorder import trainable_signature
+
+            live = tuple(trainable_signature(model))
+            if live != call.trainable:
+                return (f"The model trains {live[0]} parameters ({live[1]:,} bytes) now, but the plan's trace was "
+                        f"recorded with {call.trainable[0]} ({call.trainable[1]:,} bytes): parameters were frozen or "
+                        "unfrozen since. Autograd then saves other tensors for backward, and the gradients and "
+                        "optimizer state differ from what the plan counted: record the model as it trains now and "
+                        "solve again, or apply the plan with on_mismatch='warn' to run such calls unplanned."), False
         if call.grads_alive is not None:
             p = next((p for p in model.parameters() if p.requires_grad), None)
             alive = p is not None and p.grad is not None
