@@ -76,3 +76,26 @@ def test_a_memtracker_step_that_stops_half_way_does_not_decide_the_comparison(re
     r = replay(plan_path, steps=1)
     assert len(calls) == 2 and r["memtracker_note"].startswith("not measured")
     assert r["grads_match"], r["grads_check"]
+
+
+def test_replay_of_a_model_that_is_not_deterministic_by_itself(tmp_path):
+    # Two unplanned runs of it differ already: "gradients DIFFER" was a false alarm about the
+    # plan. Replay runs a second unplanned run when the comparison fails, and judges the plan
+    # against the spread of the two.
+    from taichi_plan.plan import save_plan
+    from taichi_plan.problem import build_problem
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.replay.measure import replay
+    from taichi_plan.solve import solve
+    from taichi_plan.trace import write_trace
+
+    trace = record_workload(get_workload(entry="tiny_models:reseeding_mlp"), fake=False)
+    write_trace(trace, tmp_path / "t")
+    p = build_problem(trace)
+    plan = solve(trace, int(p.baseline_peak[0] * 0.9), "heuristic", problem=p, optimizer="as-recorded")
+    assert plan.recompute
+    plan.trace["path"] = str(tmp_path / "t")
+    r = replay(save_plan(plan, tmp_path / "p.plan.json"), steps=2)
+    assert r["nondeterministic_model"] and r["grads_match"], r["grads_check"]
+    assert "not deterministic by itself" in r["grads_check"]
+    assert r["measured_peak_bytes"] == r["predicted_peak_bytes"]

@@ -631,3 +631,26 @@ def swish_mlp(batch: int = 128, **_):
     model = Net()
     x = torch.randn(batch, 64, generator=torch.Generator().manual_seed(1))
     return model, x, (lambda out, b: out.square().mean()), torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def reseeding_mlp(batch: int = 64, **_):
+    """An MLP with dropout whose forward reseeds torch's generator from the clock first
+    (``torch.seed()``, as transformers' Reformer does for its attention): two unplanned runs
+    from the same seed already train differently."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l1, self.l2, self.l3 = nn.Linear(32, 128), nn.Linear(128, 128), nn.Linear(128, 4)
+
+        def forward(self, x):
+            torch.seed()
+            h = nn.functional.dropout(torch.relu(self.l1(x)), 0.2, self.training)
+            return self.l3(torch.relu(self.l2(h)))
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(batch, 32, generator=torch.Generator().manual_seed(1))
+    return model, x, (lambda out, b: out.square().mean()), torch.optim.SGD(model.parameters(), lr=1e-2)
