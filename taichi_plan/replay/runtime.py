@@ -542,9 +542,11 @@ class PlanRuntime(TorchDispatchMode):
             alive = p is not None and p.grad is not None
             if alive and not call.grads_alive:  # (freed where the trace had them only saves memory)
                 return ("The model was called with gradients alive, but in the plan's trace "
-                        f"({self._loop_words()}) call {call.index} started with none. The gradients' memory is not in the plan's prediction: record the loop you run "
-                        "(--micro-batches N for gradient accumulation, --keep-grads for zero_grad(set_to_none=False)) "
-                        "and solve again."), False
+                        f"({self._loop_words()}) call {call.index} started with none. The gradients' memory is not "
+                        "in the plan's prediction: record the loop you run and solve again (gradient accumulation: "
+                        "--micro-batches N, Loop(micro_batches=N) in Python; zero_grad(set_to_none=False), or "
+                        "zero_grad() only right before backward, so that the last step's gradients live through "
+                        "the forward: --keep-grads, Loop(set_to_none=False))."), False
         return None, smaller
 
     def smaller_call(self) -> bool:
