@@ -60,3 +60,17 @@ def end_run(model, planned: bool):
     if planned:
         taichi_plan.finish(model)
     return params, rt
+
+
+def train_entry(entry: str, plan=None, trace=None, steps: int = 3):
+    """(parameters, each step's peak, runtime or None) of ``steps`` steps of the ``--entry``
+    workload ``entry`` on its own tensor batch, planned by ``plan`` (its ``trace``) or not."""
+    import taichi_plan
+    from taichi_plan.record import get_workload
+
+    model, x, loss_fn, opt = get_workload(entry=entry).build(False)
+    if plan is not None:
+        model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
+    peaks = [step_peak(model, opt, x, loss_fn) for _ in range(steps)]
+    params, rt = end_run(model, plan is not None)
+    return params, peaks, rt

@@ -7,29 +7,18 @@ broadcast gradient, which runs after a node's apply, and predicted the peak 512 
 from __future__ import annotations
 
 import torch
-from live_peak import end_run, step_peak
+from live_peak import train_entry
 
-import taichi_plan
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.simulate import Drop
 from taichi_plan.solve.result import Decisions, make_plan
 
-
-def train(plan=None, trace=None, steps: int = 3):
-    model, x, loss_fn, opt = get_workload(entry="tiny_models:swish_mlp").build(False)
-    if plan is not None:
-        model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
-    peaks = [step_peak(model, opt, x, loss_fn) for _ in range(steps)]
-    params, rt = end_run(model, plan is not None)
-    return params, peaks, rt
+ENTRY = "tiny_models:swish_mlp"
 
 
 def test_a_rebuilt_input_of_a_custom_function_lives_through_its_backward():
-    model, x, loss_fn, opt = get_workload(entry="tiny_models:swish_mlp").build(False)
-    trace = record(model, x, loss_fn, opt)
-    problem = build_problem(trace)
-    p = problem
+    p = build_problem(trace := record(*get_workload(entry=ENTRY).build(False)))
     # Drop the first Swish's saved input (l1's output), rebuilt when its backward unpacks it,
     # and l2's output, so that the step's peak is in that backward.
     drops = [Drop(int(t), int(a), int(b)) for t, a, b in
@@ -37,8 +26,8 @@ def test_a_rebuilt_input_of_a_custom_function_lives_through_its_backward():
              if p.op_module[int(p.producer[t])] in ("l1", "l2") and p.op_name[int(p.producer[t])] == "aten.addmm.default"]
     assert len(drops) == 2
     plan = make_plan(p, None, "manual", Decisions(drops=drops), 0.0, 0)
-    base, _, _ = train()
-    got, peaks, rt = train(plan, trace)
+    base, _, _ = train_entry(ENTRY)
+    got, peaks, rt = train_entry(ENTRY, plan, trace)
     assert rt.mismatches == 0
     assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
     # measured by an independent live-storage counter

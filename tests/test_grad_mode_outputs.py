@@ -7,21 +7,15 @@ tensors requiring no grad, so no graph is recorded either way)."""
 from __future__ import annotations
 
 import torch
-from live_peak import end_run, step_peak
+from live_peak import train_entry
 
-import taichi_plan
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.solve import solve
 
 
 def train(plan=None, trace=None, steps: int = 3):
-    model, ids, loss_fn, opt = get_workload(entry="tiny_models:lstm_lm").build(False)
-    if plan is not None:
-        model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
-    peaks = [step_peak(model, opt, ids, loss_fn) for _ in range(steps)]
-    params, rt = end_run(model, plan is not None)
-    return params, peaks, rt
+    return train_entry("tiny_models:lstm_lm", plan, trace, steps)
 
 
 def test_a_dropped_lstm_workspace_is_rebuilt_with_grad_enabled():
