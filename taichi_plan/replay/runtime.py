@@ -370,6 +370,7 @@ class PlanRuntime(TorchDispatchMode):
         self._index = 0  # grad-enabled calls so far in this step
         self.counted_now = False  # whether the call begun last is one of the step's (begin_call)
         self._graphs: list = []  # per call of this step: a weak reference into its autograd graph (after_call)
+        self._params = None  # (the model, weakly; [(parameter, bytes)]): _trainable
         self._frame: Frame | None = None
         self._stack: list = []  # (frame, hooks context) of the calls running now
         self.hidden = 0  # > 0 while FSDP's own machinery runs: its ops are not counted
@@ -528,9 +529,7 @@ class PlanRuntime(TorchDispatchMode):
                     "shorter padded sequence): record and solve again for these shapes, or apply the plan with "
                     "on_mismatch='warn' to run such calls unplanned."), False
         if call.trainable is not None:
-            from ..record.recorder import trainable_signature
-
-            live = tuple(trainable_signature(model))
+            live = self._trainable(model)
             if live != call.trainable:
                 return (f"The model trains {live[0]} parameters ({live[1]:,} bytes) now, but the plan's trace was "
                         f"recorded with {call.trainable[0]} ({call.trainable[1]:,} bytes): parameters were frozen or "
@@ -548,6 +547,21 @@ class PlanRuntime(TorchDispatchMode):
                         "zero_grad() only right before backward, so that the last step's gradients live through "
                         "the forward: --keep-grads, Loop(set_to_none=False))."), False
         return None, smaller
+
+    def _trainable(self, model) -> tuple[int, int]:
+        """The model's ``[count, bytes]`` of parameters requiring grad (the recorder's
+        ``trainable_signature``), from its parameters listed once: walking the modules costs
+        about 0.3 ms a call on GPT-2 small, the list's flags 0.04 ms."""
+        cached = self._params
+        if cached is None or cached[0]() is not model:
+            cached = self._params = (weakref.ref(model), [(p, p.numel() * p.element_size())
+                                                          for p in model.parameters()])
+        n = b = 0
+        for p, size in cached[1]:
+            if p.requires_grad:
+                n += 1
+                b += size
+        return n, b
 
     def smaller_call(self) -> bool:
         """Does the call running now have smaller inputs than the recorded one (:func:`no_larger`)?"""
