@@ -293,13 +293,16 @@ def _unflatten(leaves: list, spec) -> tuple[tuple, dict]:
 
 
 class _GraphMark:
-    """A do-nothing pre-hook on an output's ``grad_fn``: the node holds it, so a weak reference
-    to it dies with the call's autograd graph."""
+    """A pre-hook on an output's ``grad_fn`` that notes that backward reached it; the node
+    holds it, so a weak reference to it dies with the call's autograd graph."""
 
-    __slots__ = ("__weakref__",)
+    __slots__ = ("__weakref__", "fired")
+
+    def __init__(self):
+        self.fired = False
 
     def __call__(self, grad_outputs):
-        return None
+        self.fired = True
 
 
 def _graph_ref(out, depth: int = 3):
@@ -410,11 +413,11 @@ class PlanRuntime(TorchDispatchMode):
             self._index = 0
         pos = self._index % n
         if self._index and _grads_cleared(model) and (
-                self.calls[pos].grads_alive or all(g() is None for g in self._graphs)):
+                self.calls[pos].grads_alive or all((m := g()) is None or m.fired for g in self._graphs)):
             # The gradients were cleared where the recorded call at this point started with
-            # them alive, or since every earlier call of this step ended its graph (backward
-            # ran, or the loop let go of it): a new step began, and the last one ended without
-            # optimizer.step() (a batch the loop skipped, an exception it caught).
+            # them alive, or after every earlier call of this step ran its backward or let go
+            # of its graph: a new step began, and the last one ended without optimizer.step()
+            # (a batch the loop skipped, an exception it caught, a GradScaler step skipped).
             self._index = pos = 0
             self._graphs.clear()
         call = self.calls[pos]
