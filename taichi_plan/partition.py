@@ -974,28 +974,27 @@ def apply_end(problem: Problem, last: int, end: int) -> int:
     while e > last and problem.op_name[e] in _ENGINE_TAIL_OPS:
         e -= 1
     sums = [i for i in range(e + 1, end + 1) if problem.op_name[i] == "aten.sum.dim_IntList"]
-    if sums and all(_keeps_rank(problem, i) for i in sums):
+    if sums and all(_keeps_dims(problem, i) for i in sums):
         return e
     return end
 
 
-def _keeps_rank(problem: Problem, op: int) -> bool:
-    """Does the sum at ``op`` keep the rank of what it reads, as the engine's ``sum_to`` does
-    (``keepdim=True``, then a view)? A sum that drops dimensions (``.sum(0)`` in a custom
-    ``autograd.Function``'s backward) is the node's own code, run while its apply still holds
-    what it unpacked (measured: 512 B above the prediction when it was taken for the engine's)."""
-    cache = problem.__dict__.setdefault("_sum_keeps_rank", {})
+def _keeps_dims(problem: Problem, op: int) -> bool:
+    """Does the sum at ``op`` keep the dimensions it reduces, as the engine's ``sum_to`` does
+    (``keepdim=True``, then a view: its output has a dimension of size 1)? A sum that drops them
+    (``.sum(0)`` in a custom ``autograd.Function``'s backward) is the node's own code, run while
+    its apply still holds what it unpacked (measured: 512 B above the prediction when it was
+    taken for the engine's). Read from the shape its output storage was made with."""
+    cache = problem.__dict__.setdefault("_sum_keeps_dims", {})
     if op not in cache:
-        tr = problem.trace
-        acc = tr.accesses
-        rows = acc[acc["op_id"].to_numpy() == op]
-        rank = problem.__dict__.get("_tensor_ranks")
-        if rank is None:
-            rank = problem.__dict__["_tensor_ranks"] = dict(zip(
-                tr.tensors["tensor_id"].tolist(), (len(s) for s in tr.tensors["shape"]), strict=True))
-        ins = [rank.get(int(t)) for t in rows.loc[rows["role"] == "read", "tensor_id"]]
-        outs = [rank.get(int(t)) for t in rows.loc[rows["role"] == "write", "tensor_id"]]
-        cache[op] = bool(ins and outs and ins[0] is not None and ins[0] == outs[0])
+        shapes = problem.__dict__.get("_tensor_shapes")
+        if shapes is None:
+            t = problem.trace.tensors
+            shapes = problem.__dict__["_tensor_shapes"] = dict(zip(t["tensor_id"].tolist(), t["shape"], strict=True))
+        acc = problem.trace.accesses
+        rows = acc[(acc["op_id"].to_numpy() == op) & (acc["role"].to_numpy() == "write")]
+        out = [shapes.get(int(t)) for t in rows["tensor_id"]]
+        cache[op] = bool(out) and out[0] is not None and 1 in list(out[0])
     return cache[op]
 
 

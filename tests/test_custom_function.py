@@ -2,7 +2,7 @@
 code, holds what it unpacked until it returns, so a rebuilt copy lives through the sum that
 ends it (``(gy * dydw).sum(0)``). The simulator took that sum for the engine's reduction of a
 broadcast gradient, which runs after a node's apply, and predicted the peak 512 B low
-(``partition.apply_end``: the engine's ``sum_to`` keeps its input's rank)."""
+(``partition.apply_end``: the engine's ``sum_to`` keeps the dimensions it reduces)."""
 
 from __future__ import annotations
 
