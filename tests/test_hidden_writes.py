@@ -96,3 +96,17 @@ def test_replay_compares_buffers():
     b = _state(model)
     assert len(a["params"]) == len(list(model.parameters())) + 6  # three running means, three variances
     assert not compare_training(a, b, exact=True)["grads_match"]
+
+
+def test_a_buffer_holding_minus_infinity_compares_equal_to_itself():
+    # A causal mask buffer (-inf above the diagonal) is part of what replay compares; -inf - -inf
+    # is nan, and "nan <= tolerance" read as "gradients DIFFER" for every plan with a partition.
+    from taichi_plan.replay.measure import compare_training
+
+    mask = torch.full((4, 4), float("-inf")).triu(1)
+    w = torch.randn(8)
+    a = {"params": [w, mask], "grads": [w.clone(), None], "first_grads": [w.clone(), None]}
+    b = {"params": [w + 1e-9, mask.clone()], "grads": [w.clone(), None], "first_grads": [w + 1e-9, None]}
+    out = compare_training(a, b, exact=False)
+    assert out["grads_match"], out["grads_check"]
+    assert "nan" not in out["grads_check"] and out["grads_max_abs_diff"] < 1e-6

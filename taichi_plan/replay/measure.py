@@ -593,7 +593,7 @@ def compare_training(base: dict, planned: dict, exact: bool, in_backward: bool =
             if a is None or b is None:
                 ok[part] &= a is None and b is None
                 continue
-            worst = max(worst, float((a - b).abs().max()) if a.numel() else 0.0)
+            worst = max(worst, float(_diff(a, b).abs().max()) if a.numel() else 0.0)
             yield a, b
 
     if exact:
@@ -687,21 +687,32 @@ def _rounding_level(base: dict, planned: dict, rel: float | None) -> list | None
     return out
 
 
+def _diff(a, b):
+    """``a - b`` in float64, 0 where the two are equal: a buffer holding -inf (a causal mask)
+    in both runs differs by nothing, not by nan."""
+    import torch
+
+    x, y = a.double(), b.double()
+    return torch.where(x == y, torch.zeros_like(x), x - y)
+
+
 def _rel_distance(a: list, b: list, skip: list | None = None) -> float:
     """||a - b|| / ||a|| over every tensor of the two lists (None entries skipped; ``skip``:
-    per tensor, a mask of elements left out of the difference)."""
+    per tensor, a mask of elements left out of the difference; elements equal in both, -inf
+    included, differ by 0, and the norm of ``a`` is over its finite elements)."""
     import torch
 
     num = den = 0.0
     for k, (x, y) in enumerate(zip(a, b, strict=True)):
         if x is None or y is None:
             continue
-        diff = x.double() - y.double()
+        diff = _diff(x, y)
         mask = skip[k] if skip is not None and k < len(skip) else None
         if mask is not None and mask.shape == diff.shape:
             diff = torch.where(mask, torch.zeros_like(diff), diff)
         num += float(torch.sum(diff ** 2))
-        den += float(torch.sum(x.double() ** 2))
+        xd = x.double()
+        den += float(torch.sum(torch.where(torch.isfinite(xd), xd, torch.zeros_like(xd)) ** 2))
     return (num / den) ** 0.5 if den > 0 else 0.0
 
 
@@ -716,7 +727,7 @@ def statistical_check(base: dict, planned: dict, other: dict, keys=("grads", "pa
         out["grads_match"] &= d_plan <= STAT_FACTOR * d_seed
         for a, b in zip(base[key], planned[key], strict=True):
             if a is not None and b is not None and a.numel():
-                out["grads_max_abs_diff"] = max(out["grads_max_abs_diff"], float((a - b).abs().max()))
+                out["grads_max_abs_diff"] = max(out["grads_max_abs_diff"], float(_diff(a, b).abs().max()))
     g = out["grads_distance"]
     names = {"grads": "gradients", "params": "parameters"}
     planned_d = ", ".join(f"{names[k]} {g[k]['planned']:.3g}" for k in keys)
