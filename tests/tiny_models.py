@@ -654,3 +654,37 @@ def reseeding_mlp(batch: int = 64, **_):
     model = Net()
     x = torch.randn(batch, 32, generator=torch.Generator().manual_seed(1))
     return model, x, (lambda out, b: out.square().mean()), torch.optim.SGD(model.parameters(), lr=1e-2)
+
+
+def lazy_mask_lm(batch: int = 4, **_):
+    """A one-block language model that builds its causal mask buffer on its first call (as
+    models with lazily made mask or rotary caches do): the first step runs ops the recorded,
+    steady-state step does not."""
+    import math
+
+    import torch
+    from torch import nn
+    from torch.nn import functional as F
+
+    v, h, s = 64, 32, 16
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(v, h)
+            self.register_buffer("mask", None, persistent=False)
+            self.l1, self.l2, self.head = nn.Linear(h, 64), nn.Linear(64, h), nn.Linear(h, v)
+
+        def forward(self, ids):
+            n = ids.shape[1]
+            if self.mask is None or self.mask.shape[0] < n:
+                self.mask = torch.full((n, n), float("-inf")).triu(1)
+            x = self.emb(ids)
+            x = x + ((x @ x.transpose(1, 2)) / math.sqrt(h) + self.mask[:n, :n]).softmax(-1) @ x
+            return self.head(x + self.l2(F.gelu(self.l1(x))))
+
+    torch.manual_seed(0)
+    model = Net()
+    ids = torch.randint(0, v, (batch, s), generator=torch.Generator().manual_seed(1))
+    return model, ids, (lambda out, b: F.cross_entropy(out.reshape(-1, v), b.reshape(-1))), \
+        torch.optim.AdamW(model.parameters(), lr=1e-3)

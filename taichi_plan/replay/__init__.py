@@ -312,7 +312,7 @@ def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
 
     return PlanRuntime(call_plans(plan, trace), on_mismatch, (trace.meta.get("loop") or {}),
                        None if trace.meta.get("steps_match", True) else trace.meta.get("first_mismatch"),
-                       step_at=calls_before_step(trace))
+                       step_at=calls_before_step(trace), warmup=int(trace.meta.get("warmup_steps") or 0))
 
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import time
 import warnings
 import weakref
@@ -358,7 +359,7 @@ class PlanRuntime(TorchDispatchMode):
     steps. ``calls``: the plan of each grad-enabled call of the recorded step, in order."""
 
     def __init__(self, calls: list[CallPlan], on_mismatch: str = "raise", loop: dict | None = None,
-                 steps_differed: dict | None = None, step_at: int | None = None):
+                 steps_differed: dict | None = None, step_at: int | None = None, warmup: int = 0):
         super().__init__()
         self.calls = calls
         # grad-enabled calls of the recorded step before its optimizer.step(): fewer than all
@@ -371,6 +372,8 @@ class PlanRuntime(TorchDispatchMode):
         self.loop = loop or {}
         self._infos: dict = {}
         self._index = 0  # grad-enabled calls so far in this step
+        self.steps_seen = 0  # optimizer steps since the plan was applied (end_step)
+        self.warmup = warmup  # unrecorded warm-up steps before the recorded one (trace meta.warmup_steps)
         self.counted_now = False  # whether the call begun last is one of the step's (begin_call)
         self._graphs: list = []  # per call of this step: a weak reference into its autograd graph (after_call)
         self._params = None  # (the model, weakly; [(parameter, bytes)]): _trainable
@@ -500,6 +503,7 @@ class PlanRuntime(TorchDispatchMode):
         calls not made hold nothing: within the prediction."""
         n, want = self._index, self.step_at
         self._graphs.clear()
+        self.steps_seen += 1
         # a step whose recorded calls go on after optimizer.step() continues at the first of them
         self._index = 0 if want >= len(self.calls) else want
         if n and want and n > want:
@@ -574,6 +578,9 @@ class PlanRuntime(TorchDispatchMode):
     def _mismatch(self, msg: str, once: bool = False) -> None:
         self.mismatch = msg
         self.mismatches += 1
+        if self.on_mismatch == "warn" and not once:  # (already so: the advice to do it is left out)
+            msg = re.sub(r",? or apply (?:the plan|it) with on_mismatch='warn'(?: \([^)]*\))?(?: to run such \w+ unplanned)?",
+                         "", msg)
         if self.on_mismatch == "warn" or once:
             warnings.warn(msg + (" This call runs unplanned; the next one tries the plan again."
                                  if not once else ""), stacklevel=3)
@@ -616,6 +623,12 @@ class PlanRuntime(TorchDispatchMode):
                    "times than in the recorded step. Fewer iterations run planned; one more, an expert the recorded "
                    "step routed no token to, has no ops in the trace. Record at a batch that routes tokens to every "
                    "expert, or apply the plan with on_mismatch='warn' to run such calls unplanned.")
+        elif self.steps_seen == 0 and self.warmup:
+            why = (f"This is the first step with the plan, and the plan's step was recorded after {self.warmup} "
+                   "unrecorded warm-up step(s): a model that builds something on its first calls (a mask or cache "
+                   "buffer, a lazy module) runs other ops before that. Run as many steps before applying the plan, "
+                   "or apply it with on_mismatch='warn' (such a step then runs unplanned, at the unplanned peak); "
+                   "if later steps differ too, the model changed since the recording: record and solve again.")
         elif frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
             why = ("These inputs are smaller than the recorded ones, and at these sizes the model takes another op "
                    "path (a dimension of size 1 makes some copies unnecessary). Apply the plan with "
