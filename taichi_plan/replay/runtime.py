@@ -623,17 +623,17 @@ class PlanRuntime(TorchDispatchMode):
                    "times than in the recorded step. Fewer iterations run planned; one more, an expert the recorded "
                    "step routed no token to, has no ops in the trace. Record at a batch that routes tokens to every "
                    "expert, or apply the plan with on_mismatch='warn' to run such calls unplanned.")
+        elif frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
+            why = ("These inputs are smaller than the recorded ones, and at these sizes the model takes another op "
+                   "path (a dimension of size 1 makes some copies unnecessary). Apply the plan with "
+                   "on_mismatch='warn' to run such calls unplanned, drop such a last batch (a DataLoader's "
+                   "drop_last=True), or record and solve at these sizes.")
         elif self.steps_seen == 0 and self.warmup:
             why = (f"This is the first step with the plan, and the plan's step was recorded after {self.warmup} "
                    "unrecorded warm-up step(s): a model that builds something on its first calls (a mask or cache "
                    "buffer, a lazy module) runs other ops before that. Run as many steps before applying the plan, "
                    "or apply it with on_mismatch='warn' (such a step then runs unplanned, at the unplanned peak); "
                    "if later steps differ too, the model changed since the recording: record and solve again.")
-        elif frame.smaller:  # e.g. at batch 1 an already contiguous tensor skips the clone of .contiguous()
-            why = ("These inputs are smaller than the recorded ones, and at these sizes the model takes another op "
-                   "path (a dimension of size 1 makes some copies unnecessary). Apply the plan with "
-                   "on_mismatch='warn' to run such calls unplanned, drop such a last batch (a DataLoader's "
-                   "drop_last=True), or record and solve at these sizes.")
         self._frame_mismatch(frame, (
             f"The live op sequence differs from the one the plan was made for, at {where}, but the model ran "
             f"{name}. {why}"))
