@@ -99,3 +99,41 @@ def test_replay_of_a_model_that_is_not_deterministic_by_itself(tmp_path):
     assert r["nondeterministic_model"] and r["grads_match"], r["grads_check"]
     assert "not deterministic by itself" in r["grads_check"]
     assert r["measured_peak_bytes"] == r["predicted_peak_bytes"]
+
+
+def test_memtracker_failing_on_a_step_that_runs_without_it_blames_memtracker():
+    # PyTorch's MemTracker wraps module calls, and a PackedSequence argument breaks it: the
+    # note used to pass on the wrapped error, "Run that step once on its own to fix it".
+    import torch
+    from torch import nn
+
+    from taichi_plan.errors import WorkloadError
+    from taichi_plan.record.loop import Loop
+    from taichi_plan.replay.measure import _memtracker_peak
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.rnn, self.head = nn.Embedding(16, 8), nn.LSTM(8, 8, batch_first=True), nn.Linear(8, 2)
+
+        def forward(self, ids, lens):
+            packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lens, batch_first=True, enforce_sorted=False)
+            return self.head(self.rnn(packed)[1][0][-1])
+
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    ids, lens = torch.randint(0, 16, (3, 5)), torch.tensor([5, 2, 4])
+
+    def one_step():
+        try:
+            model(ids, lens).square().mean().backward()
+        except Exception as e:  # as MeasuredRun's step wraps the step's own error
+            raise WorkloadError("the training step raised; run that step once on its own to fix it") from e
+        opt.step()
+
+    one_step()  # fine without MemTracker
+    peak, note = _memtracker_peak(model, opt, one_step, Loop())
+    if peak is not None:
+        pytest.skip("this torch's MemTracker follows a PackedSequence")
+    assert note.startswith("MemTracker failed: the step raised under PyTorch's MemTracker"), note
+    assert "on its own" not in note and "WorkloadError" not in note

@@ -438,7 +438,12 @@ def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str 
     except MismatchError as e:  # the plan stopped in this step (a step whose ops it cannot run)
         return None, f"not measured: the plan stopped in that step: {str(e).splitlines()[0] if str(e) else ''}"
     except Exception as e:  # noqa: BLE001  (a cross-check of PyTorch's: its failure is reported, not ours)
-        return None, f"MemTracker failed: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        root = e
+        while root.__cause__ is not None:  # the step's own error, not the wrapper that blames the step
+            root = root.__cause__
+        first = str(root).splitlines()[0] if str(root) else ""
+        return None, (f"MemTracker failed: the step raised under PyTorch's MemTracker, which wraps every module "
+                      f"call, and ran without it: {type(root).__name__}: {first}")
     snap = tracker.get_tracker_snapshot("peak")
     return int(sum(v["Total"] for v in snap.values())), None
 
