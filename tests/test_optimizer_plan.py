@@ -349,3 +349,16 @@ def test_the_options_sentence_never_says_a_peak_is_itself_instead():
 
     assert "peaks at 5.52 MB (op 5), 4,000 bytes below the recorded step's peak" in describe(view(5_524_000, 5_520_000))["why"]
     assert "peaks at 4.00 MB (op 5) instead of 5.52 MB" in describe(view(5_520_000, 4_000_000))["why"]
+
+
+def test_a_suggested_budget_names_the_optimizer_option_that_reached_it(mlp):
+    # auto gives the recorded step the whole time limit: a budget reached only with the
+    # optimizer stepped in backward, asked for without naming that option, timed out again
+    # (a packed-sequence LSTM: 366.1KB suggested, then 381.77KB).
+    from taichi_plan.solve import timed_out_error
+
+    v = view_problem(build_problem(mlp), "in-backward")
+    msg = str(timed_out_error(v, 1000, "auto", 123_456, 5, 20.0, None))
+    assert "with the optimizer stepped in backward" in msg and "(--budget 123.46KB --optimizer in-backward)" in msg
+    plain = str(timed_out_error(build_problem(mlp), 1000, "auto", 123_456, 5, 20.0, None))
+    assert "(--budget 123.46KB)" in plain and "--optimizer" not in plain

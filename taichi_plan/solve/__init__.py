@@ -112,6 +112,15 @@ def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float)
         if name != "none" and now < cut:
             tried[f"{name} baseline"] = fn(problem, budget_bytes, seed=seed, time_limit=(deadline - now) / 4)
     best = best_by_simulator(problem, budget_bytes, list(tried.values()))
+    if simulate_plan(problem, best.drops, best.partitions)[0].peak_bytes > budget_bytes:
+        # The greedy sweep is not monotone in the budget: the bisection that finds the lowest
+        # peak it reaches (the budget a timed-out solve suggests) asks for less, and its plan
+        # may fit this budget where the sweep asked for it did not.
+        lowest_reachable(problem, deadline=t0 + (deadline - t0) / 2)
+        reached = problem.__dict__.get("_reached_plan")
+        if reached is not None and reached[0] <= budget_bytes:
+            tried["heuristic (asked for less)"] = reached[1]
+            best = best_by_simulator(problem, budget_bytes, list(tried.values()))
     return best, next(name for name, dec in tried.items() if dec is best)
 
 
@@ -387,12 +396,16 @@ def timed_out_error(problem: Problem, budget_bytes: int, method: str, peak: int,
     ``op`` (the best plan for this budget's, or the heuristic's when asked for less)."""
     limit = f"the time limit of {time_limit:g} s" + ("" if work_limit is None else f" or the work limit of {work_limit:g}")
     at = f", during {describe_op(problem, op)}" if op >= 0 else ""
+    view = (problem.trace.meta.get("optimizer_view") or {}).get("mode")
+    if view is not None:  # reached with that optimizer option: asked for it by name, it gets the whole limit
+        at += f", with the optimizer {WORDS.get(view, view).split(' (')[0]}"
     where = "the search" if stopped_in is None else f"it stopped while {stopped_in}: the search"
     msg = (f"No {method} plan found for a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) within "
            f"{limit}: {where} stopped before any plan fit, which does not prove that none exists. The lowest "
            f"peak a plan found so far reaches (the heuristic's and the baselines' included, also when asked "
            f"for less) is {format_bytes(peak)}{at}. "
-           f"Give it more time (--time-limit), or ask for at least that (--budget {_suggest(peak)}). "
+           f"Give it more time (--time-limit), or ask for at least that (--budget {_suggest(peak)}"
+           f"{'' if view is None else f' --optimizer {view}'}). "
            "No plan file was written.")
     err = InfeasibleBudgetError(msg, min_budget_bytes=peak, op_id=op)
     err.planned_peak_bytes = peak
