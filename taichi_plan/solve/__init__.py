@@ -60,6 +60,9 @@ FINISH_SHARE = 0.05  # of the time limit, kept for simulating the chosen plan an
 # Of the time limit, kept after the optimizer options are screened (their views of the step, floors)
 # for saying what the heuristic reaches when no plan was found.
 REPORT_SHARE = 0.15
+# Share of the warm start's time the heuristic's bisection may take when no warm start fits
+# (_warm_start): the rest is the search's.
+REACH_SHARE = 0.15
 BISECT_LOCAL_MAX_S = 1.0  # local search per bisection step for the least reachable budget (forward-only graphs)
 
 
@@ -116,7 +119,7 @@ def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float)
         # The greedy sweep is not monotone in the budget: the bisection that finds the lowest
         # peak it reaches (the budget a timed-out solve suggests) asks for less, and its plan
         # may fit this budget where the sweep asked for it did not.
-        lowest_reachable(problem, deadline=t0 + (deadline - t0) / 2)
+        lowest_reachable(problem, deadline=t0 + (deadline - t0) * REACH_SHARE)
         reached = problem.__dict__.get("_reached_plan")
         if reached is not None and reached[0] <= budget_bytes:
             tried["heuristic (asked for less)"] = reached[1]
