@@ -215,6 +215,42 @@ def binding_ops(problem: Problem, budget: int) -> tuple[np.ndarray, np.ndarray]:
     return ops, req
 
 
+def interruptible_solve(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None) -> int:
+    """``solver.Solve(model, callback)`` in a worker thread, so that Ctrl-C reaches Python at
+    once: the search is stopped and ``KeyboardInterrupt`` raised. CP-SAT's own SIGINT handling
+    (``catch_sigint_signal``, which the caller turns off) ended only the round, and the rounds
+    went on to the time limit and wrote a plan."""
+    import threading
+
+    out: dict = {}
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            out["code"] = solver.Solve(model, callback)
+        except BaseException as e:  # noqa: BLE001  (re-raised in the caller's thread)
+            out["error"] = e
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=run, name="cp-sat", daemon=True)
+    worker.start()
+    try:
+        while not done.wait(0.05):
+            pass
+    except BaseException:  # Ctrl-C (or anything else raised here): stop the search, then go
+        solver.stop_search()
+        while not done.is_set():  # (not Thread.join: interrupted, it may return early)
+            time.sleep(0.01)
+        raise
+    finally:
+        while worker.is_alive():  # the solver's own threads are gone when its thread is
+            time.sleep(0.001)
+    if "error" in out:
+        raise out["error"]
+    return out["code"]
+
+
 class _Progress(cp_model.CpSolverSolutionCallback):
     """Reports (the cheapest plan the simulator accepted so far or None, the bound) at each of
     CP-SAT's solutions. A solution is a candidate of the relaxation, not yet a plan: its cost
@@ -337,6 +373,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         prm.num_workers = workers
         prm.interleave_search = workers > 1
         prm.max_time_in_seconds = max(seconds, 0.01)
+        prm.catch_sigint_signal = False  # Ctrl-C ends the command (interruptible_solve), not a round
         if work is not None:
             prm.max_deterministic_time = max(work, 1e-3)
 
@@ -417,8 +454,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         rounds += 1
         solver = cp_model.CpSolver()
         params(solver, remaining, None if work_limit is None else work_limit - work_used)
-        code = solver.Solve(model.model, _Progress(progress, cost_unit,
-                                                   lambda: None if incumbent is None else incumbent[1].extra_cost))
+        code = interruptible_solve(solver, model.model, _Progress(
+            progress, cost_unit, lambda: None if incumbent is None else incumbent[1].extra_cost))
         work_used += solver.deterministic_time
         if code == cp_model.INFEASIBLE:
             # Every plan not yet simulated either breaks a constraint every accepted plan
@@ -543,7 +580,7 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
             m.cutoff(incumbent_cost)
         solver = cp_model.CpSolver()
         solver_params(solver, left, None if work_limit is None else work_limit - work)
-        code = solver.Solve(m.model)
+        code = interruptible_solve(solver, m.model)
         work += solver.deterministic_time
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None, work
