@@ -306,6 +306,7 @@ def read_trace(path: str | Path) -> Trace:
             f"{', '.join(map(str, READABLE_VERSIONS))}. Re-record the trace with this version, or use the taichi-plan "
             "version that wrote it."
         )
+    _check_meta(meta, p, hint)
     tables = {}
     for name, schema in TABLES.items():
         f = p / f"{name}.parquet"
@@ -336,6 +337,51 @@ def read_trace(path: str | Path) -> Trace:
     validate(trace)
     _check_content_hash(trace, hint)
     return trace
+
+
+# The JSON type of each meta.json field the package reads (None is allowed for every one:
+# absent or not known); meta.json is not covered by the content hash, so an edited field is
+# named here rather than failing deep inside a report or the planner.
+_META_TYPES = {
+    "workload": dict, "loop": dict, "data_sized": dict, "forward_in_backward": dict, "python_refs": dict,
+    "module_args": dict, "runtime_overhead": dict, "fsdp": dict, "ddp": dict, "optimizer_view": dict,
+    "first_mismatch": dict, "gpu_kernels": dict, "model_calls": list, "called_modules": list, "random_ops": list,
+    "backward_nodes": list, "signatures": list, "filtered_ops": list, "name": str, "mode": str, "cost_unit": str,
+    "device": str, "dtype": str, "device_profile": str, "signature": str, "step_definition": str,
+    "warmup_steps": int, "steps_recorded": int, "kept_step": int, "num_ops": int, "num_tensors": int,
+    "steps_match": bool,
+}
+_JSON_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", bool: "true or false"}
+
+
+def _check_meta(meta: dict, p: Path, hint: str) -> None:
+    """Each field of ``meta`` has its JSON type (:data:`_META_TYPES`), and so do the parts of
+    ``loop`` and ``model_calls`` the runtime reads."""
+    def bad(name: str, value, want) -> TraceError:
+        return TraceError(f"Trace {str(p)!r}: meta.json field {name} is {json.dumps(value)[:60]}, expected "
+                          f"{_JSON_NAMES.get(want, want)}. The file was edited or not written by taichi-plan. {hint}")
+
+    def ok(value, want) -> bool:
+        if want is int:
+            return isinstance(value, int) and not isinstance(value, bool)
+        return isinstance(value, want)
+
+    for name, want in _META_TYPES.items():
+        v = meta.get(name)
+        if v is not None and not ok(v, want):
+            raise bad(name, v, want)
+    for key, want in (("micro_batches", int), ("forwards", int), ("set_to_none", bool), ("autocast", str)):
+        v = (meta.get("loop") or {}).get(key)
+        if v is not None and not ok(v, want):
+            raise bad(f"loop.{key}", v, want)
+    for k, call in enumerate(meta.get("model_calls") or ()):
+        if not isinstance(call, dict):
+            raise bad(f"model_calls[{k}]", call, dict)
+        for key, want in (("start", int), ("end", int), ("inputs", list), ("grad", bool), ("training", bool),
+                          ("trainable", list)):
+            v = call.get(key)
+            if v is not None and not ok(v, want):
+                raise bad(f"model_calls[{k}].{key}", v, want)
 
 
 def _check_content_hash(trace: Trace, hint: str) -> None:

@@ -3,10 +3,13 @@ content hash no longer matches, and the message names the table and the trace.""
 
 from __future__ import annotations
 
+import re
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+from synthetic import chain_trace
 
 from taichi_plan.cli import main
 from taichi_plan.errors import TraceError
@@ -51,3 +54,25 @@ def test_missing_hash_is_refused(written):
     (written / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(TraceError, match="no content_hash"):
         read_trace(written)
+
+
+@pytest.mark.parametrize(("field", "value"), [("workload", "gpt2"), ("loop", "x"), ("python_refs", "x"),
+                                              ("called_modules", 5), ("model_calls", "x"), ("steps_match", 1),
+                                              ("loop.micro_batches", "two"), ("model_calls.0.start", "a")])
+def test_a_meta_field_of_the_wrong_type_is_named(tmp_path, field, value):
+    # meta.json is not covered by the content hash: an edited field failed deep inside a report
+    # or the planner with a traceback (AttributeError: 'str' object has no attribute 'get').
+    import json
+
+    d = write_trace(chain_trace([100, 200, 300]), tmp_path / "t")
+    meta = json.loads((d / "meta.json").read_text())
+    meta.setdefault("loop", {"micro_batches": 1})
+    meta.setdefault("model_calls", [{"start": 0, "end": 2, "inputs": [], "grad": True, "training": True}])
+    *path, last = field.split(".")
+    target = meta
+    for key in path:
+        target = target[int(key)] if key.isdigit() else target[key]
+    target[last] = value
+    (d / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(TraceError, match=f"meta.json field {re.escape(field.replace('.0.', '[0].'))} is"):
+        read_trace(d)
