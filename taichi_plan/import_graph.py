@@ -128,7 +128,12 @@ def _as_ints(values: list, what: str, where: str) -> tuple[list[int], int]:
         scale = 10**digits
         if all(abs(v * scale - round(v * scale)) < 1e-9 * max(1.0, abs(v * scale)) for v in values):
             break
-    return [int(round(v * scale)) for v in values], scale
+    out = [int(round(v * scale)) for v in values]
+    too_big = next((v for v in out if v >= 2**62), None)
+    if too_big is not None:
+        raise TraceError(f"{where}: {what} value {too_big} (after scaling by {scale}) is too large to be a size in "
+                         "bytes (at most 2^62).")
+    return out, scale
 
 
 def schedule_order(g: nx.DiGraph, where: str = "Graph") -> list:
@@ -173,6 +178,10 @@ def import_graph(json_path: str | Path) -> Trace:
     if g.is_multigraph() or not g.is_directed():
         raise TraceError(f"{where} says directed={g.is_directed()}, multigraph={g.is_multigraph()}; "
                          "expected a directed graph without parallel edges.")
+    declared = {node.get(dialect.node_id) for node in data.get("nodes", ()) if isinstance(node, dict)}
+    stray = next((v for v in g.nodes if v not in declared), None)
+    if stray is not None:  # networkx adds an edge's end it does not know as a node without attributes
+        raise TraceError(f"{where}: an edge names node {stray!r}, which is not in \"nodes\". {_EXPECTED}")
     order = schedule_order(g, where)
     pos = {v: i for i, v in enumerate(order)}
     n = len(order)

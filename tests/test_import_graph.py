@@ -214,3 +214,22 @@ def test_cli_import_graph_errors(tmp_path):
     assert r.exit_code == 3 and "not valid JSON" in _flat(r.output)
     r = runner.invoke(main, ["import-graph", str(_write(tmp_path, {"nodes": [{"x": 1}], "links": []}, "h.json"))])
     assert r.exit_code == 3 and "cost_cpu" in _flat(r.output)
+
+
+def _tiny(cost_ram=10, links=None):
+    return {"directed": True, "multigraph": False, "graph": {},
+            "nodes": [{"id": 0, "name": "a", "backward": False, "cost_cpu": 1, "cost_ram": cost_ram},
+                      {"id": 1, "name": "b", "backward": True, "cost_cpu": 1, "cost_ram": 10}],
+            "links": links if links is not None else [{"source": 0, "target": 1}]}
+
+
+def test_an_edge_to_a_node_not_listed_is_named(tmp_path):
+    # networkx adds it as a node without attributes: a KeyError('cost_cpu') traceback before
+    with pytest.raises(TraceError, match=r"an edge names node 7, which is not in \"nodes\""):
+        import_graph(_write(tmp_path, _tiny(links=[{"source": 0, "target": 1}, {"source": 1, "target": 7}])))
+
+
+def test_a_size_too_large_for_bytes_is_refused(tmp_path):
+    # an OverflowError from pyarrow when the trace was written, before
+    with pytest.raises(TraceError, match="cost_ram value 10+ .*too large"):
+        import_graph(_write(tmp_path, _tiny(cost_ram=10**30)))
