@@ -202,6 +202,8 @@ def render_compare(rows: list[dict], trace: Trace, problem: Problem, units: str 
         "  (for ours, the lowest the heuristic reaches on this trace), or '-'.",
         "extra%: extra compute as % of the step. gap: (extra - our lower bound) / extra,",
         "  the bound being the best that auto/ilp/heuristic proved at that budget.",
+        "Every planner plans activations of the step with its optimizer as recorded; solve's",
+        "  default (--optimizer auto) may also step it in backward or in groups to go lower.",
     ]
     return "\n".join(_cut(line) for line in lines) + "\n"
 

@@ -137,3 +137,19 @@ def test_memtracker_failing_on_a_step_that_runs_without_it_blames_memtracker():
         pytest.skip("this torch's MemTracker follows a PackedSequence")
     assert note.startswith("MemTracker failed: the step raised under PyTorch's MemTracker"), note
     assert "on its own" not in note and "WorkloadError" not in note
+
+
+def test_running_out_of_memory_while_replaying_is_an_error_not_a_traceback():
+    import torch
+
+    from taichi_plan.errors import NotEnoughMemoryError
+    from taichi_plan.replay.measure import _out_of_memory_said
+
+    for failure in (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),
+                    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), MemoryError()):
+        with pytest.raises(NotEnoughMemoryError, match="Replay ran out of memory on cpu .*about 1.00 GB"):
+            with _out_of_memory_said({"needed_bytes": 10**9}, "cpu"):
+                raise failure
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # any other error is left alone
+        with _out_of_memory_said({}, "cpu"):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")

@@ -35,6 +35,7 @@ predicted allocated and reserved peaks (docs/allocator.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -448,6 +449,28 @@ def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str 
     return int(sum(v["Total"] for v in snap.values())), None
 
 
+@contextlib.contextmanager
+def _out_of_memory_said(memory: dict, device: str):
+    """An allocation that fails while the workload runs (``--force`` past the memory check, or
+    memory taken by others meanwhile) is :class:`NotEnoughMemoryError`, not a traceback."""
+    import torch
+
+    try:
+        yield
+    except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+        text = str(e)
+        if not isinstance(e, (torch.OutOfMemoryError, MemoryError)) and not (
+                "can't allocate memory" in text or "out of memory" in text):
+            raise
+        need = memory.get("needed_bytes")
+        what = text.splitlines()[0][:160] if text else type(e).__name__
+        raise NotEnoughMemoryError(
+            f"Replay ran out of memory on {device} while running the workload ({what}). "
+            + (f"It needs about {format_bytes(need)}; " if need else "")
+            + "replay plans of steps this machine can hold, or run the plan where its predicted peak fits.",
+            needed_bytes=need, available_bytes=memory.get("available_bytes")) from None
+
+
 def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, seed: int = 0, *,
            force: bool = False, progress: Callable[[str], None] | None = None, trace=None) -> dict:
     """Measure ``plan`` on its workload; returns the report (what ``taichi-plan replay`` prints).
@@ -470,8 +493,9 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     device = replay_device(trace)
     workload = workload_of(trace)
     memory = check_memory(plan, trace, device, force)
-    base = run_and_measure(workload, None, trace, steps, seed, device, say, "unplanned run")
-    planned = run_and_measure(workload, plan, trace, steps, seed, device, say, "planned run")
+    with _out_of_memory_said(memory, device):
+        base = run_and_measure(workload, None, trace, steps, seed, device, say, "unplanned run")
+        planned = run_and_measure(workload, plan, trace, steps, seed, device, say, "planned run")
     pred = plan.predicted
     report = {
         "plan": plan.trace.get("name"),
