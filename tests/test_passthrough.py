@@ -67,3 +67,26 @@ def test_parallel_branches_split_as_predicted(gptj, tmp_path):
              Partition("transformer.h.1.mlp", 0, 4)]
     _plan, r = replay_partitions(gptj, parts, tmp_path)
     assert_measured_as_predicted(r)
+
+
+@pytest.fixture(scope="module")
+def helper_blocks(tmp_path_factory):
+    return recorded(tmp_path_factory.mktemp("helper") / "t", entry="tiny_models:helper_module_blocks")[1]
+
+
+def test_a_module_outside_the_model_belongs_to_the_block_that_calls_it(helper_blocks):
+    """A module object the model never registered (transformers 5.25's ``Func`` around
+    ``apply_rotary_pos_emb``, called inside each attention) opens last in backward: its ops
+    were filed under no module, every block's backward was cut in two, and no block was
+    partitionable. They are the calling block's, forward and backward."""
+    p = helper_blocks
+    mul_sigmoid = [i for i, name in enumerate(p.op_name) if name in ("aten.sigmoid.default", "aten.sigmoid_backward.default")]
+    assert mul_sigmoid and all(p.op_module[i].startswith("blocks.") for i in mul_sigmoid), \
+        [(p.op_name[i], p.op_module[i]) for i in mul_sigmoid]
+    spans = {s.module: s for s in module_spans(p) if s.over == "batch"}
+    assert {"blocks.0", "blocks.1"} <= set(spans), sorted(spans)
+
+
+def test_a_block_calling_a_module_outside_the_model_splits_as_predicted(helper_blocks, tmp_path):
+    _plan, r = replay_partitions(helper_blocks, [Partition("blocks.0", 0, 2), Partition("blocks.1", 0, 4)], tmp_path)
+    assert_measured_as_predicted(r)

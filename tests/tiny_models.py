@@ -312,6 +312,48 @@ def passthrough_blocks(batch: int = 8, **_):
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
 
 
+def helper_module_blocks(batch: int = 8, **_):
+    """Residual blocks that each call a module which is not one of the model's (a module-level
+    object, never registered as a child): transformers 5.25 with ``kernels`` installed turns
+    ``apply_rotary_pos_emb`` into such a module (``Func``) and calls it inside every attention.
+    ``ModTracker`` names it by its class alone and opens it in backward after the block; the
+    recorder files its ops under the block that called it (``Recorder._module``)."""
+    import torch
+    from torch import nn
+
+    class Scale(nn.Module):  # has no parameters, as transformers' Func
+        def forward(self, a, b):
+            return a * torch.sigmoid(b), b * 0.5
+
+    scale = Scale()
+
+    class Block(nn.Module):
+        def __init__(self, h: int):
+            super().__init__()
+            self.gate, self.up, self.down = nn.Linear(h, 2 * h), nn.Linear(h, 2 * h), nn.Linear(2 * h, h)
+
+        def forward(self, x):
+            a, b = scale(self.up(x), self.gate(x))
+            return x + self.down(a + b)
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, n: int = 2):
+            super().__init__()
+            self.blocks = nn.ModuleList(Block(h) for _ in range(n))
+            self.head = nn.Linear(h, 4)
+
+        def forward(self, x):
+            for blk in self.blocks:
+                x = blk(x)
+            return self.head(x.mean(1))
+
+    torch.manual_seed(0)
+    model = Net()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(batch, 16, 32, generator=g), torch.randint(0, 4, (batch,), generator=g)
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
 def gptj(batch: int = 4, seq: int = 32, dtype: str = "fp32", **_):
     """A two-layer GPT-J (no download): attention and MLP in parallel, both reading the block's
     norm, and its dropouts at rate 0 pass their inputs through."""

@@ -738,6 +738,15 @@ class Recorder(TorchDispatchMode):
         parents, opened = tracker.parents, tracker.opened
         best, depth = "Global", -1
         tracker.ops_seen += 1
+        root = self._root
+        if root and parents:
+            # A module that is not the model's own (not among its named modules: ModTracker
+            # names it by its class alone) but is called inside one of them belongs to that
+            # one. transformers 5.25 with `kernels` installed makes `apply_rotary_pos_emb` such
+            # a module (`Func`), called inside each attention; in backward it opens last, and
+            # the rotary's backward read as no module's, which split every attention's backward
+            # in two, so no attention could be partitioned or checkpointed whole.
+            parents = [p for p in parents if p == root or p.startswith(root + ".")]
         if tracker.is_bw:
             # In backward, of the modules opened last (between the same two ops: a module and
             # its last child share an output, whose gradient opens both), the deepest. A module
