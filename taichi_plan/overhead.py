@@ -64,14 +64,21 @@ def rebuild_seconds(problem: Problem, reruns: list[int], cal: dict) -> float:
                  + len(reruns) * float(cal.get("rebuild_op_s", 0.0) or 0.0))
 
 
-def span_cost(problem: Problem, kind: str, redo_s: float, n_ops: int, chunks: int) -> float | None:
+def span_cost(problem: Problem, kind: str, redo_s: float, n_ops: int, chunks: int,
+              module: str | None = None) -> float | None:
     """Predicted seconds of partitioning a span of ``kind`` (its ``over``: ``"tokens"``...)
     into ``chunks``, from what the recording measured on the model's own span of that kind
     (trace v6, ``meta.runtime_overhead.span_costs[kind]``: :mod:`taichi_plan.replay.calibrate`
-    ran it chunked twice): ``redo_ratio`` times ``redo_s`` (the recorded seconds of the span's
-    ops its chunks run again) plus ``chunks * n_ops * chunk_op_s`` (``n_ops``: the span's
-    forward and backward ops in the trace). None when the trace measured no span of ``kind``."""
+    ran it chunked). The probed span itself (``module``), split into a count it was measured
+    at (trace v13: every choice up to 32; before, the fewest and the most), costs what was
+    measured there; otherwise ``redo_ratio`` times ``redo_s`` (the recorded seconds of the
+    span's ops its chunks run again) plus ``chunks * n_ops * chunk_op_s`` (``n_ops``: the
+    span's forward and backward ops in the trace). None when the trace measured no span of
+    ``kind``."""
     cal = (problem.trace.meta.get("runtime_overhead") or {}).get("span_costs", {}).get(kind)
     if not cal or problem.trace.cost_unit != "s":
         return None
+    measured = dict(zip(cal.get("chunks") or (), cal.get("extra_s") or (), strict=False))
+    if module is not None and module == cal.get("module") and int(chunks) in measured:
+        return float(max(measured[int(chunks)], 0.0))
     return float(cal["redo_ratio"] * redo_s + chunks * n_ops * cal["chunk_op_s"])

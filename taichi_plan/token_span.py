@@ -283,7 +283,7 @@ def cost(problem: Problem, span: TokenSpan, chunks: int, launch_s: float) -> flo
     from .overhead import span_cost
 
     redo_s, n_ops = cost_terms(problem, span)
-    measured = span_cost(problem, span.over, redo_s, n_ops, chunks)
+    measured = span_cost(problem, span.over, redo_s, n_ops, chunks, span.module)
     return measured if measured is not None else redo_s + chunks * n_ops * launch_s
 
 

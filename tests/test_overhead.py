@@ -349,33 +349,63 @@ def test_token_partition_cost_is_the_calibrated_rates_times_the_counted_terms(gp
         gpt2.meta["runtime_overhead"] = saved
 
 
-def test_span_rates_reproduce_the_two_measured_splits(gpt2):
-    """The fit of a span's two rates goes through both calibrated splits; a split into more
-    chunks measured cheaper (noise) gives no negative slope, and nothing costs below 0."""
+def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2):
+    """The probed span split into a count it was measured at costs what was measured there
+    (never below 0): the cost is not linear in the chunks (smaller chunks run from the caches).
+    Another span of the kind, or a count not measured, takes the least-squares line through the
+    measured points, whose slope is never negative."""
+    import dataclasses
+
     from taichi_plan.partition import partition_cost
     from taichi_plan.replay.calibrate import _span_rates
 
     problem = build_problem(gpt2)
     span = _token_span(problem)
+    n_ops = len(span.fwd_ops) + len(span.bwd_ops)
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
-        for e1, e2 in ((0.004, 0.007), (0.004, 0.003), (-0.002, 0.001)):
-            rates = _span_rates("tokens", (problem, span), (2, 8), [e1, e2])
+        for extras in ((0.004, 0.003, 0.007), (0.004, 0.003, 0.002), (-0.002, 0.001, 0.003)):
+            rates = _span_rates("tokens", (problem, span), (2, 4, 8), list(extras))
             gpt2.meta["runtime_overhead"]["span_costs"] = {"tokens": rates}
-            assert rates["chunk_op_s"] >= 0 and rates["redo_ratio"] >= 0
-            if e2 > e1 and e1 > 2 * (e2 - e1) / 6:  # a positive slope and a positive fixed part: exact
-                assert partition_cost(problem, span, 2) == pytest.approx(e1)
-                assert partition_cost(problem, span, 8) == pytest.approx(e2)
-            if e2 <= e1:
-                assert rates["chunk_op_s"] == 0 and partition_cost(problem, span, 2) == partition_cost(problem, span, 8)
-            assert partition_cost(problem, span, 2) >= 0
+            assert rates["chunk_op_s"] >= 0 and rates["redo_ratio"] >= 0 and rates["chunks"] == [2, 4, 8]
+            for k, e in zip((2, 4, 8), extras, strict=True):
+                assert partition_cost(problem, span, k) == pytest.approx(max(e, 0.0))
+            if extras[2] <= extras[0]:  # falling with the chunks: no negative slope
+                assert rates["chunk_op_s"] == 0
+            other = dataclasses.replace(span, module="another_head")
+            line = [partition_cost(problem, other, k) for k in (2, 4, 8, 16)]
+            assert line == sorted(line) and line[0] >= 0
+            assert line[1] - line[0] == pytest.approx(2 * n_ops * rates["chunk_op_s"])
     finally:
         gpt2.meta["runtime_overhead"] = saved
 
 
+def test_the_span_clock_times_the_head_and_loss_stretches_only():
+    """A span probe's extra is the difference of the span's own seconds: from the head's call
+    to the end of the loss, and from the start of the backward to the head input's gradient."""
+    import torch
+
+    from taichi_plan.replay.calibrate import _SpanClock
+
+    ticks = iter(range(1, 100))
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    sc = _SpanClock(model, "1", lambda: next(ticks))
+    out = model(torch.ones(3, 4))  # the head's call: tick 1
+    loss = out.square().sum()
+    sc.forward_done()  # tick 2
+    loss.backward()  # the head input's gradient: tick 3
+    sc.remove()
+    assert sc.seconds() == (2 - 1) + (3 - 2)
+    model(torch.ones(3, 4)).sum().backward()  # removed: no more ticks
+    assert next(ticks) == 4
+    absent = _SpanClock(model, "no.such.head", lambda: next(ticks))
+    absent.forward_done()
+    assert absent.seconds() == 0.0
+
+
 def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypatch):
-    """A real recording times the model's own head + loss split into 2 and into 8 chunks
-    over tokens: each probe runs the head's logits chunk by chunk (k chunks in forward, k
+    """A real recording times the model's own head + loss split into each of its chunk choices
+    up to 32 over tokens: each probe runs the head's logits chunk by chunk (k chunks in forward, k
     again in backward), with the call's ops still matching the trace."""
     from taichi_plan import replay
     from taichi_plan.replay import chunked_loss
@@ -383,12 +413,12 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
     from taichi_plan.replay.partition import install_partitions
 
     cal = gpt2.meta["runtime_overhead"]["span_costs"]["tokens"]
-    assert cal["module"] == "lm_head" and cal["chunks"] == [2, 32] and len(cal["extra_s"]) == 2
+    assert cal["module"] == "lm_head" and cal["chunks"] == [2, 4, 8, 16, 32] and len(cal["extra_s"]) == 5
     assert cal["redo_ratio"] >= 0 and cal["chunk_op_s"] >= 0
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
     probes = _span_probes(gpt2, call)
     (_problem, span), ks, by_k = probes["tokens"]
-    assert span.module == "lm_head" and ks == (2, 32)
+    assert span.module == "lm_head" and ks == (2, 4, 8, 16, 32)
     model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
     logits_runs = [0]
     original = chunked_loss._logits

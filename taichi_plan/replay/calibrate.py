@@ -131,10 +131,17 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     # counted op of the call -> [seconds it ran in the rebuilds, times it ran] (all runs)
     rebuilt_s: dict[int, list[float]] = {}
 
+    # The span the span probes split: every run times its own stretch of the step (_SpanClock),
+    # so that a probe's extra is the difference of two spans of tens of milliseconds, not of two
+    # whole steps (one span of each kind is probed; their heads are timed apart).
+    span_heads = [ps[1].module for ps, _ks, _p in span_probes.values()]
+    span_index = {kind: i for i, kind in enumerate(span_probes)}  # (a kind left out below keeps its place)
+
     def forward(variant: tuple) -> tuple[float, ...]:
-        """(forward seconds, forward and backward seconds) of ``variant``; an own-clocked one
-        adds the runtime's own seconds in the forward (kernels out) and in its unpack hooks
-        (the rebuilds they run in)."""
+        """(forward seconds, forward and backward seconds, then per probed span its own
+        seconds: :class:`_SpanClock`) of ``variant``; an own-clocked one adds the runtime's
+        own seconds in the forward (kernels out) and in its unpack hooks (the rebuilds they
+        run in) after the first two."""
         plan, parts, *own_clocked = variant
         own_clocked = bool(own_clocked and own_clocked[0])
         rt = ((_own_clocked() if own_clocked else PlanRuntime)([plan], on_mismatch="warn")
@@ -153,6 +160,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
             rt.end_call = keep_frame
         autocast = (torch.autocast(device, dtype=getattr(torch, AUTOCAST_DTYPES[loop.autocast]))
                     if loop.autocast is not None else contextlib.nullcontext())
+        spans = [_SpanClock(model, m, clock) for m in span_heads]
         try:
             with torch.enable_grad(), autocast, warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -163,6 +171,8 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
                 dt = clock() - t0
                 loss = loss_fn(out, batch)
                 del out
+                for sc in spans:
+                    sc.forward_done()
                 loss.backward()
                 total = clock() - t0
                 if frames and frames[0].enabled:  # after the backward, as a rebuild runs: its inputs gone
@@ -171,9 +181,10 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
             undo_parts()
             for h in handles:
                 h.remove()
-        if own_clocked:
-            return dt, total, rt.own_s - stopwatch.kernel_s, rt.unpack_s
-        return dt, total
+            for sc in spans:
+                sc.remove()
+        own_s = (rt.own_s - stopwatch.kernel_s, rt.unpack_s) if own_clocked else ()
+        return (dt, total, *own_s, *(sc.seconds() for sc in spans))
 
     was_training = model.training
     model.train(bool(call.get("training", True)))
@@ -211,7 +222,10 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     if chunked is not None:
         out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
     if span_probes:
-        out["span_costs"] = {kind: _span_rates(kind, span, ks, [extra(f"{kind}{k}", "check", 1) for k in ks])
+        # each span's own seconds are the last of each run's times, in the order of span_heads
+        own_span = {kind: len(span_heads) - i for kind, i in span_index.items()}
+        out["span_costs"] = {kind: _span_rates(kind, span, ks, [extra(f"{kind}{k}", "check", -own_span[kind])
+                                                                for k in ks])
                              for kind, (span, ks, _p) in span_probes.items()}
     if rebuilds:
         out["rebuild_op_s"] = statistics.median(rebuilds)
@@ -221,6 +235,52 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         out.update(_drop_rate(drop_probe, statistics.median(
             (a[2] + a[3]) - (b[2] + b[3]) for a, b in zip(times["drops"], times["kept"], strict=True)), out))
     return out
+
+
+class _SpanClock:
+    """The seconds one step spends in a head + loss span (a span over tokens): from the head's
+    call to the end of the loss, and from the start of the backward to the moment the head's
+    input gets its gradient (the span's backward is the first of the step's, the head and its
+    loss being the last of its forward). Split or not, the span's work is in these two
+    stretches, and the rest of the step is not: the span probes' extras are their differences
+    (:func:`measure_on_model`). Measured as differences of whole forward and backward passes,
+    two recordings of one 4-layer Llama gave its head split in 2 an extra of 10.7 and 19.7 ms
+    on an idle CPU, the step's own noise; trained with that split alone the step measured
+    +12.5 and +20.1 ms (docs/benchmarks.md). A span whose input carries no gradient, or
+    whose head is not called, counts its forward stretch only."""
+
+    def __init__(self, model, head: str, clock):
+        self.clock, self.start, self.fwd_s, self.bw0, self.bw1 = clock, None, 0.0, None, None
+        try:
+            module = model.get_submodule(head)
+        except AttributeError:
+            module = None
+        self.handles = [module.register_forward_pre_hook(self._called)] if module is not None else []
+
+    def _called(self, _module, args):
+        self.start = self.clock()
+        x = next((a for a in args if hasattr(a, "requires_grad")), None)
+        if x is not None and x.requires_grad:
+            self.handles.append(x.register_hook(self._grad))
+
+    def _grad(self, _grad):
+        if self.bw1 is None:
+            self.bw1 = self.clock()
+
+    def forward_done(self) -> None:
+        now = self.clock()
+        if self.start is not None:
+            self.fwd_s = now - self.start
+        self.bw0 = now
+
+    def seconds(self) -> float:
+        bw = self.bw1 - self.bw0 if self.bw1 is not None and self.bw0 is not None else 0.0
+        return self.fwd_s + bw
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
 
 @functools.cache
@@ -542,9 +602,8 @@ def _span_probes(trace, call: dict, problem=None) -> dict:
                 best[s.over] = s
     out = {}
     for kind, span in best.items():
-        choices = sorted(span.chunk_choices)
-        ks = (choices[0], max((c for c in choices if c <= SPAN_PROBE_MOST), default=choices[0])) if choices else ()
-        if len(set(ks)) < 2:
+        ks = tuple(sorted(c for c in span.chunk_choices if c <= SPAN_PROBE_MOST))
+        if len(ks) < 2:
             continue
         probes = {}
         try:
@@ -558,20 +617,27 @@ def _span_probes(trace, call: dict, problem=None) -> dict:
     return out
 
 
-def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, int], extra_s: list[float]) -> dict:
-    """The two rates of :func:`taichi_plan.overhead.span_cost` for a span of ``kind`` from the
-    step's extra seconds with it split into ``ks[0]`` and ``ks[1]`` chunks (``extra_s``, each
-    against the call with every op checked): ``chunk_op_s``, per op of the span, what each
-    further chunk costs (the slope; not below 0: a further chunk launches more ops); and
-    ``redo_ratio``, what the split costs beyond the chunks' share, over the recorded seconds
-    of the ops it runs again (not below 0)."""
+def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, ...], extra_s: list[float]) -> dict:
+    """What splitting a span of ``kind`` costs, from the span's own extra seconds split into
+    each of ``ks`` chunks (``extra_s``, each against the call with every op checked:
+    :class:`_SpanClock`). ``chunks`` and ``extra_s`` are the measured points, which
+    :func:`taichi_plan.overhead.span_cost` takes as they are for the probed span (``module``):
+    the cost is not linear in the chunks, smaller chunks running from the caches (a 4-layer
+    Llama's head split in 4 measured cheaper than in 2). For other spans of the kind, the
+    least-squares line through them: ``chunk_op_s``, per op of the span, what each further
+    chunk costs (the slope; not below 0: a further chunk launches more ops), and ``redo_ratio``,
+    what the split costs beyond the chunks' share, over the recorded seconds of the ops it
+    runs again (not below 0)."""
     problem, span = problem_span
     redo_s, n_ops = _span_terms()[kind](problem, span)
-    (k1, k2), (e1, e2) = ks, extra_s
-    chunk_op_s = max((e2 - e1) / ((k2 - k1) * n_ops), 0.0)
-    fixed_s = e1 - k1 * n_ops * chunk_op_s
+    x = [k * n_ops for k in ks]
+    mx, my = statistics.fmean(x), statistics.fmean(extra_s)
+    sxx = sum((a - mx) ** 2 for a in x)
+    slope = sum((a - mx) * (b - my) for a, b in zip(x, extra_s, strict=True)) / sxx if sxx > 0 else 0.0
+    chunk_op_s = max(slope, 0.0)
+    fixed_s = my - mx * chunk_op_s
     return {"redo_ratio": max(fixed_s / redo_s, 0.0) if redo_s > 0 else 0.0, "chunk_op_s": chunk_op_s,
-            "module": span.module, "chunks": list(ks), "extra_s": list(extra_s)}
+            "module": span.module, "chunks": list(ks), "extra_s": [max(float(e), 0.0) for e in extra_s]}
 
 
 def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
