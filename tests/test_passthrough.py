@@ -71,7 +71,21 @@ def test_parallel_branches_split_as_predicted(gptj, tmp_path):
 
 @pytest.fixture(scope="module")
 def helper_blocks(tmp_path_factory):
-    return recorded(tmp_path_factory.mktemp("helper") / "t", entry="tiny_models:helper_module_blocks")[1]
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        problem = recorded(tmp_path_factory.mktemp("helper") / "t", entry="tiny_models:helper_module_blocks")[1]
+    problem.recording_warnings = [str(w.message) for w in seen]
+    return problem
+
+
+def test_a_module_outside_the_model_called_twice_is_no_warning(helper_blocks):
+    """ModTracker names a module outside the model by its class, so its second call (the
+    next block's) finds the name still open and warns "The module hierarchy tracking maybe be
+    messed up. Please file a bug to PyTorch": every record of a Llama-family model printed it
+    under transformers 5.25. The recorder files such a module's ops itself, and says nothing."""
+    assert not [m for m in helper_blocks.recording_warnings if "hierarchy tracking" in m]
 
 
 def test_a_module_outside_the_model_belongs_to_the_block_that_calls_it(helper_blocks):

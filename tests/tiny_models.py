@@ -315,17 +315,23 @@ def passthrough_blocks(batch: int = 8, **_):
 def helper_module_blocks(batch: int = 8, **_):
     """Residual blocks that each call a module which is not one of the model's (a module-level
     object, never registered as a child): transformers 5.25 with ``kernels`` installed turns
-    ``apply_rotary_pos_emb`` into such a module (``Func``) and calls it inside every attention.
-    ``ModTracker`` names it by its class alone and opens it in backward after the block; the
-    recorder files its ops under the block that called it (``Recorder._module``)."""
+    ``apply_rotary_pos_emb`` into such a module (``Func``) and calls it inside every attention,
+    and it calls ``rotate_half``, another. ``ModTracker`` names them by their class alone and
+    opens them in backward after the block; the recorder files their ops under the block that
+    called them (``Recorder._module``)."""
     import torch
     from torch import nn
 
-    class Scale(nn.Module):  # has no parameters, as transformers' Func
-        def forward(self, a, b):
-            return a * torch.sigmoid(b), b * 0.5
+    class Func(nn.Module):  # a function as a module, as transformers' Func: no parameters
+        def __init__(self, fn):
+            super().__init__()
+            self.fn = fn
 
-    scale = Scale()
+        def forward(self, *args):
+            return self.fn(*args)
+
+    half = Func(lambda b: b * 0.5)  # called inside the next one, as transformers' rotate_half
+    scale = Func(lambda a, b: (a * torch.sigmoid(b), half(b)))
 
     class Block(nn.Module):
         def __init__(self, h: int):

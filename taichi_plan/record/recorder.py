@@ -66,6 +66,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from functools import partial
@@ -338,6 +339,7 @@ class _ModuleTracker(ModTracker):
         self.ops_seen = 0  # ops recorded so far (counted by Recorder._module)
         self._opens = 0
         self._param_hooks: dict[int, list] = {}  # per call waiting for its gradients: its hooks
+        self.root = ""  # the model's own name (Recorder): modules named outside it are not the model's
 
     def __exit__(self, *args):
         # a call whose backward never ran (the Python-reference probe, an eval forward) leaves
@@ -350,9 +352,20 @@ class _ModuleTracker(ModTracker):
 
     def _get_append_fn(self, w_mod, name, is_bw):
         append = super()._get_append_fn(w_mod, name, is_bw)
+        root = self.root
 
         def fn(*args):
-            append(*args)
+            if root and name != root and not name.startswith(root + "."):
+                # A module that is not the model's own (transformers' Func around
+                # apply_rotary_pos_emb, one object called in every layer): ModTracker names it
+                # by its class, so its next call finds that name still open and warns "The
+                # module hierarchy tracking maybe be messed up. Please file a bug to PyTorch".
+                # Its ops are filed under the model's module that called it (Recorder._module).
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+                    append(*args)
+            else:
+                append(*args)
             self._opens += 1
             self.opened[name] = self._opens
             self.opened_at[name] = self.ops_seen
@@ -457,7 +470,7 @@ class Recorder(TorchDispatchMode):
         if model is not None:
             get_name = getattr(self._mod_tracker, "_get_mod_name", None)
             if get_name is not None:  # name submodules relative to the model, not the first caller
-                self._root = get_name(model)
+                self._root = self._mod_tracker.root = get_name(model)
 
     # -- hooks ----------------------------------------------------------------------------------
     def model_hooks(self, model: torch.nn.Module):

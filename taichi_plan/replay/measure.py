@@ -433,6 +433,10 @@ def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str 
         with warnings.catch_warnings(), leaf_safe_module_tracking():
             # it warns about each parameter without a gradient (None)
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            # and its ModTracker about a module outside the model called inside another one of
+            # its class (transformers' Func around apply_rotary_pos_emb and rotate_half), "Please
+            # file a bug to PyTorch": harmless here (recorder._ModuleTracker says why)
+            warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
             tracker.track_external(model, optimizer)
             with tracker:
                 one_step()
