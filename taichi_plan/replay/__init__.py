@@ -140,7 +140,8 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                             bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c]),
                             triggers=triggers[c], whole=frozenset(whole[c]), module_calls=skippable[c],
                             module_starts=starts[c], sized_ops=frozenset(sized[c]),
-                            trainable=_trainable(plan, call)))
+                            trainable=_trainable(plan, call),
+                            own_hooks=bool((trace.meta.get("forward_in_backward") or {}).get("ops"))))
     return out
 
 
