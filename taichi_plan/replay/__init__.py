@@ -307,6 +307,14 @@ def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     return {int(i) for i in rerun_ops(problem, drops)}
 
 
+def _recorded_state(trace) -> tuple[int, int]:
+    """(bytes, tensors) of the optimizer state the recorded step held (trace kind
+    ``optimizer_state``)."""
+    t = trace.tensors
+    state = t[t["kind"] == "optimizer_state"]
+    return int(state["nbytes"].sum()), len(state)
+
+
 def runtime_for(plan: Plan, trace, on_mismatch: str = "raise"):
     """The :class:`~taichi_plan.replay.runtime.PlanRuntime` that executes ``plan``."""
     from .runtime import PlanRuntime
@@ -416,6 +424,13 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
         unshard()
         raise
     inner = unwrap(model)  # under DDP, the module it runs: the one the trace's calls and FQNs are of
+    if optimizer is not None and plan.trace.get("layout") is None:  # (sharded state is per rank)
+        rt.state_bytes = _recorded_state(trace)
+        try:
+            rt.check_state(optimizer, at_apply=True)  # the state a warm-up step made: said before the plan costs memory
+        except BaseException:
+            unshard()
+            raise
     handles = install(inner, rt, optimizer) + step_handles
     undo_parts = install_partitions(inner, plan.partitions, rt)
 
@@ -511,6 +526,8 @@ def install(model, rt, optimizer=None) -> list:
         handles.extend(hide_fsdp_internals(model, rt))
     if optimizer is not None:
         handles.append(optimizer.register_step_post_hook(lambda *_: rt.end_step()))
+        if rt.state_bytes is not None:
+            handles.append(optimizer.register_step_post_hook(lambda opt, *_: rt.check_state(opt)))
     return handles
 
 

@@ -371,6 +371,10 @@ class PlanRuntime(TorchDispatchMode):
         self.calls = calls
         # the saved-tensor hooks, bound once: the guard at a dropping op tells them by identity
         self._pack_hook, self._unpack_hook = self._pack, self._unpack
+        # (bytes, tensors) of the optimizer state the recorded step held, where apply() was given
+        # the optimizer (check_state); None: not checked
+        self.state_bytes: tuple[int, int] | None = None
+        self._state_checked = False
         # grad-enabled calls of the recorded step before its optimizer.step(): fewer than all
         # when the step calls the model again after it (a GAN's discriminator: real and fake,
         # its step, then the generator's loss through it)
@@ -521,6 +525,41 @@ class PlanRuntime(TorchDispatchMode):
                 f"the plan's trace has {want} ({self._loop_words()}). The plan's memory prediction holds only for "
                 "the recorded loop: record it with the same loop (taichi-plan record --micro-batches N) and "
                 "solve again.", once=True)
+
+    def check_state(self, optimizer, at_apply: bool = False) -> None:
+        """Once the optimizer holds state (after a warm-up step, or the first planned step): its
+        bytes against the recorded step's. An optimizer with more state than the recorded one
+        (AdamW's two moments where the recording ran SGD with momentum) puts every step that many
+        bytes over the plan's prediction: a 2-layer GPT-2 recorded with SGD, planned at 70% and
+        trained with AdamW peaked 15.21 MB against its 12.71 MB budget, with nothing said. Less
+        state is within the prediction. One pass over the state, once. ``at_apply``: called by
+        ``apply()`` (the state of a warm-up step): raises :class:`MismatchError` there unless the
+        plan was applied with ``on_mismatch="warn"``; after a step, it warns (the step ran)."""
+        if self._state_checked or self.state_bytes is None or not optimizer.state:
+            return
+        self._state_checked = True
+        import torch
+
+        seen, live, count = set(), 0, 0
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    st = v.untyped_storage()
+                    if st._cdata not in seen and st.nbytes():
+                        seen.add(st._cdata)
+                        live += st.nbytes()
+                        count += 1
+        want, n = self.state_bytes
+        if live <= want:
+            return
+        from ..units import format_bytes
+
+        self._mismatch(
+            f"The optimizer ({type(optimizer).__name__}) holds {format_bytes(live)} of state in {count} tensors, "
+            f"where the plan's recorded step held {format_bytes(want)} in {n}: every step holds "
+            f"{format_bytes(live - want)} more than the plan's prediction, which can put it over the budget. Record "
+            "the step with this optimizer (taichi-plan record --optimizer, or the optimizer your --entry returns) "
+            "and solve again.", once=not at_apply or self.on_mismatch == "warn")
 
     def _loop_words(self) -> str:
         mb = self.loop.get("micro_batches", 1)
