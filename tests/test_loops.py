@@ -299,6 +299,37 @@ def test_an_optimizer_with_more_state_than_the_recorded_one_says_so(tmp_path):
     taichi_plan.finish(model)
 
 
+def test_another_autocast_or_dtype_than_recorded_says_so(loop_plan):
+    """A call under an autocast its recorded call did not run (or without the one it ran), or
+    a model cast to another dtype since the recording, is named as such before it runs: under
+    an unrecorded autocast the first matmul is a cast where the plan expects the matmul, and the
+    op mismatch had said to run warm-up steps; cast to bf16, the trainable-parameter check had
+    said the parameters were frozen or unfrozen."""
+    _, plain = loop_plan("plain")
+    _, bf16 = loop_plan("autocast-bf16")
+    model, batch, loss_fn, opt = build()
+    model = taichi_plan.apply(model, plain, optimizer=opt)
+    with pytest.raises(MismatchError, match=r"under torch.autocast\(bf16\), but the plan's trace was recorded "
+                                            r"without autocast.*--autocast bf16"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**batch)
+    taichi_plan.finish(model)
+    model, batch, loss_fn, opt = build()
+    model = taichi_plan.apply(model, bf16, optimizer=opt)
+    with pytest.raises(MismatchError, match=r"called without autocast, but the plan's trace was recorded under "
+                                            r"torch.autocast\(bf16\)"):
+        model(**batch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as recorded: planned
+        loss_fn(model(**batch), batch).backward()
+    assert model._taichi_plan["runtime"].planned_calls == 1
+    taichi_plan.finish(model)
+    model, batch, loss_fn, opt = build()
+    model = taichi_plan.apply(model.to(torch.bfloat16), plain, optimizer=opt)
+    with pytest.raises(MismatchError, match=r"parameters hold .* bytes now \(bfloat16\).*dtype changed"):
+        model(**batch)
+    taichi_plan.finish(model)
+
+
 def test_op_mismatch_mid_forward_warns_and_finishes_unplanned(plain_plan):
     loop = Loop()
     _, path = plain_plan

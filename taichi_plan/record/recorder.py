@@ -316,6 +316,18 @@ def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
     return register_multi_grad_hook(tensors, fn, mode=mode)
 
 
+def autocast_of(model) -> str | None:
+    """The autocast a call of ``model`` runs under (trace v13 ``meta.model_calls[].autocast``):
+    ``"bf16"``/``"fp16"`` (or the dtype's name), None without. Read on its parameters' device."""
+    from .loop import AUTOCAST_DTYPES
+
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    if not torch.is_autocast_enabled(device):
+        return None
+    name = str(torch.get_autocast_dtype(device)).split(".")[-1]
+    return next((k for k, v in AUTOCAST_DTYPES.items() if v == name), name)
+
+
 class _ModuleTracker(ModTracker):
     """PyTorch's ``ModTracker``, with the backward of a module whose inputs carry no gradient
     closed once all its parameters' gradients are made. ModTracker closes a module in backward
@@ -483,7 +495,8 @@ class Recorder(TorchDispatchMode):
             if self._rec is not None:
                 self._rec.calls.append({"start": self._n, "end": None, "inputs": input_signature(args, kwargs),
                                         "grad": torch.is_grad_enabled() and not torch.is_inference_mode_enabled(),
-                                        "training": bool(model.training), "trainable": trainable_signature(model)})
+                                        "training": bool(model.training), "trainable": trainable_signature(model),
+                                        "autocast": autocast_of(model)})
 
         def post(_module, _args, _kwargs, _out):
             if self._rec is not None and self._rec.calls and self._rec.calls[-1]["end"] is None:

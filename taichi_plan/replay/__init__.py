@@ -141,7 +141,8 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                             triggers=triggers[c], whole=frozenset(whole[c]), module_calls=skippable[c],
                             module_starts=starts[c], sized_ops=frozenset(sized[c]),
                             trainable=_trainable(plan, call),
-                            own_hooks=bool((trace.meta.get("forward_in_backward") or {}).get("ops"))))
+                            own_hooks=bool((trace.meta.get("forward_in_backward") or {}).get("ops")),
+                            autocast=call.get("autocast", "unknown")))
     return out
 
 

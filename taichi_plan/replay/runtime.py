@@ -170,6 +170,9 @@ class CallPlan:
     # activation checkpointing: trace v8 meta.forward_in_backward). Otherwise an op whose output
     # the plan drops must run with the runtime's hooks innermost (PlanRuntime._foreign_hooks).
     own_hooks: bool = False
+    # The autocast the recorded call ran under (trace v13: "bf16", "fp16", None); "unknown" for
+    # older traces, which are not checked (_autocast_problem).
+    autocast: str | None = "unknown"
 
     @property
     def active(self) -> bool:
@@ -526,6 +529,28 @@ class PlanRuntime(TorchDispatchMode):
                 "the recorded loop: record it with the same loop (taichi-plan record --micro-batches N) and "
                 "solve again.", once=True)
 
+    def _autocast_problem(self, call: CallPlan, model) -> str | None:
+        """Why the call cannot run the plan when its autocast differs from the recorded call's
+        (trace v13 ``meta.model_calls[].autocast``; older traces are not checked), else None.
+        Under an autocast the trace was recorded without, the first matmul is a cast
+        (``_to_copy``) where the plan expects the matmul, and the op mismatch said to run
+        warm-up steps; without the recorded autocast, every activation is twice its size."""
+        if call.autocast == "unknown":
+            return None
+        from ..record.recorder import autocast_of
+
+        got, want = autocast_of(model), call.autocast
+        if got == want:
+            return None
+
+        def said(a):
+            return "without autocast" if a is None else f"under torch.autocast({a})"
+
+        return (f"The model was called {said(got)}, but the plan's trace was recorded {said(want)}: every tensor "
+                f"the plan counted has another size or op. Record the loop as it runs (taichi-plan record "
+                f"{'--autocast ' + got if got else 'without --autocast'}, Loop(autocast={got!r}) in Python) and solve "
+                "again, or apply the plan with on_mismatch='warn' to run such calls unplanned.")
+
     def check_state(self, optimizer, at_apply: bool = False) -> None:
         """Once the optimizer holds state (after a warm-up step, or the first planned step): its
         bytes against the recorded step's. An optimizer with more state than the recorded one
@@ -583,8 +608,19 @@ class PlanRuntime(TorchDispatchMode):
                     "A plan runs on the shapes it was recorded with, or smaller ones (a last, smaller batch; a "
                     "shorter padded sequence): record and solve again for these shapes, or apply the plan with "
                     "on_mismatch='warn' to run such calls unplanned."), False
+        autocast = self._autocast_problem(call, model)
+        if autocast is not None:
+            return autocast, False
         if call.trainable is not None:
             live = self._trainable(model)
+            if live != call.trainable and live[0] == call.trainable[0]:
+                # the same parameters in other bytes: a dtype change (model.to(torch.bfloat16))
+                dtypes = sorted({str(p.dtype).replace("torch.", "") for p in model.parameters() if p.requires_grad})
+                return (f"The model's {live[0]} trainable parameters hold {live[1]:,} bytes now ({', '.join(dtypes)}), "
+                        f"but {call.trainable[1]:,} in the plan's trace: their dtype changed since the recording "
+                        "(model.to(torch.bfloat16), .half()), and with it every tensor the plan counted. Record the "
+                        "model in the dtype it trains in (taichi-plan record --dtype, or autocast: --autocast) and "
+                        "solve again, or apply the plan with on_mismatch='warn' to run such calls unplanned."), False
             if live != call.trainable:
                 return (f"The model trains {live[0]} parameters ({live[1]:,} bytes) now, but the plan's trace was "
                         f"recorded with {call.trainable[0]} ({call.trainable[1]:,} bytes): parameters were frozen or "
