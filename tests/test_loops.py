@@ -246,6 +246,23 @@ def test_checkpointing_turned_on_after_recording_says_so(tmp_path):
     taichi_plan.finish(model)
 
 
+def test_checkpointing_that_changes_the_ops_names_itself(plain_plan):
+    """With the KV cache on in the recording, transformers' checkpointing turned on after it
+    turns the cache off, so the op sequence differs before any drop: the mismatch says it is the
+    model's own checkpointing (it had said to run warm-up steps)."""
+    _, path = plain_plan
+    model, batch, loss_fn, opt = build()
+    model.gradient_checkpointing_enable()
+    opt.zero_grad()
+    loss_fn(model(**batch), batch).backward()
+    opt.step()
+    model = taichi_plan.apply(model, path, optimizer=opt)
+    opt.zero_grad()
+    with pytest.raises(MismatchError, match="its own activation checkpointing on.*gradient_checkpointing_disable"):
+        model(**batch)
+    taichi_plan.finish(model)
+
+
 def test_an_optimizer_with_more_state_than_the_recorded_one_says_so(tmp_path):
     """The optimizer's state is in the plan's peak: a step recorded with SGD (momentum) and
     trained with AdamW holds a second moment more, every step (a 2-layer GPT-2 at 70%: 15.21 MB

@@ -180,6 +180,12 @@ class CallPlan:
         return bool(self.drops) or bool(self.spans) or bool(self.tokens) or self.probe
 
 
+def _checkpoints_itself(model) -> bool:
+    """Whether ``model`` has transformers' activation checkpointing on (a module whose
+    ``gradient_checkpointing`` is True: ``gradient_checkpointing_enable()``)."""
+    return model is not None and any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
 @dataclass
 class Frame:
     """The state of one planned model call: recipes and handles, alive as long as autograd
@@ -188,6 +194,7 @@ class Frame:
     call: CallPlan
     enabled: bool = True
     n: int = 0  # counted ops so far
+    model: object = None  # a weak reference to the model called (read only to explain a mismatch)
     partition_depth: int = 0
     # partitioned modules (whole ones too) being run now: inside, the hooks on top are the
     # torch.utils.checkpoint the plan itself installed, not a foreign one (_foreign_hooks)
@@ -453,7 +460,7 @@ class PlanRuntime(TorchDispatchMode):
             return False
         if not call.active:
             return False
-        frame = Frame(call, smaller=smaller)
+        frame = Frame(call, smaller=smaller, model=weakref.ref(model))
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         if call.module_starts:
             self._names_of(model)
@@ -719,6 +726,12 @@ class PlanRuntime(TorchDispatchMode):
                    "with on_mismatch='warn' to run such steps unplanned.")
         elif frame.skipped:
             why = self._after_skip(frame)
+        elif not frame.call.own_hooks and _checkpoints_itself(frame.model() if frame.model else None):
+            why = ("The model has its own activation checkpointing on (transformers' gradient_checkpointing_enable(): "
+                   "a module's gradient_checkpointing is True), which the recording did not run: it changes the "
+                   "model's ops (transformers turns the KV cache off with it) and re-runs each layer's forward in "
+                   "backward. Turn it off (model.gradient_checkpointing_disable()) and let the plan choose what to "
+                   "recompute, or record and solve again with it on.")
         elif i in frame.call.sized_ops or i - 1 in frame.call.sized_ops:
             why = ("The ops here follow tensors sized by values (trace meta.data_sized): a loop over what the data "
                    "routes, as a mixture of experts' loop over the experts that got tokens, ran another number of "
