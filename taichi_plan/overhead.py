@@ -2,8 +2,9 @@
 
 The recorder measures the runtime's per-op bookkeeping on the recording machine
 (``meta.runtime_overhead``, see ``taichi_plan.replay.runtime.calibrate_overhead``). A model call
-that the plan changes (it drops a tensor made there, or partitions a module in it) runs under
-the runtime's dispatch mode: each of its ops pays ``check_op_s``, and each op whose recipe a
+that the plan changes (it drops a tensor made there, or partitions a module in it along the
+batch or the sequence) runs under the runtime's dispatch mode (one whose only change is a head
+split over tokens does not: replay's ``CallPlan.lazy_only``): each of its ops pays ``check_op_s``, and each op whose recipe a
 rebuild may need pays ``recipe_op_s`` instead: :func:`runtime_overhead_s`, added to the plan's
 extra compute in its predicted extra time. Calls the plan leaves alone, and everything outside
 the model, pay nothing.
@@ -40,7 +41,9 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     if partitions:
         from .partition import find_span, occurrence_spans
 
-        spans = [find_span(problem, p) for p in partitions]
+        # A call whose plan splits only heads over tokens runs without the dispatch mode
+        # (replay's CallPlan.lazy_only): their cost is the span's own (span_cost), no checking.
+        spans = [find_span(problem, p) for p in partitions if p.over != "tokens"]
         planned.update(int(call[o.fwd[0]]) for s in spans if s is not None for o in occurrence_spans(s))
     planned.discard(-1)
     in_planned = np.isin(call, sorted(planned)) if planned else np.zeros(len(call), dtype=bool)

@@ -331,3 +331,34 @@ def test_several_steps_of_a_head_over_tokens_match_on_an_opt_decoder(tmp_path):
     assert out["grads_match"] and "1 elements whose gradient is rounding noise left out" in out["grads_check"], out
     big = dict(moved, first_params=[torch.tensor([1.01, 1.0])])  # a real element moved: not noise
     assert not compare_training(noisy, big, exact=False)["grads_match"]
+
+
+def test_a_call_that_only_splits_its_head_runs_without_the_dispatch_mode(tmp_path, monkeypatch):
+    """A plan that changes a call only by splitting its head over tokens needs no op of the
+    call checked (the lazy logits and the chunked loss run through the head's wrapped forward):
+    the call runs without the runtime's dispatch mode, which cost a 4-layer GPT-2 or Llama about
+    8 ms a step, and the plan predicts no checking for it; its peak is still the predicted one."""
+    from taichi_plan.overhead import runtime_overhead_s
+    from taichi_plan.replay.runtime import PlanRuntime
+
+    model, batch, opt = _decoder()
+    trace = record(model, batch, _shifted_loss, opt)
+    plan, path, _span = _plan(trace, tmp_path, 4)
+    problem = build_problem(trace)
+    assert runtime_overhead_s(problem, [], plan.partitions, set(), cal={"check_op_s": 1e-5, "recipe_op_s": 2e-5}) == 0.0
+    seen = [0]
+    original = PlanRuntime.__torch_dispatch__
+
+    def counted(self, *a, **k):
+        seen[0] += 1
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(PlanRuntime, "__torch_dispatch__", counted)
+    planned = _decoder()
+    _train_step(*planned)  # warm-up, as recorded
+    model = taichi_plan.apply(planned[0], path, optimizer=planned[2])
+    peak = _train_step(model, planned[1], planned[2])
+    rt = model._taichi_plan["runtime"]
+    taichi_plan.finish(model)
+    assert rt.planned_calls == 1 and seen[0] == 0
+    assert abs(peak - plan.predicted["planned_peak_bytes"]) <= SLACK_BYTES, (peak, plan.predicted)
