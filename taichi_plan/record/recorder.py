@@ -316,6 +316,12 @@ def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
     return register_multi_grad_hook(tensors, fn, mode=mode)
 
 
+# What PyTorch's ModTracker warns when a module outside the model (named by its class alone) is
+# called inside another of its class: transformers' Func around apply_rotary_pos_emb and
+# rotate_half. Harmless to the recorder, which files such ops itself (Recorder._module).
+HIERARCHY_WARNING = "The module hierarchy tracking maybe be messed up"
+
+
 def autocast_of(model) -> str | None:
     """The autocast a call of ``model`` runs under (trace v13 ``meta.model_calls[].autocast``):
     ``"bf16"``/``"fp16"`` (or the dtype's name), None without. Read on its parameters' device."""
@@ -374,7 +380,7 @@ class _ModuleTracker(ModTracker):
                 # module hierarchy tracking maybe be messed up. Please file a bug to PyTorch".
                 # Its ops are filed under the model's module that called it (Recorder._module).
                 with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+                    warnings.filterwarnings("ignore", message=HIERARCHY_WARNING)
                     append(*args)
             else:
                 append(*args)

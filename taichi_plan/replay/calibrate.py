@@ -223,9 +223,8 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         out.update(_partition_rates(problem, spans, k_most, extra("part1", "check", 1), extra(f"part{k_most}", "part1", 1)))
     if span_probes:
         # each span's own seconds are the last of each run's times, in the order of span_heads
-        own_span = {kind: len(span_heads) - i for kind, i in span_index.items()}
-        out["span_costs"] = {kind: _span_rates(kind, span, ks, [extra(f"{kind}{k}", "check", -own_span[kind])
-                                                                for k in ks])
+        out["span_costs"] = {kind: _span_rates(kind, span, ks, [extra(f"{kind}{k}", "check",
+                                                                      span_index[kind] - len(span_heads)) for k in ks])
                              for kind, (span, ks, _p) in span_probes.items()}
     if rebuilds:
         out["rebuild_op_s"] = statistics.median(rebuilds)

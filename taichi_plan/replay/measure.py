@@ -421,7 +421,7 @@ def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str 
         return None, "MemTracker follows one model call per step"
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from ..record.recorder import leaf_safe_module_tracking
+    from ..record.recorder import HIERARCHY_WARNING, leaf_safe_module_tracking
 
     tracker = MemTracker()
     hooked = getattr(tracker, "_param_to_grad_hook_handles", None)  # a WeakIdKeyDictionary
@@ -433,10 +433,8 @@ def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str 
         with warnings.catch_warnings(), leaf_safe_module_tracking():
             # it warns about each parameter without a gradient (None)
             warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-            # and its ModTracker about a module outside the model called inside another one of
-            # its class (transformers' Func around apply_rotary_pos_emb and rotate_half), "Please
-            # file a bug to PyTorch": harmless here (recorder._ModuleTracker says why)
-            warnings.filterwarnings("ignore", message="The module hierarchy tracking maybe be messed up")
+            # and its ModTracker about a module outside the model ("Please file a bug to PyTorch")
+            warnings.filterwarnings("ignore", message=HIERARCHY_WARNING)
             tracker.track_external(model, optimizer)
             with tracker:
                 one_step()

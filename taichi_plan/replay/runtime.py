@@ -589,17 +589,10 @@ class PlanRuntime(TorchDispatchMode):
         if self._state_checked or self.state_bytes is None or not optimizer.state:
             return
         self._state_checked = True
-        import torch
+        from ..record.api import _optimizer_state
 
-        seen, live, count = set(), 0, 0
-        for state in optimizer.state.values():
-            for v in state.values():
-                if isinstance(v, torch.Tensor):
-                    st = v.untyped_storage()
-                    if st._cdata not in seen and st.nbytes():
-                        seen.add(st._cdata)
-                        live += st.nbytes()
-                        count += 1
+        storages = {st._cdata: st.nbytes() for st in (v.untyped_storage() for v in _optimizer_state(optimizer))}
+        live, count = sum(storages.values()), sum(1 for b in storages.values() if b)
         want, n = self.state_bytes
         if live <= want:
             return
