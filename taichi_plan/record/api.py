@@ -135,7 +135,8 @@ def _tensors(obj) -> list:
     return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
 
 
-def _optimizer_state(optimizer) -> list:
+def optimizer_state(optimizer) -> list:
+    """Every tensor in ``optimizer``'s state (what a trace counts as ``optimizer_state``)."""
     return [v for state in optimizer.state.values() for v in _tensors(list(state.values()))]
 
 
@@ -154,7 +155,7 @@ def step_tensors(model, optimizer, inputs=()) -> list[tuple[str, list]]:
         ("buffer", list(model.buffers())),
         ("gradient", [p.grad for p in params if p.grad is not None]
          + [t.grad for t in ins if t.requires_grad and t.grad is not None]),
-        ("optimizer_state", _optimizer_state(optimizer)),
+        ("optimizer_state", optimizer_state(optimizer)),
         ("input", ins),
     ]
 
@@ -169,7 +170,7 @@ def late_tensors(model, optimizer) -> list[tuple[str, list]]:
     :meth:`Recorder.end_step`."""
     return [
         ("gradient", [p.grad for p in model.parameters() if p.grad is not None]),
-        ("optimizer_state", _optimizer_state(optimizer)),
+        ("optimizer_state", optimizer_state(optimizer)),
     ]
 
 

@@ -589,9 +589,9 @@ class PlanRuntime(TorchDispatchMode):
         if self._state_checked or self.state_bytes is None or not optimizer.state:
             return
         self._state_checked = True
-        from ..record.api import _optimizer_state
+        from ..record.api import optimizer_state
 
-        storages = {st._cdata: st.nbytes() for st in (v.untyped_storage() for v in _optimizer_state(optimizer))}
+        storages = {st._cdata: st.nbytes() for st in (v.untyped_storage() for v in optimizer_state(optimizer))}
         live, count = sum(storages.values()), sum(1 for b in storages.values() if b)
         want, n = self.state_bytes
         if live <= want:
