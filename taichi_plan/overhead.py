@@ -76,12 +76,17 @@ def span_cost(problem: Problem, kind: str, redo_s: float, n_ops: int, chunks: in
     at (trace v13: every choice up to 32; before, the fewest and the most), costs what was
     measured there; otherwise ``redo_ratio`` times ``redo_s`` (the recorded seconds of the
     span's ops its chunks run again) plus ``chunks * n_ops * chunk_op_s`` (``n_ops``: the
-    span's forward and backward ops in the trace). None when the trace measured no span of
-    ``kind``."""
+    span's forward and backward ops in the trace). May be below 0: a head over tokens split
+    runs one fused pass, which can be faster than the span unsplit. None when the trace
+    measured no span of ``kind``, or measured it before trace v14 (no ``fused`` flag: a
+    head over tokens then ran another function, whose backward made each chunk's logits
+    again)."""
     cal = (problem.trace.meta.get("runtime_overhead") or {}).get("span_costs", {}).get(kind)
     if not cal or problem.trace.cost_unit != "s":
         return None
+    if kind == "tokens" and not cal.get("fused"):
+        return None
     measured = dict(zip(cal.get("chunks") or (), cal.get("extra_s") or (), strict=False))
     if module is not None and module == cal.get("module") and int(chunks) in measured:
-        return float(max(measured[int(chunks)], 0.0))
+        return float(measured[int(chunks)])
     return float(cal["redo_ratio"] * redo_s + chunks * n_ops * cal["chunk_op_s"])

@@ -129,9 +129,11 @@ def check_plan_json(obj: dict, where: str) -> None:
         _int(where, f"predicted.{key}", p.get(key), lo=-1, hi=max(n - 1, -1), none=True)
     _kind(where, "predicted.planned_peak_in_recompute", p.get("planned_peak_in_recompute"), bool,
           "true or false", none=True)
-    _num(where, "predicted.extra_compute", p.get("extra_compute"), lo=0)
-    for key in ("extra_compute_pct", "step_compute", "partition_compute"):
-        _num(where, f"predicted.{key}", p.get(key), lo=0, none=True)
+    # v11: a head split over tokens may cost less than none (a fused pass), so these may be < 0
+    _num(where, "predicted.extra_compute", p.get("extra_compute"))
+    for key in ("extra_compute_pct", "partition_compute"):
+        _num(where, f"predicted.{key}", p.get(key), none=True)
+    _num(where, "predicted.step_compute", p.get("step_compute"), lo=0, none=True)
     _str(where, "predicted.cost_unit", p.get("cost_unit", "s"), choices=COST_UNITS)
     _int(where, "predicted.recompute_ops", p.get("recompute_ops"), lo=0, none=True)
     # v3: the allocator model's reserved peaks (docs/allocator.md); older plans have none.

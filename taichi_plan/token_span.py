@@ -13,25 +13,36 @@ in between are not part of the span.
 
 Replay (:mod:`taichi_plan.replay.chunked_loss`) runs the span as
 ``ChunkedLinearCrossEntropy`` over ``k`` chunks of its rows; what the simulator models is
-what that function allocates, exactly:
+what that function allocates, exactly. A loss reduced to one number (``mean``, ``sum``: the
+loss op makes a scalar; ``fused``) is computed with its gradients in one pass, in forward
+(``chunked_loss.fused``):
 
 * none of the span's own storages exist (the logits, their log-softmax, the vocabulary-wide
   gradients): they get 0 bytes;
-* forward, at the loss op: one chunk's logits and their log-softmax
-  (``ceil(rows/k) * V * max(head + compute, 2 * compute)`` bytes, element sizes in bytes: a
-  cast to the compute dtype holds both for a moment), freed before the next chunk, beside
-  the running total of the chunks' losses (one compute element); then the int64 count of
-  rows (the mean's divisor), saved until the backward; nothing of a chunk is held into the
-  next (``replay/chunked_loss.py`` deletes it);
-* backward, at the span's first backward op: the gradients the span hands on (the hidden
-  states', the weight's, the bias's) are allocated whole, and one chunk's logits and their
-  softmax live at a time (the same bytes as in forward);
+* forward, at the loss op: the int64 count of rows (the mean's divisor, and its reciprocal,
+  a float32), then the gradients the span hands on (the hidden states', the weight's, the
+  bias's) allocated whole and held until the backward hands them on; per chunk, its logits
+  turned into their softmax in place (``ceil(rows/k) * V * compute`` bytes, element sizes in
+  bytes; a cast from the head's dtype holds both for a moment, and a cast of the softmax to
+  the weight's dtype both again), and a few per-row vectors (:meth:`TokenSpan.chunk_bytes`),
+  freed before the next chunk, beside the running total of the chunks' losses (one compute
+  element); nothing of a chunk is held into the next (``replay/chunked_loss.py`` deletes it);
+* backward allocates nothing: the span's gradients are scaled in place by the incoming one;
 * the hidden states and the labels are held until that backward (the function saves them);
   when the chain sliced or copied the logits, the runtime copies the hidden rows instead
   (``rows * H`` elements, held as long);
-* extra compute: the head's matmul and the log-softmax once more (backward recomputes each
-  chunk's logits), plus a cost per op per chunk; both measured on the model's own head and
-  loss when the recording calibrated them (:func:`cost`).
+* extra compute: a cost per op per chunk, against what the unsplit span's log-softmax and
+  its backward cost (the fused pass makes each chunk's logits once and its softmax in
+  place: on a 2-core CPU it runs faster than the span unsplit, so the measured extra may be
+  below 0); measured on the model's own head and loss when the recording calibrated it
+  (:func:`cost`).
+
+A per-row loss (``none``, the loss op makes ``[rows]``) needs each row's incoming gradient:
+forward holds each chunk's logits and their log-softmax (``ceil(rows/k) * V * max(head +
+compute, 2 * compute)`` bytes) and writes the rows' losses into one ``[rows]`` tensor;
+backward, at the span's first backward op, allocates the handed-on gradients whole and makes
+each chunk's logits again, with their softmax (the same bytes as in forward): its extra
+compute is the head's matmul and the log-softmax once more.
 """
 
 from __future__ import annotations
@@ -72,6 +83,9 @@ class TokenSpan:
     head_rows: int  # rows of the head's output (more than ``rows`` when the chain slices them)
     logits: int  # the head's output (tensor index)
     copy_op: int  # where the chain copies the logits (the runtime copies the hidden rows there)
+    fused: bool = True  # the loss is one number: loss and gradients in one forward pass
+    weight_elem: int = 4  # bytes per element of the head's weight
+    bias_elem: int = 0  # bytes per element of the head's bias (0: no bias)
     over: str = "tokens"
     random_ops: tuple[int, ...] = ()  # the chain is position-wise ops and a loss: none draws numbers
 
@@ -92,9 +106,19 @@ class TokenSpan:
         return tuple(c for c in TOKEN_CHUNK_CHOICES if c <= self.rows)
 
     def chunk_bytes(self, chunks: int) -> int:
-        """Bytes one chunk's logits and (log-)softmax hold at once, forward or backward."""
+        """Bytes a chunk holds at its most. Fused: its logits (both dtypes for a moment when
+        the head's is not the softmax's); their softmax in place beside the per-row vectors
+        of the loss (valid, index: 1 + 8 bytes; max, loss, sum and its log: 4 compute
+        elements); then, for the gradients, the softmax beside valid, index and sum, the
+        softmax cast to the weight's dtype when that differs, and the bias gradient's column
+        sum (``V`` elements). Else the logits and their (log-)softmax, forward or backward."""
         r = math.ceil(self.rows / chunks)
-        return r * self.vocab * max(self.head_elem + self.compute_elem, 2 * self.compute_elem)
+        v, c, w = self.vocab, self.compute_elem, self.weight_elem
+        if not self.fused:
+            return r * v * max(self.head_elem + c, 2 * c)
+        cast = self.head_elem + c if self.head_elem != c else c
+        grads = r * v * c + r * (9 + c) + (r * v * w if w != c else 0) + v * self.bias_elem
+        return max(r * v * cast, r * v * c + r * (9 + 4 * c), grads)
 
 
 def _numel(shape) -> int:
@@ -214,8 +238,13 @@ def _span_at(problem: Problem, i: int, by_module: dict[str, list[int]]) -> Token
             return None  # the logits (or their gradient) are used elsewhere: not lazy
     if not bwd or not red_out:
         return None
+    fused = all(_numel(shapes[x]) == 1 for x in red_out)  # a scalar loss (mean, sum), not one per row
+    weight_elem = int(problem.nbytes[w]) // max(_numel(shapes[w]), 1)
+    biases = [t for t in problem.op_reads[i].tolist() if problem.kind[t] in WEIGHT_KINDS and len(shapes[t]) == 1]
+    bias_elem = int(problem.nbytes[biases[0]]) // max(_numel(shapes[biases[0]]), 1) if biases else 0
     return TokenSpan(problem.op_module[i], tuple(sorted(fwd)), tuple(bwd), red, rows, vocab, hidden, head_elem,
-                     compute_elem, bool(copies) or rows != head_rows, head_rows, logits, copy_op)
+                     compute_elem, bool(copies) or rows != head_rows, head_rows, logits, copy_op, fused, weight_elem,
+                     bias_elem)
 
 
 def internal(problem: Problem, span: TokenSpan) -> set[int]:
@@ -265,7 +294,9 @@ def span_tensors(problem: Problem, span: TokenSpan) -> set[int]:
 
 
 def redo_ops(problem: Problem, span: TokenSpan) -> list[int]:
-    """The span's ops its chunked backward runs again: the head's matmul and the log-softmax."""
+    """The span's ops whose time the split changes: the head's matmul and the log-softmax
+    (run again by a per-row loss's backward; a fused pass makes the logits once and no
+    log-softmax)."""
     return [q for q in span.fwd_ops if op_stem(problem.op_name[q]) in ("mm", "addmm", "_log_softmax")]
 
 
@@ -276,15 +307,17 @@ def cost_terms(problem: Problem, span: TokenSpan) -> tuple[float, int]:
 
 
 def cost(problem: Problem, span: TokenSpan, chunks: int, launch_s: float) -> float:
-    """The head's matmul and the log-softmax again (backward recomputes each chunk's logits)
-    and a cost per op per chunk: as measured on the recorded model's own head and loss
-    (``meta.runtime_overhead.span_costs.tokens``, :func:`taichi_plan.overhead.span_cost`),
-    else the recorded time of the re-run ops and ``launch_s`` per op per chunk."""
+    """What the split costs, as measured on the recorded model's own head and loss
+    (``meta.runtime_overhead.span_costs.tokens``, :func:`taichi_plan.overhead.span_cost`; a
+    fused split may cost less than none), else ``launch_s`` per op per chunk, and for a
+    per-row loss the recorded time of the ops its backward runs again."""
     from .overhead import span_cost
 
     redo_s, n_ops = cost_terms(problem, span)
     measured = span_cost(problem, span.over, redo_s, n_ops, chunks, span.module)
-    return measured if measured is not None else redo_s + chunks * n_ops * launch_s
+    if measured is not None:
+        return measured
+    return (0.0 if span.fused else redo_s) + chunks * n_ops * launch_s
 
 
 def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, start: np.ndarray, end: np.ndarray,
@@ -295,12 +328,16 @@ def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, st
     own = internal(problem, span)
     for t in own:
         nbytes[t] = 0
+    if span.fused:  # the loss alone: no total_weight beside it (nll_loss_forward's second output)
+        for t in problem.op_outputs[span.reduce_op].tolist()[1:]:
+            nbytes[t] = 0
     b0 = span.bwd_ops[0]
     _, handed = _bwd_made(problem, span)
     boundary = _boundary(problem, span)
     row_bytes = span.hidden * span.head_elem
+    made_at = span.reduce_op if span.fused else b0  # where the handed-on gradients are allocated
     for t in handed:
-        start[t] = min(int(start[t]), b0)
+        start[t] = min(int(start[t]), made_at)
         if span.copies_hidden and _grad_of_hidden(problem, span, t):
             nbytes[t] = span.rows * row_bytes  # the function's gradient of the copied rows
     ops = set(span.fwd_ops) | set(span.bwd_ops)
@@ -315,11 +352,17 @@ def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, st
         else:
             end[t] = max(int(end[t]), b0)
     work = span.chunk_bytes(chunks)
-    # The chunked forward's running total (a later chunk's loss is added to it), then the count
-    # of rows it divides by (an int64, made after the chunks), which it saves for its backward.
-    new.append((-1, work + (span.compute_elem if chunks > 1 else 0), span.reduce_op, span.reduce_op))
-    new.append((-1, 8, min(span.reduce_op + 1, b0), b0))
-    new.append((-1, work, b0, b0))
+    if span.fused:
+        # The count of rows (an int64, saved for the backward) and its reciprocal (float32),
+        # made first; the running total of the chunks' losses (a later chunk's is added to it)
+        # is the recorded loss's bytes, which exist at this op, where the loss itself (total /
+        # count) is made after the chunks.
+        new.append((-1, 8, span.reduce_op, b0))
+        new.append((-1, work + 4, span.reduce_op, span.reduce_op))
+    else:
+        # The rows' losses, written chunk by chunk; each chunk's logits again in backward.
+        new.append((-1, work, span.reduce_op, span.reduce_op))
+        new.append((-1, work, b0, b0))
     if span.copies_hidden:
         new.append((-1, span.rows * row_bytes, span.copy_op, b0))
         # After the function, autograd scatters the rows' gradient back into all the rows.

@@ -17,6 +17,7 @@ from ranks import replay_measures_the_prediction, torchrun_losses
 from taichi_plan.cli import main
 from taichi_plan.devices import get_profile
 from taichi_plan.errors import PlanError
+from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.record.roofline import collective_duration_s
 from taichi_plan.trace import FORMAT_VERSION, baseline_peak, write_trace
@@ -105,7 +106,7 @@ def test_allreduces_are_costed_over_the_ranks(ddp_plan):
 def test_replay_two_gloo_ranks_measured_equals_predicted(ddp_plan):
     # each rank measures the predicted peak planned, and the one-process recording's peak unplanned
     report, plan = replay_measures_the_prediction(ddp_plan)
-    assert plan["format_version"] == 10 and plan["trace"]["layout"]["ddp"]["gradient_as_bucket_view"] is False
+    assert plan["format_version"] == PLAN_VERSION and plan["trace"]["layout"]["ddp"]["gradient_as_bucket_view"] is False
     assert report["parallelism"] == "DDP"
     assert plan["predicted"]["baseline_peak_bytes"] == baseline_peak(_trace_of(ddp_plan))[0]
 

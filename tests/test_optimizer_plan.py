@@ -15,6 +15,7 @@ from taichi_plan.optimizer_plan import (
     view_problem,
 )
 from taichi_plan.partition import floor_bytes
+from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
 from taichi_plan.plan import load_plan, save_plan
 from taichi_plan.problem import build_problem
 from taichi_plan.record import Loop, get_workload, record_workload
@@ -126,7 +127,7 @@ def test_auto_keeps_the_recorded_step_when_it_fits_and_steps_in_backward_below_i
     assert plan.predicted["planned_peak_bytes"] >= int(floor_bytes(v).max())
     path = save_plan(plan, tmp_path / "p.plan.json")
     back = load_plan(path)
-    assert back.optimizer == plan.optimizer and back.to_json()["format_version"] == 10
+    assert back.optimizer == plan.optimizer and back.to_json()["format_version"] == PLAN_VERSION
 
 
 def test_the_infeasible_message_states_the_floor_parts_and_the_option(mlp):

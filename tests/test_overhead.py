@@ -323,9 +323,11 @@ def _token_span(problem):
 
 def test_token_partition_cost_is_the_calibrated_rates_times_the_counted_terms(gpt2):
     """A head + loss partitioned over tokens costs ``redo_ratio`` times the recorded seconds
-    of the ops its chunks run again (the head's matmul and the log-softmax, counted here
-    from the trace's own rows) plus ``chunk_op_s`` per op of the span per chunk; a trace that
-    measured no such span keeps the recorded seconds and the launch overhead per op per chunk."""
+    of the ops whose time the split changes (the head's matmul and the log-softmax, counted
+    here from the trace's own rows) plus ``chunk_op_s`` per op of the span per chunk. A trace
+    that measured no such span, or measured it before the fused pass (no ``fused`` flag: its
+    backward then made the logits again), costs the launch overhead per op per chunk (the
+    fused pass runs the head once)."""
     from taichi_plan.partition import launch_overhead_s, partition_cost
 
     problem = build_problem(gpt2)
@@ -340,24 +342,31 @@ def test_token_partition_cost_is_the_calibrated_rates_times_the_counted_terms(gp
     assert n_ops > 5
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
-        gpt2.meta["runtime_overhead"]["span_costs"] = {"tokens": {"redo_ratio": 1.5, "chunk_op_s": 4e-6}}
+        assert span.fused
+        fallback = 4 * n_ops * launch_overhead_s(problem)
+        gpt2.meta["runtime_overhead"]["span_costs"] = {"tokens": {"redo_ratio": -0.5, "chunk_op_s": 4e-6,
+                                                                  "fused": True}}
         for k in span.chunk_choices:
-            assert partition_cost(problem, span, k) == pytest.approx(1.5 * redo + k * n_ops * 4e-6)
+            assert partition_cost(problem, span, k) == pytest.approx(-0.5 * redo + k * n_ops * 4e-6)
+        del gpt2.meta["runtime_overhead"]["span_costs"]["tokens"]["fused"]  # measured before v14
+        assert partition_cost(problem, span, 4) == pytest.approx(fallback)
         del gpt2.meta["runtime_overhead"]["span_costs"]  # an older trace
-        assert partition_cost(problem, span, 4) == pytest.approx(redo + 4 * n_ops * launch_overhead_s(problem))
+        assert partition_cost(problem, span, 4) == pytest.approx(fallback)
     finally:
         gpt2.meta["runtime_overhead"] = saved
 
 
 def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2):
-    """The probed span split into a count it was measured at costs what was measured there
-    (never below 0): the cost is not linear in the chunks (smaller chunks run from the caches).
-    Another span of the kind, or a count not measured, takes the least-squares line through the
-    measured points, whose slope is never negative."""
+    """The probed span split into a count it was measured at costs what was measured there,
+    below 0 too (the fused pass can run faster than the span unsplit): the cost is not linear
+    in the chunks (smaller chunks run from the caches). Another span of the kind, or a count
+    not measured, takes the least-squares line through the measured points, whose slope is
+    never negative and whose intercept saves at most the ops it changes."""
     import dataclasses
 
     from taichi_plan.partition import partition_cost
     from taichi_plan.replay.calibrate import _span_rates
+    from taichi_plan.token_span import cost_terms
 
     problem = build_problem(gpt2)
     span = _token_span(problem)
@@ -367,14 +376,16 @@ def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2)
         for extras in ((0.004, 0.003, 0.007), (0.004, 0.003, 0.002), (-0.002, 0.001, 0.003)):
             rates = _span_rates("tokens", (problem, span), (2, 4, 8), list(extras))
             gpt2.meta["runtime_overhead"]["span_costs"] = {"tokens": rates}
-            assert rates["chunk_op_s"] >= 0 and rates["redo_ratio"] >= 0 and rates["chunks"] == [2, 4, 8]
+            assert rates["chunk_op_s"] >= 0 and rates["redo_ratio"] >= -1 and rates["chunks"] == [2, 4, 8]
+            assert rates["fused"]
             for k, e in zip((2, 4, 8), extras, strict=True):
-                assert partition_cost(problem, span, k) == pytest.approx(max(e, 0.0))
+                assert partition_cost(problem, span, k) == pytest.approx(e)
             if extras[2] <= extras[0]:  # falling with the chunks: no negative slope
                 assert rates["chunk_op_s"] == 0
             other = dataclasses.replace(span, module="another_head")
             line = [partition_cost(problem, other, k) for k in (2, 4, 8, 16)]
-            assert line == sorted(line) and line[0] >= 0
+            assert line == sorted(line)
+            assert line[0] >= -cost_terms(problem, span)[0] - 1e-12
             assert line[1] - line[0] == pytest.approx(2 * n_ops * rates["chunk_op_s"])
     finally:
         gpt2.meta["runtime_overhead"] = saved
@@ -405,8 +416,8 @@ def test_the_span_clock_times_the_head_and_loss_stretches_only():
 
 def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypatch):
     """A real recording times the model's own head + loss split into each of its chunk choices
-    up to 32 over tokens: each probe runs the head's logits chunk by chunk (k chunks in forward, k
-    again in backward), with the call's ops still matching the trace."""
+    up to 32 over tokens: each probe runs the head's logits chunk by chunk (k chunks in forward,
+    with the gradients; none again in backward), with the call's ops still matching the trace."""
     from taichi_plan import replay
     from taichi_plan.replay import chunked_loss
     from taichi_plan.replay.calibrate import _span_probes
@@ -414,7 +425,7 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
 
     cal = gpt2.meta["runtime_overhead"]["span_costs"]["tokens"]
     assert cal["module"] == "lm_head" and cal["chunks"] == [2, 4, 8, 16, 32] and len(cal["extra_s"]) == 5
-    assert cal["redo_ratio"] >= 0 and cal["chunk_op_s"] >= 0
+    assert cal["redo_ratio"] >= -1 and cal["chunk_op_s"] >= 0 and cal["fused"]
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
     probes = _span_probes(gpt2, call)
     (_problem, span), ks, by_k = probes["tokens"]
@@ -438,7 +449,7 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
             out = model(**batch)
             assert logits_runs[0] == k
             loss_fn(out, batch).backward()
-            assert logits_runs[0] == 2 * k
+            assert logits_runs[0] == k
         finally:
             undo()
             for h in handles:

@@ -24,6 +24,7 @@ from taichi_plan.partition import (
     partitionable_spans,
     random_draws,
 )
+from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
 from taichi_plan.plan import Partition, load_plan, save_plan
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
@@ -163,7 +164,7 @@ def test_solve_partitions_random_modules_only_when_asked():
 def test_plan_file_records_it_and_inspect_says_so(problem, trace_dir, tmp_path):
     path = _plan(problem, tmp_path, [ATTN, "transformer.h.1.mlp"])
     obj = json.loads(path.read_text())
-    assert obj["format_version"] == 10 and obj["solver"]["partition_random"] is True
+    assert obj["format_version"] == PLAN_VERSION and obj["solver"]["partition_random"] is True
     assert {p["module"]: p["random_draws"] for p in obj["decisions"]["partitions"]} == {
         ATTN: "per-chunk", "transformer.h.1.mlp": "as-unpartitioned"}
     assert [p.random_draws for p in load_plan(path).partitions] == ["per-chunk", "as-unpartitioned"]

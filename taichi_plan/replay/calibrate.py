@@ -622,11 +622,13 @@ def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, ...], extra_s: li
     :class:`_SpanClock`). ``chunks`` and ``extra_s`` are the measured points, which
     :func:`taichi_plan.overhead.span_cost` takes as they are for the probed span (``module``):
     the cost is not linear in the chunks, smaller chunks running from the caches (a 4-layer
-    Llama's head split in 4 measured cheaper than in 2). For other spans of the kind, the
-    least-squares line through them: ``chunk_op_s``, per op of the span, what each further
-    chunk costs (the slope; not below 0: a further chunk launches more ops), and ``redo_ratio``,
-    what the split costs beyond the chunks' share, over the recorded seconds of the ops it
-    runs again (not below 0)."""
+    Llama's head split in 4 measured cheaper than in 2), and may be below 0 (a head over
+    tokens runs one fused pass, faster than the span unsplit on a CPU). For other spans of the
+    kind, the least-squares line through them: ``chunk_op_s``, per op of the span, what each
+    further chunk costs (the slope; not below 0: a further chunk launches more ops), and
+    ``redo_ratio``, what the split costs beyond the chunks' share, over the recorded seconds
+    of the ops whose time it changes (not below -1: it cannot save more than those ops
+    take)."""
     problem, span = problem_span
     redo_s, n_ops = _span_terms()[kind](problem, span)
     x = [k * n_ops for k in ks]
@@ -635,8 +637,9 @@ def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, ...], extra_s: li
     slope = sum((a - mx) * (b - my) for a, b in zip(x, extra_s, strict=True)) / sxx if sxx > 0 else 0.0
     chunk_op_s = max(slope, 0.0)
     fixed_s = my - mx * chunk_op_s
-    return {"redo_ratio": max(fixed_s / redo_s, 0.0) if redo_s > 0 else 0.0, "chunk_op_s": chunk_op_s,
-            "module": span.module, "chunks": list(ks), "extra_s": [max(float(e), 0.0) for e in extra_s]}
+    return {"redo_ratio": max(fixed_s / redo_s, -1.0) if redo_s > 0 else 0.0, "chunk_op_s": chunk_op_s,
+            "module": span.module, "chunks": list(ks), "extra_s": [float(e) for e in extra_s],
+            **({"fused": bool(span.fused)} if kind == "tokens" else {})}
 
 
 def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
