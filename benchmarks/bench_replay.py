@@ -35,6 +35,7 @@ import datetime as dt
 import functools
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -435,6 +436,25 @@ def extra_within(predicted_s: float | None, measured_s: float) -> bool | None:
     return abs(predicted_s - measured_s) <= max(EXTRA_REL_TOLERANCE * abs(measured_s), EXTRA_ABS_TOLERANCE_S)
 
 
+# glibc's malloc, fixed (its defaults move with the process's history): blocks up to 32 MiB come
+# from the heap, and the heap is not given back to the system (trimmed) until 16 GiB are free at
+# its top. With the defaults, whether a step's large buffers (an LM head's [tokens, vocab] logits)
+# are fresh pages, each page-faulted in, depends on what ran before in the process: a 4-layer
+# Llama's plain step took 8,160 page faults (33 MB) and 205 ms in one process, none and 186 ms
+# with these settings, and the methods this benchmark interleaves change that state for each other.
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
+
+
+def malloc_settings() -> str:
+    """How this process's malloc was set up: "steady" (:data:`STEADY_MALLOC`) or "default"."""
+    return "steady" if all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()) else "default"
+
+
+def steady_env() -> dict:
+    """The environment to run this benchmark in (glibc reads these when the process starts)."""
+    return {**os.environ, **STEADY_MALLOC}
+
+
 def run(models=tuple(MODELS), reps: int = REPS, time_limit: float = TIME_LIMIT, progress=None,
         threads: int | None = 1) -> dict:
     """Every method on each of ``models`` (labels of :data:`MODELS`, or (label, BenchModel)
@@ -458,6 +478,7 @@ def run(models=tuple(MODELS), reps: int = REPS, time_limit: float = TIME_LIMIT, 
             results.append(run_model(label, BenchModel(*spec), reps, time_limit, progress))
         return {"machine": _machine(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "threads": torch.get_num_threads(), "reps": reps, "seed": SEED, "time_limit": time_limit,
+                "malloc": malloc_settings(),
                 "models": results, "seconds": time.perf_counter() - t0}
     finally:
         torch.set_num_threads(old_threads)
@@ -534,7 +555,12 @@ def markdown(result: dict) -> str:
              "checkpointing installed, one step under the recorder (the peak shown: every live storage, "
              "parameters, gradients and AdamW state included) and one under MemTracker, then the timed steps. "
              "Ratios are to `plain`'s median. The trace solved for `ours` is recorded in this run, one thread. "
-             f"This section took {result['seconds']:.0f} s.", "",
+             + ("glibc's malloc fixed for the run (`MALLOC_MMAP_THRESHOLD_=32 MiB`, `MALLOC_TRIM_THRESHOLD_=16 "
+                "GiB`, `bench_replay.STEADY_MALLOC`): with its defaults, whether a step's large buffers are fresh "
+                "pages depends on what ran before in the process, which the interleaved methods change for each "
+                "other (a 4-layer Llama's plain step: 8,160 page faults and 205 ms in one process, none and 186 ms "
+                "so). " if result.get("malloc") == "steady" else "glibc's malloc with its defaults. ")
+             + f"This section took {result['seconds']:.0f} s.", "",
              "### Per model: noise and the runtime's own cost", "",
              "A/A = `plain-again` / `plain`, two identical unplanned copies measured interleaved. The run's "
              "noise margin per model is the larger of the A/A ratio's distance from 1 and half the "
@@ -599,6 +625,8 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
+    if malloc_settings() != "steady" and sys.platform.startswith("linux"):  # glibc reads them at start
+        os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_replay", *sys.argv[1:]], steady_env())
     args = sys.argv[1:]
     reps, json_path, models = REPS, None, []
     while args:

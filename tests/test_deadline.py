@@ -153,3 +153,19 @@ def test_the_optimizer_options_share_the_time_left(deep_foreach, monkeypatch):
     _, limit, began = first[0]
     assert limit <= began + (60 - began) / 2 + 1e-6, calls  # half of what was left: two options to go
     assert all(lim == 60 for m, lim, _ in calls if m == "in-backward"), calls  # the last: the whole rest
+
+
+def test_a_stopped_search_never_suggests_more_than_the_unplanned_peak(deep_foreach):
+    """When the time runs out with no plan, the lowest peak reported is never above the step's
+    own peak: an option's best plan may hold more than the step unplanned (a forward-only
+    graph's rebuilds), and the unplanned step meets its peak with no plan at all."""
+    from taichi_plan.solve import stopped_error
+
+    problem = build_problem(deep_foreach)
+    base, _op = problem.baseline_peak
+    above = InfeasibleBudgetError("an option's plan", min_budget_bytes=int(base * 1.04), op_id=3)
+    err = stopped_error(problem, base // 2, "auto", "weighing", 5.0, None, [above], time.perf_counter() + 5)
+    assert err.min_budget_bytes == base and err.timed_out
+    below = InfeasibleBudgetError("an option's plan", min_budget_bytes=base - 64, op_id=3)
+    err = stopped_error(problem, base // 2, "auto", "weighing", 5.0, None, [above, below], time.perf_counter() + 5)
+    assert err.min_budget_bytes == base - 64

@@ -31,8 +31,9 @@ place (``addmm_``), the bias gradient added. Backward scales those in place by t
 gradient (a loss divided for accumulation) and hands them on: no logits are made again. So
 what it allocates is: forward, the count of rows, the gradients whole, and per chunk one
 ``[rows/k, V]`` buffer (two for a moment when a dtype cast is needed) and a few per-row
-vectors; backward nothing. On a 2-core CPU this runs faster than the head and loss unsplit
-(a 4-layer Llama's 508 x 256 -> 8192 head: about 0.85x). The function saves its inputs, so a
+vectors; backward nothing. On a 2-core CPU the head and loss in 4 chunks so take about 0.95x
+the time of the unsplit ones (508 x 256 -> 8192, forward and backward, 25 repetitions), and
+less where the unsplit ones' ``[N, V]`` buffers are fresh pages (docs/benchmarks.md). The function saves its inputs, so a
 second backward through a retained graph, and a per-row loss (``none``, whose gradient needs
 each row's incoming gradient), compute the gradients in backward instead: per chunk the
 logits again, ``softmax``, the one-hot subtracted in place, rows scaled, as above (two

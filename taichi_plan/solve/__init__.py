@@ -423,7 +423,8 @@ def stopped_error(problem: Problem, budget_bytes: int, method: str, phase: str, 
     options tried): :func:`timed_out_error` with the lowest peak known, the options' or the
     heuristic's on the step as recorded (``problem``), bisected until ``deadline``."""
     known = [(e.min_budget_bytes, e.op_id) for e in failed if e.min_budget_bytes]
-    peak, op = min(known) if known else lowest_reachable(problem, deadline=deadline)[:2]
+    # An option's best plan may peak above the step unplanned, which meets its own peak.
+    peak, op = min([*known, tuple(problem.baseline_peak)]) if known else lowest_reachable(problem, deadline=deadline)[:2]
     return timed_out_error(problem, budget_bytes, method, peak, -1 if op is None else op, time_limit, work_limit,
                            stopped_in=phase)
 
