@@ -1,13 +1,14 @@
 """What the replay runtime itself costs a plan, predicted from the trace (no torch).
 
 The recorder measures the runtime's per-op bookkeeping on the recording machine
-(``meta.runtime_overhead``, see ``taichi_plan.replay.runtime.calibrate_overhead``). A model call
-that the plan changes (it drops a tensor made there, or partitions a module in it along the
-batch or the sequence) runs under the runtime's dispatch mode (one whose only change is a head
-split over tokens does not: replay's ``CallPlan.lazy_only``): each of its ops pays ``check_op_s``, and each op whose recipe a
-rebuild may need pays ``recipe_op_s`` instead: :func:`runtime_overhead_s`, added to the plan's
-extra compute in its predicted extra time. Calls the plan leaves alone, and everything outside
-the model, pay nothing.
+(``meta.runtime_overhead``, see ``taichi_plan.replay.runtime.calibrate_overhead``). In a model
+call where the plan drops a tensor, the runtime's dispatch mode runs in the call's planned
+regions (:mod:`taichi_plan.regions`: the module calls holding the ops that make, read or
+rebuild what it drops; the whole call where one of those is the model's own top-level code):
+each op there pays ``check_op_s``, and each op whose recipe a rebuild may need pays
+``recipe_op_s`` instead: :func:`runtime_overhead_s`, added to the plan's extra compute in its
+predicted extra time. Every other op, calls that only partition (their modules' wrappers and
+lazy logits do that), and everything outside the model pay nothing.
 
 The terms that grow with each rebuild are in the simulator's extra compute instead, so the
 planners weigh them and the proven bound covers them: an op re-run in a rebuild costs its
@@ -24,32 +25,48 @@ from .problem import Problem
 
 
 def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], reruns: list[int] = (),
-                       cal: dict | None = None) -> float | None:
+                       cal: dict | None = None, seen: dict | None = None) -> float | None:
     """Predicted seconds the runtime's checking and recipes add to a step under this plan, or
     None when the trace carries no measurement (imported graphs, older recordings). ``rerun``:
     the ops whose recipes are kept; ``reruns``: each op re-run in a rebuild, once per re-run;
-    ``cal``: the rates (default: the trace's ``meta.runtime_overhead``). Where the simulator
-    charges what each re-run and each drop cost (``Problem.folds_runtime``: real recordings)
-    they are not here; elsewhere (fake recordings) they are added here, after the solve."""
+    ``cal``: the rates (default: the trace's ``meta.runtime_overhead``); ``seen``: per model
+    call, the ops of its planned regions, or None for the whole call
+    (:func:`taichi_plan.regions.region_ops`; by default from the drops and ``rerun``, without
+    the triggers of groups rebuilt early). The runtime runs its mode in a call's planned
+    regions only: a call that drops nothing (its partitions run through their modules'
+    wrappers, a head over tokens through its lazy logits) pays no per-op checking. A call
+    that drops or partitions along the batch or the sequence pays ``module_call_s`` (trace
+    v15) per module call it makes, its module hooks (a head over tokens alone has none). Where the
+    simulator charges what each re-run and each drop cost (``Problem.folds_runtime``: real
+    recordings) they are not here; elsewhere (fake recordings) they are added here, after the
+    solve."""
     cal = cal if cal is not None else problem.trace.meta.get("runtime_overhead")
     if not cal or problem.trace.cost_unit != "s":
         return None
-    if not drops and not partitions:
-        return 0.0
+    from .regions import module_calls_per_call, needed_ops, region_ops
+
     call = problem.op_call
-    planned = {int(call[int(problem.producer[d.tensor])]) for d in drops}
-    if partitions:
+    planned = set()
+    if partitions:  # a call that partitions along the batch or the sequence has the module hooks
         from .partition import find_span, occurrence_spans
 
-        # A call whose plan splits only heads over tokens runs without the dispatch mode
-        # (replay's CallPlan.lazy_only): their cost is the span's own (span_cost), no checking.
         spans = [find_span(problem, p) for p in partitions if p.over != "tokens"]
         planned.update(int(call[o.fwd[0]]) for s in spans if s is not None for o in occurrence_spans(s))
+    if not drops:
+        seen = {}
+    elif seen is None:
+        seen = region_ops(problem.trace, needed_ops(problem, drops, rerun))
+    planned.update(seen)
     planned.discard(-1)
-    in_planned = np.isin(call, sorted(planned)) if planned else np.zeros(len(call), dtype=bool)
-    checked = int(in_planned.sum())
-    recipes = sum(1 for i in rerun if 0 <= i < len(call) and in_planned[i])
-    out = checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
+    if not planned:
+        return 0.0
+    calls = np.asarray(call)
+    checked = sum(int((calls == c).sum()) if k is None else int(k) for c, k in seen.items())
+    recipes = sum(1 for i in rerun if 0 <= i < len(call) and int(call[i]) in seen)
+    per_call = module_calls_per_call(problem.trace)
+    hooked = sum(per_call.get(c, 0) for c in planned)
+    out = (checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
+           + hooked * float(cal.get("module_call_s", 0.0) or 0.0))
     if not problem.folds_runtime:  # the re-runs at the runtime's rates, beyond their recorded time
         reruns = list(reruns)
         out += (rebuild_seconds(problem, reruns, cal) - float(problem.op_cost[reruns].sum())

@@ -12,8 +12,9 @@ from taichi_plan.overhead import runtime_overhead_s
 from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.record.recorder import op_clock
-from taichi_plan.replay import call_ops, call_plans
-from taichi_plan.replay.runtime import CallPlan, PlanRuntime
+from taichi_plan.regions import early_triggers, needed_ops, planned_regions, region_ops
+from taichi_plan.replay import call_ops
+from taichi_plan.replay.runtime import IGNORED_OPS, CallPlan, PlanRuntime
 from taichi_plan.simulate import rerun_ops, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
@@ -42,6 +43,7 @@ def test_real_recording_measures_the_runtime_on_its_model(gpt2):
 def test_fake_recording_keeps_the_microbenchmark():
     trace = record_workload(get_workload(**GPT2), fake=True)
     assert trace.meta["runtime_overhead"]["ops"] == 200  # calibrate_overhead's one-element additions
+    assert trace.meta["runtime_overhead"]["module_call_s"] >= 0  # v15: a planned call's module hooks
 
 
 @pytest.mark.parametrize("recipes", [set(), None])
@@ -64,11 +66,46 @@ def test_probe_runs_every_op_of_the_call_under_the_runtime(gpt2, recipes):
     assert not frame.dropped
 
 
-def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
+def _ops_the_runtime_sees(plan, trace, monkeypatch) -> int:
+    """How many of the model's ops reach the runtime's dispatch mode in one planned training
+    step (every op there pays the checking rate; the ``detach`` of each tensor its pack hook
+    keeps is the runtime's own, in that rate)."""
+    import taichi_plan
+
+    seen, packing = [], []
+    dispatch, pack = PlanRuntime.__torch_dispatch__, PlanRuntime._pack
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if not packing:
+            seen.append(str(func))
+        return dispatch(self, func, types, args, kwargs)
+
+    def packed(self, t):
+        packing.append(1)
+        try:
+            return pack(self, t)
+        finally:
+            packing.pop()
+
+    monkeypatch.setattr(PlanRuntime, "__torch_dispatch__", counted)
+    monkeypatch.setattr(PlanRuntime, "_pack", packed)
+    model, batch, loss_fn, opt = get_workload(**GPT2).build(False)
+    model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
+    try:
+        loss_fn(model(**batch), batch).backward()
+        assert model._taichi_plan["runtime"].mismatches == 0
+    finally:
+        taichi_plan.finish(model)
+    monkeypatch.undo()
+    return len(seen)
+
+
+def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2, monkeypatch):
     """Each calibrated term moves the prediction by exactly its rate times the ops it applies
-    to, counted here independently: every op of the model calls the plan changes and the
-    re-run ops among them (the runtime's overhead, added after the solve), and the simulator's
-    recompute ops and the drops (in the simulator's extra compute, which the planners weigh)."""
+    to, counted here independently: the ops that reach the runtime's dispatch mode in a planned
+    step of the model (those of its planned regions, taichi_plan.regions), and the re-run ops
+    among them (the runtime's overhead, added after the solve), and the simulator's recompute
+    ops and the drops (in the simulator's extra compute, which the planners weigh)."""
     plan = solve(gpt2, int(0.9 * build_problem(gpt2).baseline_peak[0]), "heuristic", seed=0)
     problem = build_problem(gpt2)
     drops = drops_from_plan(problem, plan)
@@ -76,25 +113,37 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2):
     sim, parted = simulate_plan(problem, drops, plan.partitions)
     rerun = rerun_ops(parted, drops)
     calls = [c for c in gpt2.meta["model_calls"] if c["grad"]]
-    planned = [k for k, cp in enumerate(call_plans(plan, gpt2)) if cp.active]
-    in_calls = [o for k in planned for o in range(calls[k]["start"], calls[k]["end"] + 1)]
-    n_checked, n_recipes = len(in_calls), len(set(in_calls) & rerun)
+    regions = planned_regions(gpt2, needed_ops(parted, drops, rerun, early_triggers(parted, sim)))[0]
+    in_regions = [o for r in regions for o in range(r.first, r.last + 1)]
+    # The runtime sees exactly the regions' ops (those it counts: not the detaches that
+    # autograd's saving makes, which its pack hook replaces by its own), a part of the call.
+    names = gpt2.ops["op"].tolist()
+    assert _ops_the_runtime_sees(plan, gpt2, monkeypatch) == sum(names[o] not in IGNORED_OPS for o in in_regions)
+    n_checked, n_recipes = len(in_regions), len(rerun)
+    assert 0 < n_checked < calls[0]["end"] - calls[0]["start"] + 1
+    assert set(rerun) <= set(in_regions)
 
     reruns = [op for g in sim.groups.values() for op in g.ops]
     assert len(reruns) == sim.recompute_ops
 
-    def predicted(check, recipe, rebuild=0.0, ratio=None, drop=0.0) -> tuple[float, float]:
+    def predicted(check, recipe, rebuild=0.0, ratio=None, drop=0.0, module=0.0) -> tuple[float, float]:
         """(runtime overhead, simulated extra compute) of the plan's drops under these rates."""
         gpt2.meta["runtime_overhead"] = {"check_op_s": check, "recipe_op_s": recipe, "rebuild_op_s": rebuild,
-                                         "rebuild_time_ratio": ratio or {}, "drop_s": drop}
+                                         "rebuild_time_ratio": ratio or {}, "drop_s": drop, "module_call_s": module}
         fresh = build_problem(gpt2)  # Problem.rerun_cost is computed once per problem
-        return (runtime_overhead_s(fresh, drops, plan.partitions, rerun),
+        seen = region_ops(gpt2, needed_ops(parted, drops, rerun, early_triggers(parted, sim)))
+        return (runtime_overhead_s(fresh, drops, plan.partitions, rerun, seen=seen),
                 simulate_plan(fresh, drops, plan.partitions)[0].extra_cost)
 
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
         base, extra = predicted(1e-6, 3e-6)
         assert base == pytest.approx(n_checked * 1e-6 + n_recipes * 2e-6)
+        # Trace v15: the module hooks, once per module call of the planned call (its own call not one).
+        module_calls = sum(1 for name, entries in gpt2.meta["module_args"].items() if name
+                           for e in entries if calls[0]["start"] <= e[0] <= calls[0]["end"])
+        assert module_calls > 0
+        assert predicted(1e-6, 3e-6, module=5e-6)[0] - base == pytest.approx(module_calls * 5e-6)
         assert predicted(2e-6, 4e-6)[0] - base == pytest.approx(n_checked * 1e-6)  # recipe - check unchanged
         assert predicted(1e-6, 5e-6)[0] - base == pytest.approx(n_recipes * 2e-6)
         # Each re-run op's bookkeeping, once per re-run, in the simulator's cost (not the overhead).

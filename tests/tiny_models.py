@@ -736,3 +736,40 @@ def lazy_mask_lm(batch: int = 4, **_):
     ids = torch.randint(0, v, (batch, s), generator=torch.Generator().manual_seed(1))
     return model, ids, (lambda out, b: F.cross_entropy(out.reshape(-1, v), b.reshape(-1))), \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def borrowed_module_blocks(batch: int = 1024, **_):
+    """Residual blocks that each call a module registered elsewhere in the model (one GELU on the
+    model itself, passed to every block, as models that share an activation or a norm do), with
+    dropout inside: the GELU's ops run inside each block's call but are filed under the GELU, not
+    the block. A plan's planned regions (taichi_plan.regions) must still hold them where they
+    read what the block drops."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, h: int):
+            super().__init__()
+            self.up, self.down, self.drop = nn.Linear(h, 4 * h), nn.Linear(4 * h, h), nn.Dropout(0.1)
+
+        def forward(self, x, act):
+            return x + self.drop(self.down(act(self.up(x))))
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, n: int = 3):
+            super().__init__()
+            self.inp = nn.Linear(16, h)
+            self.act = nn.GELU()
+            self.blocks = nn.ModuleList(Block(h) for _ in range(n))
+            self.head = nn.Linear(h, 4)
+
+        def forward(self, x):
+            x = torch.tanh(self.inp(x))  # the model's own top-level code
+            for blk in self.blocks:
+                x = blk(x, self.act)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randn(batch, 16), torch.randint(0, 4, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())

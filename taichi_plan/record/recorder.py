@@ -579,7 +579,9 @@ class Recorder(TorchDispatchMode):
                     continue
                 if tid is not None:
                     tids.add(tid)
-        rec.module_args.setdefault(name, []).append([start, sorted(tids)])
+        # [first op, argument tensor ids, the op after its last] (v15: the end, where planned
+        # regions end: taichi_plan.regions)
+        rec.module_args.setdefault(name, []).append([start, sorted(tids), self._n])
 
     def _patch_resize(self) -> None:
         """``UntypedStorage.resize_`` reaches no dispatch mode (MemTracker patches it too)."""

@@ -133,16 +133,58 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         where = locate(int(op))
         if where is not None:
             sized[where[0]].add(where[1])
+    regions = _call_regions(plan, trace, problem, counted, before)
     for c, (call, ops) in enumerate(zip(calls, call_ops(trace, pos), strict=True)):
         s0 = call["start"]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
+        mine = regions.get(c, {})
         out.append(CallPlan(c, ops, drops[c], recipes[c], spans[c], call.get("inputs", []), alive,
                             bool(call.get("training", True)), group_of, tokens[c], frozenset(skip[c]),
                             triggers=triggers[c], whole=frozenset(whole[c]), module_calls=skippable[c],
                             module_starts=starts[c], sized_ops=frozenset(sized[c]),
                             trainable=_trainable(plan, call),
                             own_hooks=bool((trace.meta.get("forward_in_backward") or {}).get("ops")),
-                            autocast=call.get("autocast", "unknown")))
+                            autocast=call.get("autocast", "unknown"),
+                            regions=mine or {}, whole_call=mine is None,
+                            entries=_entries(starts[c], [*spans[c], *tokens[c]])))
+    return out
+
+
+def _entries(starts: dict, uncounted: list[str]) -> tuple:
+    """The counted ops at which the call's recorded module calls start, sorted: every module's
+    but the model's own and those inside ``uncounted`` (partitioned modules, heads over tokens:
+    their insides run uncounted)."""
+    return tuple(sorted({s for name, ss in starts.items()
+                         if name and not any(name.startswith(u + ".") for u in uncounted) for s in ss}))
+
+
+def _call_regions(plan: Plan, trace, problem, counted: list[bool], before: list[int]) -> dict[int, dict | None]:
+    """Per grad-enabled model call: its planned regions (:mod:`taichi_plan.regions`) as the
+    runtime enters them, module name -> {its k-th call in the model call: (first, last)
+    counted op from the call's first op}; None where the runtime runs over the whole call.
+    Calls with nothing to see (no drop, no rebuild) are left out: no mode runs there."""
+    from ..regions import early_triggers, needed_ops, planned_regions
+    from ..simulate import simulate_plan
+    from ..solve.result import drops_from_plan
+
+    drops = drops_from_plan(problem, plan)
+    if not drops:
+        return {}
+    sim, parted = simulate_plan(problem, drops, plan.partitions)
+    needed = needed_ops(parted, drops, recipe_ops(plan, trace, problem), early_triggers(parted, sim))
+    calls = model_calls(trace)
+    out: dict[int, dict | None] = {}
+    for c, regions in planned_regions(trace, needed).items():
+        if regions is None:
+            out[c] = None
+            continue
+        base = before[int(calls[c]["start"])]
+        table: dict[str, dict[int, tuple[int, int]]] = {}
+        for r in regions:
+            first, last = before[r.first] - base, before[r.last] + counted[r.last] - 1 - base
+            if last >= first:
+                table.setdefault(r.module, {})[r.call] = (first, last)
+        out[c] = table
     return out
 
 
@@ -252,7 +294,7 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
     node reads for the last time (its *trigger*), while that tensor is still alive. A group with no such tensor is left to its members' unpack (then its gone inputs
     are re-made from recipes where they have them)."""
     from ..optimizer_plan import problem_for_plan
-    from ..problem import rebuild_inputs
+    from ..regions import early_triggers
     from ..simulate import simulate_plan
     from ..solve.result import drops_from_plan
 
@@ -261,26 +303,7 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
     if not drops:
         return {}, {}
     sim, parted = simulate_plan(problem, drops, plan.partitions)
-    phase = np.asarray(parted.op_phase)
-    members: dict[int, list[int]] = {}
-    for t, r in sim.remat_at.items():
-        members.setdefault(int(r), []).append(int(t))
-    dropped = set(sim.remat_at)
-    triggers: dict[int, int] = {}
-    unpack = parted.unpack_at
-    for r, ts in members.items():
-        first_unpack = min((int(unpack[o]) for t in ts for o in parted.uses[t].tolist() if phase[o] == "backward"),
-                           default=r)
-        if first_unpack <= r:
-            continue
-        reads = {u for t in ts for u in rebuild_inputs(parted, t)}
-        node = np.nonzero((unpack == r) & (phase == "backward"))[0].tolist() or [r]  # the ops of r's node
-        found = [int(u) for o in node for u in parted.op_reads[o].tolist()
-                 if int(parted.end[u]) == o and u not in dropped and int(parted.producer[u]) >= 0
-                 and phase[int(parted.producer[u])] == "forward"]
-        found.sort(key=lambda u: (u not in reads, u))
-        if found:
-            triggers[int(parted.tensor_id[found[0]])] = r
+    triggers = {int(parted.tensor_id[u]): r for u, r in early_triggers(parted, sim).items()}
     return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}, triggers
 
 

@@ -423,8 +423,9 @@ def floored(measured: dict, bookkeeping: dict) -> dict:
     the bookkeeping the one-element additions time. The measured values are kept under
     ``unfloored``."""
     out = dict(measured)
-    if "checkpoint_call_s" in bookkeeping:  # a checkpoint call's own cost: microbenchmarked only
-        out.setdefault("checkpoint_call_s", float(bookkeeping["checkpoint_call_s"]))
+    for k in ("checkpoint_call_s", "module_call_s"):  # a checkpoint call's, a module call's own cost: microbenchmarked only
+        if k in bookkeeping:
+            out.setdefault(k, float(bookkeeping[k]))
     raw = {k: measured[k] for k in (*PER_OP_TERMS, "rebuild_op_s") if k in measured}
     low = 0.0
     for k in PER_OP_TERMS:

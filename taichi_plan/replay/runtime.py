@@ -41,9 +41,11 @@ the unplanned run.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import re
+import sys
 import time
 import warnings
 import weakref
@@ -64,6 +66,7 @@ _SKIP_NAMESPACES = ("prim", "profiler")
 IGNORED_OPS = frozenset(str(op) for op in torch.utils.checkpoint.SAC_IGNORED_OPS) | {"aten.detach.default"}
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 LOOP_MOST = 256  # the longest loop iteration (counted ops) over routed data that a live call may skip
+_REGIONS = object()  # a planned call whose mode and hooks come on in its planned regions only
 
 
 @dataclass(frozen=True)
@@ -173,6 +176,18 @@ class CallPlan:
     # The autocast the recorded call ran under (trace v13: "bf16", "fp16", None); "unknown" for
     # older traces, which are not checked (_autocast_problem).
     autocast: str | None = "unknown"
+    # Planned regions (taichi_plan.regions): module name -> {its k-th call in this model call:
+    # (first, last) counted op}. Where whole_call is False, the mode and saved-tensor hooks run
+    # inside these module calls only (entered when the module is called, the op count set to
+    # the call's recorded first op); elsewhere the forward runs with nothing of the runtime.
+    regions: dict = field(default_factory=dict)
+    # Run the mode and hooks over the whole call (a plan that drops in the model's top-level
+    # code, traces without meta.module_args, calibration's probes).
+    whole_call: bool = True
+    # The counted ops at which the recorded module calls start, sorted (not the model's own
+    # call, not calls inside a partitioned module or a head over tokens, which run uncounted):
+    # outside the regions, a live forward that passes one without calling its module skipped it.
+    entries: tuple = ()
 
     @property
     def active(self) -> bool:
@@ -189,6 +204,13 @@ class CallPlan:
         full logits). Checking every op of the call cost a 4-layer GPT-2 or Llama about 8 ms a
         step (their heads' own split: 3-17 ms)."""
         return bool(self.tokens) and not (self.drops or self.spans or self.triggers or self.whole or self.probe)
+
+    @property
+    def in_regions(self) -> bool:
+        """The mode and hooks run in the planned regions only (:attr:`regions`), not over the
+        whole call: none at all where the call has none (a call that only partitions). The drop
+        probe's plan and its copy that drops nothing (calibration) run in the same regions."""
+        return not self.whole_call
 
 
 def _checkpoints_itself(model) -> bool:
@@ -226,6 +248,13 @@ class Frame:
     entered: set = field(default_factory=set)  # partitioned modules whose wrapper ran in this call
     skipped: list = field(default_factory=list)  # (module, counted op) of the recorded calls it skipped
     module_seen: dict = field(default_factory=dict)  # module name -> its calls so far in this call
+    # The mode and hooks are on: over the whole call, or inside a planned region now (frame.n
+    # is the recorded op count only then).
+    counting: bool = False
+    # (module, name, first and last counted op, hooks context) of the planned region running
+    # now; module None: the rest of the call is counted (_enter_rest)
+    region: tuple | None = None
+    pos: int = -1  # the recorded first op of the last module call entered (calls run in regions: _jumped)
 
 
 def no_larger(got: list, want: list) -> bool:
@@ -423,7 +452,9 @@ class PlanRuntime(TorchDispatchMode):
         self.planned_calls = 0
         self.skipped_calls = 0  # recorded module calls a live forward did not make (_resync, _entered)
         self.skipped_sized_ops = 0  # recorded ops of loop iterations over routed data a live forward did not run
-        self._module_hook = None  # a global forward pre-hook while a planned call runs (_entered)
+        self.regions_run = 0  # planned regions entered (_enter_region)
+        # global forward pre- and post-hooks while a planned call runs (_entered, _left)
+        self._module_hook: tuple | None = None
         self._names: dict[int, str] = {}
         self._names_root = None
 
@@ -434,6 +465,7 @@ class PlanRuntime(TorchDispatchMode):
         self.planned_calls = 0
         self.skipped_calls = 0
         self.skipped_sized_ops = 0
+        self.regions_run = 0
 
     # -- calls and steps ------------------------------------------------------------------------------
     def begin_call(self, model, args, kwargs) -> bool:
@@ -473,18 +505,25 @@ class PlanRuntime(TorchDispatchMode):
             return False
         frame = Frame(call, smaller=smaller, model=weakref.ref(model))
         if call.lazy_only:
+            # its head's lazy logits run through the head's forward, without the mode and hooks
             self._frame = frame
             self._stack.append((frame, None))
             self.planned_calls += 1
             return True
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         if call.module_starts:
             self._names_of(model)
             if self._module_hook is None:
-                self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._entered)
+                self._module_hook = (torch.nn.modules.module.register_module_forward_pre_hook(self._entered),
+                                     torch.nn.modules.module.register_module_forward_hook(self._left, always_call=True))
         self._frame = frame
+        if call.in_regions:  # the mode and hooks come on in each planned region (_entered), if any
+            self._stack.append((frame, _REGIONS))
+            self.planned_calls += 1
+            return True
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         self.__enter__()
         hooks.__enter__()
+        frame.counting = True
         self._stack.append((frame, hooks))
         self.planned_calls += 1
         return True
@@ -493,17 +532,30 @@ class PlanRuntime(TorchDispatchMode):
         """``failed``: the forward raised, so the step holds nothing of this call (a loop that
         catches it runs the call again, or another step): it is not counted."""
         frame, hooks = self._stack.pop()
-        if hooks is None:  # a call of lazy logits only (CallPlan.lazy_only): no mode, no ops counted
+        if hooks is None:  # nothing seen in this call (lazy logits, partitions): no mode, no ops counted
             self._frame = self._stack[-1][0] if self._stack else None
             return
+        rest = False
         try:
-            hooks.__exit__(None, None, None)
+            if hooks is _REGIONS:
+                if frame.region is not None:  # the forward raised inside a region, or the rest was counted
+                    rest = frame.region[0] is None
+                    self._leave_region(frame, check=False)
+            else:
+                try:
+                    hooks.__exit__(None, None, None)
+                finally:
+                    self.__exit__(None, None, None)
+                    frame.counting = False
         finally:
-            self.__exit__(None, None, None)
             self._frame = self._stack[-1][0] if self._stack else None
             if not self._stack and self._module_hook is not None:
-                self._module_hook.remove()
+                for h in self._module_hook:
+                    h.remove()
                 self._module_hook = None
+        if hooks is _REGIONS and not rest:
+            self._end_regions(frame, failed)
+            return
         self._skip(frame)
         gone = {m for m, _ in frame.skipped}
         missed = [m for m in frame.call.spans if m not in frame.entered
@@ -725,6 +777,27 @@ class PlanRuntime(TorchDispatchMode):
         where = (f"op {i} of the model's call {frame.call.index}: the plan expects {expected[0]} in "
                  f"{expected[1] or '<top level>'}" if expected else
                  f"op {i} of the model's call {frame.call.index}: the plan's call has only {len(ops)} ops")
+        self._frame_mismatch(frame, (
+            f"The live op sequence differs from the one the plan was made for, at {where}, but the model ran "
+            f"{name}. {self._why(frame, i)}"))
+
+    def _module_mismatch(self, frame: Frame, name: str, calls: int, want: int) -> None:
+        """A planned call run in regions called module ``name`` more often than the recorded
+        call (its ``calls``-th call, ``want`` recorded): the ops of that call are not in the
+        trace, and their memory is not in the plan's prediction."""
+        why = self._why(frame, None) if self.steps_differed else (
+            "The live forward differs from the recorded one: a step that calls a module its recorded step skipped "
+            "(layerdrop, stochastic depth, a branch on a tensor's value, an expert the recorded step routed no token "
+            "to) runs ops the plan never saw. Record more --steps (the trace keeps the step with the most module "
+            "calls) or at a batch that reaches every module, turn the skipping off for training with a plan (e.g. "
+            "layerdrop=0), or apply the plan with on_mismatch='warn' to run such calls unplanned.")
+        self._frame_mismatch(frame, (
+            f"The model called module {name!r} {calls} time(s) in its call {frame.call.index}, where the plan's "
+            f"trace has {want}: the ops of that call are not in the trace, and what they hold is not in the plan's "
+            f"memory prediction. {why}"))
+
+    def _why(self, frame: Frame, i: int | None) -> str:
+        """What a mismatch at counted op ``i`` (None: at a module call) likely means, and what to do."""
         why = ("The model or its code changed since the trace was recorded: record and solve again, or apply the "
                "plan with on_mismatch='warn'.")
         if self.steps_differed:  # random control flow (layerdrop, stochastic depth): no one step to plan
@@ -744,7 +817,7 @@ class PlanRuntime(TorchDispatchMode):
                    "model's ops (transformers turns the KV cache off with it) and re-runs each layer's forward in "
                    "backward. Turn it off (model.gradient_checkpointing_disable()) and let the plan choose what to "
                    "recompute, or record and solve again with it on.")
-        elif i in frame.call.sized_ops or i - 1 in frame.call.sized_ops:
+        elif i is not None and (i in frame.call.sized_ops or i - 1 in frame.call.sized_ops):
             why = ("The ops here follow tensors sized by values (trace meta.data_sized): a loop over what the data "
                    "routes, as a mixture of experts' loop over the experts that got tokens, ran another number of "
                    "times than in the recorded step. Fewer iterations run planned; one more, an expert the recorded "
@@ -761,9 +834,7 @@ class PlanRuntime(TorchDispatchMode):
                    "buffer, a lazy module) runs other ops before that. Run as many steps before applying the plan, "
                    "or apply it with on_mismatch='warn' (such a step then runs unplanned, at the unplanned peak); "
                    "if later steps differ too, the model changed since the recording: record and solve again.")
-        self._frame_mismatch(frame, (
-            f"The live op sequence differs from the one the plan was made for, at {where}, but the model ran "
-            f"{name}. {why}"))
+        return why
 
     def _size_mismatch(self, frame: Frame, i: int, name: str, j: int, got: int, want: int) -> None:
         why = self._after_skip(frame) if frame.skipped else (
@@ -905,27 +976,66 @@ class PlanRuntime(TorchDispatchMode):
 
     def _entered(self, module, _args) -> None:
         """A module's forward starts (a global pre-hook, installed while a planned call runs).
-        Where its recorded call starts later than the op the call has reached, and a recorded
-        module call starts there, the live forward skipped that call (and its caller's code
-        after it, up to this module's): its ops never run, and the count moves on to this one.
-        It finds what op names alone cannot, a skipped layer followed by a module that starts
-        with the same ops (the head after a last layer skipped)."""
+
+        Counting (over the whole call, or in a planned region): where its recorded call starts
+        later than the op the call has reached, and a recorded module call starts there, the
+        live forward skipped that call (and its caller's code after it, up to this module's):
+        its ops never run, and the count moves on to this one. It finds what op names alone
+        cannot, a skipped layer followed by a module that starts with the same ops (the head
+        after a last layer skipped).
+
+        Outside the planned regions, where no op is seen: a module called more often than in
+        the recorded call is a mismatch (its ops are not in the trace); a recorded module call
+        that starts between the last module called and this one was skipped (layerdrop), and
+        the rest of the call is then counted as a whole call is (:meth:`_enter_rest`: a skip
+        may change the shapes after it, Informer's skipped distilling convolution); a planned
+        region's module call starts its region (:meth:`_enter_region`)."""
         frame = self._frame
         if (frame is None or not frame.enabled or frame.partition_depth or self.hidden
                 or torch._C._current_graph_task_id() != -1):
             return
         name = self._names.get(id(module))
-        starts = frame.call.module_starts.get(name) if name is not None else None
-        if not starts:
+        if name is None:
             return
+        starts = frame.call.module_starts.get(name, ())
         k = frame.module_seen.get(name, 0)
         frame.module_seen[name] = k + 1
+        regions = frame.call.in_regions
         if k >= len(starts):
+            if regions and name:  # (the op check sees it over a whole call)
+                self._module_mismatch(frame, name, k + 1, len(starts))
             return
-        want, n = starts[k], self._skip(frame)
+        want = starts[k]
+        if not frame.counting:
+            if regions and name:
+                jumped = self._jumped(frame, want)
+                frame.pos = want
+                if jumped:
+                    self._enter_rest(frame, want)
+                    return
+                region = frame.call.regions.get(name)
+                if region is not None and k in region:
+                    self._enter_region(frame, module, name, region[k])
+            return
+        frame.pos = max(frame.pos, want)
+        n = self._skip(frame)
+        if want <= n:
+            return
+        skipped = self._walk(frame, n, want)
+        if skipped is None:
+            return
+        frame.skipped.extend(skipped)
+        self.skipped_calls += len(skipped)
+        frame.n = want
+
+    @staticmethod
+    def _walk(frame: Frame, n: int, want: int) -> list | None:
+        """The recorded module calls from counted op ``n`` up to ``want`` that a live forward
+        skipped, outermost first, (module, op) each, the caller's own code between them
+        skipped with them; None when no recorded module call starts at ``n``."""
         table = frame.call.module_calls
-        if want <= n or n not in table:
-            return
+        if n not in table:
+            return None
         skipped, p = [], n
         while p < want:
             fits = [(first, m) for first, _last, m in table.get(p, ()) if first <= want]
@@ -934,9 +1044,103 @@ class PlanRuntime(TorchDispatchMode):
                 p = fits[0][0]
             else:  # the caller's own code between skipped calls
                 p += 1
-        frame.skipped.extend(skipped)
-        self.skipped_calls += len(skipped)
-        frame.n = want
+        return skipped
+
+    def _jumped(self, frame: Frame, want: int) -> bool:
+        """Outside the planned regions: did the live forward skip recorded module calls that
+        start after the last module called (``frame.pos``) and before counted op ``want``?
+        Notes the outermost of them as skipped."""
+        entries = frame.call.entries
+        lo, hi = bisect.bisect_right(entries, frame.pos), bisect.bisect_left(entries, want)
+        found, past = False, -1
+        for s in entries[lo:hi]:
+            calls = frame.call.module_calls.get(s)
+            if s < past or not calls:  # inside a call noted already, or a call of no ops
+                continue
+            end, _glue, m = calls[0]
+            frame.skipped.append((m, s))
+            self.skipped_calls += 1
+            found, past = True, end
+        return found
+
+    def _enter_rest(self, frame: Frame, at: int) -> None:
+        """Count the rest of the call from counted op ``at``, with the mode and hooks on until
+        it ends, as a call run whole is (after a skipped module call: what runs after it may
+        differ, and only op by op can that be seen)."""
+        frame.n = at
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
+        self.__enter__()
+        hooks.__enter__()
+        frame.counting = True
+        frame.region = (None, None, at, len(frame.call.ops) - 1, hooks)
+
+    def _enter_region(self, frame: Frame, module, name: str, span: tuple[int, int]) -> None:
+        """A planned region's module call starts (:mod:`taichi_plan.regions`): the op count
+        moves to its recorded first op, and the mode and the saved-tensor hooks come on until
+        it returns (:meth:`_left`)."""
+        first, last = span
+        frame.n = first
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
+        self.__enter__()
+        hooks.__enter__()
+        frame.counting = True
+        frame.region = (module, name, first, last, hooks)
+        self.regions_run += 1
+
+    def _left(self, module, _args, _out) -> None:
+        """A module's forward returned (a global forward hook, ``always_call``, while a planned
+        call runs): where it is the planned region running now, the region ends."""
+        frame = self._frame
+        if frame is None or frame.region is None or frame.region[0] is not module:
+            return
+        self._leave_region(frame, check=sys.exc_info()[0] is None)  # (in its handler when the forward raised)
+
+    def _leave_region(self, frame: Frame, check: bool = True) -> None:
+        """End the planned region running now: the mode and hooks go off. ``check``: the
+        region's module must have run every op of its recorded call (fewer are the iterations
+        a loop over routed data did not run, else a mismatch); more ran as recorded, op by op."""
+        _module, name, first, last, hooks = frame.region
+        frame.region = None
+        frame.counting = False
+        frame.pos = max(frame.pos, last)
+        try:
+            hooks.__exit__(None, None, None)
+        finally:
+            self.__exit__(None, None, None)
+        if not check or not frame.enabled:
+            return
+        n = self._skip(frame)
+        if n <= last:
+            at = self._past_iterations(frame, n, None, last + 1)
+            if at is not None:
+                self.skipped_sized_ops += at - n
+                return
+            skipped = self._walk(frame, n, last + 1)  # its last module calls skipped (layerdrop)
+            if skipped is not None:
+                frame.skipped.extend(skipped)
+                self.skipped_calls += len(skipped)
+                return
+            self._frame_mismatch(frame, (
+                f"Module {name!r} ran {n - first} ops in call {frame.call.index} of the model, where the plan's trace "
+                f"has {last + 1 - first}. The model or its inputs changed since the trace was recorded: record and solve "
+                "again, or apply the plan with on_mismatch='warn'."))
+
+    def _end_regions(self, frame: Frame, failed: bool) -> None:
+        """The end of a call run in planned regions: the recorded module calls after the last
+        module called were skipped. A partitioned module whose wrapper did not run, and that no
+        skipped call holds, ran its ops whole another way (a mismatch)."""
+        if failed or not frame.enabled:
+            return
+        self._jumped(frame, len(frame.call.ops))  # the recorded module calls after the last one called: skipped
+        fewer = [m for m, _ in frame.skipped]
+        missed = [m for m in frame.call.spans if m not in frame.entered
+                  and not any(m == g or m.startswith(g + ".") for g in fewer)]
+        if missed:
+            self._frame_mismatch(frame, (
+                f"The plan partitions module {missed[0]!r}, but its forward was not called in call "
+                f"{frame.call.index} of the model, so its ops ran whole and the plan's memory prediction does "
+                "not hold. The model's code reaches that module's ops another way than through its forward: "
+                "record and solve again."), ended=True)
 
     def _resync(self, frame: Frame, i: int, name: str) -> int | None:
         """The op index at which op ``name`` continues the recorded call when the live forward
@@ -969,7 +1173,7 @@ class PlanRuntime(TorchDispatchMode):
         return None
 
     @staticmethod
-    def _past_iterations(frame: Frame, i: int, name: str | None) -> int | None:
+    def _past_iterations(frame: Frame, i: int, name: str | None, end: int | None = None) -> int | None:
         """Where the recorded call goes on when the live one left a loop over routed data
         after fewer iterations than the recorded one, at op ``i`` (``name``: the live op, None
         at the call's end); None when the ops from ``i`` on are no such loop's iterations.
@@ -982,9 +1186,10 @@ class PlanRuntime(TorchDispatchMode):
         the last repeat must be the live one. Those recorded iterations are skipped as a skipped
         module call is: their ops never run, so what the plan drops there is never made; the
         live iterations ran on the earlier recorded ones' indices, and their tensors are
-        rebuilt at their live sizes."""
+        rebuilt at their live sizes. ``end``: where the ops looked at end (at ``name`` None,
+        the call's or a planned region's end), by default the call's last op."""
         ops, sized = frame.call.ops, frame.call.sized_ops
-        n = len(ops)
+        n = len(ops) if end is None else min(end, len(ops))
         if not sized or i >= n:
             return None
 
@@ -1024,7 +1229,7 @@ class PlanRuntime(TorchDispatchMode):
         if frame is None or torch._C._current_graph_task_id() != -1:
             return
         span = frame.call.spans.get(name)
-        if frame.partition_depth == 0 and frame.enabled and span is not None and frame.n != span[0]:
+        if frame.partition_depth == 0 and frame.enabled and frame.counting and span is not None and frame.n != span[0]:
             self._frame_mismatch(frame, f"The partitioned module {name!r} started at op {frame.n} of the model's "
                                         f"call, but the plan expects it at op {span[0]}. Record and solve again.")
         frame.entered.add(name)
@@ -1362,6 +1567,28 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
 
     leaf = torch.ones(1, requires_grad=True)
     calls = 20
+    modules = 100
+    chain_of = torch.nn.Sequential(*[torch.nn.Identity() for _ in range(modules)])
+    starts = {str(i): [0] for i in range(modules)}
+
+    def module_calls(hooked: bool) -> float:
+        """A forward through ``modules`` modules that run no op, with a planned call's module
+        hooks installed (no region among them) or not."""
+        rt = PlanRuntime([CallPlan(0, [], {}, set(), {}, [], None, module_starts=starts, whole_call=False,
+                                   entries=(0,))])
+        handles = []
+        if hooked:
+            rt._names_of(chain_of)
+            rt._frame = Frame(rt.calls[0])
+            handles = [torch.nn.modules.module.register_module_forward_pre_hook(rt._entered),
+                       torch.nn.modules.module.register_module_forward_hook(rt._left, always_call=True)]
+        t0 = clock()
+        try:
+            chain_of(x)
+        finally:
+            for h in handles:
+                h.remove()
+        return clock() - t0
 
     def step(checkpointed: bool) -> float:
         """Forward and backward of one one-element op, in a checkpoint or not (``calls`` times)."""
@@ -1373,8 +1600,9 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
             y.backward()
         return clock() - t0
 
-    plain, check, recipe, rebuilt, ckpt = [], [], [], [], []
+    plain, check, recipe, rebuilt, ckpt, hooks = [], [], [], [], [], []
     for _ in range(repeats):
+        hooks.append((module_calls(True) - module_calls(False)) / modules)
         t0 = clock()
         with torch.no_grad():
             chain(n)
@@ -1391,6 +1619,9 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
         # What one torch.utils.checkpoint call costs beyond its ops (its frame, the saved-tensor
         # hooks, the RNG state it stashes, the re-run's bookkeeping): once per checkpointed chunk.
         "checkpoint_call_s": max(statistics.median(ckpt), 0.0),
+        # What the module hooks of a planned call cost per module call (trace v15): a call the
+        # plan drops or partitions in has them over its whole forward (taichi_plan.regions).
+        "module_call_s": max(statistics.median(hooks), 0.0),
         "ops": n,
         "repeats": repeats,
     }

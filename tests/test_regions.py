@@ -1,0 +1,120 @@
+"""Planned regions (taichi_plan/regions.py): the runtime runs its dispatch mode and saved-tensor
+hooks only in the module calls where the plan drops, saves or rebuilds, not over the whole
+forward (issue 8: checking every op of a ResNet-50's forward cost a plan of 3 drops 16 ms of a
+564 ms step on a 2-core CPU, while its recomputation took 5)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from live_peak import end_run, step_peak
+
+import taichi_plan
+from taichi_plan.problem import build_problem
+from taichi_plan.record import get_workload, record
+from taichi_plan.regions import early_triggers, needed_ops, planned_regions
+from taichi_plan.replay import call_plans
+from taichi_plan.replay.runtime import PlanRuntime
+from taichi_plan.simulate import rerun_ops, simulate_plan
+from taichi_plan.solve import solve
+from taichi_plan.solve.result import drops_from_plan
+
+ENTRY = "tiny_models:borrowed_module_blocks"
+STEPS = 3
+
+
+@pytest.fixture(scope="module")
+def planned():
+    model, x, loss_fn, opt = get_workload(entry=ENTRY).build(False)
+    trace = record(model, x, loss_fn, opt)
+    problem = build_problem(trace)
+    plan = solve(trace, int(problem.baseline_peak[0] * 0.6), "heuristic", problem=problem, optimizer="as-recorded")
+    assert plan.recompute and not plan.partitions
+    return plan, trace
+
+
+def _train(plan=None, trace=None, whole_call=False, seen=None):
+    model, x, loss_fn, opt = get_workload(entry=ENTRY).build(False)
+    if plan is not None:
+        model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
+        rt = model._taichi_plan["runtime"]
+        if whole_call:  # the runtime as it was before regions: the mode over every op of the call
+            rt.calls = [dataclasses.replace(c, whole_call=True, regions={}) for c in rt.calls]
+    peaks = [step_peak(model, opt, x, loss_fn) for _ in range(STEPS)]
+    params, rt = end_run(model, plan is not None)
+    return params, peaks, rt
+
+
+def test_the_runtime_runs_in_the_planned_regions_only(planned, monkeypatch):
+    plan, trace = planned
+    cp = call_plans(plan, trace)[0]
+    assert not cp.whole_call and set(cp.regions) <= {"blocks.0", "blocks.1", "blocks.2"} and cp.regions
+    seen, packing = [], []
+    dispatch, pack = PlanRuntime.__torch_dispatch__, PlanRuntime._pack
+
+    def counted(self, func, types, args=(), kwargs=None):
+        if not packing:  # (the detach of each tensor its pack hook keeps is the runtime's own)
+            seen.append(self._frame.region[1] if self._frame is not None and self._frame.region else None)
+        return dispatch(self, func, types, args, kwargs)
+
+    def packed(self, t):
+        packing.append(1)
+        try:
+            return pack(self, t)
+        finally:
+            packing.pop()
+
+    monkeypatch.setattr(PlanRuntime, "__torch_dispatch__", counted)
+    monkeypatch.setattr(PlanRuntime, "_pack", packed)
+    got, peaks, rt = _train(plan, trace)
+    monkeypatch.undo()
+    base, base_peaks, _ = _train()
+    whole, whole_peaks, _ = _train(plan, trace, whole_call=True)
+    # bitwise the unplanned run's parameters (dropout masks rebuilt with their RNG state), the
+    # same peaks as the runtime over the whole call, within the plan's prediction and below
+    # the unplanned step's
+    assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got, whole, strict=True))
+    assert peaks == whole_peaks
+    assert all(p <= plan.predicted["planned_peak_bytes"] for p in peaks)
+    assert all(p < b for p, b in zip(peaks, base_peaks, strict=True))
+    assert rt.mismatches == 0 and rt.regions_run == STEPS * sum(len(r) for r in cp.regions.values())
+    # the mode saw the regions' ops, each once a step, and no other op of the call
+    call = [c for c in trace.meta["model_calls"] if c["grad"]][0]
+    in_regions = sum(last - first + 1 for r in cp.regions.values() for first, last in r.values())
+    assert set(seen) == set(cp.regions) and len(seen) == STEPS * in_regions
+    assert in_regions < len(cp.ops) and len(cp.ops) <= call["end"] - call["start"] + 1
+
+
+def test_regions_end_where_the_module_returned(planned):
+    """Trace v15 records where each module call returned; a v10-v14 trace reads it off the
+    ops' modules. The borrowed GELU's op runs inside each block's call (the recorder files it
+    under the block, the deepest of the model's modules open then): both ways the block's
+    region holds it, where it reads what the block drops."""
+    plan, trace = planned
+    problem = build_problem(trace)
+    drops = drops_from_plan(problem, plan)
+    sim, parted = simulate_plan(problem, drops, plan.partitions)
+    needed = needed_ops(parted, drops, rerun_ops(parted, drops), early_triggers(parted, sim))
+    names = trace.ops["op"].tolist()
+    assert any(names[o] == "aten.gelu.default" for o in needed)  # the GELU reads what the plan drops
+    regions = planned_regions(trace, needed)[0]
+    assert regions and {r.module for r in regions} <= {"blocks.0", "blocks.1", "blocks.2"}
+    assert all(any(r.first <= o <= r.last for r in regions) for o in needed)
+    old = dataclasses.replace(trace, meta={**trace.meta, "module_args": {
+        name: [e[:2] for e in entries] for name, entries in trace.meta["module_args"].items()}})
+    assert planned_regions(old, needed)[0] == regions
+
+
+def test_a_drop_in_the_models_own_code_runs_over_the_whole_call(planned):
+    """An op of the model's own top-level code (its ``tanh``) has no module call to enter: the
+    runtime then runs over the whole call, as before regions."""
+    _plan, trace = planned
+    modules = trace.ops["module"].tolist()
+    call = [c for c in trace.meta["model_calls"] if c["grad"]][0]
+    top = next(o for o in range(call["start"], call["end"] + 1) if modules[o] == "")
+    block = next(o for o in range(call["start"], call["end"] + 1) if modules[o].startswith("blocks.1"))
+    assert planned_regions(trace, {block})[0][0].module.startswith("blocks.1")
+    assert planned_regions(trace, {block, top}) == {0: None}
