@@ -7,6 +7,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from dispatch_count import count_dispatches
 
 from taichi_plan.overhead import runtime_overhead_s
 from taichi_plan.problem import build_problem
@@ -72,23 +73,7 @@ def _ops_the_runtime_sees(plan, trace, monkeypatch) -> int:
     keeps is the runtime's own, in that rate)."""
     import taichi_plan
 
-    seen, packing = [], []
-    dispatch, pack = PlanRuntime.__torch_dispatch__, PlanRuntime._pack
-
-    def counted(self, func, types, args=(), kwargs=None):
-        if not packing:
-            seen.append(str(func))
-        return dispatch(self, func, types, args, kwargs)
-
-    def packed(self, t):
-        packing.append(1)
-        try:
-            return pack(self, t)
-        finally:
-            packing.pop()
-
-    monkeypatch.setattr(PlanRuntime, "__torch_dispatch__", counted)
-    monkeypatch.setattr(PlanRuntime, "_pack", packed)
+    seen = count_dispatches(monkeypatch)
     model, batch, loss_fn, opt = get_workload(**GPT2).build(False)
     model = taichi_plan.apply(model, plan, trace=trace, optimizer=opt)
     try:

@@ -9,6 +9,7 @@ import dataclasses
 
 import pytest
 import torch
+from dispatch_count import count_dispatches
 from live_peak import end_run, step_peak
 
 import taichi_plan
@@ -16,7 +17,6 @@ from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.regions import early_triggers, needed_ops, planned_regions
 from taichi_plan.replay import call_plans
-from taichi_plan.replay.runtime import PlanRuntime
 from taichi_plan.simulate import rerun_ops, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
@@ -51,23 +51,7 @@ def test_the_runtime_runs_in_the_planned_regions_only(planned, monkeypatch):
     plan, trace = planned
     cp = call_plans(plan, trace)[0]
     assert not cp.whole_call and set(cp.regions) <= {"blocks.0", "blocks.1", "blocks.2"} and cp.regions
-    seen, packing = [], []
-    dispatch, pack = PlanRuntime.__torch_dispatch__, PlanRuntime._pack
-
-    def counted(self, func, types, args=(), kwargs=None):
-        if not packing:  # (the detach of each tensor its pack hook keeps is the runtime's own)
-            seen.append(self._frame.region[1] if self._frame is not None and self._frame.region else None)
-        return dispatch(self, func, types, args, kwargs)
-
-    def packed(self, t):
-        packing.append(1)
-        try:
-            return pack(self, t)
-        finally:
-            packing.pop()
-
-    monkeypatch.setattr(PlanRuntime, "__torch_dispatch__", counted)
-    monkeypatch.setattr(PlanRuntime, "_pack", packed)
+    seen = count_dispatches(monkeypatch)
     got, peaks, rt = _train(plan, trace)
     monkeypatch.undo()
     base, base_peaks, _ = _train()
