@@ -566,3 +566,42 @@ def test_modules_whole_with_their_outputs_dropped_in_a_loop(name, tmp_path):
         planned, peak = train(loop, 3, plan_path=tmp_path / "leaf.plan.json", **flags)
     assert_trains_like(base, planned, plan, lambda: train(loop, 3, **flags)[0], autocast=loop.autocast)
     assert peak <= plan.predicted["planned_peak_bytes"], (peak, plan.predicted["planned_peak_bytes"])
+
+
+def test_accelerate_gradient_accumulation_trains_planned(loop_plan):
+    """accelerate's own loop (``Accelerator(gradient_accumulation_steps=2)``, ``prepare``,
+    ``accumulate``, ``accelerator.backward``), the plan applied to the prepared model and
+    optimizer: its ``AcceleratedOptimizer`` steps the torch optimizer only at the end of an
+    accumulation, and has no step hooks of its own (apply() raised an AttributeError
+    traceback on it). Parameters bitwise those of the same loop unplanned, every micro-batch
+    within the plan's budget."""
+    from accelerate import Accelerator
+
+    loop, _flags = LOOPS["accumulate-2"]
+    plan, path = loop_plan("accumulate-2")
+
+    def run(planned: bool):
+        model, batch, loss_fn, opt = build(seed=0)
+        acc = Accelerator(gradient_accumulation_steps=loop.micro_batches, cpu=True)
+        model, opt = acc.prepare(model, opt)
+        if planned:
+            model = taichi_plan.apply(model, path, optimizer=opt)
+        peaks = []
+        for _ in range(3 * loop.micro_batches):
+            with LivePeak(state_tensors(model, opt, batch)) as tracker, acc.accumulate(model):
+                acc.backward(loss_fn(model(**batch), batch))
+                opt.step()
+                opt.zero_grad()
+            peaks.append(tracker.peak)
+        rt = model._taichi_plan["runtime"] if planned else None
+        if planned:
+            taichi_plan.finish(model)
+        return [p.detach().clone() for p in model.parameters()], peaks, rt
+
+    base, _, _ = run(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no mismatch may be reported
+        got, peaks, rt = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(base, got, strict=True))
+    assert rt.mismatches == 0 and rt.planned_calls == 3 * loop.micro_batches and rt.steps_seen == 3
+    assert max(peaks) <= plan.budget_bytes, (peaks, plan.budget_bytes)

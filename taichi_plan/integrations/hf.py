@@ -41,6 +41,7 @@ from ..record.api import (
 )
 from ..record.loop import Loop
 from ..record.recorder import StepRecord
+from ..record.workloads import torch_optimizer
 from ..trace import Trace
 
 TRAINER_STEP_DEFINITION = (
@@ -59,13 +60,6 @@ def trainer_loop(trainer: Trainer) -> Loop:
     return Loop(micro_batches=int(args.gradient_accumulation_steps), autocast=autocast, clip_grad_norm=clip)
 
 
-def _torch_optimizer(optimizer):
-    """The ``torch.optim.Optimizer`` inside accelerate's ``AcceleratedOptimizer`` wrappers."""
-    while type(optimizer).__name__ == "AcceleratedOptimizer" and hasattr(optimizer, "optimizer"):
-        optimizer = optimizer.optimizer
-    return optimizer
-
-
 class _RecordSteps(TrainerCallback):
     """Records optimizer steps ``warmup`` .. ``warmup + steps - 1`` of a ``train()`` run, then
     stops it; suppresses evaluation, checkpoints and logs meanwhile (they run between steps,
@@ -79,7 +73,7 @@ class _RecordSteps(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
         self.model = model
-        self.session = StepRecording(model, _torch_optimizer(optimizer))
+        self.session = StepRecording(model, torch_optimizer(optimizer))
 
     def on_step_begin(self, args, state, control, **kwargs):
         k = state.global_step - self.warmup
@@ -149,7 +143,7 @@ def record_trainer(trainer: Trainer, *, steps: int = 2, warmup: int = 1, name: s
         # own training_step on the step's first micro-batch, forward only (record.pyrefs).
         samples, num_items = batches
         model = callback.model
-        optimizer = _torch_optimizer(trainer.optimizer)
+        optimizer = torch_optimizer(trainer.optimizer)
         add_python_refs(rec, model, optimizer,
                         lambda: trainer.training_step(trainer.model_wrapped, samples[0], num_items),
                         step_tensors(model, optimizer, list(batches)), None, say)

@@ -23,7 +23,7 @@ from ..trace import Trace, frame, op_signature
 from .loop import AUTOCAST_DTYPES, Loop
 from .pyrefs import probe_step, release_points
 from .recorder import Recorder, StepRecord
-from .workloads import Workload, check_parts
+from .workloads import Workload, check_parts, torch_optimizer
 
 DEFAULT_FAKE_PROFILE = "a100-40gb"
 STEP_DEFINITION = (
@@ -515,8 +515,9 @@ def record_step(model, optimizer, step_fn: Callable[[], None], *, inputs=(), loo
     problems = []
     if not isinstance(model, torch.nn.Module):
         problems.append(f"model is a {type(model).__name__}, not an nn.Module")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(torch_optimizer(optimizer), torch.optim.Optimizer):
         problems.append(f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
+    optimizer = torch_optimizer(optimizer)  # accelerate's AcceleratedOptimizer: the one it steps
     if not callable(step_fn):
         problems.append(f"step_fn is a {type(step_fn).__name__}, not a function that runs one optimizer step")
     if problems:

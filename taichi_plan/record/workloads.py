@@ -381,6 +381,23 @@ def entry_workload(entry: str, *, dtype: str = "fp32", kv_cache: bool = True, **
     return Workload(entry, call_kwargs, build, dtype, "entry", {})
 
 
+def torch_optimizer(optimizer):
+    """The ``torch.optim.Optimizer`` that a training library's wrapper steps: accelerate's
+    ``AcceleratedOptimizer`` (an ``Optimizer`` subclass that skips its ``__init__``, so it has
+    no step hooks of its own, and steps the one it wraps only at the end of a gradient
+    accumulation), Lightning's ``LightningOptimizer``; unwrapped through ``optimizer`` or
+    ``_optimizer`` while that holds another ``Optimizer``. Anything else comes back as it is."""
+    import torch
+
+    for _ in range(8):
+        inner = next((x for x in (getattr(optimizer, "optimizer", None), getattr(optimizer, "_optimizer", None))
+                      if isinstance(x, torch.optim.Optimizer) and x is not optimizer), None)
+        if inner is None:
+            break
+        optimizer = inner
+    return optimizer
+
+
 def check_parts(result, where: str) -> tuple:
     """Validate ``(model, batch, loss_fn, optimizer)``; a clear :class:`WorkloadError` if not."""
     import torch
@@ -396,11 +413,11 @@ def check_parts(result, where: str) -> tuple:
         problems.append(f"batch is a {type(batch).__name__}, not a tensor, tuple or dict")
     if not callable(loss_fn):
         problems.append(f"loss_fn is a {type(loss_fn).__name__}, not callable")
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    if not isinstance(torch_optimizer(optimizer), torch.optim.Optimizer):
         problems.append(f"optimizer is a {type(optimizer).__name__}, not a torch.optim.Optimizer")
     if problems:
         raise WorkloadError(f"{where} returned a wrong tuple: {'; '.join(problems)}. {ENTRY_CONTRACT}")
-    return model, batch, loss_fn, optimizer
+    return model, batch, loss_fn, torch_optimizer(optimizer)
 
 
 def get_workload(model: str | None = None, entry: str | None = None, **kwargs) -> Workload:

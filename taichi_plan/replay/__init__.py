@@ -436,7 +436,11 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
         raise PlanError("This model already has a plan applied: call taichi_plan.finish(model) first.")
     _refuse_compiled(model)
     from ..record.ddp import unwrap
+    from ..record.workloads import torch_optimizer
     from .optimizer import install_optimizer
+
+    if optimizer is not None:  # accelerate's AcceleratedOptimizer, Lightning's: the torch optimizer they step
+        optimizer = torch_optimizer(optimizer)
     from .partition import install_partitions
 
     plan, trace = plan_and_trace(plan, trace)
