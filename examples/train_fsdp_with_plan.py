@@ -8,6 +8,11 @@ PyTorch's fake one), solve it for half its per-rank peak, then run the job:
     taichi-plan solve traces/tiny-gpt2-fsdp2 --budget 50% -o plans/tiny-gpt2-fsdp2.plan.json
     torchrun --nproc_per_node 2 examples/train_fsdp_with_plan.py plans/tiny-gpt2-fsdp2.plan.json
 
+With FSDP2's mixed precision (parameters gathered in bf16, gradients reduced in fp32, as most
+sharded jobs run), record it so (``--fsdp-param-dtype bf16 --fsdp-reduce-dtype fp32``) and run
+the job with the same ``MixedPrecisionPolicy`` (here: a second argument ``bf16``): a plan of one
+precision is refused on a job of the other.
+
 On GPUs: ``init_process_group("nccl")``, ``init_device_mesh("cuda", ...)`` and
 ``torch.cuda.set_device(local_rank)``; across nodes, torchrun's ``--nnodes``/``--rdzv-endpoint``.
 The model must be sharded as it was recorded (each repeated block, then the root, with the
@@ -24,13 +29,13 @@ import sys
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import taichi_plan
 from taichi_plan.record import get_workload
 
 
-def main(plan_path: str, steps: int = 3) -> None:
+def main(plan_path: str, precision: str | None = None, steps: int = 3) -> None:
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -39,9 +44,11 @@ def main(plan_path: str, steps: int = 3) -> None:
     torch.manual_seed(0)
     workload = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128, batch=4)
     model, batch, loss_fn, _ = workload.build(False)
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
+              else MixedPrecisionPolicy())
     for block in model.transformer.h:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # after sharding: over the shards
 
     model = taichi_plan.apply(model, plan_path, optimizer=optimizer)
@@ -59,4 +66,4 @@ def main(plan_path: str, steps: int = 3) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:3])

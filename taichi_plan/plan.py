@@ -39,8 +39,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 11
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11)
+FORMAT_VERSION = 12
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 

@@ -100,6 +100,13 @@ def check_plan_json(obj: dict, where: str) -> None:
         _int(where, "trace.layout.world_size", lay.get("world_size"), lo=1)
         _kind(where, "trace.layout.units", lay.get("units"), list, "a list of [module, reshard_after_forward]")
         _kind(where, "trace.layout.ddp", lay.get("ddp"), dict, "an object of DDP's settings", none=True)  # v5
+        mixed = lay.get("mixed_precision")  # v12: FSDP2's MixedPrecisionPolicy per unit
+        _kind(where, "trace.layout.mixed_precision", mixed, list, "a list of [module, param_dtype, reduce_dtype]",
+              none=True)
+        for k, row in enumerate(mixed or ()):
+            _kind(where, f"trace.layout.mixed_precision[{k}]", row, list, "a [module, param_dtype, reduce_dtype]")
+            if len(row) != 3 or not all(x is None or isinstance(x, str) for x in row):
+                _kind(where, f"trace.layout.mixed_precision[{k}]", None, list, "a [module, param_dtype, reduce_dtype]")
     n = t["num_ops"]
     opt = (obj.get("decisions") or {}).get("optimizer") if isinstance(obj.get("decisions"), dict) else None
     if isinstance(opt, dict) and opt.get("num_ops") is not None:

@@ -38,11 +38,18 @@ def layout(meta: dict) -> dict | None:
     f = fsdp_meta(meta)
     if f is None:
         return None
-    return {
+    out = {
         "world_size": int(f["world_size"]),
         "mesh_shape": [int(x) for x in f.get("mesh_shape", [f["world_size"]])],
         "units": [[u["module"], u["reshard_after_forward"]] for u in f.get("units", [])],
     }
+    # v16: the units whose parameters FSDP gathers, or whose gradients it reduces, in another
+    # dtype (MixedPrecisionPolicy): [module, param_dtype, reduce_dtype]; absent when none does
+    mixed = [[u["module"], u.get("param_dtype"), u.get("reduce_dtype")] for u in f.get("units", [])
+             if u.get("param_dtype") or u.get("reduce_dtype")]
+    if mixed:
+        out["mixed_precision"] = mixed
+    return out
 
 
 def check_layout(want: dict | None, got: dict | None, where: str) -> None:
@@ -55,12 +62,21 @@ def check_layout(want: dict | None, got: dict | None, where: str) -> None:
         if x.get("ddp") is not None:
             return f"{x['world_size']} ranks, DistributedDataParallel with " + ", ".join(
                 f"{k}={v}" for k, v in x["ddp"].items())
+        mixed = {m: (p, r) for m, p, r in x.get("mixed_precision") or ()}
+
+        def precision(m: str) -> str:
+            if m not in mixed:
+                return ""
+            p, r = mixed[m]
+            return f", param_dtype={p or 'as its parameters'}, reduce_dtype={r or 'as param_dtype'}"
+
         return (f"{x['world_size']} ranks, mesh {x['mesh_shape']}, units "
-                + ", ".join(f"{m or '<root>'} (reshard_after_forward={r})" for m, r in x["units"]))
+                + ", ".join(f"{m or '<root>'} (reshard_after_forward={r}{precision(m)})" for m, r in x["units"]))
     raise PlanError(
         f"{where}: the plan was solved for {say(want)}, but it is applied to {say(got)}. A plan's "
         "per-rank memory holds only for the layout it was recorded with: record this layout "
-        "(`taichi-plan record --fsdp N`, or `--ddp N` with DDP's bucket settings) and solve again.")
+        "(`taichi-plan record --fsdp N`, with --fsdp-param-dtype/--fsdp-reduce-dtype for FSDP's "
+        "MixedPrecisionPolicy, or `--ddp N` with DDP's bucket settings) and solve again.")
 
 
 def unit_of_ops(meta: dict, op_module: list[str]) -> np.ndarray:

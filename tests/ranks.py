@@ -40,7 +40,9 @@ def replay_measures_the_prediction(plan_path: Path, nproc: int = 2, fraction: fl
     assert report["predicted_peak_bytes"] == plan["predicted"]["planned_peak_bytes"]
     assert report["predicted_peak_bytes"] <= fraction * plan["predicted"]["baseline_peak_bytes"] + 1
     split = any(q["chunks"] > 1 for q in plan["decisions"].get("partitions") or [])
-    assert report["grads_check"].startswith("allclose" if split else "bitwise"), report["grads_check"]
+    # split: allclose in fp32; within roundings of the low-precision dtype the job computes in
+    assert report["grads_check"].startswith(("allclose", "the first planned step's gradients within") if split
+                                            else "bitwise"), report["grads_check"]
     assert len(report["ranks"]) == nproc
     for rank in report["ranks"]:
         assert rank["measured_peak_bytes"] == report["predicted_peak_bytes"], rank

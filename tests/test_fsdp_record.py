@@ -231,3 +231,36 @@ def test_timeline_stacks_every_kind_of_a_sharded_trace(gpt2_fsdp4):
     assert set(STACK_ORDER) == set(KINDS) <= set(KIND_COLORS)
     trace, _ = gpt2_fsdp4
     assert set(trace.tensors["kind"]) <= set(STACK_ORDER)
+
+
+def test_mixed_precision_rank_trace_agrees_with_fsdp_mem_tracker(gpt2_fsdp4, tmp_path):
+    """FSDP2's MixedPrecisionPolicy, as most sharded jobs run (parameters gathered in bf16,
+    gradients reduced in fp32: torchtitan's default): the trace agrees with FSDPMemTracker by
+    category, its units gather half the bytes of the fp32 recording's, and its layout says so
+    (trace v16), so that a plan of it is refused on a job sharded without it."""
+    from taichi_plan.sharding import layout
+
+    trace, out = _record(tmp_path, [*TINY_GPT2, "--fsdp", "4", "--device-profile", "h100-80gb",
+                                    "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32"])
+    cats = _check_against_tracker(trace)
+    assert cats["Unsharded Param"] > 0 and "(+0.00%)" in out
+    fp32, _ = gpt2_fsdp4
+    units, full = trace.meta["fsdp"]["units"], {u["module"]: u for u in fp32.meta["fsdp"]["units"]}
+    for u in units:
+        assert (u["param_dtype"], u["reduce_dtype"]) == ("bfloat16", "float32")
+        assert u["unsharded_nbytes"] * 2 == full[u["module"]]["unsharded_nbytes"]
+        assert u["sharded_nbytes"] == full[u["module"]]["sharded_nbytes"]  # the shards stay fp32
+    got = layout(trace.meta)
+    assert got["mixed_precision"] == [[u["module"], "bfloat16", "float32"] for u in units]
+    assert "mixed_precision" not in layout(fp32.meta)
+    gathered = trace.tensors[trace.tensors["kind"] == "unsharded_parameter"]
+    assert set(gathered["dtype"]) == {"bfloat16"}
+
+
+def test_mixed_precision_flags_need_fsdp(tmp_path):
+    from click.testing import CliRunner
+
+    from taichi_plan.cli import main
+
+    r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fake", "--fsdp-param-dtype", "bf16", "-o", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "MixedPrecisionPolicy: add --fsdp" in r.output and "Traceback" not in r.output

@@ -219,3 +219,41 @@ def test_norms_checkpointed_whole_with_their_outputs_dropped_run_under_fsdp2(lla
         assert rank["measured_peak_bytes"] == report["predicted_peak_bytes"], rank
         assert rank["grads_match"] and rank["params_match"] and rank["dropped_storages"] > 0, rank
     assert report["grads_check"].startswith("bitwise"), report["grads_check"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_bf16_plan(tmp_path_factory):
+    """The tiny GPT-2's 2-rank job under FSDP2's mixed precision (bf16 parameters, fp32
+    gradient reduction), recorded on the fake process group and solved at half its peak."""
+    d = tmp_path_factory.mktemp("fsdp2bf16")
+    record_cli(*TINY, "--fake", "--fsdp", "2", "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32",
+               "-o", str(d / "traces" / "t"))
+    plan = d / "plans" / "t.plan.json"
+    r = CliRunner().invoke(main, ["solve", str(d / "traces" / "t"), "--budget", "50%", "--method", "heuristic",
+                                  "-o", str(plan)])
+    assert r.exit_code == 0, r.output
+    return plan
+
+
+def test_mixed_precision_replays_on_two_gloo_ranks(fsdp2_bf16_plan):
+    """Each rank measures the predicted peak, gradients and parameters as the unplanned
+    mixed-precision run's (within bf16 roundings where the plan splits modules: its chunks
+    compute in bf16); the user's torchrun script runs it with the same MixedPrecisionPolicy."""
+    replay_measures_the_prediction(fsdp2_bf16_plan)
+    losses = torchrun_losses("train_fsdp_with_plan.py", str(fsdp2_bf16_plan), "bf16")
+    assert set(losses) == {0, 1} and losses[0] == losses[1], losses
+
+
+def test_mixed_precision_plan_refused_on_a_job_without_it(fsdp2_bf16_plan):
+    """A plan of a bf16-gathered job holds nothing for an fp32 one (twice the gathered bytes):
+    apply() names the difference before the plan costs memory."""
+    import taichi_plan
+    from taichi_plan.record import get_workload
+    from taichi_plan.record.fsdp import fake_process_group, shard_model
+
+    model, _batch, _loss, _opt = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128,
+                                              batch=4).build(False)
+    with fake_process_group(2) as mesh:
+        shard_model(model, mesh)
+        with pytest.raises(PlanError, match=r"param_dtype=bfloat16, reduce_dtype=float32.*applied to 2 ranks"):
+            taichi_plan.apply(model, fsdp2_bf16_plan)

@@ -43,6 +43,12 @@ from ._common import Status, handle_errors, size_options
 @click.option("--no-reshard-after-forward", is_flag=True,
               help="With --fsdp: fully_shard(..., reshard_after_forward=False): units keep their parameters "
                    "gathered from forward to backward.")
+@click.option("--fsdp-param-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="With --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=...): each unit gathers its parameters, and "
+                   "runs forward and backward, in this dtype. [default: the parameters' own]")
+@click.option("--fsdp-reduce-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="With --fsdp: MixedPrecisionPolicy(reduce_dtype=...): gradients are reduce-scattered in this dtype. "
+                   "[default: the param dtype]")
 @click.option("--ddp", "ddp", type=int, default=None, metavar="N",
               help="One rank of an N-rank DistributedDataParallel job, recorded for real in this process (a 1-rank "
                    "gloo group: a rank's memory does not depend on N); the all-reduces are costed over N ranks. "
@@ -57,7 +63,8 @@ from ._common import Status, handle_errors, size_options
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
             no_kv_cache, fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
-            fsdp, no_reshard_after_forward, ddp, bucket_cap_mb, gradient_as_bucket_view, output, force) -> None:
+            fsdp, no_reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, ddp, bucket_cap_mb,
+            gradient_as_bucket_view, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
     from ..record import Loop, get_workload, record_workload
@@ -75,6 +82,9 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     )
     if no_reshard_after_forward and fsdp is None:
         raise UsageError("--no-reshard-after-forward applies to sharded recordings: add --fsdp N.")
+    if (fsdp_param_dtype or fsdp_reduce_dtype) and fsdp is None:
+        raise UsageError("--fsdp-param-dtype and --fsdp-reduce-dtype set FSDP2's MixedPrecisionPolicy: add --fsdp N "
+                         "(for one process, record with --autocast or --dtype).")
     if ddp is not None and fsdp is not None:
         raise UsageError("--ddp and --fsdp are two layouts of a job: give one of them.")
     if ddp is None and (bucket_cap_mb is not None or gradient_as_bucket_view):
@@ -86,10 +96,11 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
 
     with Status('recording') as status:
         if fsdp is not None:
-            from ..record.fsdp import record_fsdp_workload
+            from ..record.fsdp import mixed_precision, record_fsdp_workload
 
             trace = record_fsdp_workload(workload, fsdp, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                          reshard_after_forward=not no_reshard_after_forward,
+                                         mixed_precision=mixed_precision(fsdp_param_dtype, fsdp_reduce_dtype),
                                          progress=status.update)
         elif ddp is not None:
             from ..record.ddp import record_ddp_workload

@@ -83,12 +83,43 @@ def fake_process_group(world_size: int):
         dist.destroy_process_group()
 
 
+# Names the CLI and meta.fsdp use for FSDP2's MixedPrecisionPolicy dtypes.
+MP_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def mixed_precision(param_dtype: str | None = None, reduce_dtype: str | None = None) -> dict | None:
+    """The ``mixed_precision`` setting of a recording (``meta.fsdp``, trace v16) from the CLI's
+    names (``bf16``, ``fp16``, ``fp32``; None: FSDP's default): None when neither is given."""
+    for name in (param_dtype, reduce_dtype):
+        if name is not None and name not in MP_DTYPES:
+            raise UsageError(f"An FSDP mixed-precision dtype must be one of {', '.join(MP_DTYPES)}, not {name!r}.")
+    if param_dtype is None and reduce_dtype is None:
+        return None
+    return {"param_dtype": MP_DTYPES.get(param_dtype), "reduce_dtype": MP_DTYPES.get(reduce_dtype)}
+
+
+def mp_policy(setting: dict | None):
+    """FSDP2's ``MixedPrecisionPolicy`` for a ``mixed_precision`` setting (None: its default,
+    parameters gathered and gradients reduced in their own dtype)."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    setting = setting or {}
+
+    def dtype(key: str):
+        name = setting.get(key)
+        return getattr(torch, name) if name else None
+
+    return MixedPrecisionPolicy(param_dtype=dtype("param_dtype"), reduce_dtype=dtype("reduce_dtype"))
+
+
 def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = True,
-                prefetch: dict[str, dict] | None = None) -> list[str]:
+                prefetch: dict[str, dict] | None = None, mixed_precision: dict | None = None) -> list[str]:
     """``fully_shard`` each repeated block of ``model``, then the root; the units' FQNs in
     order (the root is ``''``). ``reshard_after_forward``: one setting for every unit, or per
     unit FQN (units not named reshard). ``prefetch``: explicit prefetching per unit FQN
-    (:func:`set_prefetch`; units not named keep FSDP's default)."""
+    (:func:`set_prefetch`; units not named keep FSDP's default). ``mixed_precision``: every
+    unit's :func:`mp_policy` (None: FSDP's default)."""
     from torch.distributed.fsdp import fully_shard
 
     from ..solve.baselines import find_blocks
@@ -104,9 +135,10 @@ def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = Tru
         if unknown:
             raise UsageError(f"reshard_after_forward names {unknown[0]!r}, which is not an FSDP unit of this model "
                              f"(units: {', '.join(repr(b) for b in [*blocks, ''])}).")
+    policy = mp_policy(mixed_precision)
     for b in blocks:
-        fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=setting(b))
-    fully_shard(model, mesh=mesh, reshard_after_forward=setting(""))
+        fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=setting(b), mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=setting(""), mp_policy=policy)
     if prefetch:
         set_prefetch(model, prefetch)
     return [*blocks, ""]
@@ -217,21 +249,67 @@ def live_layout(model) -> dict | None:
     return layout({"fsdp": describe_layout(model, mesh, mesh.size(), "live")})
 
 
+def _cast_dtypes(policy, own) -> tuple:
+    """(param_dtype, reduce_dtype) FSDP runs a parameter of dtype ``own`` with under ``policy``:
+    ``FSDPParam.init_dtype_attrs``' rule (no reduce cast where it equals the param dtype, no
+    param cast where that is the parameter's own or the parameter is not floating point), here
+    because FSDP applies it only at its lazy init, in the first forward, after which apply()
+    may come."""
+    p, r = getattr(policy, "param_dtype", None), getattr(policy, "reduce_dtype", None)
+    if r == p:
+        r = None
+    if p == own or not own.is_floating_point:
+        p = None
+    return p, r
+
+
+def _param_dtype(fsdp_param, policy=None):
+    """The dtype FSDP gathers a parameter in: its mixed-precision ``param_dtype``, else its own."""
+    own = fsdp_param.sharded_param.dtype
+    return _cast_dtypes(policy, own)[0] or own
+
+
+def _mixed_precision(group) -> dict:
+    """A unit's mixed precision as FSDP runs it (``param_dtype``, ``reduce_dtype``: dtype names;
+    FSDP normalizes a policy dtype equal to the parameters' own to no cast): {} when it casts
+    nothing (trace v16; older traces had no key, and no policy)."""
+    params = group.fsdp_params
+    if not params:
+        return {}
+    p, r = _cast_dtypes(getattr(group, "mp_policy", None), params[0].sharded_param.dtype)
+    if p is None and r is None:
+        return {}
+    return {"param_dtype": str(p).replace("torch.", "") if p is not None else None,
+            "reduce_dtype": str(r).replace("torch.", "") if r is not None else None}
+
+
+def recorded_mixed_precision(meta: dict) -> dict | None:
+    """The ``mixed_precision`` setting a sharded trace was recorded with (its units'; trace
+    v16), None for FSDP's default (and older traces)."""
+    for u in (meta.get("fsdp") or {}).get("units", []):
+        if u.get("param_dtype") or u.get("reduce_dtype"):
+            return {"param_dtype": u.get("param_dtype"), "reduce_dtype": u.get("reduce_dtype")}
+    return None
+
+
 def describe_layout(model, mesh, world_size: int, backend: str) -> dict:
     """``meta.fsdp`` without the per-step parts: the layout of the sharded model."""
     units = []
     for fqn, m in fsdp_units(model):
         g = _group(m)
-        units.append({
+        unit = {
             "module": fqn,
             # FSDP2 never reshards the root after forward (backward would gather it at once)
             "reshard_after_forward": g.post_forward_mesh_info is not None,
             "params": [fp._param_fqn or "" for fp in g.fsdp_params],
             "sharded_nbytes": int(sum(fp.sharded_param._local_tensor.untyped_storage().nbytes()
                                       for fp in g.fsdp_params)),
-            "unsharded_nbytes": int(sum(fp._orig_size.numel() * fp.sharded_param.element_size()
+            # gathered in the policy's param_dtype, where it casts (mixed precision)
+            "unsharded_nbytes": int(sum(fp._orig_size.numel() * _param_dtype(fp, getattr(g, "mp_policy", None)).itemsize
                                         for fp in g.fsdp_params)),
-        })
+        }
+        unit.update(_mixed_precision(g))
+        units.append(unit)
     return {"world_size": world_size, "rank": 0, "backend": backend, "mesh_shape": list(mesh.shape),
             "mesh_device": mesh.device_type, "units": units}
 
@@ -367,6 +445,7 @@ def record_fsdp_workload(
     loop: Loop | None = None,
     reshard_after_forward: bool | dict[str, bool] = True,
     prefetch: dict[str, dict] | None = None,
+    mixed_precision: dict | None = None,
     check_tracker: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
@@ -379,7 +458,8 @@ def record_fsdp_workload(
     records it (measured durations) and the others run the same steps. ``check_tracker``: run
     one more step under ``FSDPMemTracker`` and keep its peak in ``meta.fsdp.mem_tracker`` (the
     reference the trace's peak is checked against). ``prefetch``: explicit prefetching per unit
-    (:func:`set_prefetch`; fake runs only).
+    (:func:`set_prefetch`; fake runs only). ``mixed_precision``: every unit's FSDP2
+    ``MixedPrecisionPolicy`` (:func:`mixed_precision`, :func:`mp_policy`; None: FSDP's default).
     """
     check_counts(steps, warmup)
     if warmup < 1:
@@ -394,7 +474,7 @@ def record_fsdp_workload(
             get_profile(device_profile)  # metadata only for a real run, but checked
         return _record_real(workload, world_size, device_profile=device_profile, steps=steps, warmup=warmup,
                             loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
-                            progress=progress)
+                            progress=progress, mixed_precision=mixed_precision)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device_profile = device_profile or DEFAULT_FAKE_PROFILE
@@ -402,12 +482,13 @@ def record_fsdp_workload(
     with fake_process_group(world_size) as mesh, FakeTensorMode():
         return record_rank(workload, mesh, world_size, backend="fake", profile=profile, steps=steps, warmup=warmup,
                            loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
-                           progress=progress, prefetch=prefetch)
+                           progress=progress, prefetch=prefetch, mixed_precision=mixed_precision)
 
 
 def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, profile, steps: int, warmup: int,
                 loop: Loop, reshard_after_forward: bool | dict[str, bool], check_tracker: bool, record: bool = True,
-                progress: Callable[[str], None] | None = None, prefetch: dict[str, dict] | None = None) -> Trace | None:
+                progress: Callable[[str], None] | None = None, prefetch: dict[str, dict] | None = None,
+                mixed_precision: dict | None = None) -> Trace | None:
     """This rank's part of a sharded recording, inside its process group: build (fake when
     ``backend`` is ``fake``), shard, warm up, then ``steps`` steps, recorded when ``record``
     (rank 0) and run alike otherwise (the other ranks take part in every collective), then
@@ -417,7 +498,7 @@ def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, prof
     say(f"building {workload.name}")
     model, batch, loss_fn, optimizer = workload.build(fake)
     say(f"sharding over {world_size} ranks")
-    shard_model(model, mesh, reshard_after_forward, prefetch)
+    shard_model(model, mesh, reshard_after_forward, prefetch, mixed_precision)
     optimizer = rebuild_optimizer(optimizer, model)
     step = make_step_fn(model, batch, loss_fn, optimizer, where=workload.name, loop=loop)
     inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
@@ -476,7 +557,7 @@ def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, prof
 
 
 def _record_real(workload: Workload, world_size: int, *, device_profile, steps, warmup, loop: Loop,
-                 reshard_after_forward, check_tracker, progress) -> Trace:
+                 reshard_after_forward, check_tracker, progress, mixed_precision=None) -> Trace:
     import tempfile
 
     from ..replay.distributed import spawn_ranks
@@ -492,7 +573,8 @@ def _record_real(workload: Workload, world_size: int, *, device_profile, steps, 
         spawn_ranks(world_size, "record_rank", {
             "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
             "device_profile": device_profile, "steps": steps, "warmup": warmup, "loop": loop.to_json(),
-            "reshard_after_forward": reshard_after_forward, "check_tracker": check_tracker, "out": str(out)})
+            "reshard_after_forward": reshard_after_forward, "check_tracker": check_tracker, "out": str(out),
+            "mixed_precision": mixed_precision})
         trace = read_trace(out)
     trace.path = None
     for key in ("name", "num_ops", "num_tensors", "content_hash", "format_version"):

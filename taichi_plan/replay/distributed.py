@@ -158,7 +158,7 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
 
     from ..record import ddp as ddp_record
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
-    from ..record.fsdp import live_layout, live_prefetch, rebuild_optimizer, shard_model
+    from ..record.fsdp import live_layout, live_prefetch, rebuild_optimizer, recorded_mixed_precision, shard_model
     from ..record.recorder import Recorder, local_tensor
     from ..trace import baseline_peak
     from . import apply_sharding, install, runtime_for
@@ -171,7 +171,8 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
         runner = ddp_record.wrap_as_recorded(model, ddp)
     else:
         units = (trace.meta.get("fsdp") or {}).get("units", [])
-        shard_model(model, mesh, {u["module"]: bool(u["reshard_after_forward"]) for u in units})  # as recorded, per unit
+        shard_model(model, mesh, {u["module"]: bool(u["reshard_after_forward"]) for u in units},  # as recorded, per unit
+                    mixed_precision=recorded_mixed_precision(trace.meta))
         optimizer = rebuild_optimizer(optimizer, model)
         runner = model
     loop = Loop.from_meta(trace.meta)
@@ -273,7 +274,7 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
 
     from ..trace import read_trace
     from . import plan_and_trace
-    from .measure import compare_training, workload_of
+    from .measure import autocast_rounding, compare_training, workload_of
 
     out: dict = {"rank": rank}
     try:
@@ -284,7 +285,8 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
             base = _sharded_run(workload, trace, None, mesh, nproc, seed, steps)
             planned = _sharded_run(workload, trace, plan, mesh, nproc, seed, steps)
             # a module checkpointed whole (one chunk) re-runs the same ops on the same values
-            compared = compare_training(base, planned, exact=all(p.chunks == 1 for p in plan.partitions))
+            compared = compare_training(base, planned, exact=all(p.chunks == 1 for p in plan.partitions),
+                                        rounding=autocast_rounding(plan, trace))
             same, check = compared["matched"], compared["grads_check"]
             out.update({
                 "measured_peak_bytes": planned["peak_bytes"], "measured_peak_op": planned["peak_op"],
@@ -351,7 +353,8 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
 
 
 def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, device_profile, steps: int,
-                warmup: int, loop: dict, reshard_after_forward: bool, check_tracker: bool, out: str) -> None:
+                warmup: int, loop: dict, reshard_after_forward: bool, check_tracker: bool, out: str,
+                mixed_precision: dict | None = None) -> None:
     """One rank of a real sharded recording (:func:`taichi_plan.record.fsdp.record_fsdp_workload`
     with ``fake=False``): rank 0 records and writes the trace to ``out``."""
     import torch
@@ -372,7 +375,8 @@ def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, 
             torch.manual_seed(0)
             trace = fsdp_record.record_rank(
                 wl, mesh, nproc, backend="gloo", profile=None, steps=steps, warmup=warmup, loop=Loop(**loop),
-                reshard_after_forward=reshard_after_forward, check_tracker=check_tracker, record=rank == 0)
+                reshard_after_forward=reshard_after_forward, check_tracker=check_tracker, record=rank == 0,
+                mixed_precision=mixed_precision)
             if trace is not None:
                 trace.meta["device_profile"] = get_profile(device_profile).name if device_profile else None
                 write_trace(trace, out)

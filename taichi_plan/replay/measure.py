@@ -590,13 +590,18 @@ def autocast_rounding(plan: Plan, trace) -> tuple[str, int] | None:
     gradient by up to about one rounding of that dtype per chunk, relative to the tensor's
     largest element (measured: up to 2.1 bfloat16 units at 4 chunks on a tiny GPT-2); a model
     in that dtype sums every chunk's gradient in it (a bf16 GPT-NeoX's head over 2 token
-    chunks: 1.2e-4 apart, where float32's tolerance is 1e-6)."""
+    chunks: 1.2e-4 apart, where float32's tolerance is 1e-6), and so does a sharded model whose
+    FSDP2 MixedPrecisionPolicy gathers its parameters in that dtype (trace v16)."""
     if trace is None:
         return None
+    from ..record.fsdp import recorded_mixed_precision
+
     dtype = (trace.meta.get("loop") or {}).get("autocast")
     most = max((p.chunks for p in plan.partitions if p.over != "tokens"), default=1)
-    if dtype not in UNIT_ROUNDOFF and trace.meta.get("dtype") in UNIT_ROUNDOFF:
-        dtype = trace.meta["dtype"]
+    sharded = {"bfloat16": "bf16", "float16": "fp16"}.get((recorded_mixed_precision(trace.meta) or {}).get("param_dtype"))
+    model_dtype = trace.meta.get("dtype") if trace.meta.get("dtype") in UNIT_ROUNDOFF else sharded
+    if dtype not in UNIT_ROUNDOFF and model_dtype is not None:
+        dtype = model_dtype
         most = max((p.chunks for p in plan.partitions), default=1)
     return (dtype, most) if dtype in UNIT_ROUNDOFF and most > 1 else None
 
