@@ -158,7 +158,13 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
 
     from ..record import ddp as ddp_record
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
-    from ..record.fsdp import live_layout, live_prefetch, rebuild_optimizer, recorded_mixed_precision, shard_model
+    from ..record.fsdp import (
+        live_layout,
+        live_prefetch,
+        rebuild_optimizer,
+        recorded_mixed_precision,
+        shard_model,
+    )
     from ..record.recorder import Recorder, local_tensor
     from ..trace import baseline_peak
     from . import apply_sharding, install, runtime_for
