@@ -421,10 +421,17 @@ def tracker_peak(model, optimizer, step_fn: Callable[[], None], inputs, set_to_n
     :func:`peak_tracker` makes it) and return its peak: ``{"peak_bytes": int, "by_category":
     {category: bytes}}``, categories as :data:`TRACKER_KINDS` (activations and temporaries
     summed)."""
+    import warnings
+
+    from .recorder import HIERARCHY_WARNING
+
     optimizer.zero_grad(set_to_none=set_to_none)
     fmt = peak_tracker(model, optimizer, per_module)
     fmt.track_inputs(tuple(inputs))
-    with fmt:
+    with warnings.catch_warnings(), fmt:
+        # its ModTracker about a module outside the model (transformers' Func around the rotary
+        # embedding, one object called in every layer): "Please file a bug to PyTorch"
+        warnings.filterwarnings("ignore", message=HIERARCHY_WARNING)
         step_fn()
     snap = fmt.get_tracker_snapshot("peak")
     dev = next(iter(snap.values()), {})
