@@ -43,7 +43,7 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     cal = cal if cal is not None else problem.trace.meta.get("runtime_overhead")
     if not cal or problem.trace.cost_unit != "s":
         return None
-    from .regions import module_calls_per_call, needed_ops, region_ops
+    from .regions import checkpointed_modules, module_calls_per_call, needed_ops, region_ops
 
     call = problem.op_call
     planned = set()
@@ -55,7 +55,7 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     if not drops:
         seen = {}
     elif seen is None:
-        seen = region_ops(problem.trace, needed_ops(problem, drops, rerun))
+        seen = region_ops(problem.trace, needed_ops(problem, drops, rerun), checkpointed_modules(partitions or ()))
     planned.update(seen)
     planned.discard(-1)
     if not planned:

@@ -773,3 +773,18 @@ def borrowed_module_blocks(batch: int = 1024, **_):
     model = Net()
     x, y = torch.randn(batch, 16), torch.randint(0, 4, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def chained_blocks(batch: int = 256, **_):
+    """Blocks that are containers with no op of their own (``nn.Sequential``: Linear, GELU,
+    Linear), one after the other, no residual: checkpointed whole, a block's output (its last
+    Linear's) is read by the next block's first Linear, and rebuilt through the block's insides."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    h = 64
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(h, 4 * h), nn.GELU(), nn.Linear(4 * h, h)) for _ in range(4)],
+                          nn.Linear(h, 4))
+    x, y = torch.randn(batch, h), torch.randint(0, 4, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())

@@ -163,7 +163,7 @@ def _call_regions(plan: Plan, trace, problem, counted: list[bool], before: list[
     runtime enters them, module name -> {its k-th call in the model call: (first, last)
     counted op from the call's first op}; None where the runtime runs over the whole call.
     Calls with nothing to see (no drop, no rebuild) are left out: no mode runs there."""
-    from ..regions import early_triggers, needed_ops, planned_regions
+    from ..regions import checkpointed_modules, early_triggers, needed_ops, planned_regions
     from ..simulate import simulate_plan
     from ..solve.result import drops_from_plan
 
@@ -174,7 +174,7 @@ def _call_regions(plan: Plan, trace, problem, counted: list[bool], before: list[
     needed = needed_ops(parted, drops, recipe_ops(plan, trace, problem), early_triggers(parted, sim))
     calls = model_calls(trace)
     out: dict[int, dict | None] = {}
-    for c, regions in planned_regions(trace, needed).items():
+    for c, regions in planned_regions(trace, needed, checkpointed_modules(plan.partitions)).items():
         if regions is None:
             out[c] = None
             continue

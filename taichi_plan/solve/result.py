@@ -18,7 +18,7 @@ from ..partition import find_span, partition_cost, partition_savings, random_dra
 from ..plan import Partition, Plan, Recompute
 from ..prefetch import describe as describe_prefetch
 from ..problem import Problem
-from ..regions import early_triggers, needed_ops, region_ops
+from ..regions import checkpointed_modules, early_triggers, needed_ops, region_ops
 from ..reshard import describe as describe_reshard
 from ..sharding import layout
 from ..simulate import Drop, SimResult, build_schedule, is_revival, rerun_ops, simulate_plan
@@ -77,8 +77,8 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     planned_al = replay_schedule(schedule, allocator)
     base_al = baseline_allocator(recorded_problem(problem), allocator)
     rerun = rerun_ops(parted, dec.drops) if dec.drops else set()
-    seen = region_ops(problem.trace, needed_ops(parted, dec.drops, rerun, early_triggers(parted, sim))) \
-        if dec.drops else {}
+    seen = region_ops(problem.trace, needed_ops(parted, dec.drops, rerun, early_triggers(parted, sim)),
+                      checkpointed_modules(dec.partitions)) if dec.drops else {}
     overhead = runtime_overhead_s(problem, dec.drops, dec.partitions, rerun,
                                   [op for g in sim.groups.values() for op in g.ops], seen=seen)
     return Plan(
