@@ -148,7 +148,12 @@ def test_random_plans_measure_the_same_in_regions_as_over_the_whole_call(tmp_pat
     from partition_replay import recorded
 
     from taichi_plan.errors import PlanError
-    from taichi_plan.partition import apply_partitions, as_partition, partitionable_spans, whole_outputs
+    from taichi_plan.partition import (
+        apply_partitions,
+        as_partition,
+        partitionable_spans,
+        whole_outputs,
+    )
     from taichi_plan.plan import save_plan
     from taichi_plan.replay import runtime
     from taichi_plan.replay.measure import replay
