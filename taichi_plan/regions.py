@@ -131,11 +131,21 @@ def planned_regions(trace, needed, checkpointed=()) -> dict[int, list[Region] | 
     chunk, or the whole module, under ``torch.utils.checkpoint``). A needed op inside one makes
     that module's call the region: entered inside it, the runtime's saved-tensor hooks would be
     innermost there and keep what the checkpoint discards (a block checkpointed whole, its
-    output dropped and rebuilt through its insides: 9.5% over the prediction)."""
+    output dropped and rebuilt through its insides: 9.5% over the prediction). For the same
+    reason a step recorded with the model's own activation checkpointing (trace v8
+    ``meta.forward_in_backward``) keeps the runtime over the whole call: its hooks stay outside
+    every checkpoint the model runs."""
     calls = grad_model_calls(trace.meta) or []
     if not calls:
         return {}
     call_starts = [int(c["start"]) for c in calls]
+    if (trace.meta.get("forward_in_backward") or {}).get("ops"):
+        whole: dict[int, list[Region] | None] = {}
+        for i in needed:
+            c = bisect.bisect_right(call_starts, int(i)) - 1
+            if c >= 0 and int(i) <= int(calls[c]["end"]):
+                whole[c] = None
+        return whole
     modules = trace.ops["module"].tolist()
     known = _module_calls(trace)
     found: dict[int, dict[tuple[str, int], tuple[int, int]] | None] = {}

@@ -107,3 +107,18 @@ def test_modules_kept_out_by_the_kv_cache_are_named_with_the_way_out(traces):
     model.config.use_cache = False
     off = record(model, batch, loss_fn, opt, steps=1, warmup=0)
     assert state_keepers(build_problem(off)) == []
+
+
+def test_a_plan_of_a_step_with_its_own_checkpointing_runs_over_the_whole_call(traces):
+    """Planned regions are module calls; entered inside a checkpoint the model runs itself, the
+    runtime's saved-tensor hooks would be innermost there and keep what it discards. A step
+    recorded with the model's own checkpointing keeps the runtime over the whole call, its hooks
+    outside every checkpoint (without it, the same plan runs in regions)."""
+    from taichi_plan.regions import planned_regions
+
+    for own, trace in traces.items():
+        p = build_problem(trace)
+        needed = {int(p.producer[t]) for t in p.candidates[:4]}
+        assert needed
+        regions = planned_regions(trace, needed)
+        assert regions and all((r is None) == own for r in regions.values()), (own, regions)
