@@ -70,7 +70,9 @@ def check_layout(want: dict | None, got: dict | None, where: str) -> None:
             p, r = mixed[m]
             return f", param_dtype={p or 'as its parameters'}, reduce_dtype={r or 'as param_dtype'}"
 
-        return (f"{x['world_size']} ranks, mesh {x['mesh_shape']}, units "
+        shape = x["mesh_shape"]
+        hsdp = f" (HSDP: {shape[0]} replicas of {shape[1]}-rank shard groups)" if len(shape) == 2 else ""
+        return (f"{x['world_size']} ranks, mesh {shape}{hsdp}, units "
                 + ", ".join(f"{m or '<root>'} (reshard_after_forward={r}{precision(m)})" for m, r in x["units"]))
     raise PlanError(
         f"{where}: the plan was solved for {say(want)}, but it is applied to {say(got)}. A plan's "

@@ -264,3 +264,42 @@ def test_mixed_precision_flags_need_fsdp(tmp_path):
 
     r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fake", "--fsdp-param-dtype", "bf16", "-o", str(tmp_path / "x")])
     assert r.exit_code != 0 and "MixedPrecisionPolicy: add --fsdp" in r.output and "Traceback" not in r.output
+
+
+def test_hsdp_rank_trace_agrees_with_fsdp_mem_tracker(tmp_path):
+    """HSDP (``--hsdp 2`` of 16 ranks: FSDP2 on a 2-D mesh of 2 replicas of 8-rank shard groups,
+    on h100-80gb's 8 devices a node): the trace agrees with FSDPMemTracker by category, the
+    shards are an eighth of each unit, and each collective is costed over the group it runs on:
+    all-gathers and reduce-scatters over a shard group of consecutive ranks, within one node;
+    the gradients' all-reduce over the two replicas, a node apart."""
+    trace, out = _record(tmp_path, [*TINY_GPT2, "--fsdp", "16", "--hsdp", "2", "--device-profile", "h100-80gb"])
+    _check_against_tracker(trace)
+    assert "(HSDP: 2 replicas of 8-rank shard groups)" in out
+    f = trace.meta["fsdp"]
+    assert f["world_size"] == 16 and f["mesh_shape"] == [2, 8]
+    for u in f["units"]:
+        assert u["unsharded_nbytes"] / 8 <= u["sharded_nbytes"] <= u["unsharded_nbytes"] / 8 * 1.1
+    h100 = get_profile("h100-80gb")
+    ops = trace.ops
+    coll = ops[ops["op"].str.startswith("c10d.")]
+    assert {"c10d._allgather_base_.default", "c10d._reduce_scatter_base_.default",
+            "c10d.allreduce_.default"} <= set(coll["op"])
+    acc = trace.accesses.merge(trace.tensors[["tensor_id", "nbytes"]], on="tensor_id")
+    for i, row in coll.iterrows():
+        full = int(acc[acc["op_id"] == i]["nbytes"].max())
+        group, across = (2, True) if row["op"] == "c10d.allreduce_.default" else (8, False)
+        link = h100.inter_node_bytes_per_s if across else h100.intra_node_bytes_per_s
+        factor = 2 if group == 2 else 1
+        assert row["duration_s"] == pytest.approx(factor * (group - 1) / group * full / link + h100.launch_overhead_s)
+        assert row["duration_s"] == pytest.approx(collective_duration_s(h100, row["op"], full, group, across))
+
+
+def test_hsdp_flags_are_checked(tmp_path):
+    from click.testing import CliRunner
+
+    from taichi_plan.cli import main
+
+    r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fake", "--hsdp", "2", "-o", str(tmp_path / "x")])
+    assert r.exit_code != 0 and "add --fsdp N" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["record", *TINY_GPT2, "--fake", "--fsdp", "4", "--hsdp", "3", "-o", str(tmp_path / "y")])
+    assert r.exit_code != 0 and "divisor of 4" in r.output and "Traceback" not in r.output

@@ -257,3 +257,35 @@ def test_mixed_precision_plan_refused_on_a_job_without_it(fsdp2_bf16_plan):
         shard_model(model, mesh)
         with pytest.raises(PlanError, match=r"param_dtype=bfloat16, reduce_dtype=float32.*applied to 2 ranks"):
             taichi_plan.apply(model, fsdp2_bf16_plan)
+
+
+@pytest.fixture(scope="module")
+def hsdp2_plan(tmp_path_factory):
+    """The tiny GPT-2 as an HSDP job of 2 replicas (a 2-D mesh (2, 1): each replica holds whole
+    units, the gradients all-reduced across), recorded on the fake process group, solved at half."""
+    d = tmp_path_factory.mktemp("hsdp2")
+    record_cli(*TINY, "--fake", "--fsdp", "2", "--hsdp", "2", "-o", str(d / "traces" / "t"))
+    plan = d / "plans" / "t.plan.json"
+    r = CliRunner().invoke(main, ["solve", str(d / "traces" / "t"), "--budget", "50%", "--method", "heuristic",
+                                  "-o", str(plan)])
+    assert r.exit_code == 0, r.output
+    return plan
+
+
+def test_hsdp_replays_on_two_gloo_ranks(hsdp2_plan):
+    """replay --nproc 2 builds the recorded 2-D mesh: each rank measures the predicted peak,
+    its gradients and parameters bitwise the unplanned HSDP run's."""
+    replay_measures_the_prediction(hsdp2_plan)
+
+
+def test_hsdp_plan_refused_on_a_one_dimensional_mesh(hsdp2_plan):
+    import taichi_plan
+    from taichi_plan.record import get_workload
+    from taichi_plan.record.fsdp import fake_process_group, shard_model
+
+    model, _batch, _loss, _opt = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128,
+                                              batch=4).build(False)
+    with fake_process_group(2) as mesh:
+        shard_model(model, mesh)
+        with pytest.raises(PlanError, match=r"mesh \[2, 1\] \(HSDP: 2 replicas of 1-rank shard groups\).*mesh \[2\]"):
+            taichi_plan.apply(model, hsdp2_plan)

@@ -49,6 +49,9 @@ from ._common import Status, handle_errors, size_options
 @click.option("--fsdp-reduce-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="With --fsdp: MixedPrecisionPolicy(reduce_dtype=...): gradients are reduce-scattered in this dtype. "
                    "[default: the param dtype]")
+@click.option("--hsdp", "replicas", type=int, default=None, metavar="R",
+              help="With --fsdp N: HSDP, FSDP2 on a 2-D mesh (R, N/R): each unit sharded within a group of N/R ranks "
+                   "and its gradients all-reduced across the R replicas (R divides N).")
 @click.option("--ddp", "ddp", type=int, default=None, metavar="N",
               help="One rank of an N-rank DistributedDataParallel job, recorded for real in this process (a 1-rank "
                    "gloo group: a rank's memory does not depend on N); the all-reduces are costed over N ranks. "
@@ -63,7 +66,7 @@ from ._common import Status, handle_errors, size_options
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
             no_kv_cache, fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
-            fsdp, no_reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, ddp, bucket_cap_mb,
+            fsdp, no_reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, replicas, ddp, bucket_cap_mb,
             gradient_as_bucket_view, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
@@ -82,6 +85,12 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     )
     if no_reshard_after_forward and fsdp is None:
         raise UsageError("--no-reshard-after-forward applies to sharded recordings: add --fsdp N.")
+    if replicas is not None and fsdp is None:
+        raise UsageError("--hsdp R shards over a 2-D mesh of R replicas: add --fsdp N (N ranks in all).")
+    if replicas is not None and fsdp is not None:
+        from ..record.fsdp import check_replicas
+
+        check_replicas(fsdp, replicas)
     if (fsdp_param_dtype or fsdp_reduce_dtype) and fsdp is None:
         raise UsageError("--fsdp-param-dtype and --fsdp-reduce-dtype set FSDP2's MixedPrecisionPolicy: add --fsdp N "
                          "(for one process, record with --autocast or --dtype).")
@@ -91,6 +100,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         raise UsageError("--bucket-cap-mb and --gradient-as-bucket-view are DDP's settings: add --ddp N.")
     if output is None:
         output = Path("traces") / (workload.default_output_name() + (f"-fsdp{fsdp}" if fsdp else "")
+                                   + (f"-hsdp{replicas}" if replicas and replicas > 1 else "")
                                    + (f"-ddp{ddp}" if ddp else "") + ("-fake" if fake else ""))
     check_trace_output(output, force, option="-o")
 
@@ -101,7 +111,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
             trace = record_fsdp_workload(workload, fsdp, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                          reshard_after_forward=not no_reshard_after_forward,
                                          mixed_precision=mixed_precision(fsdp_param_dtype, fsdp_reduce_dtype),
-                                         progress=status.update)
+                                         replicas=replicas or 1, progress=status.update)
         elif ddp is not None:
             from ..record.ddp import record_ddp_workload
 
@@ -135,5 +145,7 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
     tracker = (trace.meta.get("fsdp") or {}).get("mem_tracker")
     if tracker and tracker["peak_bytes"]:
         diff = 100.0 * (peak - tracker["peak_bytes"]) / tracker["peak_bytes"]
-        click.echo(f"Rank 0 of {trace.meta['fsdp']['world_size']}: FSDPMemTracker's peak for the same step is "
+        shape = trace.meta["fsdp"].get("mesh_shape") or []
+        hsdp = f" (HSDP: {shape[0]} replicas of {shape[1]}-rank shard groups)" if len(shape) == 2 else ""
+        click.echo(f"Rank 0 of {trace.meta['fsdp']['world_size']}{hsdp}: FSDPMemTracker's peak for the same step is "
                    f"{format_bytes(tracker['peak_bytes'])} ({diff:+.2f}%)")

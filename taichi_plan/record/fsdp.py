@@ -63,22 +63,47 @@ TRACKER_KINDS = {
 }
 
 
-@contextlib.contextmanager
-def fake_process_group(world_size: int):
-    """Rank 0 of a ``world_size``-rank job on the fake process group, with its 1-D CPU mesh;
-    the group is destroyed on exit."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
+def check_replicas(world_size: int, replicas: int) -> None:
+    """HSDP's replica count must divide the ranks (each replica a shard group of the same size)."""
     if world_size < 1:
         raise UsageError(f"--fsdp must be at least 1 rank, got {world_size}.")
+    if replicas < 1 or world_size % replicas:
+        raise UsageError(f"--hsdp {replicas}: the {world_size} ranks must split into that many replicas of equal "
+                         f"shard groups; give a divisor of {world_size}.")
+
+
+def device_mesh(world_size: int, replicas: int = 1, device: str = "cpu"):
+    """The job's device mesh: 1-D over every rank (FSDP), or, with ``replicas`` > 1, 2-D
+    ``(replicas, world_size // replicas)`` with dims ``("replicate", "shard")`` (HSDP:
+    ``fully_shard`` shards each unit within a row and all-reduces its gradients across rows)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    check_replicas(world_size, replicas)
+    if replicas == 1:
+        return init_device_mesh(device, (world_size,))
+    return init_device_mesh(device, (replicas, world_size // replicas), mesh_dim_names=("replicate", "shard"))
+
+
+def mesh_replicas(meta: dict) -> int:
+    """The replica count of a sharded trace's mesh (``meta.fsdp.mesh_shape``: 2-D for HSDP)."""
+    shape = (meta.get("fsdp") or {}).get("mesh_shape") or []
+    return int(shape[0]) if len(shape) == 2 else 1
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int, replicas: int = 1):
+    """Rank 0 of a ``world_size``-rank job on the fake process group, with its CPU mesh
+    (:func:`device_mesh`); the group is destroyed on exit."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    check_replicas(world_size, replicas)
     if dist.is_initialized():
         raise UsageError("A torch.distributed process group is already initialized in this process; a fake "
                          "FSDP recording needs its own. Record in a fresh process.")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        yield init_device_mesh("cpu", (world_size,))
+        yield device_mesh(world_size, replicas)
     finally:
         dist.destroy_process_group()
 
@@ -453,6 +478,7 @@ def record_fsdp_workload(
     reshard_after_forward: bool | dict[str, bool] = True,
     prefetch: dict[str, dict] | None = None,
     mixed_precision: dict | None = None,
+    replicas: int = 1,
     check_tracker: bool = True,
     progress: Callable[[str], None] | None = None,
 ) -> Trace:
@@ -467,12 +493,12 @@ def record_fsdp_workload(
     reference the trace's peak is checked against). ``prefetch``: explicit prefetching per unit
     (:func:`set_prefetch`; fake runs only). ``mixed_precision``: every unit's FSDP2
     ``MixedPrecisionPolicy`` (:func:`mixed_precision`, :func:`mp_policy`; None: FSDP's default).
+    ``replicas`` > 1: HSDP, the ranks a 2-D mesh of that many replicas (:func:`device_mesh`).
     """
     check_counts(steps, warmup)
     if warmup < 1:
         raise UsageError("record --fsdp needs at least one warm-up step (FSDP initializes lazily in its first).")
-    if world_size < 1:
-        raise UsageError(f"--fsdp must be at least 1 rank, got {world_size}.")
+    check_replicas(world_size, replicas)
     loop = loop or Loop()
     if not fake:
         if prefetch:
@@ -481,12 +507,12 @@ def record_fsdp_workload(
             get_profile(device_profile)  # metadata only for a real run, but checked
         return _record_real(workload, world_size, device_profile=device_profile, steps=steps, warmup=warmup,
                             loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
-                            progress=progress, mixed_precision=mixed_precision)
+                            progress=progress, mixed_precision=mixed_precision, replicas=replicas)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     device_profile = device_profile or DEFAULT_FAKE_PROFILE
     profile = get_profile(device_profile)
-    with fake_process_group(world_size) as mesh, FakeTensorMode():
+    with fake_process_group(world_size, replicas) as mesh, FakeTensorMode():
         return record_rank(workload, mesh, world_size, backend="fake", profile=profile, steps=steps, warmup=warmup,
                            loop=loop, reshard_after_forward=reshard_after_forward, check_tracker=check_tracker,
                            progress=progress, prefetch=prefetch, mixed_precision=mixed_precision)
@@ -564,7 +590,7 @@ def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, prof
 
 
 def _record_real(workload: Workload, world_size: int, *, device_profile, steps, warmup, loop: Loop,
-                 reshard_after_forward, check_tracker, progress, mixed_precision=None) -> Trace:
+                 reshard_after_forward, check_tracker, progress, mixed_precision=None, replicas=1) -> Trace:
     import tempfile
 
     from ..replay.distributed import spawn_ranks
@@ -581,7 +607,7 @@ def _record_real(workload: Workload, world_size: int, *, device_profile, steps, 
             "workload": {"name": workload.name, "kind": workload.kind, "args": workload.args},
             "device_profile": device_profile, "steps": steps, "warmup": warmup, "loop": loop.to_json(),
             "reshard_after_forward": reshard_after_forward, "check_tracker": check_tracker, "out": str(out),
-            "mixed_precision": mixed_precision})
+            "mixed_precision": mixed_precision, "replicas": replicas})
         trace = read_trace(out)
     trace.path = None
     for key in ("name", "num_ops", "num_tensors", "content_hash", "format_version"):

@@ -946,7 +946,8 @@ class Recorder(TorchDispatchMode):
         if not measure:
             if info.collective is not None:
                 full = max((x.nbytes for x in (*flat_in, *flat_out) if isinstance(x, _Tensor)), default=0)
-                duration_s = collective_duration_s(self.profile, info.name, full, self.world_size)
+                n, across = _group_extent(args, self.world_size, self.profile.devices_per_node)
+                duration_s = collective_duration_s(self.profile, info.name, full, n, across)
             elif launched or flops:
                 dt = next((x.dtype for x in flat_in if isinstance(x, _Tensor) and x.is_floating_point()), None)
                 duration_s = estimate_duration_s(self.profile, flops, bytes_moved, dtype_key(dt))
@@ -973,6 +974,24 @@ class Recorder(TorchDispatchMode):
         kinds = self._rec.tensors["kind"]
         if tid is not None and kinds[tid] is None:
             kinds[tid] = label
+
+
+def _group_extent(args, world_size: int, devices_per_node: int) -> tuple[int, bool | None]:
+    """(ranks, whether they span nodes) of the process group a collective runs over (its
+    ``ProcessGroup`` argument: HSDP all-gathers over a shard group, a row of consecutive ranks,
+    and all-reduces over a replicate group, ranks a row apart, on other nodes once a row fills
+    one); (``world_size``, None) when the op names no group this process can read."""
+    import torch.distributed as dist
+
+    for a in args:
+        if isinstance(a, torch.ScriptObject):
+            try:
+                ranks = dist.get_process_group_ranks(dist.ProcessGroup.unbox(a))
+            except Exception:  # noqa: BLE001  (no readable group: the whole job, as before)
+                break
+            if ranks:
+                return len(ranks), len({r // max(devices_per_node, 1) for r in ranks}) > 1
+    return world_size, None
 
 
 def _autocast_cached(args) -> bool:

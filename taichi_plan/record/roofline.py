@@ -50,15 +50,20 @@ def collective_kind(op_name: str) -> str | None:
     return stem if stem in _RING_FACTOR else None
 
 
-def collective_duration_s(profile: DeviceProfile, op_name: str, full_nbytes: int, world_size: int) -> float:
+def collective_duration_s(profile: DeviceProfile, op_name: str, full_nbytes: int, world_size: int,
+                          across_nodes: bool | None = None) -> float:
     """Ring estimate (seconds) of one collective over ``world_size`` devices of ``profile``,
     ``full_nbytes`` being the gathered (all-gather output, reduce-scatter input, all-reduce)
     buffer: ``factor * (n-1)/n * full_nbytes / link bandwidth + launch overhead``, the link the
-    slowest one the ring crosses (:meth:`DeviceProfile.link_bytes_per_s`). A collective that is
-    not a ring one (a barrier, a wait) costs the launch overhead only."""
+    slowest one the ring crosses: between nodes where ``across_nodes`` says its ranks span
+    several, else within one; None: judged from the count alone
+    (:meth:`DeviceProfile.link_bytes_per_s`: consecutive ranks). A collective that is not a
+    ring one (a barrier, a wait) costs the launch overhead only."""
     kind = collective_kind(op_name)
     n = max(int(world_size), 1)
     if kind is None or n == 1 or not full_nbytes:
         return profile.launch_overhead_s
     moved = _RING_FACTOR[kind] * (n - 1) / n * full_nbytes
-    return moved / profile.link_bytes_per_s(n) + profile.launch_overhead_s
+    link = (profile.link_bytes_per_s(n) if across_nodes is None
+            else profile.inter_node_bytes_per_s if across_nodes else profile.intra_node_bytes_per_s)
+    return moved / link + profile.launch_overhead_s

@@ -142,13 +142,15 @@ def hide_fsdp_internals(model, rt) -> list:
     return [patch_group_methods(model, wrap)]
 
 
-def init_gloo(rank: int, nproc: int, port: int):
-    """Join the gloo process group on loopback; returns the 1-D CPU device mesh."""
+def init_gloo(rank: int, nproc: int, port: int, replicas: int = 1):
+    """Join the gloo process group on loopback; returns the CPU device mesh (1-D, or HSDP's 2-D
+    of ``replicas`` rows: :func:`taichi_plan.record.fsdp.device_mesh`)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+
+    from ..record.fsdp import device_mesh
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
-    return init_device_mesh("cpu", (nproc,))
+    return device_mesh(nproc, replicas)
 
 
 def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int, steps: int) -> dict:
@@ -278,15 +280,17 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
                  steps: int, seed: int) -> None:
     import torch.distributed as dist
 
+    from ..record.fsdp import mesh_replicas
     from ..trace import read_trace
     from . import plan_and_trace
     from .measure import autocast_rounding, compare_training, workload_of
 
     out: dict = {"rank": rank}
     try:
-        mesh = init_gloo(rank, nproc, port)
+        recorded = read_trace(trace_path)
+        mesh = init_gloo(rank, nproc, port, mesh_replicas(recorded.meta))  # HSDP: the recorded 2-D mesh
         try:
-            plan, trace = plan_and_trace(plan_path, read_trace(trace_path))
+            plan, trace = plan_and_trace(plan_path, recorded)
             workload = workload_of(trace)
             base = _sharded_run(workload, trace, None, mesh, nproc, seed, steps)
             planned = _sharded_run(workload, trace, plan, mesh, nproc, seed, steps)
@@ -360,7 +364,7 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
 
 def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, device_profile, steps: int,
                 warmup: int, loop: dict, reshard_after_forward: bool, check_tracker: bool, out: str,
-                mixed_precision: dict | None = None) -> None:
+                mixed_precision: dict | None = None, replicas: int = 1) -> None:
     """One rank of a real sharded recording (:func:`taichi_plan.record.fsdp.record_fsdp_workload`
     with ``fake=False``): rank 0 records and writes the trace to ``out``."""
     import torch
@@ -373,7 +377,7 @@ def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, 
 
     result: dict = {"rank": rank}
     try:
-        mesh = init_gloo(rank, nproc, port)
+        mesh = init_gloo(rank, nproc, port, replicas)
         try:
             kw = dict(workload["args"])
             wl = (get_workload(model=workload["name"], **kw) if workload["kind"] == "builtin"
