@@ -27,8 +27,13 @@ TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "-
 
 @pytest.fixture(scope="module")
 def fsdp2_plan(tmp_path_factory):
-    d = tmp_path_factory.mktemp("fsdp2")
-    record_cli(*TINY, "--fake", "--fsdp", "2", "-o", str(d / "traces" / "t"))
+    return _half_plan(tmp_path_factory.mktemp("fsdp2"))
+
+
+def _half_plan(d, *flags: str):
+    """The tiny GPT-2's 2-rank job (``flags``: more of record's), recorded on the fake process
+    group under ``d`` and solved at half its per-rank peak; the plan's path."""
+    record_cli(*TINY, "--fake", "--fsdp", "2", *flags, "-o", str(d / "traces" / "t"))
     plan = d / "plans" / "t.plan.json"
     r = CliRunner().invoke(main, ["solve", str(d / "traces" / "t"), "--budget", "50%", "--method", "heuristic",
                                   "-o", str(plan)])
@@ -225,14 +230,7 @@ def test_norms_checkpointed_whole_with_their_outputs_dropped_run_under_fsdp2(lla
 def fsdp2_bf16_plan(tmp_path_factory):
     """The tiny GPT-2's 2-rank job under FSDP2's mixed precision (bf16 parameters, fp32
     gradient reduction), recorded on the fake process group and solved at half its peak."""
-    d = tmp_path_factory.mktemp("fsdp2bf16")
-    record_cli(*TINY, "--fake", "--fsdp", "2", "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32",
-               "-o", str(d / "traces" / "t"))
-    plan = d / "plans" / "t.plan.json"
-    r = CliRunner().invoke(main, ["solve", str(d / "traces" / "t"), "--budget", "50%", "--method", "heuristic",
-                                  "-o", str(plan)])
-    assert r.exit_code == 0, r.output
-    return plan
+    return _half_plan(tmp_path_factory.mktemp("fsdp2bf16"), "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32")
 
 
 def test_mixed_precision_replays_on_two_gloo_ranks(fsdp2_bf16_plan):
@@ -247,6 +245,12 @@ def test_mixed_precision_replays_on_two_gloo_ranks(fsdp2_bf16_plan):
 def test_mixed_precision_plan_refused_on_a_job_without_it(fsdp2_bf16_plan):
     """A plan of a bf16-gathered job holds nothing for an fp32 one (twice the gathered bytes):
     apply() names the difference before the plan costs memory."""
+    _refused_on_a_plain_job(fsdp2_bf16_plan, r"param_dtype=bfloat16, reduce_dtype=float32.*applied to 2 ranks")
+
+
+def _refused_on_a_plain_job(plan, match: str) -> None:
+    """apply() of ``plan`` to the tiny GPT-2 sharded over 2 fake ranks on a 1-D mesh, no policy,
+    raises PlanError matching ``match``."""
     import taichi_plan
     from taichi_plan.record import get_workload
     from taichi_plan.record.fsdp import fake_process_group, shard_model
@@ -255,21 +259,15 @@ def test_mixed_precision_plan_refused_on_a_job_without_it(fsdp2_bf16_plan):
                                               batch=4).build(False)
     with fake_process_group(2) as mesh:
         shard_model(model, mesh)
-        with pytest.raises(PlanError, match=r"param_dtype=bfloat16, reduce_dtype=float32.*applied to 2 ranks"):
-            taichi_plan.apply(model, fsdp2_bf16_plan)
+        with pytest.raises(PlanError, match=match):
+            taichi_plan.apply(model, plan)
 
 
 @pytest.fixture(scope="module")
 def hsdp2_plan(tmp_path_factory):
     """The tiny GPT-2 as an HSDP job of 2 replicas (a 2-D mesh (2, 1): each replica holds whole
     units, the gradients all-reduced across), recorded on the fake process group, solved at half."""
-    d = tmp_path_factory.mktemp("hsdp2")
-    record_cli(*TINY, "--fake", "--fsdp", "2", "--hsdp", "2", "-o", str(d / "traces" / "t"))
-    plan = d / "plans" / "t.plan.json"
-    r = CliRunner().invoke(main, ["solve", str(d / "traces" / "t"), "--budget", "50%", "--method", "heuristic",
-                                  "-o", str(plan)])
-    assert r.exit_code == 0, r.output
-    return plan
+    return _half_plan(tmp_path_factory.mktemp("hsdp2"), "--hsdp", "2")
 
 
 def test_hsdp_replays_on_two_gloo_ranks(hsdp2_plan):
@@ -279,13 +277,4 @@ def test_hsdp_replays_on_two_gloo_ranks(hsdp2_plan):
 
 
 def test_hsdp_plan_refused_on_a_one_dimensional_mesh(hsdp2_plan):
-    import taichi_plan
-    from taichi_plan.record import get_workload
-    from taichi_plan.record.fsdp import fake_process_group, shard_model
-
-    model, _batch, _loss, _opt = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=128,
-                                              batch=4).build(False)
-    with fake_process_group(2) as mesh:
-        shard_model(model, mesh)
-        with pytest.raises(PlanError, match=r"mesh \[2, 1\] \(HSDP: 2 replicas of 1-rank shard groups\).*mesh \[2\]"):
-            taichi_plan.apply(model, hsdp2_plan)
+    _refused_on_a_plain_job(hsdp2_plan, r"mesh \[2, 1\] \(HSDP: 2 replicas of 1-rank shard groups\).*mesh \[2\]")
