@@ -6,7 +6,7 @@ section (``python -m benchmarks.bench_fsdp record`` or ``maxbatch`` prints one h
 recording of the first table runs ``taichi-plan record --fsdp N --fake`` in its own process
 (a process group is global state): ``record`` is that process's wall time, imports and the
 ``FSDPMemTracker`` check included, and its CPU time; ``solve`` is ``auto`` at a budget of 60%
-of the per-rank peak under a 30 s limit (which it uses: CP-SAT searches until then). Beside
+of the per-rank peak (or the least budget it reaches, where the model state alone is above that) under a 30 s limit (which it uses: CP-SAT searches until then). Beside
 it, at the same budget, FSDP with every block checkpointed (the ``full`` baseline).
 
 The second table is ``maxbatch --fsdp N`` at the profile's memory per rank (extra compute at
@@ -41,6 +41,10 @@ CASES = [  # (label, ranks, sizes)
 # cases above keep transformers' default, whose forward holds every layer's keys and values.
 NO_KV_CASES = [(f"{label}, KV cache off (--no-kv-cache)", ranks, {**sizes, "kv_cache": False})
                for label, ranks, sizes in CASES]
+# The layouts most multi-node jobs run (record table only): HSDP, 8 replicas of 8-rank shard groups
+# (one node each), parameters fp32 and gathered in bf16, gradients reduced in fp32.
+LAYOUT_CASES = [("Llama-style 7B, HSDP 8 x 8, fp32 gathered in bf16", 64,
+                 {**CASES[0][2], "dtype": "fp32", "hsdp": 8, "fsdp-param-dtype": "bf16", "fsdp-reduce-dtype": "fp32"})]
 PROFILE = "h100-80gb"
 BUDGET = 0.6
 TIME_LIMIT_S = 30.0
@@ -72,6 +76,7 @@ def _timed(fn, *args, **kwargs):
 
 
 def run(cases=CASES) -> list[dict]:
+    from taichi_plan.errors import InfeasibleBudgetError
     from taichi_plan.record.fsdp import trace_by_tracker_category
     from taichi_plan.solve import solve
     from taichi_plan.trace import read_trace
@@ -84,8 +89,15 @@ def run(cases=CASES) -> list[dict]:
             trace = read_trace(out)
             peak, _, _ = trace_by_tracker_category(trace)
             budget = int(BUDGET * peak)
-            auto, solve_s, solve_cpu_s = _timed(solve, trace, budget, "auto", time_limit=TIME_LIMIT_S)
-            full = solve(trace, budget, "full")
+            try:
+                auto, solve_s, solve_cpu_s = _timed(solve, trace, budget, "auto", time_limit=TIME_LIMIT_S)
+            except InfeasibleBudgetError as e:  # the model state alone above the share: its least budget
+                budget = int(e.min_budget_bytes) + 1
+                auto, solve_s, solve_cpu_s = _timed(solve, trace, budget, "auto", time_limit=TIME_LIMIT_S)
+            try:
+                full = solve(trace, budget, "full")
+            except InfeasibleBudgetError:
+                full = None
             kept = [u["module"] for u in (auto.reshard or {}).get("units", []) if not u["reshard_after_forward"]]
             rows.append({
                 "workload": label, "ranks": ranks, "ops": len(trace.ops), "record_s": round(record_s, 1),
@@ -96,8 +108,8 @@ def run(cases=CASES) -> list[dict]:
                 "peak_bytes": peak, "tracker_peak_bytes": trace.meta["fsdp"]["mem_tracker"]["peak_bytes"],
                 "budget_bytes": budget, "planned_peak_bytes": auto.predicted["planned_peak_bytes"],
                 "planned_extra_pct": auto.predicted.get("extra_compute_pct"), "status": auto.solver["status"],
-                "full_peak_bytes": full.predicted["planned_peak_bytes"],
-                "full_extra_pct": full.predicted.get("extra_compute_pct"),
+                "full_peak_bytes": full.predicted["planned_peak_bytes"] if full is not None else None,
+                "full_extra_pct": full.predicted.get("extra_compute_pct") if full is not None else None,
             })
     return rows
 
@@ -106,7 +118,7 @@ def _gb(x) -> str:
     return f"{x / 1e9:.2f}"
 
 
-def record_section(cases=CASES) -> str:
+def record_section(cases=(*CASES, *LAYOUT_CASES)) -> str:
     rows = run(cases)
     head = ("| workload | ranks | ops | record s (CPU s) | solve s (CPU s) | peak GB | FSDPMemTracker GB | budget GB | "
             "auto GB (extra %, status) | auto: units kept gathered (all-gather ms saved) | every block "
@@ -115,8 +127,9 @@ def record_section(cases=CASES) -> str:
         f"| {r['workload']} | {r['ranks']} | {r['ops']} | {r['record_s']} ({r['record_cpu_s']}) | {r['solve_s']} "
         f"({r['solve_cpu_s']}) | {_gb(r['peak_bytes'])} | {_gb(r['tracker_peak_bytes'])} | {_gb(r['budget_bytes'])} | "
         f"{_gb(r['planned_peak_bytes'])} ({r['planned_extra_pct']:.1f}, {r['status']}) | {r['units_kept_gathered']} "
-        f"of {r['units']} ({1e3 * r['allgather_saved_s']:.2f}) | {_gb(r['full_peak_bytes'])} "
-        f"({r['full_extra_pct']:.1f}) |" for r in rows)
+        f"of {r['units']} ({1e3 * r['allgather_saved_s']:.2f}) | "
+        + (f"{_gb(r['full_peak_bytes'])} ({r['full_extra_pct']:.1f}) |" if r["full_peak_bytes"] is not None
+           else "- (no plan at this budget) |") for r in rows)
 
 
 NAMES = {"none": "FSDP default (every unit reshards, no activation plan)", "full": "FSDP + every block checkpointed",
