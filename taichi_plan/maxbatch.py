@@ -122,14 +122,21 @@ class TraceCache:
 
 def fake_recorder(model: str | None = None, entry: str | None = None, *, device_profile: str | None = None,
                   progress: Callable[[str], None] | None = None, fsdp: int | None = None,
-                  **sizes) -> Callable[[int], Trace]:
+                  replicas: int = 1, mixed_precision: dict | None = None, **sizes) -> Callable[[int], Trace]:
     """A ``record(batch)`` recording a fake step of the workload at that batch size
     (``sizes``: seq, layers, hidden, heads, vocab, image_size, dtype, optimizer); with
-    ``fsdp`` = N, rank 0's step of an N-rank FSDP2 job at that batch per rank."""
+    ``fsdp`` = N, rank 0's step of an N-rank FSDP2 job at that batch per rank (``replicas``:
+    HSDP's; ``mixed_precision``: FSDP2's policy, :func:`taichi_plan.record.fsdp.mixed_precision`)."""
     from .record import get_workload, record_workload
 
     if "batch" in sizes:
         raise UsageError("maxbatch searches the batch size: do not give --batch.")
+    if fsdp is None and (replicas != 1 or mixed_precision):
+        raise UsageError("--hsdp and --fsdp-param-dtype/--fsdp-reduce-dtype describe an FSDP2 job: add --fsdp N.")
+    if fsdp is not None:
+        from .record.fsdp import check_replicas
+
+        check_replicas(fsdp, replicas)
     probe = get_workload(model=model, entry=entry, batch=1, **sizes)  # bad flags fail here, before any search
     if probe.kind == "entry" and "batch" not in probe.args:
         raise UsageError(f"--entry {entry!r} does not take a 'batch' argument, so maxbatch cannot vary the "
@@ -142,7 +149,8 @@ def fake_recorder(model: str | None = None, entry: str | None = None, *, device_
         if fsdp is not None:
             from .record.fsdp import record_fsdp_workload
 
-            return record_fsdp_workload(w, fsdp, device_profile=device_profile, steps=1, check_tracker=False)
+            return record_fsdp_workload(w, fsdp, device_profile=device_profile, steps=1, check_tracker=False,
+                                        replicas=replicas, mixed_precision=mixed_precision)
         return record_workload(w, fake=True, device_profile=device_profile, steps=1)
 
     return record

@@ -204,6 +204,7 @@ def test_maxbatch_records_rank_zero_of_the_sharded_job():
 
     from taichi_plan.cli import main
     from taichi_plan.maxbatch import fake_recorder
+    from taichi_plan.record.fsdp import mixed_precision
 
     sizes = dict(layers=2, hidden=64, heads=4, vocab=500, seq=128, dtype="fp32", optimizer="adamw")
     sharded = fake_recorder("gpt2", fsdp=4, **sizes)(2)
@@ -220,6 +221,13 @@ def test_maxbatch_records_rank_zero_of_the_sharded_job():
                                   "--method", "heuristic", "--time-limit", "2", "--fsdp", "2"])
     assert r.exit_code == 0, r.output
     assert "rank 0 of 2 FSDP2 ranks (batch per rank)" in r.output
+    # an HSDP job under mixed precision, as recorded: each probe is such a trace
+    hsdp = fake_recorder("gpt2", fsdp=4, replicas=2, mixed_precision=mixed_precision("bf16", "fp32"), **sizes)(2)
+    assert hsdp.meta["fsdp"]["mesh_shape"] == [2, 2]
+    assert {u["param_dtype"] for u in hsdp.meta["fsdp"]["units"]} == {"bfloat16"}
+    r = CliRunner().invoke(main, ["maxbatch", "--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4",
+                                  "--vocab", "500", "--seq", "128", "--budget", "8MB", "--hsdp", "2"])
+    assert r.exit_code != 0 and "add --fsdp N" in r.output and "Traceback" not in r.output
 
 
 def test_timeline_stacks_every_kind_of_a_sharded_trace(gpt2_fsdp4):

@@ -44,6 +44,12 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 @click.option("--limit", default=MAX_BATCH, show_default=True, type=int, help="Largest batch the search tries.")
 @click.option("--fsdp", type=int, default=None, metavar="N",
               help="Search the batch per rank of an N-rank FSDP2 job (rank 0 recorded fake, docs/sharding.md).")
+@click.option("--hsdp", "replicas", type=int, default=1, show_default=True, metavar="R",
+              help="With --fsdp N: an HSDP job of R replicas of N/R-rank shard groups (docs/sharding.md).")
+@click.option("--fsdp-param-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="With --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=...). [default: the parameters' own]")
+@click.option("--fsdp-reduce-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
+              help="With --fsdp: MixedPrecisionPolicy(reduce_dtype=...). [default: the param dtype]")
 @click.option("--guide", is_flag=True,
               help="Record batch 2 and 3 first and search each planner on steps drawn through them; then "
                    "recordings confirm each answer (fewer recordings: for large models).")
@@ -51,7 +57,8 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 @units_option
 @handle_errors
 def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, no_kv_cache,
-            device_profile, budget, max_overhead, method, time_limit, seed, limit, fsdp, guide, as_json, units) -> None:
+            device_profile, budget, max_overhead, method, time_limit, seed, limit, fsdp, replicas, fsdp_param_dtype,
+            fsdp_reduce_dtype, guide, as_json, units) -> None:
     """The largest batch size whose training step fits the budget with extra compute within
     --max-overhead: for our planner, for no planning, sqrt(n) checkpointing, checkpointing every
     block and DTR (offline); a planner stopped by the overhead cap rather than the budget is
@@ -71,8 +78,12 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
         raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
     if limit < 1:
         raise UsageError(f"--limit must be a positive batch size, got {limit}.")
+    from ..record.fsdp import mixed_precision
+
     with Status('searching') as status:
-        record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, fsdp=fsdp, seq=seq,
+        record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, fsdp=fsdp,
+                               replicas=replicas, mixed_precision=mixed_precision(fsdp_param_dtype, fsdp_reduce_dtype),
+                               seq=seq,
                                image_size=image_size, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                                dtype=dtype, optimizer=optimizer, kv_cache=not no_kv_cache)
         result = max_batch(record, budget_bytes, method=method, max_overhead_pct=overhead, time_limit=time_limit,
@@ -82,6 +93,9 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
                           "optimizer": optimizer, **({"kv_cache": False} if no_kv_cache else {})}
     result["device_profile"] = profile.name
     result["fsdp"] = fsdp
+    if fsdp is not None:
+        result["hsdp_replicas"] = replicas
+        result["fsdp_mixed_precision"] = mixed_precision(fsdp_param_dtype, fsdp_reduce_dtype)
     if as_json:
         click.echo(json.dumps(result, indent=1))
         return
@@ -90,4 +104,9 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
     title = f"{model_name or entry} ({sizes}), fake steps costed on {profile.name}"
     if fsdp is not None:
         title += f", rank 0 of {fsdp} FSDP2 ranks (batch per rank)"
+        if replicas > 1:
+            title += f", HSDP: {replicas} replicas of {fsdp // replicas}-rank shard groups"
+        if fsdp_param_dtype or fsdp_reduce_dtype:
+            title += (f", gathered in {fsdp_param_dtype or 'the parameters dtype'}, reduced in "
+                      f"{fsdp_reduce_dtype or fsdp_param_dtype or 'it'}")
     click.echo(render_max_batch(result, title, units or "auto"), nl=False)
