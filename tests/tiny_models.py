@@ -788,3 +788,37 @@ def chained_blocks(batch: int = 256, **_):
                           nn.Linear(h, 4))
     x, y = torch.randn(batch, h), torch.randint(0, 4, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def shared_act_layerdrop(batch: int = 1024, **_):
+    """``layerdrop_mlp`` whose blocks call one GELU registered on the model (a shared module,
+    called once per block): a skipped block shifts which of its calls the next block makes."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, h: int):
+            super().__init__()
+            self.up, self.down, self.drop = nn.Linear(h, 4 * h), nn.Linear(4 * h, h), nn.Dropout(0.1)
+
+        def forward(self, x, act):
+            return self.down(self.drop(act(self.up(x))))
+
+    class Net(nn.Module):
+        def __init__(self, h: int = 32, n: int = 6):
+            super().__init__()
+            self.act = nn.GELU()
+            self.blocks = nn.ModuleList(Block(h) for _ in range(n))
+            self.head = nn.Linear(h, 4)
+            self.layerdrop = 0.5
+
+        def forward(self, x):
+            for b in self.blocks:
+                if not self.training or torch.rand(()) >= self.layerdrop:
+                    x = x + b(x, self.act)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    x, y = torch.randn(batch, 32), torch.randint(0, 4, (batch,))
+    return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
