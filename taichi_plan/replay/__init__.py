@@ -83,7 +83,8 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                             "such output: the plan was made for another trace.")
         drops[where[0]].setdefault(where[1], []).append((j, r.tensor))
     recipes: list[set] = [set() for _ in calls]
-    for op in recipe_ops(plan, trace, problem):
+    rerun = recipe_ops(plan, trace, problem)
+    for op in rerun:
         where = locate(op)
         if where is None:
             raise PlanError(f"A rebuild in this plan re-runs op {op} ({names[op]}), which ran outside the model's "
@@ -113,7 +114,8 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
             if where is not None and where[0] == head[0]:
                 skip[head[0]].add(where[1])
 
-    group_of, trigger_of = rebuild_groups(plan, trace, problem)
+    simulated = _simulated(plan, problem)
+    group_of, trigger_of = _groups(*simulated[1:]) if simulated is not None else ({}, {})
     triggers: list[dict] = [{} for _ in calls]
     for tid, group in trigger_of.items():
         k = problem._index.get(tid)  # a chunk's piece of a partition is no tensor of the trace
@@ -133,7 +135,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         where = locate(int(op))
         if where is not None:
             sized[where[0]].add(where[1])
-    regions = _call_regions(plan, trace, problem, counted, before)
+    regions = _call_regions(plan, trace, simulated, rerun, counted, before)
     for c, (call, ops) in enumerate(zip(calls, call_ops(trace, pos), strict=True)):
         s0 = call["start"]
         alive = any(a < s0 and (f == -1 or f >= s0) for a, f in grads)
@@ -158,20 +160,19 @@ def _entries(starts: dict, uncounted: list[str]) -> tuple:
                          if name and not any(name.startswith(u + ".") for u in uncounted) for s in ss}))
 
 
-def _call_regions(plan: Plan, trace, problem, counted: list[bool], before: list[int]) -> dict[int, dict | None]:
+def _call_regions(plan: Plan, trace, simulated, rerun: set[int], counted: list[bool],
+                  before: list[int]) -> dict[int, dict | None]:
     """Per grad-enabled model call: its planned regions (:mod:`taichi_plan.regions`) as the
     runtime enters them, module name -> {its k-th call in the model call: (first, last)
     counted op from the call's first op}; None where the runtime runs over the whole call.
-    Calls with nothing to see (no drop, no rebuild) are left out: no mode runs there."""
+    Calls with nothing to see (no drop, no rebuild) are left out: no mode runs there.
+    ``simulated``: :func:`_simulated`; ``rerun``: :func:`recipe_ops`."""
     from ..regions import checkpointed_modules, early_triggers, needed_ops, planned_regions
-    from ..simulate import simulate_plan
-    from ..solve.result import drops_from_plan
 
-    drops = drops_from_plan(problem, plan)
-    if not drops:
+    if simulated is None:
         return {}
-    sim, parted = simulate_plan(problem, drops, plan.partitions)
-    needed = needed_ops(parted, drops, recipe_ops(plan, trace, problem), early_triggers(parted, sim))
+    drops, sim, parted = simulated
+    needed = needed_ops(parted, drops, rerun, early_triggers(parted, sim))
     calls = model_calls(trace)
     out: dict[int, dict | None] = {}
     for c, regions in planned_regions(trace, needed, checkpointed_modules(plan.partitions)).items():
@@ -294,15 +295,28 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
     node reads for the last time (its *trigger*), while that tensor is still alive. A group with no such tensor is left to its members' unpack (then its gone inputs
     are re-made from recipes where they have them)."""
     from ..optimizer_plan import problem_for_plan
-    from ..regions import early_triggers
+
+    simulated = _simulated(plan, problem_for_plan(plan, trace, problem))
+    return _groups(*simulated[1:]) if simulated is not None else ({}, {})
+
+
+def _simulated(plan: Plan, problem) -> tuple | None:
+    """(drops, simulation, problem with the partitions applied) of ``plan``'s drops on
+    ``problem`` (the plan's view of its trace); None when it drops nothing."""
     from ..simulate import simulate_plan
     from ..solve.result import drops_from_plan
 
-    problem = problem_for_plan(plan, trace, problem)
     drops = drops_from_plan(problem, plan)
     if not drops:
-        return {}, {}
+        return None
     sim, parted = simulate_plan(problem, drops, plan.partitions)
+    return drops, sim, parted
+
+
+def _groups(sim, parted) -> tuple[dict[int, int], dict[int, int]]:
+    """:func:`rebuild_groups` of a simulated plan."""
+    from ..regions import early_triggers
+
     triggers = {int(parted.tensor_id[u]): r for u, r in early_triggers(parted, sim).items()}
     return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}, triggers
 

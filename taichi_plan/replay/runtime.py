@@ -520,11 +520,7 @@ class PlanRuntime(TorchDispatchMode):
             self._stack.append((frame, _REGIONS))
             self.planned_calls += 1
             return True
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
-        self.__enter__()
-        hooks.__enter__()
-        frame.counting = True
-        self._stack.append((frame, hooks))
+        self._stack.append((frame, self._mode_on(frame)))
         self.planned_calls += 1
         return True
 
@@ -557,15 +553,7 @@ class PlanRuntime(TorchDispatchMode):
             self._end_regions(frame, failed)
             return
         self._skip(frame)
-        gone = {m for m, _ in frame.skipped}
-        missed = [m for m in frame.call.spans if m not in frame.entered
-                  and not any(m == g or m.startswith(g + ".") for g in gone)]
-        if not failed and frame.enabled and missed:
-            self._frame_mismatch(frame, (
-                f"The plan partitions module {missed[0]!r}, but its forward was not called in call "
-                f"{frame.call.index} of the model, so its ops ran whole and the plan's memory prediction does "
-                "not hold. The model's code reaches that module's ops another way than through its forward: "
-                "record and solve again."), ended=True)
+        if not failed and frame.enabled and self._missed_partition(frame):
             return
         if not failed and frame.enabled and frame.n < len(frame.call.ops):  # a loop over routed data ended it?
             at = self._past_iterations(frame, frame.n, None)
@@ -1021,12 +1009,17 @@ class PlanRuntime(TorchDispatchMode):
         n = self._skip(frame)
         if want <= n:
             return
-        skipped = self._walk(frame, n, want)
+        if self._note_skipped(frame, self._walk(frame, n, want)):
+            frame.n = want
+
+    def _note_skipped(self, frame: Frame, skipped: list | None) -> bool:
+        """Note ``skipped`` (:meth:`_walk`'s) as module calls the live forward did not make;
+        False when there was no walk (None)."""
         if skipped is None:
-            return
+            return False
         frame.skipped.extend(skipped)
         self.skipped_calls += len(skipped)
-        frame.n = want
+        return True
 
     @staticmethod
     def _walk(frame: Frame, n: int, want: int) -> list | None:
@@ -1068,11 +1061,7 @@ class PlanRuntime(TorchDispatchMode):
         it ends, as a call run whole is (after a skipped module call: what runs after it may
         differ, and only op by op can that be seen)."""
         frame.n = at
-        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
-        self.__enter__()
-        hooks.__enter__()
-        frame.counting = True
-        frame.region = (None, None, at, len(frame.call.ops) - 1, hooks)
+        frame.region = (None, None, at, len(frame.call.ops) - 1, self._mode_on(frame))
 
     def _enter_region(self, frame: Frame, module, name: str, span: tuple[int, int]) -> None:
         """A planned region's module call starts (:mod:`taichi_plan.regions`): the op count
@@ -1080,12 +1069,17 @@ class PlanRuntime(TorchDispatchMode):
         it returns (:meth:`_left`)."""
         first, last = span
         frame.n = first
+        frame.region = (module, name, first, last, self._mode_on(frame))
+        self.regions_run += 1
+
+    def _mode_on(self, frame: Frame):
+        """Enter the dispatch mode and the saved-tensor hooks (the hooks innermost); returns
+        the hooks' context, to leave after them."""
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_hook, self._unpack_hook)
         self.__enter__()
         hooks.__enter__()
         frame.counting = True
-        frame.region = (module, name, first, last, hooks)
-        self.regions_run += 1
+        return hooks
 
     def _left(self, module, _args, _out) -> None:
         """A module's forward returned (a global forward hook, ``always_call``, while a planned
@@ -1115,10 +1109,7 @@ class PlanRuntime(TorchDispatchMode):
             if at is not None:
                 self.skipped_sized_ops += at - n
                 return
-            skipped = self._walk(frame, n, last + 1)  # its last module calls skipped (layerdrop)
-            if skipped is not None:
-                frame.skipped.extend(skipped)
-                self.skipped_calls += len(skipped)
+            if self._note_skipped(frame, self._walk(frame, n, last + 1)):  # its last module calls skipped (layerdrop)
                 return
             self._frame_mismatch(frame, (
                 f"Module {name!r} ran {n - first} ops in call {frame.call.index} of the model, where the plan's trace "
@@ -1132,15 +1123,22 @@ class PlanRuntime(TorchDispatchMode):
         if failed or not frame.enabled:
             return
         self._jumped(frame, len(frame.call.ops))  # the recorded module calls after the last one called: skipped
-        fewer = [m for m, _ in frame.skipped]
+        self._missed_partition(frame)
+
+    def _missed_partition(self, frame: Frame) -> bool:
+        """At the end of a call: a partitioned module whose wrapper did not run, and that no
+        skipped module call holds, ran its ops whole another way: a mismatch (True)."""
+        gone = [m for m, _ in frame.skipped]
         missed = [m for m in frame.call.spans if m not in frame.entered
-                  and not any(m == g or m.startswith(g + ".") for g in fewer)]
-        if missed:
-            self._frame_mismatch(frame, (
-                f"The plan partitions module {missed[0]!r}, but its forward was not called in call "
-                f"{frame.call.index} of the model, so its ops ran whole and the plan's memory prediction does "
-                "not hold. The model's code reaches that module's ops another way than through its forward: "
-                "record and solve again."), ended=True)
+                  and not any(m == g or m.startswith(g + ".") for g in gone)]
+        if not missed:
+            return False
+        self._frame_mismatch(frame, (
+            f"The plan partitions module {missed[0]!r}, but its forward was not called in call "
+            f"{frame.call.index} of the model, so its ops ran whole and the plan's memory prediction does "
+            "not hold. The model's code reaches that module's ops another way than through its forward: "
+            "record and solve again."), ended=True)
+        return True
 
     def _resync(self, frame: Frame, i: int, name: str) -> int | None:
         """The op index at which op ``name`` continues the recorded call when the live forward
