@@ -15,10 +15,12 @@ precision is refused on a job of the other.
 
 On GPUs: ``init_process_group("nccl")``, ``init_device_mesh("cuda", ...)`` and
 ``torch.cuda.set_device(local_rank)``; across nodes, torchrun's ``--nnodes``/``--rdzv-endpoint``.
-The model must be sharded as it was recorded (each repeated block, then the root, with the
-same ``reshard_after_forward``): ``apply`` refuses a plan of another layout. ``apply`` then sets
-each unit's ``reshard_after_forward`` as the plan decides (``decisions.reshard_after_forward``)
-and its prefetching (``decisions.fsdp_prefetch``: ``set_modules_to_forward_prefetch`` /
+The model must be sharded as it was recorded (each repeated block, then the root), each unit
+with the ``reshard_after_forward`` the plan runs it with (``taichi_plan.reshard_settings(plan)``:
+FSDP2 takes an int, resharding to a smaller mesh after forward, only in ``fully_shard``):
+``apply`` refuses a plan of another layout. ``apply`` then sets each unit's bool
+``reshard_after_forward`` as the plan decides (``decisions.reshard_after_forward``) and its
+prefetching (``decisions.fsdp_prefetch``: ``set_modules_to_forward_prefetch`` /
 ``set_modules_to_backward_prefetch``), and ``finish`` restores them.
 """
 
@@ -46,9 +48,10 @@ def main(plan_path: str, precision: str | None = None, steps: int = 3) -> None:
     model, batch, loss_fn, _ = workload.build(False)
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16"
               else MixedPrecisionPolicy())
-    for block in model.transformer.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    settings = taichi_plan.reshard_settings(plan_path)  # per unit: True, False, or ranks to reshard to
+    for k, block in enumerate(model.transformer.h):
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=settings.get(f"transformer.h.{k}", True))
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=settings.get("", True))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)  # after sharding: over the shards
 
     model = taichi_plan.apply(model, plan_path, optimizer=optimizer)

@@ -26,6 +26,14 @@ def finish(model) -> None:
     _finish(model)
 
 
+def reshard_settings(plan) -> dict:
+    """Each FSDP unit's ``reshard_after_forward`` as ``plan`` runs the job (FQN -> True, False
+    or an int), to pass to its ``fully_shard``; see :func:`taichi_plan.sharding.reshard_settings`."""
+    from .sharding import reshard_settings as _settings
+
+    return _settings(plan)
+
+
 def chunked_cross_entropy(hidden, head, labels, chunks: int = 8, **kwargs):
     """``F.cross_entropy(head(hidden).reshape(-1, V), labels.reshape(-1))`` computed ``chunks``
     rows of tokens at a time, so the full logits and their gradient never exist; for code that
@@ -36,5 +44,5 @@ def chunked_cross_entropy(hidden, head, labels, chunks: int = 8, **kwargs):
     return _chunked(hidden, head, labels, chunks, **kwargs)
 
 
-__all__ = ["Trace", "TaichiError", "apply", "chunked_cross_entropy", "finish", "read_trace", "write_trace",
-           "__version__"]
+__all__ = ["Trace", "TaichiError", "apply", "chunked_cross_entropy", "finish", "read_trace", "reshard_settings",
+           "write_trace", "__version__"]

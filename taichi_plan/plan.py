@@ -22,7 +22,9 @@ version 9 counts the runtime's per-re-run and per-drop costs in ``extra_compute`
 objective) instead of ``predicted.runtime_overhead`` (:mod:`taichi_plan.overhead`);
 version 10 drops of the outputs of a module checkpointed whole (``chunks: 1``), rebuilt
 through its insides (:func:`taichi_plan.partition.whole_outputs`); version 11 predicts a head
-over tokens as one fused pass, whose cost may be below 0 (:mod:`taichi_plan.token_span`).
+over tokens as one fused pass, whose cost may be below 0 (:mod:`taichi_plan.token_span`);
+version 13 layouts whose units reshard to a smaller mesh after forward (an int
+``reshard_after_forward``, trace v17).
 Version 10 files, version 9 files, version 8 files, version 7 files, version 6 files, version 5 files, version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
@@ -39,8 +41,8 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 12
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12)
+FORMAT_VERSION = 13
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
 __all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
            "save_plan"]
 

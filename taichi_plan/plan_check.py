@@ -114,6 +114,12 @@ def check_plan_json(obj: dict, where: str) -> None:
         # the split step has more ops than the recorded one)
         _int(where, "decisions.optimizer.num_ops", opt.get("num_ops"), lo=0)
         n = opt["num_ops"]
+    rsd = (obj.get("decisions") or {}).get("reshard_after_forward") if isinstance(obj.get("decisions"), dict) else None
+    if isinstance(rsd, dict) and rsd.get("num_ops") is not None:
+        # v13: a unit resharding to a smaller mesh runs FSDP's post-forward ops: the step the
+        # plan's ids refer to has more ops than the recorded one
+        _int(where, "decisions.reshard_after_forward.num_ops", rsd.get("num_ops"), lo=0)
+        n = rsd["num_ops"]
 
     s = obj["solver"]
     _str(where, "solver.method", s.get("method"))
@@ -201,8 +207,10 @@ def check_plan_json(obj: dict, where: str) -> None:
             f = f"decisions.reshard_after_forward.units[{i}]"
             _kind(where, f, u, dict, "an object")
             _str(where, f"{f}.module", u.get("module"))
-            for key in ("reshard_after_forward", "recorded"):
-                _kind(where, f"{f}.{key}", u.get(key), bool, "true or false")
+            for key in ("reshard_after_forward", "recorded"):  # v13: or the ranks of a smaller mesh
+                v = u.get(key)
+                if not (isinstance(v, bool) or (isinstance(v, int) and v > 1)):
+                    _kind(where, f"{f}.{key}", None, bool, "true, false, or a number of ranks above 1")
         _num(where, "decisions.reshard_after_forward.step_compute_saved", rs.get("step_compute_saved"), none=True)
 
     pf = (obj.get("decisions") or {}).get("fsdp_prefetch")

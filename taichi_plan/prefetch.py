@@ -344,7 +344,8 @@ def prefetch_problem(problem, early: dict[str, set[int]]):
     from .problem import build_problem
 
     rec = getattr(problem, "recorded_problem", None) or problem
-    key = (tuple(sorted((problem.trace.meta.get("reshard_view") or {}).get("units", []))),
+    info = problem.trace.meta.get("reshard_view") or {}
+    key = (tuple(sorted(info.get("units", []))), tuple(sorted((info.get("to") or {}).items())),
            tuple(tuple(sorted(int(u) for u in early.get(ph, ()))) if ph in early else None for ph in PHASES))
     cache = rec.__dict__.setdefault("_prefetch_problems", {})
     if key not in cache:

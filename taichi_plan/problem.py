@@ -21,9 +21,10 @@ from .sharding import incarnations
 from .trace import Trace, backward_node_starts, baseline_live_bytes, live_intervals
 
 # Kinds no plan frees: model state, inputs, and what FSDP allocates and frees itself (its
-# unsharded parameters and gradients, its communication buffers), and DDP's gradient buckets.
+# unsharded parameters and gradients, its communication buffers, the shards of an int
+# reshard_after_forward's smaller mesh), and DDP's gradient buckets.
 FIXED_KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "input", "unsharded_parameter",
-               "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket")
+               "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket", "post_forward_shard")
 
 
 @dataclass

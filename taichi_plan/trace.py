@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 16
+FORMAT_VERSION = 17
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
@@ -36,8 +36,10 @@ FORMAT_VERSION = 16
 # v14 measures a head over tokens as replay now runs it, loss and gradients in one fused forward
 # pass (span_costs.tokens.fused; its extra_s may be below 0); older measurements are not used;
 # v15 adds the end of each module call to meta.module_args (where replay's planned regions end);
-# v16 adds meta.fsdp.units[].param_dtype/reduce_dtype (FSDP2's MixedPrecisionPolicy as it runs)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16)
+# v16 adds meta.fsdp.units[].param_dtype/reduce_dtype (FSDP2's MixedPrecisionPolicy as it runs);
+# v17 lets meta.fsdp.units[].reshard_after_forward be an int (the ranks FSDP2 reshards to after
+# forward) and adds the kind post_forward_shard (the shards it keeps there)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 
@@ -119,7 +121,8 @@ def data_sized_note(meta: dict) -> str | None:
 
 
 KINDS = ("parameter", "buffer", "gradient", "optimizer_state", "activation", "input", "temporary",
-         "unsharded_parameter", "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket")
+         "unsharded_parameter", "unsharded_gradient", "all_gather", "reduce_scatter", "ddp_bucket",
+         "post_forward_shard")
 ROLES = ("read", "write")
 COST_SOURCES = ("measured", "estimated", "imported")
 

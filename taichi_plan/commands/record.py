@@ -43,6 +43,10 @@ from ._common import Status, handle_errors, size_options
 @click.option("--no-reshard-after-forward", is_flag=True,
               help="With --fsdp: fully_shard(..., reshard_after_forward=False): units keep their parameters "
                    "gathered from forward to backward.")
+@click.option("--reshard-to", "reshard_to", type=int, default=None, metavar="K",
+              help="With --fsdp: each block's fully_shard(..., reshard_after_forward=K): after forward its parameters "
+                   "stay sharded over groups of K ranks (a factor of the shard group's size), and backward gathers "
+                   "them within that group.")
 @click.option("--fsdp-param-dtype", type=click.Choice(["bf16", "fp16", "fp32"]), default=None,
               help="With --fsdp: FSDP2's MixedPrecisionPolicy(param_dtype=...): each unit gathers its parameters, and "
                    "runs forward and backward, in this dtype. [default: the parameters' own]")
@@ -66,7 +70,7 @@ from ._common import Status, handle_errors, size_options
 @handle_errors
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
             no_kv_cache, fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
-            fsdp, no_reshard_after_forward, fsdp_param_dtype, fsdp_reduce_dtype, replicas, ddp, bucket_cap_mb,
+            fsdp, no_reshard_after_forward, reshard_to, fsdp_param_dtype, fsdp_reduce_dtype, replicas, ddp, bucket_cap_mb,
             gradient_as_bucket_view, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
@@ -83,8 +87,15 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         model=model_name, entry=entry, batch=batch, seq=seq, image_size=image_size, layers=layers,
         hidden=hidden, heads=heads, vocab=vocab, dtype=dtype, optimizer=optimizer, kv_cache=not no_kv_cache,
     )
-    if no_reshard_after_forward and fsdp is None:
-        raise UsageError("--no-reshard-after-forward applies to sharded recordings: add --fsdp N.")
+    if (no_reshard_after_forward or reshard_to is not None) and fsdp is None:
+        raise UsageError("--no-reshard-after-forward and --reshard-to apply to sharded recordings: add --fsdp N.")
+    if no_reshard_after_forward and reshard_to is not None:
+        raise UsageError("--no-reshard-after-forward and --reshard-to K are two settings of reshard_after_forward: "
+                         "give one of them.")
+    if reshard_to is not None:
+        from ..record.fsdp import reshard_setting
+
+        reshard_setting(reshard_to, fsdp // (replicas or 1), "--reshard-to")
     if replicas is not None and fsdp is None:
         raise UsageError("--hsdp R shards over a 2-D mesh of R replicas: add --fsdp N (N ranks in all).")
     if replicas is not None and fsdp is not None:
@@ -109,7 +120,8 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
             from ..record.fsdp import mixed_precision, record_fsdp_workload
 
             trace = record_fsdp_workload(workload, fsdp, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
-                                         reshard_after_forward=not no_reshard_after_forward,
+                                         reshard_after_forward=(reshard_to if reshard_to is not None
+                                                                else not no_reshard_after_forward),
                                          mixed_precision=mixed_precision(fsdp_param_dtype, fsdp_reduce_dtype),
                                          replicas=replicas or 1, progress=status.update)
         elif ddp is not None:

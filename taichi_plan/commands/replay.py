@@ -83,9 +83,12 @@ def render_sharded(r: dict) -> str:
             f"{'match' if k['grads_match'] and k['params_match'] else 'DIFFER'}")
     lines.append(f"  gradients          {'match' if r['grads_match'] else 'DIFFER'} ({r['grads_check']})")
     units = r["ranks"][0].get("reshard_after_forward") if r["ranks"] else None
-    off = [m for m, on in units or () if not on]
+    off = [m for m, on in units or () if on is False]
+    smaller = [f"{m} to {on} ranks" for m, on in units or () if not isinstance(on, bool)]
     if units:
-        lines.append(f"  reshard            as run: not resharding after forward: {', '.join(off)}" if off
+        said = ([f"not resharding after forward: {', '.join(off)}"] if off else []) + (
+            [f"resharding after forward {', '.join(smaller)}"] if smaller else [])
+        lines.append(f"  reshard            as run: {'; '.join(said)}" if said
                      else "  reshard            as run: every FSDP unit reshards after forward")
     prefetch = r["ranks"][0].get("fsdp_prefetch") if r["ranks"] else None
     if units and prefetch is not None:

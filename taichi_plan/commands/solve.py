@@ -43,8 +43,13 @@ def render_solve_summary(plan, units: str = "auto") -> str:
     ]
     off = [u["module"] or "<root>" for u in (plan.reshard or {}).get("units", []) if u["reshard_after_forward"] is False
            and u["recorded"] is True]
-    if off:
-        lines.append(f"FSDP       not resharding after forward: {', '.join(off)} (saves "
+    smaller = [f"{u['module'] or '<root>'} to {u['reshard_after_forward']} ranks"
+               for u in (plan.reshard or {}).get("units", []) if not isinstance(u["reshard_after_forward"], bool)
+               and u["recorded"] is True]
+    if off or smaller:
+        said = ([f"not resharding after forward: {', '.join(off)}"] if off else []) + (
+            [f"resharding after forward {', '.join(smaller)}"] if smaller else [])
+        lines.append(f"FSDP       {'; '.join(said)} (saves "
                      f"{format_cost(plan.reshard['step_compute_saved'], unit)} of backward all-gathers)")
     pf = plan.prefetch or {}
     if pf.get("units"):
@@ -113,7 +118,9 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--reshard", "reshard", type=click.Choice(list(RESHARD_CHOICES)), default="auto", show_default=True,
               help="Sharded traces (record --fsdp N): auto lets the planner choose which FSDP units keep their "
                    "gathered parameters from forward to backward (reshard_after_forward=False: no backward "
-                   "all-gather, more memory); as-recorded keeps every unit as recorded.")
+                   "all-gather, more memory) and which reshard to a smaller mesh of K ranks (an int: 1/K of "
+                   "them held, the backward all-gather within that group); as-recorded keeps every unit as "
+                   "recorded.")
 @click.option("--prefetch", "prefetch", type=click.Choice(list(PREFETCH_CHOICES)), default="auto", show_default=True,
               help="Sharded traces: auto lets the planner choose which FSDP all-gathers are issued early (FSDP2's "
                    "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch: the all-gather overlaps the "

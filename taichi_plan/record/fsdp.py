@@ -59,7 +59,9 @@ TRACKER_KINDS = {
     "Reduce Scatter": ("reduce_scatter",),
     "OptState": ("optimizer_state",),
     "Inputs": ("input",),
-    "Activation+Temp": ("activation", "temporary"),
+    # the shards an int reshard_after_forward keeps (FSDP's _sharded_post_forward_param_data):
+    # the tracker knows no category for them and files them as activations
+    "Activation+Temp": ("activation", "temporary", "post_forward_shard"),
 }
 
 
@@ -138,21 +140,69 @@ def mp_policy(setting: dict | None):
     return MixedPrecisionPolicy(param_dtype=dtype("param_dtype"), reduce_dtype=dtype("reduce_dtype"))
 
 
-def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = True,
+Reshard = bool | int  # a unit's reshard_after_forward: True, False, or the group size to reshard to
+
+
+def reshard_setting(value, shard_size: int, what: str = "reshard_after_forward") -> Reshard:
+    """A unit's ``reshard_after_forward`` as FSDP2 runs it: a bool, or an int that is a factor
+    of the shard group's size (FSDP2 reads 1 as False and the group's size as True; so does
+    this). Anything else is a :class:`UsageError` that names the factors."""
+    if isinstance(value, bool):
+        return value
+    factors = [k for k in range(2, shard_size) if shard_size % k == 0]
+    if not isinstance(value, int) or value < 1 or shard_size % value:
+        raise UsageError(
+            f"{what} is {value!r}: give True, False, or the number of ranks to reshard to after forward, a "
+            f"factor of the {shard_size}-rank shard group (" + (", ".join(map(str, factors)) if factors else
+                                                               "this group has none between 1 and itself") + ").")
+    return False if value == 1 else True if value == shard_size else value
+
+
+@contextlib.contextmanager
+def _post_forward_mesh_outside_fake():
+    """FSDP2 builds the smaller mesh of an int ``reshard_after_forward`` from the device
+    mesh's rank tensor, in ``fully_shard``; under ``FakeTensorMode`` that tensor op comes out
+    fake and the new ``DeviceMesh`` fails. Run it outside the fake mode (the mesh is real
+    metadata, as the mesh made before the mode is)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    orig = _fully_shard._get_post_forward_mesh_info
+
+    def outside(*args, **kwargs):
+        with unset_fake_temporarily():
+            return orig(*args, **kwargs)
+
+    _fully_shard._get_post_forward_mesh_info = outside
+    try:
+        yield
+    finally:
+        _fully_shard._get_post_forward_mesh_info = orig
+
+
+def shard_model(model, mesh, reshard_after_forward: Reshard | dict[str, Reshard] = True,
                 prefetch: dict[str, dict] | None = None, mixed_precision: dict | None = None) -> list[str]:
     """``fully_shard`` each repeated block of ``model``, then the root; the units' FQNs in
     order (the root is ``''``). ``reshard_after_forward``: one setting for every unit, or per
-    unit FQN (units not named reshard). ``prefetch``: explicit prefetching per unit FQN
+    unit FQN (units not named reshard); each True, False, or an int: the ranks to reshard to
+    after forward (:func:`reshard_setting`; one int for every unit sets the blocks, the root
+    reshards as usual). ``prefetch``: explicit prefetching per unit FQN
     (:func:`set_prefetch`; units not named keep FSDP's default). ``mixed_precision``: every
     unit's :func:`mp_policy` (None: FSDP's default)."""
     from torch.distributed.fsdp import fully_shard
 
     from ..solve.baselines import find_blocks
 
-    def setting(fqn: str) -> bool:
+    shard_size = int(mesh.shape[-1])
+
+    def setting(fqn: str) -> Reshard:
         if isinstance(reshard_after_forward, dict):
-            return bool(reshard_after_forward.get(fqn, True))
-        return bool(reshard_after_forward)
+            value = reshard_after_forward.get(fqn, True)
+        elif isinstance(reshard_after_forward, bool) or fqn:
+            value = reshard_after_forward
+        else:
+            value = True  # an int for the blocks: the root, which runs first in backward, reshards in full
+        return reshard_setting(value, shard_size, f"reshard_after_forward of {fqn or 'the root'}")
 
     blocks = find_blocks([name for name, _ in model.named_modules()])
     if isinstance(reshard_after_forward, dict):
@@ -161,9 +211,10 @@ def shard_model(model, mesh, reshard_after_forward: bool | dict[str, bool] = Tru
             raise UsageError(f"reshard_after_forward names {unknown[0]!r}, which is not an FSDP unit of this model "
                              f"(units: {', '.join(repr(b) for b in [*blocks, ''])}).")
     policy = mp_policy(mixed_precision)
-    for b in blocks:
-        fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=setting(b), mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=setting(""), mp_policy=policy)
+    with _post_forward_mesh_outside_fake():
+        for b in blocks:
+            fully_shard(model.get_submodule(b), mesh=mesh, reshard_after_forward=setting(b), mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=setting(""), mp_policy=policy)
     if prefetch:
         set_prefetch(model, prefetch)
     return [*blocks, ""]
@@ -197,17 +248,28 @@ def set_reshard(model, settings: dict[str, bool]) -> Callable[[], None]:
     that value: that pins it (FSDP2's default, ``reshard_after_forward=None``, would otherwise
     turn the root's off at its lazy init, after ``apply``). Returns a function that restores
     the previous values."""
+    from ..errors import PlanError
+
     changed = []
     for fqn, m in fsdp_units(model):
         value = settings.get(fqn)
         if value is None:
             continue
-        changed.append((m, _group(m).post_forward_mesh_info is not None))
-        m.set_reshard_after_forward(bool(value), recurse=False)
+        g = _group(m)
+        if not isinstance(value, bool):  # an int: set only by fully_shard (FSDP2's setter takes a bool)
+            if _reshard_of(g) != value:
+                raise PlanError(
+                    f"The plan reshards FSDP unit {fqn or '<root>'} to {value} ranks after forward, but the model "
+                    f"has reshard_after_forward={_reshard_of(g)} there. FSDP2 sets an int only when it shards: pass "
+                    f"reshard_after_forward={value} to that unit's fully_shard.")
+            continue
+        changed.append((m, g, g.post_forward_mesh_info))
+        m.set_reshard_after_forward(value, recurse=False)
 
     def undo() -> None:
-        for m, was in changed:
-            m.set_reshard_after_forward(was, recurse=False)
+        for m, g, was in changed:
+            m.set_reshard_after_forward(was is not None, recurse=False)
+            g.post_forward_mesh_info = was  # as it was, an int's smaller mesh included
 
     return undo
 
@@ -260,6 +322,17 @@ def live_prefetch(model) -> dict[str, dict]:
 
 def _group(module):
     return module._get_fsdp_state()._fsdp_param_group
+
+
+def _reshard_of(group) -> Reshard:
+    """A param group's ``reshard_after_forward`` as FSDP2 holds it: False (no post-forward
+    mesh), True (its own mesh), or the size of the smaller mesh it reshards to."""
+    post = group.post_forward_mesh_info
+    if post is None:
+        return False
+    if post == group.mesh_info:
+        return True
+    return int(post.shard_mesh_size)
 
 
 def live_layout(model) -> dict | None:
@@ -324,8 +397,9 @@ def describe_layout(model, mesh, world_size: int, backend: str) -> dict:
         g = _group(m)
         unit = {
             "module": fqn,
-            # FSDP2 never reshards the root after forward (backward would gather it at once)
-            "reshard_after_forward": g.post_forward_mesh_info is not None,
+            # FSDP2 never reshards the root after forward (backward would gather it at once);
+            # an int: the ranks of the smaller mesh it reshards to (trace v17)
+            "reshard_after_forward": _reshard_of(g),
             "params": [fp._param_fqn or "" for fp in g.fsdp_params],
             "sharded_nbytes": int(sum(fp.sharded_param._local_tensor.untyped_storage().nbytes()
                                       for fp in g.fsdp_params)),
@@ -397,6 +471,11 @@ class FsdpInstrument:
             finally:
                 if rec.current is not None and rec.op_count > start:
                     self.spans.append([start, rec.op_count - 1, unit])
+                if name == "reshard":  # an int reshard_after_forward: the shards of the smaller mesh
+                    for fp in group.fsdp_params:
+                        shard = getattr(fp, "_sharded_post_forward_param_data", None)
+                        if shard is not None:
+                            rec.relabel(shard, "post_forward_shard")
 
         return inner
 
@@ -475,7 +554,7 @@ def record_fsdp_workload(
     steps: int = 2,
     warmup: int = 1,
     loop: Loop | None = None,
-    reshard_after_forward: bool | dict[str, bool] = True,
+    reshard_after_forward: Reshard | dict[str, Reshard] = True,
     prefetch: dict[str, dict] | None = None,
     mixed_precision: dict | None = None,
     replicas: int = 1,
@@ -519,7 +598,7 @@ def record_fsdp_workload(
 
 
 def record_rank(workload: Workload, mesh, world_size: int, *, backend: str, profile, steps: int, warmup: int,
-                loop: Loop, reshard_after_forward: bool | dict[str, bool], check_tracker: bool, record: bool = True,
+                loop: Loop, reshard_after_forward: Reshard | dict[str, Reshard], check_tracker: bool, record: bool = True,
                 progress: Callable[[str], None] | None = None, prefetch: dict[str, dict] | None = None,
                 mixed_precision: dict | None = None) -> Trace | None:
     """This rank's part of a sharded recording, inside its process group: build (fake when

@@ -179,8 +179,11 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
         runner = ddp_record.wrap_as_recorded(model, ddp)
     else:
         units = (trace.meta.get("fsdp") or {}).get("units", [])
-        shard_model(model, mesh, {u["module"]: bool(u["reshard_after_forward"]) for u in units},  # as recorded, per unit
-                    mixed_precision=recorded_mixed_precision(trace.meta))
+        setting = {u["module"]: u["reshard_after_forward"] for u in units}  # as recorded, per unit
+        if plan is not None and plan.reshard:  # an int the plan sets: FSDP2 takes one only in fully_shard
+            setting.update({u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]
+                            if not isinstance(u["reshard_after_forward"], bool)})
+        shard_model(model, mesh, setting, mixed_precision=recorded_mixed_precision(trace.meta))
         optimizer = rebuild_optimizer(optimizer, model)
         runner = model
     loop = Loop.from_meta(trace.meta)
@@ -363,7 +366,7 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
 
 
 def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, device_profile, steps: int,
-                warmup: int, loop: dict, reshard_after_forward: bool, check_tracker: bool, out: str,
+                warmup: int, loop: dict, reshard_after_forward, check_tracker: bool, out: str,
                 mixed_precision: dict | None = None, replicas: int = 1) -> None:
     """One rank of a real sharded recording (:func:`taichi_plan.record.fsdp.record_fsdp_workload`
     with ``fake=False``): rank 0 records and writes the trace to ``out``."""

@@ -39,15 +39,16 @@ KIND_COLORS = {
     "all_gather": "#d0bbff",
     "reduce_scatter": "#debb9b",
     "ddp_bucket": "#fab0e4",  # record --ddp: the reducer's gradient buckets
+    "post_forward_shard": "#b9f2f0",  # an int reshard_after_forward: shards on the smaller mesh
 }
 KIND_LABELS = {"optimizer_state": "optimizer state", "parameter": "parameters", "gradient": "gradients",
                "activation": "activations", "temporary": "temporaries", "input": "inputs", "buffer": "buffers",
                "unsharded_parameter": "gathered parameters", "unsharded_gradient": "unsharded gradients",
                "all_gather": "all-gather buffers", "reduce_scatter": "reduce-scatter buffers",
-               "ddp_bucket": "DDP gradient buckets"}
+               "ddp_bucket": "DDP gradient buckets", "post_forward_shard": "post-forward shards"}
 # Stacking order, bottom to top: what lives all step first, then what comes and goes.
 STACK_ORDER = ("parameter", "buffer", "optimizer_state", "gradient", "ddp_bucket", "input", "unsharded_parameter",
-               "all_gather", "unsharded_gradient", "reduce_scatter", "activation", "temporary")
+               "post_forward_shard", "all_gather", "unsharded_gradient", "reduce_scatter", "activation", "temporary")
 PHASE_COLORS = {"forward": "#dbe8f6", "backward": "#fbe3d0", "optimizer": "#dcefd6", "other": "#ececec"}
 
 

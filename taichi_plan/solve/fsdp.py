@@ -45,7 +45,14 @@ from ..overlap import is_collective, overlapped_step_time
 from ..plan import Plan
 from ..prefetch import PHASES, movable, prefetch_problem, setting_of
 from ..problem import Problem
-from ..reshard import held_bytes, regather_cost, reshard_problem, reshard_units
+from ..reshard import (
+    held_bytes,
+    regather_cost,
+    reshard_problem,
+    reshard_units,
+    smaller_mesh_factors,
+    smaller_mesh_saving,
+)
 from ..simulate import simulate_plan
 from ..units import format_bytes, format_cost
 from .heuristic import plan_heuristic
@@ -83,23 +90,99 @@ def unit_order(problem: Problem, budget_bytes: int) -> list[int]:
     return [k for *_, k in sorted(keys)]
 
 
-def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[list[int], list[dict]]:
-    """The setting (units not resharding) whose heuristic plan fits ``budget_bytes`` with the
-    least predicted step time, among the prefixes of :func:`unit_order`; and what each setting
-    screened gave (``[{"units", "fits", "peak_bytes", "step_compute", "extra_compute", "step_time"}]``)."""
+def smaller_mesh_choice(problem: Problem) -> dict[int, int]:
+    """Per unit that may reshard to a smaller mesh on this trace, the K the screen tries: the
+    largest factor of the shard group (strictly between 1 and it) whose ranks share a node, so
+    that the backward all-gather runs on the node's links (else the least factor). Empty where
+    the step with a smaller mesh is not derived: a trace of measured op times, a unit under
+    mixed precision (:func:`taichi_plan.reshard.smaller_mesh_view`)."""
+    from ..devices import get_profile
+
+    meta = problem.trace.meta
+    factors = smaller_mesh_factors(meta)
+    if meta.get("mode") != "fake" or not meta.get("device_profile") or not factors:
+        return {}
+    node = get_profile(meta["device_profile"]).devices_per_node
+    within = [k for k in factors if k <= node]
+    k = max(within) if within else min(factors)
+    units = meta["fsdp"]["units"]
+    return {u: k for u in reshard_units(meta) if not units[u].get("param_dtype") and not units[u].get("reduce_dtype")}
+
+
+def smaller_mesh_order(problem: Problem, budget_bytes: int, choice: dict[int, int]) -> list[int]:
+    """The units of ``choice`` by what resharding them to its K costs where the budget binds
+    (the post-forward shards' bytes times the ops, from the end of their forward to their
+    backward gathering, at which the unplanned step is over ``budget_bytes``) per second it
+    saves; units that save nothing are left out."""
+    over = problem.baseline_live > budget_bytes
+    cum = np.concatenate([[0], np.cumsum(over)])
+    keys = []
+    for u, k in choice.items():
+        kept, saved = smaller_mesh_saving(problem, u, k)
+        _size, lo, hi = held_bytes(problem, u)
+        if kept <= 0 or saved <= 0:
+            continue
+        binding = int(cum[hi] - cum[lo]) if hi > lo else 0
+        keys.append((kept * binding / saved, -saved, u))
+    return [u for *_, u in sorted(keys)]
+
+
+def setting_key(changes: dict[int, bool | int]) -> tuple:
+    """A reshard setting (unit -> False or K) as a key: its items, sorted."""
+    return tuple(sorted((int(u), v) for u, v in changes.items()))
+
+
+def _entry(changes: dict) -> dict:
+    """How a screened setting is reported: the units not resharding, and those resharding to
+    a smaller mesh (``[[unit, K], ...]``)."""
+    return {"units": sorted(u for u, v in changes.items() if v is False),
+            "to": [[u, v] for u, v in sorted(changes.items()) if v is not False]}
+
+
+def changes_of_entry(entry: dict) -> dict:
+    return {**dict.fromkeys(entry["units"], False), **{int(u): int(k) for u, k in entry.get("to", [])}}
+
+
+def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[dict, list[dict]]:
+    """The setting (unit -> False, or K: a smaller mesh) whose heuristic plan fits
+    ``budget_bytes`` with the least predicted step time, among: the recorded setting, the
+    prefixes of :func:`unit_order` not resharding, the prefixes of :func:`smaller_mesh_order`
+    resharding to :func:`smaller_mesh_choice`'s K, then the best of the first with each prefix
+    of the second on the other units, while time is left; and what each gave
+    (``[{"units", "to", "fits", "peak_bytes", "step_compute", "extra_compute", "step_time"}]``)."""
     order = unit_order(problem, budget_bytes)
-    tried = []
-    best: tuple[float, int] | None = None
-    best_units: list[int] = []
-    for j in range(len(order) + 1):
-        if j > 0 and time.perf_counter() > deadline:
-            break
-        units = sorted(order[:j])
-        got = evaluate(reshard_problem(problem, units), budget_bytes, seed, deadline)
-        tried.append({"units": units, **got})
+    choice = smaller_mesh_choice(problem)
+    ints = smaller_mesh_order(problem, budget_bytes, choice) if choice else []
+    settings = ([{}] + [dict.fromkeys(order[:j], False) for j in range(1, len(order) + 1)]
+                + [{u: choice[u] for u in ints[:j]} for j in range(1, len(ints) + 1)])
+    tried: list[dict] = []
+    seen: set[tuple] = set()
+    best: tuple[float, dict] | None = None
+
+    def run(changes: dict) -> None:
+        nonlocal best
+        key = setting_key(changes)
+        if key in seen:
+            return
+        seen.add(key)
+        got = evaluate(reshard_problem(problem, changes), budget_bytes, seed, deadline)
+        tried.append({**_entry(changes), **got})
         if got["fits"] and (best is None or got["step_time"] < best[0]):
-            best, best_units = (got["step_time"], j), units
-    return best_units, tried
+            best = (got["step_time"], changes)
+
+    for j, changes in enumerate(settings):
+        if j > 0 and time.perf_counter() > deadline:
+            return (best[1] if best else {}), tried
+        run(changes)
+    off = [t for t in tried if t["fits"] and t["units"] and not t["to"]]
+    if off and ints:  # the best of those not resharding, the other units to a smaller mesh
+        base = dict.fromkeys(min(off, key=lambda t: t["step_time"])["units"], False)
+        rest = [u for u in ints if u not in base]
+        for j in range(1, len(rest) + 1):
+            if time.perf_counter() > deadline:
+                break
+            run({**base, **{u: choice[u] for u in rest[:j]}})
+    return (best[1] if best else {}), tried
 
 
 def prefetch_order(problem: Problem, budget_bytes: int) -> list[tuple[str, int]]:
@@ -163,26 +246,27 @@ def _best(tried: list[dict]) -> dict | None:
 
 
 def screen_joint(problem: Problem, budget_bytes: int, seed: int, deadline: float, *, reshard: bool = True,
-                 prefetch: bool = True) -> tuple[list[int], dict[str, set[int]], dict]:
+                 prefetch: bool = True) -> tuple[dict, dict[str, set[int]], dict]:
     """The reshard and prefetch settings chosen together: the sequential choice first
     (:func:`screen`, then :func:`screen_prefetch` on its setting, each a third of the time to
     ``deadline``), then, while time is left, every other reshard setting screened (best first)
     with its own prefetch screen; the pair whose heuristic plan fits ``budget_bytes`` with the
-    least predicted step time. Returns (units not resharding, early gatherings per pass, what
-    was screened: ``{"reshard", "prefetch", "joint", "sequential", "pairs"}``, ``prefetch``
-    being the chosen reshard setting's screen)."""
+    least predicted step time. Returns (the reshard setting: unit -> False or K, early
+    gatherings per pass, what was screened: ``{"reshard", "prefetch", "joint", "sequential",
+    "pairs"}``, ``prefetch`` being the chosen reshard setting's screen)."""
     third = max(deadline - time.perf_counter(), 0.0) / 3
-    units, tried = screen(problem, budget_bytes, seed, time.perf_counter() + third) if reshard else ([], [])
-    by_units = {tuple(t["units"]): t for t in tried}
+    units, tried = screen(problem, budget_bytes, seed, time.perf_counter() + third) if reshard else ({}, [])
+    by_units = {setting_key(changes_of_entry(t)): t for t in tried}
     screens: dict[tuple, list[dict]] = {}
-    chosen: tuple[list[int], dict[str, set[int]] | None] = (units, None)
+    chosen: tuple[dict, dict[str, set[int]] | None] = (units, None)
     best: dict | None = None
-    order = [tuple(units)] + [tuple(t["units"]) for t in sorted(tried, key=lambda t: (not t["fits"], t["step_time"]))
-                              if t["units"] != units]
+    order = [setting_key(units)] + [setting_key(changes_of_entry(t))
+                                    for t in sorted(tried, key=lambda t: (not t["fits"], t["step_time"]))
+                                    if setting_key(changes_of_entry(t)) != setting_key(units)]
     for j, key in enumerate(order):
         if j > 0 and time.perf_counter() > deadline:
             break
-        base = reshard_problem(problem, list(key))
+        base = reshard_problem(problem, dict(key))
         if prefetch:
             end = time.perf_counter() + third if j == 0 else deadline
             early, got = screen_prefetch(base, budget_bytes, seed, end, first=by_units.get(key))
@@ -191,15 +275,15 @@ def screen_joint(problem: Problem, budget_bytes: int, seed: int, deadline: float
         screens[key] = got
         pick = _best(got)
         if pick is not None and (best is None or pick["step_time"] < best["step_time"]):
-            best, chosen = pick, (list(key), early)
-    seq_key = tuple(units)
-    pairs = [{"units": list(k), **t} for k, got in screens.items() for t in got]
+            best, chosen = pick, (dict(key), early)
+    seq_key = setting_key(units)
+    pairs = [{**_entry(dict(k)), **t} for k, got in screens.items() for t in got]
     seq = _best(screens[seq_key]) if seq_key in screens else None
     early = chosen[1] if chosen[1] is not None else setting_of(reshard_problem(problem, chosen[0]).trace)
     return chosen[0], early, {
-        "reshard": tried, "prefetch": screens.get(tuple(chosen[0]), []), "pairs": pairs,
-        "sequential": None if seq is None else {"units": list(seq_key), **seq},
-        "joint": None if best is None else {"units": chosen[0], **best}}
+        "reshard": tried, "prefetch": screens.get(setting_key(chosen[0]), []), "pairs": pairs,
+        "sequential": None if seq is None else {**_entry(units), **seq},
+        "joint": None if best is None else {**_entry(chosen[0]), **best}}
 
 
 def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: float, started: float,
@@ -222,16 +306,25 @@ def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: 
         except InfeasibleBudgetError:
             continue  # the method could not plan it: the next (its error if none fits)
     if plan is None:
-        units = []
+        units = {}
         plan = solve_step(problem)
     unit = problem.trace.cost_unit
     names = [u["module"] or "<root>" for u in problem.trace.meta["fsdp"]["units"]]
     if reshard:
         if units:
             saved = plan.reshard["step_compute_saved"]
-            note = (f"FSDP units {', '.join(names[k] for k in units)} do not reshard after forward: keeping "
-                    f"{format_bytes(sum(held_bytes(problem, k)[0] for k in units))} gathered saves "
-                    f"{format_cost(saved, unit)} of backward all-gathers, for "
+            off = [k for k, v in units.items() if v is False]
+            to = {k: v for k, v in units.items() if v is not False}
+            said = []
+            if off:
+                said.append(f"FSDP units {', '.join(names[k] for k in off)} do not reshard after forward (keeping "
+                            f"{format_bytes(sum(held_bytes(problem, k)[0] for k in off))} gathered)")
+            if to:
+                said.append("FSDP units reshard after forward to a smaller mesh: "
+                            f"{', '.join(f'{names[k]} to {v} ranks' for k, v in to.items())} (keeping "
+                            f"{format_bytes(sum(smaller_mesh_saving(problem, k, v)[0] for k, v in to.items()))} "
+                            "of post-forward shards)")
+            note = (f"{'; '.join(said)}: saves {format_cost(saved, unit)} of backward all-gathers, for "
                     f"{format_cost(plan.solver['extra_compute'], unit)} of recomputation ({len(tried)} setting(s) "
                     "screened)")
         else:
