@@ -98,12 +98,15 @@ def run(cases=CASES) -> list[dict]:
                 full = solve(trace, budget, "full")
             except InfeasibleBudgetError:
                 full = None
-            kept = [u["module"] for u in (auto.reshard or {}).get("units", []) if not u["reshard_after_forward"]]
+            settings = [u["reshard_after_forward"] for u in (auto.reshard or {}).get("units", [])]
+            kept = [r for r in settings if r is False]
+            smaller = [r for r in settings if not isinstance(r, bool)]  # resharded to a smaller mesh of r ranks
             rows.append({
                 "workload": label, "ranks": ranks, "ops": len(trace.ops), "record_s": round(record_s, 1),
                 "record_cpu_s": round(record_cpu_s, 1), "solve_s": round(solve_s, 1),
                 "solve_cpu_s": round(solve_cpu_s, 1),
-                "units_kept_gathered": len(kept), "units": len((auto.reshard or {}).get("units", [])),
+                "units_kept_gathered": len(kept), "units": len(settings),
+                "units_smaller_mesh": len(smaller), "smaller_mesh_ranks": sorted(set(smaller)),
                 "allgather_saved_s": (auto.reshard or {}).get("step_compute_saved") or 0.0,
                 "peak_bytes": peak, "tracker_peak_bytes": trace.meta["fsdp"]["mem_tracker"]["peak_bytes"],
                 "budget_bytes": budget, "planned_peak_bytes": auto.predicted["planned_peak_bytes"],
@@ -121,13 +124,15 @@ def _gb(x) -> str:
 def record_section(cases=(*CASES, *LAYOUT_CASES)) -> str:
     rows = run(cases)
     head = ("| workload | ranks | ops | record s (CPU s) | solve s (CPU s) | peak GB | FSDPMemTracker GB | budget GB | "
-            "auto GB (extra %, status) | auto: units kept gathered (all-gather ms saved) | every block "
-            "checkpointed GB (extra %) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+            "auto GB (extra %, status) | auto: units kept gathered, to a smaller mesh (all-gather ms saved) | every "
+            "block checkpointed GB (extra %) |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
     return head + "\n".join(
         f"| {r['workload']} | {r['ranks']} | {r['ops']} | {r['record_s']} ({r['record_cpu_s']}) | {r['solve_s']} "
         f"({r['solve_cpu_s']}) | {_gb(r['peak_bytes'])} | {_gb(r['tracker_peak_bytes'])} | {_gb(r['budget_bytes'])} | "
-        f"{_gb(r['planned_peak_bytes'])} ({r['planned_extra_pct']:.1f}, {r['status']}) | {r['units_kept_gathered']} "
-        f"of {r['units']} ({1e3 * r['allgather_saved_s']:.2f}) | "
+        f"{_gb(r['planned_peak_bytes'])} ({r['planned_extra_pct']:.1f}, {r['status']}) | {r['units_kept_gathered']}, "
+        f"{r['units_smaller_mesh']}"
+        + (f" to {'/'.join(map(str, r['smaller_mesh_ranks']))} ranks" if r['units_smaller_mesh'] else "")
+        + f" of {r['units']} ({1e3 * r['allgather_saved_s']:.2f}) | "
         + (f"{_gb(r['full_peak_bytes'])} ({r['full_extra_pct']:.1f}) |" if r["full_peak_bytes"] is not None
            else "- (no plan at this budget) |") for r in rows)
 

@@ -59,8 +59,12 @@ def test_ranks_take_the_callers_environment_of_the_moment(fsdp2_plan, monkeypatc
         replay_sharded(fsdp2_plan, 2, steps=1)
 
 
-def test_torchrun_script_applies_the_plan(fsdp2_plan):
-    losses = torchrun_losses("train_fsdp_with_plan.py", str(fsdp2_plan))
+def test_torchrun_script_applies_the_plan(fsdp2_bf16_plan):
+    """The user's own torchrun script (examples/train_fsdp_with_plan.py), here with the job's
+    MixedPrecisionPolicy (its second argument; without one it runs the same code with FSDP's
+    default policy): one torchrun run, since each starts fresh interpreters (about 10 s of the
+    gloo tests' time)."""
+    losses = torchrun_losses("train_fsdp_with_plan.py", str(fsdp2_bf16_plan), "bf16")
     assert set(losses) == {0, 1} and losses[0] == losses[1], losses  # same batch on both ranks: same loss
 
 
@@ -236,10 +240,9 @@ def fsdp2_bf16_plan(tmp_path_factory):
 def test_mixed_precision_replays_on_two_gloo_ranks(fsdp2_bf16_plan):
     """Each rank measures the predicted peak, gradients and parameters as the unplanned
     mixed-precision run's (within bf16 roundings where the plan splits modules: its chunks
-    compute in bf16); the user's torchrun script runs it with the same MixedPrecisionPolicy."""
+    compute in bf16); the user's torchrun script runs it with the same MixedPrecisionPolicy
+    (test_torchrun_script_applies_the_plan)."""
     replay_measures_the_prediction(fsdp2_bf16_plan)
-    losses = torchrun_losses("train_fsdp_with_plan.py", str(fsdp2_bf16_plan), "bf16")
-    assert set(losses) == {0, 1} and losses[0] == losses[1], losses
 
 
 def test_mixed_precision_plan_refused_on_a_job_without_it(fsdp2_bf16_plan):
