@@ -83,8 +83,8 @@ def run(cases=CASES) -> list[dict]:
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
-        for label, ranks, sizes in cases:
-            out = Path(d) / f"rank0-of-{ranks}"  # one directory per case: record refuses to overwrite
+        for k, (label, ranks, sizes) in enumerate(cases):
+            out = Path(d) / f"case{k}-rank0-of-{ranks}"  # one directory per case: record refuses to overwrite
             record_s, record_cpu_s = record(sizes, ranks, out)
             trace = read_trace(out)
             peak, _, _ = trace_by_tracker_category(trace)

@@ -140,7 +140,7 @@ def prefetch_view(trace, early: dict[str, set[int] | list[int]]):
     """The trace of the step with, per pass, exactly the units in ``early[pass]`` gathered early
     (a pass not given stays as recorded); see the module docstring. ``view.recorded`` is
     ``trace``'s recorded trace, ``view.position`` maps a recorded op id to the view's."""
-    from .trace import Trace
+    from .trace import Trace, renumber_tensors
 
     recorded = setting_of(trace)
     want = {ph: set(int(u) for u in early.get(ph, recorded[ph])) for ph in PHASES}
@@ -222,16 +222,7 @@ def prefetch_view(trace, early: dict[str, set[int] | list[int]]):
         out[low] = -2 - out[low]
         return out
 
-    t_alloc, t_prod, t_free = remap(alloc), remap(producer), remap(new_free)
-    t_order = np.argsort(np.where(t_alloc < 0, -1, t_alloc), kind="stable")  # ids in allocation order
-    new_tid = np.empty(len(tid), dtype=np.int64)
-    new_tid[t_order] = np.arange(len(tid))
-    t2 = tensors.iloc[t_order].copy()
-    t2["tensor_id"] = np.arange(len(t2), dtype=np.int64)
-    t2["alloc_op"] = t_alloc[t_order].astype(np.int32)
-    t2["producer_op"] = t_prod[t_order].astype(np.int32)
-    t2["free_op"] = t_free[t_order].astype(np.int32)
-    t2 = t2.reset_index(drop=True)
+    t2, new_tid = renumber_tensors(tensors, remap(alloc), remap(producer), remap(new_free))  # ids in allocation order
 
     a_new = pos[a_op]
     a_order = np.argsort(a_new, kind="stable")

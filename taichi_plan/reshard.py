@@ -452,7 +452,7 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     import pandas as pd
 
     from .devices import get_profile
-    from .trace import Trace
+    from .trace import Trace, renumber_tensors
 
     to = {int(u): int(k) for u, k in to.items()}
     if not to:
@@ -579,16 +579,8 @@ def smaller_mesh_view(trace, to: dict[int, int]):
                           "nbytes": [r["nbytes"] for r in new_rows], "dtype": [r["dtype"] for r in new_rows],
                           "shape": [r["shape"] for r in new_rows], "kind": [r["kind"] for r in new_rows],
                           "producer_op": 0, "alloc_op": 0, "free_op": 0})
-    both = pd.concat([tensors, extra[tensors.columns]], ignore_index=True)
-    t_order = np.argsort(np.where(t_alloc < 0, -1, t_alloc), kind="stable")
-    rank = np.empty(len(t_order), dtype=np.int64)
-    rank[t_order] = np.arange(len(t_order))
-    t2 = both.iloc[t_order].copy()
-    t2["tensor_id"] = np.arange(len(t2), dtype=np.int64)
-    t2["alloc_op"] = t_alloc[t_order].astype(np.int32)
-    t2["producer_op"] = t_prod[t_order].astype(np.int32)
-    t2["free_op"] = t_free[t_order].astype(np.int32)
-    t2 = t2.reset_index(drop=True)
+    t2, rank = renumber_tensors(pd.concat([tensors, extra[tensors.columns]], ignore_index=True), t_alloc, t_prod,
+                                t_free)
     new_tid = {int(t): int(rank[i]) for i, t in enumerate(tid.tolist())}
     n_old = len(tid)
 
@@ -646,12 +638,16 @@ def _gathers_over(trace, ops_of_unit, k: int, profile) -> dict[int, float]:
     group of ``k`` consecutive ranks (op id -> seconds)."""
     from .record.roofline import collective_duration_s, collective_kind
 
-    ops, t, acc = trace.ops, trace.tensors, trace.accesses
-    kind = dict(zip(t["tensor_id"].tolist(), t["kind"].tolist()))
-    size = dict(zip(t["tensor_id"].tolist(), t["nbytes"].tolist()))
-    by_op = np.argsort(acc["op_id"].to_numpy(), kind="stable")  # (the table's rows may come in any order)
-    a_op = acc["op_id"].to_numpy()[by_op]
-    a_t = acc["tensor_id"].to_numpy()[by_op]
+    ops = trace.ops
+    cached = trace.__dict__.get("_gather_tables")
+    if cached is None:  # once per trace: the screen asks for every unit
+        t, acc = trace.tensors, trace.accesses
+        by_op = np.argsort(acc["op_id"].to_numpy(), kind="stable")  # (the table's rows may come in any order)
+        cached = (dict(zip(t["tensor_id"].tolist(), t["kind"].tolist())),
+                  dict(zip(t["tensor_id"].tolist(), t["nbytes"].tolist())),
+                  acc["op_id"].to_numpy()[by_op], acc["tensor_id"].to_numpy()[by_op])
+        trace._gather_tables = cached
+    kind, size, a_op, a_t = cached
     out = {}
     for o in np.asarray(ops_of_unit, dtype=np.int64).tolist():
         name = ops["op"].iat[o]

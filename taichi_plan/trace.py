@@ -62,6 +62,23 @@ def backward_node_starts(meta: dict, phase) -> np.ndarray | None:
     return np.where(backward, np.maximum(start, prev_other + 1), -1)
 
 
+def renumber_tensors(tensors, alloc, producer, free):
+    """A view's tensor table as a recording numbers it: ``tensors``' rows with their new op ids
+    (``alloc``, ``producer``, ``free``, one per row), ordered and given ids by allocation (rows
+    allocated before the step first; ties keep their order). Returns (the table, each row's new
+    id)."""
+    alloc, producer, free = (np.asarray(x, dtype=np.int64) for x in (alloc, producer, free))
+    order = np.argsort(np.where(alloc < 0, -1, alloc), kind="stable")
+    rank = np.empty(len(order), dtype=np.int64)
+    rank[order] = np.arange(len(order))
+    out = tensors.iloc[order].copy()
+    out["tensor_id"] = np.arange(len(out), dtype=np.int64)
+    out["alloc_op"] = alloc[order].astype(np.int32)
+    out["producer_op"] = producer[order].astype(np.int32)
+    out["free_op"] = free[order].astype(np.int32)
+    return out.reset_index(drop=True), rank
+
+
 def remap_backward_nodes(meta: dict, phase, order) -> None:
     """Rewrite ``meta["backward_nodes"]`` for a view whose ops are the recorded ops ``order``
     (recorded op ids, in the view's order; ops left out are gone), ``phase`` the recorded ops'

@@ -143,46 +143,81 @@ def changes_of_entry(entry: dict) -> dict:
     return {**dict.fromkeys(entry["units"], False), **{int(u): int(k) for u, k in entry.get("to", [])}}
 
 
+FULL_PREFIXES = 8  # a family of settings with at most this many units: every prefix screened
+
+
+def prefix_lengths(n: int) -> list[int]:
+    """The prefix lengths a screen tries first, shortest first: every one up to
+    :data:`FULL_PREFIXES` units, else the powers of two and ``n`` (a 70B model's 81 units: 8
+    settings, where each takes a heuristic plan of a 29k-op step), refined later by bisection."""
+    if n <= FULL_PREFIXES:
+        return list(range(1, n + 1))
+    return sorted({min(1 << i, n) for i in range(n.bit_length() + 1)} | {n})
+
+
 def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[dict, list[dict]]:
     """The setting (unit -> False, or K: a smaller mesh) whose heuristic plan fits
-    ``budget_bytes`` with the least predicted step time, among: the recorded setting, the
-    prefixes of :func:`unit_order` not resharding, the prefixes of :func:`smaller_mesh_order`
-    resharding to :func:`smaller_mesh_choice`'s K, then the best of the first with each prefix
-    of the second on the other units, while time is left; and what each gave
-    (``[{"units", "to", "fits", "peak_bytes", "step_compute", "extra_compute", "step_time"}]``)."""
+    ``budget_bytes`` with the least predicted step time, among: the recorded setting; prefixes
+    of :func:`unit_order` not resharding and of :func:`smaller_mesh_order` resharding to
+    :func:`smaller_mesh_choice`'s K, the two families in turn, at :func:`prefix_lengths`, each
+    then refined by bisection between its longest prefix that fits and the next one tried
+    (keeping more units changed shortens the step while it fits); then the best of the first
+    with prefixes of the second on the other units; while time is left. Returns it and what
+    each setting gave (``[{"units", "to", "fits", "peak_bytes", "step_compute", "extra_compute",
+    "step_time"}]``)."""
     order = unit_order(problem, budget_bytes)
     choice = smaller_mesh_choice(problem)
     ints = smaller_mesh_order(problem, budget_bytes, choice) if choice else []
-    settings = ([{}] + [dict.fromkeys(order[:j], False) for j in range(1, len(order) + 1)]
-                + [{u: choice[u] for u in ints[:j]} for j in range(1, len(ints) + 1)])
+    families = [(order, lambda units: dict.fromkeys(units, False)),
+                (ints, lambda units: {u: choice[u] for u in units})]
     tried: list[dict] = []
-    seen: set[tuple] = set()
+    seen: dict[tuple, dict] = {}
     best: tuple[float, dict] | None = None
 
-    def run(changes: dict) -> None:
+    def run(changes: dict) -> dict | None:
         nonlocal best
         key = setting_key(changes)
         if key in seen:
-            return
-        seen.add(key)
+            return seen[key]
+        if seen and time.perf_counter() > deadline:
+            return None
         got = evaluate(reshard_problem(problem, changes), budget_bytes, seed, deadline)
+        seen[key] = got
         tried.append({**_entry(changes), **got})
         if got["fits"] and (best is None or got["step_time"] < best[0]):
             best = (got["step_time"], changes)
+        return got
 
-    for j, changes in enumerate(settings):
-        if j > 0 and time.perf_counter() > deadline:
-            return (best[1] if best else {}), tried
-        run(changes)
+    def result():
+        return (best[1] if best else {}), tried
+
+    run({})
+    # the two families in turn: with many units, time runs out before either is done, and
+    # neither must starve the other
+    lengths = [prefix_lengths(len(units)) for units, _ in families]
+    for j in range(max(map(len, lengths))):
+        for (units, make), ls in zip(families, lengths):
+            if j < len(ls) and run(make(units[:ls[j]])) is None:
+                return result()
+    for (units, make), ls in zip(families, lengths):  # bisect where the lengths tried jumped
+        fit = [n for n in ls if seen[setting_key(make(units[:n]))]["fits"]]
+        lo = max(fit, default=0)
+        over = [n for n in ls if n > lo]
+        hi = min(over) if over else lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            got = run(make(units[:mid]))
+            if got is None:
+                return result()
+            lo, hi = (mid, hi) if got["fits"] else (lo, mid)
     off = [t for t in tried if t["fits"] and t["units"] and not t["to"]]
     if off and ints:  # the best of those not resharding, the other units to a smaller mesh
         base = dict.fromkeys(min(off, key=lambda t: t["step_time"])["units"], False)
         rest = [u for u in ints if u not in base]
-        for j in range(1, len(rest) + 1):
-            if time.perf_counter() > deadline:
+        for n in prefix_lengths(len(rest)):
+            if run({**base, **{u: choice[u] for u in rest[:n]}}) is None:
                 break
-            run({**base, **{u: choice[u] for u in rest[:j]}})
-    return (best[1] if best else {}), tried
+    return result()
 
 
 def prefetch_order(problem: Problem, budget_bytes: int) -> list[tuple[str, int]]:
