@@ -2,13 +2,16 @@
 
 A unit that does not reshard after forward keeps its gathered parameters from the end of its
 forward to its backward (memory), and skips its backward all-gather and copy-out (time on the
-interconnect). :mod:`taichi_plan.reshard` derives that step from the recorded one. Here the
-planner picks the setting: it orders the units by what keeping them gathered costs where the
-budget binds (their unsharded bytes times the ops, in that interval, at which the unplanned
-step is over the budget), per second of gathering saved, and screens each prefix of that order
-(the recorded setting first) with the heuristic: the predicted step time, i.e. the step's
-compute and communication plus the plan's extra compute, of the cheapest plan that fits the
-budget picks the setting. The chosen method (CP-SAT for ``auto``) then plans that setting.
+interconnect); one that reshards to a smaller mesh of K ranks keeps 1/K of them and gathers
+them in backward within that group (on a node's links where the job spans nodes).
+:mod:`taichi_plan.reshard` derives both steps from the recorded one. Here the planner picks
+the setting: it orders those changes by what each costs where the budget binds (the bytes
+held longer times the ops, in that interval, at which the unplanned step is over the budget),
+per second of gathering saved, and screens prefixes of that order (the recorded setting first;
+every prefix of a short order, else doubling lengths and a bisection) with the heuristic: the
+predicted step time, i.e. the step's compute and communication plus the plan's extra
+compute, of the cheapest plan that fits the budget picks the setting. The chosen method
+(CP-SAT for ``auto``) then plans that setting.
 
 Prefetching (:mod:`taichi_plan.prefetch`) is screened next, on the chosen reshard setting: from
 the leanest setting (every all-gather issued by its own unit, FSDP's backward default off), the
@@ -73,21 +76,26 @@ def evaluate(prob: Problem, budget_bytes: int, seed: int, deadline: float) -> di
             "extra_compute": float(extra), "step_time": overlapped_step_time(prob).step_time + float(extra)}
 
 
-def unit_order(problem: Problem, budget_bytes: int) -> list[int]:
-    """The units a plan may stop resharding, cheapest first: bytes kept gathered times the ops
-    of that interval at which the unplanned step is over ``budget_bytes`` (0 where the budget
-    does not bind there), per second of backward gathering saved; ties by that time, more first."""
-    over = problem.baseline_live > budget_bytes
-    cum = np.concatenate([[0], np.cumsum(over)])
+def _binding(problem: Problem, budget_bytes: int):
+    """Ops at which the unplanned step is over ``budget_bytes``, between two ops (a function of
+    the interval, end excluded)."""
+    cum = np.concatenate([[0], np.cumsum(problem.baseline_live > budget_bytes)])
+    return lambda lo, hi: int(cum[hi] - cum[lo]) if hi > lo else 0
+
+
+def unit_moves(problem: Problem, budget_bytes: int) -> list[tuple]:
+    """The units a plan may stop resharding, as ``(key, -saved, unit, False)``: the key the
+    bytes kept gathered times the ops of that interval at which the unplanned step is over
+    ``budget_bytes`` (0 where the budget does not bind there), per second of backward gathering
+    saved. Sorted, cheapest first (ties: more time saved first)."""
+    binding = _binding(problem, budget_bytes)
     keys = []
     for k in reshard_units(problem.trace.meta):
         size, lo, hi = held_bytes(problem, k)
         saved = regather_cost(problem, k)
-        if size <= 0 or saved <= 0:
-            continue
-        binding = int(cum[hi] - cum[lo]) if hi > lo else 0
-        keys.append((size * binding / saved, -saved, k))
-    return [k for *_, k in sorted(keys)]
+        if size > 0 and saved > 0:
+            keys.append((size * binding(lo, hi) / saved, -saved, k, False))
+    return sorted(keys)
 
 
 def smaller_mesh_choice(problem: Problem) -> dict[int, int]:
@@ -109,22 +117,19 @@ def smaller_mesh_choice(problem: Problem) -> dict[int, int]:
     return {u: k for u in reshard_units(meta) if not units[u].get("param_dtype") and not units[u].get("reduce_dtype")}
 
 
-def smaller_mesh_order(problem: Problem, budget_bytes: int, choice: dict[int, int]) -> list[int]:
-    """The units of ``choice`` by what resharding them to its K costs where the budget binds
-    (the post-forward shards' bytes times the ops, from the end of their forward to their
-    backward gathering, at which the unplanned step is over ``budget_bytes``) per second it
-    saves; units that save nothing are left out."""
-    over = problem.baseline_live > budget_bytes
-    cum = np.concatenate([[0], np.cumsum(over)])
+def smaller_mesh_moves(problem: Problem, budget_bytes: int, choice: dict[int, int]) -> list[tuple]:
+    """The units of ``choice`` resharding to its K, as ``(key, -saved, unit, K)``: the key the
+    post-forward shards' bytes times the ops, from the end of their forward to their backward
+    gathering, at which the unplanned step is over ``budget_bytes``, per second it saves; units
+    that save nothing are left out. Sorted, cheapest first."""
+    binding = _binding(problem, budget_bytes)
     keys = []
     for u, k in choice.items():
         kept, saved = smaller_mesh_saving(problem, u, k)
         _size, lo, hi = held_bytes(problem, u)
-        if kept <= 0 or saved <= 0:
-            continue
-        binding = int(cum[hi] - cum[lo]) if hi > lo else 0
-        keys.append((kept * binding / saved, -saved, u))
-    return [u for *_, u in sorted(keys)]
+        if kept > 0 and saved > 0:
+            keys.append((kept * binding(lo, hi) / saved, -saved, u, k))
+    return sorted(keys)
 
 
 def setting_key(changes: dict[int, bool | int]) -> tuple:
@@ -155,27 +160,39 @@ def prefix_lengths(n: int) -> list[int]:
     return sorted({min(1 << i, n) for i in range(n.bit_length() + 1)} | {n})
 
 
+def setting_moves(problem: Problem, budget_bytes: int) -> list[tuple[int, bool | int]]:
+    """Every change the screen may make to the recorded setting, ``(unit, False or K)``,
+    cheapest first in one order for both kinds (:func:`unit_moves`, :func:`smaller_mesh_moves`
+    on :func:`smaller_mesh_choice`). A unit may come twice: where its smaller mesh comes first
+    (cheaper where the budget binds), keeping it gathered later replaces it; the other way
+    round, the later move is left out."""
+    choice = smaller_mesh_choice(problem)
+    moves = unit_moves(problem, budget_bytes) + (smaller_mesh_moves(problem, budget_bytes, choice) if choice else [])
+    return [(u, v) for *_, u, v in sorted(moves, key=lambda m: m[:3])]
+
+
 def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[dict, list[dict]]:
     """The setting (unit -> False, or K: a smaller mesh) whose heuristic plan fits
-    ``budget_bytes`` with the least predicted step time, among: the recorded setting; prefixes
-    of :func:`unit_order` not resharding and of :func:`smaller_mesh_order` resharding to
-    :func:`smaller_mesh_choice`'s K, the two families in turn, at :func:`prefix_lengths`, each
-    then refined by bisection between its longest prefix that fits and the next one tried
-    (keeping more units changed shortens the step while it fits); then the best of the first
-    with prefixes of the second on the other units; while time is left. Returns it and what
-    each setting gave (``[{"units", "to", "fits", "peak_bytes", "step_compute", "extra_compute",
-    "step_time"}]``)."""
-    order = unit_order(problem, budget_bytes)
-    choice = smaller_mesh_choice(problem)
-    ints = smaller_mesh_order(problem, budget_bytes, choice) if choice else []
-    families = [(order, lambda units: dict.fromkeys(units, False)),
-                (ints, lambda units: {u: choice[u] for u in units})]
+    ``budget_bytes`` with the least predicted step time, among the recorded setting and the
+    prefixes of :func:`setting_moves` at :func:`prefix_lengths`, then, by bisection, between the
+    longest prefix that fits and the next one tried (more units changed shortens the step while
+    it fits), while time is left. Returns it and what each setting gave (``[{"units", "to",
+    "fits", "peak_bytes", "step_compute", "extra_compute", "step_time"}]``)."""
+    moves = setting_moves(problem, budget_bytes)
     tried: list[dict] = []
     seen: dict[tuple, dict] = {}
     best: tuple[float, dict] | None = None
 
-    def run(changes: dict) -> dict | None:
+    def prefix(n: int) -> dict:
+        out: dict = {}
+        for u, v in moves[:n]:  # a unit's first move, or keeping it gathered after its smaller mesh
+            if u not in out or (v is False and out[u] is not False):
+                out[u] = v
+        return out
+
+    def run(n: int) -> dict | None:
         nonlocal best
+        changes = prefix(n)
         key = setting_key(changes)
         if key in seen:
             return seen[key]
@@ -188,36 +205,23 @@ def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> t
             best = (got["step_time"], changes)
         return got
 
-    def result():
-        return (best[1] if best else {}), tried
-
-    run({})
-    # the two families in turn: with many units, time runs out before either is done, and
-    # neither must starve the other
-    lengths = [prefix_lengths(len(units)) for units, _ in families]
-    for j in range(max(map(len, lengths))):
-        for (units, make), ls in zip(families, lengths):
-            if j < len(ls) and run(make(units[:ls[j]])) is None:
-                return result()
-    for (units, make), ls in zip(families, lengths):  # bisect where the lengths tried jumped
-        fit = [n for n in ls if seen[setting_key(make(units[:n]))]["fits"]]
-        lo = max(fit, default=0)
-        over = [n for n in ls if n > lo]
-        hi = min(over) if over else lo
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            got = run(make(units[:mid]))
-            if got is None:
-                return result()
-            lo, hi = (mid, hi) if got["fits"] else (lo, mid)
-    off = [t for t in tried if t["fits"] and t["units"] and not t["to"]]
-    if off and ints:  # the best of those not resharding, the other units to a smaller mesh
-        base = dict.fromkeys(min(off, key=lambda t: t["step_time"])["units"], False)
-        rest = [u for u in ints if u not in base]
-        for n in prefix_lengths(len(rest)):
-            if run({**base, **{u: choice[u] for u in rest[:n]}}) is None:
-                break
-    return result()
+    lengths = [0, *prefix_lengths(len(moves))]
+    fits = {}
+    for n in lengths:
+        got = run(n)
+        if got is None:
+            break
+        fits[n] = got["fits"]
+    lo = max((n for n, ok in fits.items() if ok), default=0)
+    over = [n for n in lengths if n > lo and n in fits]
+    hi = min(over) if over else lo
+    while hi - lo > 1:  # bisect where the lengths tried jumped
+        mid = (lo + hi) // 2
+        got = run(mid)
+        if got is None:
+            break
+        lo, hi = (mid, hi) if got["fits"] else (lo, mid)
+    return (best[1] if best else {}), tried
 
 
 def prefetch_order(problem: Problem, budget_bytes: int) -> list[tuple[str, int]]:
