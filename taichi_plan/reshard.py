@@ -318,11 +318,6 @@ def units_to(problem) -> dict[int, int]:
     return {unit_index(problem.trace.meta, m): int(k) for m, k in (info.get("to") or {}).items()}
 
 
-def changes_of(problem) -> dict[int, Change]:
-    """The setting a problem's view holds, as :func:`reshard_problem` takes it."""
-    return {**dict.fromkeys(units_off(problem), False), **units_to(problem)}
-
-
 def regather_cost(problem, unit: int) -> float:
     """Seconds the recorded step spends gathering ``unit`` again in backward (its all-gather
     on the interconnect, copy-in and copy-out): what not resharding it saves."""
