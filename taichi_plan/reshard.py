@@ -28,7 +28,8 @@ backward copy-in reading those shards, the backward all-gather over the K-rank g
 
 Not derived: a unit recorded *without* resharding (or to a smaller mesh) cannot be turned into
 one that reshards (its backward gathering was never recorded); a smaller mesh for a unit under
-a mixed-precision policy (its backward copy-in casts differently), or on a trace whose op times
+a mixed-precision policy (its backward copy-in fills a buffer in the gathered dtype sized by the
+shard it gathers from, and copies into it: both change), or on a trace whose op times
 were measured rather than estimated (the inserted ops' times would be guesses).
 """
 
@@ -441,7 +442,8 @@ def smaller_mesh_view(trace, to: dict[int, int]):
 
     The inserted ops are costed by the roofline of the trace's device profile (a fake trace's
     own estimates). Refused: a unit under a mixed-precision policy (its backward copy-in then
-    skips a cast per parameter, not derived), a trace without a device profile."""
+    fills a buffer of the gathered dtype sized by the shard it gathers from: not derived), a
+    trace without a device profile."""
     import copy
 
     import pandas as pd
@@ -469,8 +471,9 @@ def smaller_mesh_view(trace, to: dict[int, int]):
                             f"between 1 and itself ({', '.join(map(str, factors)) or 'none'}).")
         if units[u].get("param_dtype") or units[u].get("reduce_dtype"):
             raise PlanError(f"FSDP unit {name} runs under a mixed-precision policy: resharding it to a smaller mesh "
-                            "is not derived from this trace (its backward gathering casts differently). Record it "
-                            "with `--reshard-to K` instead.")
+                            "is not derived from this trace (its backward copy-in fills a buffer of the gathered "
+                            "dtype sized by what it gathers from, which the smaller mesh changes). Record it with "
+                            "`--reshard-to K` instead.")
     if not meta.get("device_profile"):
         raise PlanError("A smaller-mesh setting is costed on the trace's device profile, and this trace has none: "
                         "record it with --device-profile.")
@@ -529,8 +532,10 @@ def smaller_mesh_view(trace, to: dict[int, int]):
             r = row_of[t]
             size = int(nbytes[r])
             item = _ITEMSIZE.get(str(dtypes[r]))
-            shard_param = int(nbytes[row_of[reads[p][1]]])
-            if item is None or size % (k * item) or shard_param * group != size:
+            shard_row = row_of[reads[p][1]]  # (in the parameters' own dtype: a policy gathers in another)
+            shard_item = _ITEMSIZE.get(str(dtypes[shard_row]))
+            if (item is None or shard_item is None or size % (k * item)
+                    or int(nbytes[shard_row]) // shard_item * group != size // item):
                 raise PlanError(f"FSDP unit {units[u]['module'] or '<root>'!r}: parameter {p} does not split "
                                 f"evenly over {k} ranks in this trace; not derivable.")
             j0 = len(new_ops) + len(block)
