@@ -27,9 +27,7 @@ backward copy-in reading those shards, the backward all-gather over the K-rank g
 (:func:`setting_view`) may do both, on different units.
 
 Not derived: a unit recorded *without* resharding (or to a smaller mesh) cannot be turned into
-one that reshards (its backward gathering was never recorded); a smaller mesh for a unit under
-a mixed-precision policy (its backward copy-in fills a buffer in the gathered dtype sized by the
-shard it gathers from, and copies into it: both change), or on a trace whose op times
+one that reshards (its backward gathering was never recorded); a smaller mesh on a trace whose op times
 were measured rather than estimated (the inserted ops' times would be guesses).
 """
 
@@ -441,14 +439,16 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     ``view.position`` maps a recorded op id to the view's; ``view.recorded`` is ``trace``.
 
     The inserted ops are costed by the roofline of the trace's device profile (a fake trace's
-    own estimates). Refused: a unit under a mixed-precision policy (its backward copy-in then
-    fills a buffer of the gathered dtype sized by the shard it gathers from: not derived), a
-    trace without a device profile."""
+    own estimates). Under a mixed-precision policy the backward copy-in fills a buffer of the
+    gathered dtype the size of the shard it gathers from (1/group of the parameters, now 1/K):
+    it is resized, and the ops that make and fill it re-costed. Refused: a trace without a
+    device profile."""
     import copy
 
     import pandas as pd
 
     from .devices import get_profile
+    from .record.roofline import estimate_duration_s
     from .trace import Trace, renumber_tensors
 
     to = {int(u): int(k) for u, k in to.items()}
@@ -469,11 +469,6 @@ def smaller_mesh_view(trace, to: dict[int, int]):
             raise PlanError(f"FSDP unit {name} cannot reshard to {k} ranks: the shard group has "
                             f"{shard_group_size(meta)}, and an int reshard_after_forward must be one of its factors "
                             f"between 1 and itself ({', '.join(map(str, factors)) or 'none'}).")
-        if units[u].get("param_dtype") or units[u].get("reduce_dtype"):
-            raise PlanError(f"FSDP unit {name} runs under a mixed-precision policy: resharding it to a smaller mesh "
-                            "is not derived from this trace (its backward copy-in fills a buffer of the gathered "
-                            "dtype sized by what it gathers from, which the smaller mesh changes). Record it with "
-                            "`--reshard-to K` instead.")
     if not meta.get("device_profile"):
         raise PlanError("A smaller-mesh setting is costed on the trace's device profile, and this trace has none: "
                         "record it with --device-profile.")
@@ -494,6 +489,8 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     regather = _regather_by_unit(trace)
     group = shard_group_size(meta)
     t_kind = dict(zip(tid.tolist(), kind.tolist()))
+    by_op = np.argsort(a_op, kind="stable")  # each op's accesses (the table's rows may come in any order)
+    s_op, s_t = a_op[by_op], a_t[by_op]
     shard_reads = (a_role == "read") & np.asarray([t_kind[int(t)] == "parameter" for t in a_t.tolist()], dtype=bool)
 
     # Per unit: its gathered parameters' forward rows (in tensor order: FSDP's parameter order),
@@ -504,6 +501,7 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     fwd_free: dict[int, tuple] = {}     # recorded row -> ("new", j): freed at its own detach
     swap: dict[tuple[int, int], int] = {}  # (recorded op, recorded tensor id) -> new row index
     recost: dict[int, float] = {}       # recorded op -> its duration over the smaller group
+    resized: dict[int, int] = {}        # recorded row -> its bytes (a mixed-precision copy-in buffer)
     spans_new: list[tuple[int, int, int]] = []  # (X, ops inserted, unit)
     new_ops: list[dict] = []
     for u, k in sorted(to.items()):
@@ -555,6 +553,29 @@ def smaller_mesh_view(trace, to: dict[int, int]):
         new_ops.extend(block)
         spans_new.append((x, len(block), u))
         recost.update(_gathers_over(trace, gone, k, profile))
+        # Under a mixed-precision policy the copy-in fills a buffer of the gathered dtype the size
+        # of the shard it gathers from: 1/group of the parameters, now 1/K; the ops that make and
+        # fill it move that many more bytes (as the recorder costs an op: the bytes it touches).
+        resized_here = []
+        for r in np.nonzero(np.isin(alloc, gone) & (kind == "temporary"))[0].tolist():
+            if len(tensors["shape"].iat[r]) != 1 or (int(nbytes[r]) * group) % k:
+                raise PlanError(f"FSDP unit {units[u]['module'] or '<root>'!r}: its backward gathering makes a "
+                                "buffer taichi-plan cannot resize to a smaller mesh; not derivable.")
+            resized[r] = int(nbytes[r]) * group // k
+            resized_here.append(r)
+        if resized_here:
+            shard_size = {(o, t): new_rows[j]["nbytes"] for (o, t), j in swap.items()}
+            for o in gone.tolist():
+                touched = set(s_t[np.searchsorted(s_op, o, "left"):np.searchsorted(s_op, o, "right")].tolist())
+                if o in recost or ops["duration_s"].iat[o] == 0 or not any(
+                        row_of[t] in resized or (o, t) in shard_size for t in touched):
+                    continue
+                before = estimate_duration_s(profile, 0, sum(int(nbytes[row_of[t]]) for t in touched))
+                if not np.isclose(before, ops["duration_s"].iat[o], rtol=1e-9, atol=0):
+                    raise PlanError(f"FSDP unit {units[u]['module'] or '<root>'!r}: op {o} of its backward gathering "
+                                    "was not costed by the bytes it touches; not derivable.")
+                recost[o] = estimate_duration_s(profile, 0, sum(
+                    shard_size.get((o, t), resized.get(row_of[t], int(nbytes[row_of[t]]))) for t in touched))
 
     # The new op order: each recorded op, then the post-forward ops inserted after it.
     order: list[tuple[str, int]] = []
@@ -573,14 +594,28 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     t_alloc = np.asarray([op_id(int(a)) for a in alloc] + [op_id(r["op"]) for r in new_rows], dtype=np.int64)
     t_prod = np.asarray([op_id(int(a)) for a in tensors["producer_op"].to_numpy()] + [op_id(r["op"]) for r in new_rows],
                         dtype=np.int64)
-    t_free = np.asarray([op_id(fwd_free[i]) if i in fwd_free else op_id(int(e)) for i, e in enumerate(free.tolist())]
+    moved = _after_hook(meta.get("module_args") or {}, units, spans_new, position)
+
+    def freed(i: int, e: int) -> int:
+        if i in fwd_free:
+            return op_id(fwd_free[i])
+        if e in moved and int(alloc[i]) < moved[e][0]:  # held by the unit's caller (_after_hook)
+            return moved[e][1]
+        return op_id(e)
+
+    t_free = np.asarray([freed(i, int(e)) for i, e in enumerate(free.tolist())]
                         + [op_id(r["free"]) for r in new_rows], dtype=np.int64)
     extra = pd.DataFrame({"tensor_id": np.zeros(len(new_rows), dtype=np.int64),
                           "nbytes": [r["nbytes"] for r in new_rows], "dtype": [r["dtype"] for r in new_rows],
                           "shape": [r["shape"] for r in new_rows], "kind": [r["kind"] for r in new_rows],
                           "producer_op": 0, "alloc_op": 0, "free_op": 0})
-    t2, rank = renumber_tensors(pd.concat([tensors, extra[tensors.columns]], ignore_index=True), t_alloc, t_prod,
-                                t_free)
+    rows = tensors
+    if resized:
+        rows = tensors.copy()
+        item = {r: int(nbytes[r]) // max(int(np.prod(rows["shape"].iat[r])), 1) for r in resized}
+        rows["nbytes"] = [resized.get(r, int(b)) for r, b in enumerate(nbytes.tolist())]
+        rows["shape"] = [[resized[r] // item[r]] if r in resized else s for r, s in enumerate(rows["shape"].tolist())]
+    t2, rank = renumber_tensors(pd.concat([rows, extra[tensors.columns]], ignore_index=True), t_alloc, t_prod, t_free)
     new_tid = {int(t): int(rank[i]) for i, t in enumerate(tid.tolist())}
     n_old = len(tid)
 
@@ -683,6 +718,21 @@ def smaller_mesh_saving(problem, unit: int, k: int) -> tuple[int, float]:
     return kept, saved
 
 
+def _after_hook(module_args: dict, units: list, spans_new: list, position: np.ndarray) -> dict[int, tuple[int, int]]:
+    """What is let go of right after a unit's last forward op (recorded op X) is let go of where
+    its holder does: what the unit's call made, by its return, before FSDP's post-forward ops
+    (its forward hook runs them); what existed before the call (its arguments, its callers'
+    tensors), by the callers' code after the hook, after those ops. Per X: (the call's first
+    op, recorded; the view's last post-forward op), for the units with a recorded call there."""
+    out = {}
+    for x, c, u in spans_new:
+        starts = [int(e[0]) for e in (module_args.get(units[u]["module"]) or [])
+                  if len(e) > 2 and e[2] is not None and int(e[2]) == int(x) + 1]
+        if starts:
+            out[int(x)] = (starts[0], int(position[x]) + c)
+    return out
+
+
 def _remap_meta(out: dict, position: np.ndarray, n_new: int, new_tid: dict[int, int], units: list, to: dict,
                 spans_new: list, shard_ids: list[int], born: dict[int, int]) -> None:
     """``meta`` of :func:`smaller_mesh_view`, in place: every op and tensor id it holds mapped
@@ -731,15 +781,7 @@ def _remap_meta(out: dict, position: np.ndarray, n_new: int, new_tid: dict[int, 
                 e[2] = op(int(e[2]) - 1) + 1 if inside else op(e[2])
     refs = out.get("python_refs")
     if isinstance(refs, dict) and refs.get("release") is not None:
-        # let go of right after a unit's last forward op: what its call made, by its return
-        # (before FSDP's post-forward ops, which its forward hook runs); what existed before the
-        # call (its arguments, its callers' tensors), by its callers' code after the hook
-        moved = {}
-        for x, c, u in spans_new:
-            starts = [int(e[0]) for e in (meta_args.get(units[u]["module"]) or [])
-                      if len(e) > 2 and e[2] is not None and int(e[2]) == int(x) + 1]
-            if starts:
-                moved[int(x)] = (starts[0], int(position[x]) + c)
+        moved = _after_hook(meta_args, units, spans_new, position)
 
         def release(t: int, o: int) -> int:
             if o < 0:

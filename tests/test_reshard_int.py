@@ -59,6 +59,27 @@ def test_view_equals_a_recording_with_that_setting(int_trace, full_trace):
     assert (view.ops["op"].to_numpy()[view.position] == full_trace.ops["op"].to_numpy()).all()
 
 
+def test_view_equals_a_recording_under_mixed_precision():
+    """Under FSDP2's MixedPrecisionPolicy (bf16 gathered, fp32 reduced) the backward copy-in
+    fills a bf16 buffer the size of the shard it gathers from: 1/4 of the parameters at 4 ranks,
+    1/2 from the post-forward shards. The view resizes it and re-costs the ops that make and fill
+    it; it equals a recording, with one block at 2 ranks."""
+    from test_reshard import _differences
+
+    from taichi_plan.record import get_workload
+    from taichi_plan.record.fsdp import mixed_precision, record_fsdp_workload
+    from taichi_plan.reshard import smaller_mesh_view
+
+    w = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=64, batch=2)
+    mp = mixed_precision("bf16", "fp32")
+    full, rec = (record_fsdp_workload(w, 4, reshard_after_forward=setting, check_tracker=False, mixed_precision=mp,
+                                      device_profile="h100-80gb") for setting in (True, {"transformer.h.1": 2}))
+    view = smaller_mesh_view(full, {2: 2})
+    assert _differences(view, rec) == []
+    for key in ("module_args", "python_refs", "backward_nodes"):
+        assert view.meta.get(key) == rec.meta.get(key), key
+
+
 def test_settings_that_cannot_be_derived_are_refused(int_trace, full_trace):
     from taichi_plan.errors import PlanError
     from taichi_plan.reshard import smaller_mesh_view, view_of_choice
