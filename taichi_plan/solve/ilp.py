@@ -700,6 +700,9 @@ class _Model:
             for p in problem.rebuild_ops[int(self.rv.tensor[js[0]])].tolist() if rebuilt else ():
                 model.Add(rerun_of(p) >= sum(z[j] for j in rebuilt))
         self.rem: dict[int, cp_model.IntVar] = {}
+        # (tensor, free_after) of a gap -> {cut q: e}: e says a reader of the tensor was re-made
+        # inside the gap before op q, which brings it back there (_dead_inputs, add_op).
+        self.early: dict[tuple[int, int], dict[int, cp_model.IntVar]] = {}
         self.held: dict[int, dict[int, cp_model.IntVar]] = {}
         # past these sizes CP-SAT cannot presolve them within its limit: left out (a weaker relaxation)
         if C <= CHAIN_MAX_OPTIONS and C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
@@ -893,6 +896,7 @@ class _Model:
                     eq = model.NewBoolVar(f"e{t}_{a}_{q}")
                     model.Add(eq <= sum(new) + (e_prev if e_prev is not None else 0))
                     e_prev = eq
+                    self.early.setdefault((t, a), {})[q] = eq
                 at_least = [self.x[k] for k in ks if st.b[k] >= q]
                 if q < lo or not at_least:
                     continue
@@ -1114,6 +1118,17 @@ class _Model:
             model.AddImplication(aw, x[k])
             model.AddBoolOr([aw.Not(), f.Not()])
             away[k] = aw
+        for k in cover:
+            # [Constraint] (forward-only graphs) a reader of k's tensor re-made inside its gap
+            # before op i + 1 (early[q], q <= i + 1; _dead_inputs) brought it back: not away at i.
+            es = self.early.get((int(st.tensor[k]), int(st.a[k])))
+            back = None if not es else max((q for q in es if q <= i + 1), default=None)
+            if back is None:
+                continue
+            if away[k] is x[k]:
+                away[k] = model.NewBoolVar(f"wb{k}_{i}")
+                model.AddImplication(away[k], x[k])
+            model.AddBoolOr([away[k].Not(), es[back].Not()])
         for k in cover:
             if k in forced:
                 for c in st.needers[k]:
