@@ -1092,6 +1092,14 @@ class _Model:
                 continue
             model.Add(sum(int(st.sizes[j]) * x[j] for j in cover.tolist()) >= excess).OnlyEnforceIf(x[k])
 
+    def _back(self, k: int, i: int):
+        """The literal saying option ``k``'s tensor is back in memory at op ``i`` because a
+        reader of it was re-made inside its gap by then (the latest ``early[q]``, q <= i + 1),
+        or None."""
+        es = self.early.get((int(self.st.tensor[k]), int(self.st.a[k])))
+        q = None if not es else max((q for q in es if q <= i + 1), default=None)
+        return None if q is None else es[q]
+
     def add_op(self, i: int, extra: int = 0) -> None:
         """[Constraint] memory at op ``i``: the dropped-and-still-away bytes cover the excess
         (plus ``extra`` bytes: a tightening, in the plan-finding model only)."""
@@ -1121,14 +1129,13 @@ class _Model:
         for k in cover:
             # [Constraint] (forward-only graphs) a reader of k's tensor re-made inside its gap
             # before op i + 1 (early[q], q <= i + 1; _dead_inputs) brought it back: not away at i.
-            es = self.early.get((int(st.tensor[k]), int(st.a[k])))
-            back = None if not es else max((q for q in es if q <= i + 1), default=None)
+            back = self._back(k, i)
             if back is None:
                 continue
             if away[k] is x[k]:
                 away[k] = model.NewBoolVar(f"wb{k}_{i}")
                 model.AddImplication(away[k], x[k])
-            model.AddBoolOr([away[k].Not(), es[back].Not()])
+            model.AddBoolOr([away[k].Not(), back.Not()])
         for k in cover:
             if k in forced:
                 for c in st.needers[k]:
