@@ -4,7 +4,9 @@
 the relaxation itself, plan by plan: on small random traces in the imported space (every gap,
 any rebuild point, revivals), the CP-SAT model with every op and every recompute group
 modelled, its decisions (``x``, ``z``) fixed to those of a plan that fits, must have a
-solution whose objective is at most the plan's simulated cost. A constraint that cuts a
+solution whose objective is at most the plan's simulated cost; so must the bound model of
+graphs with many rebuild points (one option per gap and cell), each plan's options replaced
+by those of their cells. A constraint that cuts a
 feasible plan (say, one that counts a tensor as back in memory too early) fails here even
 where it does not move the optimum. The last test makes the model one byte too strict on
 purpose and checks that this catches it.
@@ -54,8 +56,11 @@ def _plans(problem):
     return out
 
 
-def _violations(seed: int, chains: bool) -> tuple[int, int, list[str]]:
-    """(plans checked, plans whose tensor a reader brings back early, failures)."""
+def _violations(seed: int, chains: bool, merged: bool = False) -> tuple[int, int, list[str]]:
+    """(plans checked, plans whose tensor a reader brings back early, failures). ``merged``:
+    the bound model of many-option graphs (one option per gap and cell of rebuild points,
+    ``ilp.merged_structure`` and ``ilp.merged_revivals``), each plan's option and revival
+    replaced by the one of its cell."""
     problem = _imported(seed)
     o = plan_options(problem)
     if math.prod(1 + int(x) for x in np.bincount(o.cand).tolist()) > MAX_PLANS:
@@ -75,25 +80,34 @@ def _violations(seed: int, chains: bool) -> tuple[int, int, list[str]]:
         if len(ops_all) == 0:
             continue
         unit = max(problem.step_cost / 1e7, 1e-12)
-        model = ilp._Model(problem, st, [], req, ops_all, unit)
+        mst, flags = ilp.merged_structure(problem, st, ops_all) if merged else (st, None)
+        model = ilp._Model(problem, mst, [], req, ops_all, unit, merge_revivals=merged)
         model.chains = chains
+        model.merged = flags
+        cuts = np.asarray(sorted({int(i) + 1 for i in ops_all.tolist()} | {problem.num_ops}))
+
+        def cell(point: int, cuts: np.ndarray = cuts) -> int:
+            return int(np.searchsorted(cuts, point, side="right")) if merged else point
         for i in range(problem.num_ops):
             model.add_op(i)
         for r in range(1, problem.num_ops):
             model.add_group(r, budget)
-        key = {(int(t), int(a), int(b)): k for k, (t, a, b) in
-               enumerate(zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(), strict=True))}
+        key = {(int(t), int(a), cell(int(b))): k for k, (t, a, b) in
+               enumerate(zip(mst.tensor.tolist(), mst.a.tolist(), mst.b.tolist(), strict=True))}
         rv = model.rv
-        rkey = {(int(t), int(a), int(b)): j for j, (t, a, b) in
+        rkey = {(int(t), int(a), -1 if b == problem.end[t] + 1 else cell(int(b))): j for j, (t, a, b) in
                 enumerate(zip(rv.tensor.tolist(), rv.free_after.tolist(), rv.remat_before.tolist(), strict=True))}
+        full = {(int(t), int(a), int(b)) for t, a, b in zip(st.tensor.tolist(), st.a.tolist(), st.b.tolist(),
+                                                            strict=True)}
         fitting = [(d, c) for d, pk, c in plans if pk <= budget][:MOST_PLANS]
         for drops, cost in fitting:
             sim, _ = simulate_plan(problem, drops)
             fixed = model.model.Clone()
-            on_x = {key[(d.tensor, d.free_after, d.remat_before)] for d in drops
-                    if (d.tensor, d.free_after, d.remat_before) in key}
-            on_z = {rkey[(d.tensor, d.free_after, d.remat_before)] for d in drops
-                    if (d.tensor, d.free_after, d.remat_before) not in key}
+            gap = [d for d in drops if (d.tensor, d.free_after, d.remat_before) in full]
+            rev = [d for d in drops if (d.tensor, d.free_after, d.remat_before) not in full]
+            on_x = {key[(d.tensor, d.free_after, cell(d.remat_before))] for d in gap}
+            on_z = {rkey[(d.tensor, d.free_after, -1 if d.remat_before == problem.end[d.tensor] + 1
+                          else cell(d.remat_before))] for d in rev}
             for k, v in enumerate(model.x):
                 fixed.Add(v == (1 if k in on_x else 0))
             for j, v in enumerate(model.z):
@@ -105,9 +119,10 @@ def _violations(seed: int, chains: bool) -> tuple[int, int, list[str]]:
             code = solver.Solve(fixed)
             checked += 1
             early += any(sim.remat_at_drop.get((d.tensor, d.free_after), d.remat_before) < d.remat_before
-                         for d in drops if (d.tensor, d.free_after, d.remat_before) in key)
+                         for d in gap)
             if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-                failures.append(f"seed {seed}, budget {budget}, chains {chains}: the plan {drops} (cost {cost}) "
+                failures.append(f"seed {seed}, budget {budget}, chains {chains}, merged {merged}: the plan {drops} "
+                                f"(cost {cost}) "
                                 f"is cut ({solver.StatusName(code)})")
     return checked, early, failures
 
@@ -116,8 +131,8 @@ def test_every_fitting_plan_satisfies_the_relaxation():
     checked = early = 0
     failures = []
     for seed in SEEDS:
-        for chains in (False, True):
-            c, e, f = _violations(seed, chains)
+        for chains, merged in ((False, False), (True, False), (False, True)):
+            c, e, f = _violations(seed, chains, merged)
             checked, early, failures = checked + c, early + e, failures + f
     assert not failures, "\n".join(failures[:10])
     print(f"{checked} plans checked, {early} with a tensor brought back early")
