@@ -740,6 +740,10 @@ class _Model:
         apart = apart_reruns(problem, st)
         for p in apart:
             most[p] = max(most.get(p, 1), 2)
+        if problem.every_gap:  # one more re-run after its last op (a revival or a re-make): below
+            for p, _t in gaps_of:
+                most[p] = most.get(p, 1) + 1
+        self._gaps_of = gaps_of
 
         def rerun_of(p: int):
             """The variable counting op ``p``'s re-runs (made on first use)."""
@@ -769,8 +773,11 @@ class _Model:
         for js in by_tensor.values():
             model.AddAtMostOne([z[j] for j in js])
             rebuilt = [j for j in js if self.rv.remat_before[j] >= problem.end[self.rv.tensor[j]] + 2]
-            for p in problem.rebuild_ops[int(self.rv.tensor[js[0]])].tolist() if rebuilt else ():
-                model.Add(rerun_of(p) >= sum(z[j] for j in rebuilt))
+            u = int(self.rv.tensor[js[0]])
+            for p in problem.rebuild_ops[u].tolist() if rebuilt else ():
+                # its rebuild runs after its last op, so in a group apart from those of its
+                # dropped gaps (each inside its own gap): once more (most[p] has room)
+                model.Add(rerun_of(p) >= sum(z[j] for j in rebuilt) + sum(x[k] for k in gaps_of.get((p, u), ())))
         self.rem: dict[int, cp_model.IntVar] = {}
         # (tensor, free_after) of a gap -> {cut q: e}: e says a reader of the tensor was re-made
         # inside the gap before op q, which brings it back there (_dead_inputs, add_op).
@@ -846,7 +853,8 @@ class _Model:
                 model.Add(v == 0)
                 return v
             for p in problem.rebuild_ops[u].tolist():
-                model.Add(rerun_of(p) >= v)
+                # re-made after its last op: in a group apart from its dropped gaps' rebuilds
+                model.Add(rerun_of(p) >= v + sum(self.x[k] for k in self._gaps_of.get((p, u), ())))
             for w in rebuild_inputs(problem, u):
                 if w in ok and end[w] <= end[u]:
                     model.AddBoolOr([v.Not(), remade(w), held(w, int(end[u]))])
@@ -1208,16 +1216,28 @@ class _Model:
             model.AddImplication(aw, x[k])
             model.AddBoolOr([aw.Not(), f.Not()])
             away[k] = aw
+        by_gap: dict[tuple[int, int], list[int]] = {}  # without chains: one literal per gap
         for k in cover:
             # [Constraint] (forward-only graphs) a reader of k's tensor re-made inside its gap
             # before op i + 1 (early[q], q <= i + 1; _dead_inputs) brought it back: not away at i.
             back = self._back(k, i)
             if back is None:
                 continue
+            if away[k] is x[k] and not self.chains:
+                by_gap.setdefault((int(st.tensor[k]), int(st.a[k])), []).append(k)
+                continue
             if away[k] is x[k]:
                 away[k] = model.NewBoolVar(f"wb{k}_{i}")
                 model.AddImplication(away[k], x[k])
             model.AddBoolOr([away[k].Not(), back.Not()])
+        gap_terms = []
+        for ks in by_gap.values():  # at most one option of a gap is chosen
+            w = model.NewBoolVar(f"wb{ks[0]}_{i}")
+            model.Add(w <= sum(x[k] for k in ks))
+            model.AddBoolOr([w.Not(), self._back(ks[0], i).Not()])
+            gap_terms.append(self.sizes[ks[0]] * w)
+            for k in ks:
+                del away[k]
         for k in cover:
             if k in forced:
                 for c in st.needers[k]:
@@ -1236,5 +1256,6 @@ class _Model:
                 e = min((e for e in hs if e >= i), default=None)
                 if e is not None and int(self.problem.nbytes[u]) >= unit:
                     kept.append((int(self.problem.nbytes[u]) // unit) * hs[e])
-        model.Add(sum(self.sizes[k] * away[k] for k in cover) + sum(part_terms) - sum(kept) >= need)
+        model.Add(sum(self.sizes[k] * away[k] for k in cover if k in away) + sum(gap_terms) + sum(part_terms)
+                  - sum(kept) >= need)
         self.terms += len(cover)
