@@ -83,7 +83,7 @@ def _violations(seed: int, chains: bool, merged: bool = False) -> tuple[int, int
         mst, flags = ilp.merged_structure(problem, st, ops_all) if merged else (st, None)
         model = ilp._Model(problem, mst, [], req, ops_all, unit, merge_revivals=merged)
         model.chains = chains
-        model.merged = flags
+        model.first_point = flags
         cuts = np.asarray(sorted({int(i) + 1 for i in ops_all.tolist()} | {problem.num_ops}))
 
         def cell(point: int, cuts: np.ndarray = cuts) -> int:

@@ -166,24 +166,23 @@ def merged_structure(problem: Problem, st: Structure, ops_all: np.ndarray) -> tu
     dead-input rules; the one kept has the latest point, which covers every op the others do
     (counted away there, the memory constraints of other ops only get easier). So any plan
     maps to an assignment of the smaller model (its option replaced by its cell's), which
-    stays a relaxation, except for a group constraint (:meth:`_Model.add_group`), which holds
-    for a rebuild exactly at its point: left out for an option that stands for others
-    (``merged``, returned). n250 at 0.9: 9,875 options -> 1,665."""
+    stays a relaxation; a group constraint (:meth:`_Model.add_group`) of an option that
+    stands for others holds for each point it stands for (returned: the first of them, per
+    option kept). n250 at 0.9: 9,875 options -> 1,665."""
     cuts = np.asarray(sorted({int(i) + 1 for i in ops_all.tolist()} | {problem.num_ops}))
     cell = np.searchsorted(cuts, st.b, side="right")
     best: dict[tuple[int, int, int], int] = {}
-    count: dict[tuple[int, int, int], int] = {}
+    first: dict[tuple[int, int, int], int] = {}
     for k, key in enumerate(zip(st.tensor.tolist(), st.a.tolist(), cell.tolist(), strict=True)):
-        count[key] = count.get(key, 0) + 1
+        first[key] = min(first.get(key, int(st.b[k])), int(st.b[k]))
         if key not in best or st.b[k] > st.b[best[key]]:
             best[key] = k
     keep = np.asarray(sorted(best.values()), dtype=np.int64)
-    merged = np.asarray([count[(int(st.tensor[k]), int(st.a[k]), int(cell[k]))] > 1 for k in keep.tolist()],
-                        dtype=bool)
+    lo = np.asarray([first[(int(st.tensor[k]), int(st.a[k]), int(cell[k]))] for k in keep.tolist()], dtype=np.int64)
     sub = Structure(st.sizes[keep], st.a[keep], st.b[keep], [st.own_ops[k] for k in keep.tolist()],
                     [st.temporaries[k] for k in keep.tolist()], [[] for _ in keep.tolist()],
                     st.tensor[keep], st.cand[keep])
-    return sub, merged
+    return sub, lo
 
 
 def merged_revivals(problem: Problem, rv: Options, ops_all: np.ndarray) -> tuple[Options, np.ndarray, np.ndarray]:
@@ -465,7 +464,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             for i in sorted(new_main, key=lambda i: -over[i])[:64]:
                 model.add_op(i)
         groups = sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes)
-        fresh = [i for i in new if bmodel is not None and i not in bmodel.ops]
+        # (The bound model may count kept tensors where the main model does not: a merged one.)
+        fresh = [int(i) for i in np.nonzero(over > 0)[0] if bmodel is not None and int(i) not in bmodel.ops
+                 and (req[i] > 0 or bmodel.held)]
         fresh_groups = [g for g in groups if bmodel is not None and g not in bmodel.groups]
         for r in groups:
             model.add_group(r, budget_bytes, deadline)
@@ -491,7 +492,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     if bound_share > 0 and len(bst.sizes) <= CHAIN_MAX_OPTIONS:
         bmodel = _Model(problem, bst, parts, req, ops_all, cost_unit, merge_revivals=merged is not None)
         bmodel.chains = False
-        bmodel.merged = merged
+        bmodel.first_point = merged
         # Merged (forward-only graphs past CHAIN_MAX_OPTIONS): CP-SAT's rounds find no plan
         # there (the local search does) and its bound is weaker; the MIP's root cuts need the time.
         share = bound_share if merged is None else max(bound_share, MERGED_BOUND_SHARE)
@@ -702,7 +703,8 @@ class _Model:
         for (t, a), b in widest.items():
             self._gaps.setdefault(t, []).append((a, b))
         self.cand_set = set(st.tensor.tolist())
-        self.merged: np.ndarray | None = None  # options standing for several (merged_structure)
+        # Per option, the first rebuild point it stands for (merged_structure); None: its own.
+        self.first_point: np.ndarray | None = None
         self.terms = 0
         self.cuts = 0
         # Chain constraints at each modelled op (a dropped tensor brought back early by a
@@ -1121,23 +1123,31 @@ class _Model:
             return
         self.groups.add(r)
         problem, st, model, x = self.problem, self.st, self.model, self.x
-        crossing = int(problem.nbytes[(problem.start <= r - 1) & (problem.end >= r)].sum())
+
+        def crossing(q: int) -> int:
+            return int(problem.nbytes[(problem.start <= q - 1) & (problem.end >= q)].sum())
+
         for k in np.nonzero(st.b == r)[0].tolist():
             if deadline is not None and time.perf_counter() > deadline:
                 return  # the constraints not added only weaken the relaxation
-            if self.merged is not None and self.merged[k]:
-                continue  # it stands for options rebuilt at other points (merged_structure)
+            # An option that stands for others (merged_structure) is rebuilt before one of the
+            # ops lo..r: the constraint below holds for each (its condition implies each
+            # point's, its cover holds each point's, its excess is the least of theirs).
+            lo = r if self.first_point is None else int(self.first_point[k])
             t = int(st.tensor[k])
             a = int(st.a[k])
-            if problem.every_gap:
-                # With revivals a dead input may be kept or rebuilt ahead (no transient chain is
-                # certain), but when t's producer runs, t and every input of it are in memory.
-                p = int(problem.rebuild_ops[t][0])
-                lone = int(st.sizes[k]) + sum(int(problem.nbytes[u]) for u in problem.op_reads[p].tolist()
-                                              if u != t and not problem.held(u, r))
-            else:
-                lone = rebuild_overhead(problem, Drop(t, a, r))
-            excess = crossing - int(st.sizes[k]) + lone - budget
+            excess = None
+            for q in range(lo, r + 1):
+                if problem.every_gap:
+                    # With revivals a dead input may be kept or rebuilt ahead (no transient chain
+                    # is certain), but when t's producer runs, t and every input of it are in memory.
+                    p = int(problem.rebuild_ops[t][0])
+                    lone = int(st.sizes[k]) + sum(int(problem.nbytes[u]) for u in problem.op_reads[p].tolist()
+                                                  if u != t and not problem.held(u, q))
+                else:
+                    lone = rebuild_overhead(problem, Drop(t, a, q))
+                e = crossing(q) - int(st.sizes[k]) + lone - budget
+                excess = e if excess is None else min(excess, e)
             if excess <= 0:
                 continue
             maybe = np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
@@ -1160,7 +1170,7 @@ class _Model:
                 held = {u for u in rebuild_inputs(problem, t) if u in self.cand_set}
             else:
                 held = set(rebuild_closure(problem, t, a, self.cand_set)[1])
-            cover = [j for j in np.nonzero((st.a < r) & (st.b >= r))[0].tolist()
+            cover = [j for j in np.nonzero((st.a < r) & (st.b >= lo))[0].tolist()
                      if j != k and int(st.tensor[j]) not in held]
             unit = self.byte_unit
             if int(st.sizes[cover].sum()) < excess:
