@@ -512,10 +512,13 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             sim, parted = got
             return sim.peak_bytes > budget_bytes and learn(sim, parted, b_deadline)
 
-        found = relaxation_bound(bmodel, ops_all, b_deadline, plan_of, add_cuts, blog, nodes)
+        # Plans cheaper than the incumbent have a model cost below its cost in units (costs
+        # are rounded down): HiGHS may prune the rest; the bound is capped there, as below.
+        found = relaxation_bound(bmodel, ops_all, b_deadline, plan_of, add_cuts, blog, nodes,
+                                 lambda: None if incumbent is None else incumbent[1].extra_cost / cost_unit)
         if found is not None:
             mip_bound = found * cost_unit
-            lower_bound = mip_bound  # of every plan: no cut, no cutoff in its model
+            lower_bound = mip_bound  # of every plan: no cut, and capped at the incumbent
         log += blog.lines
     while True:
         if incumbent is not None and lower_bound is not None and incumbent[1].extra_cost <= lower_bound + slack(incumbent):
