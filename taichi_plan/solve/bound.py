@@ -143,26 +143,38 @@ def quiet_stdout():
         os.close(null)
 
 
-def solve_mip(proto, time_limit: float, node_limit: int | None = None) -> MipResult:
+def solve_mip(proto, time_limit: float, node_limit: int | None = None, cutoff: float | None = None) -> MipResult:
     """Solve the MIP form of ``proto`` with HiGHS within ``time_limit`` wall seconds (and
-    ``node_limit`` branch-and-bound nodes: a limit that does not depend on the load)."""
+    ``node_limit`` branch-and-bound nodes: a limit that does not depend on the load).
+
+    ``cutoff``: HiGHS prunes every solution whose objective is not below it (its
+    ``objective_bound``), and the bound returned is at most it: a lower bound on every
+    solution below the cutoff, and so, capped there, on every solution (the caller's
+    incumbent, whose cost is the cutoff, covers the rest). With the incumbent's cost as the
+    cutoff, HiGHS fixes by reduced cost from the start: the first round on
+    ``random_layered`` n250 at 0.9 was solved in 4.7 s instead of 20.5 s."""
     from ortools.math_opt.python import mathopt
+    from ortools.math_opt.solvers import highs_pb2
 
     t0 = time.perf_counter()
     built = mip_of(proto, t0 + time_limit)
     if built is None:
         return MipResult(None, None, False, time.perf_counter() - t0)
     model, xs = built
+    highs = highs_pb2.HighsOptionsProto(double_options={"objective_bound": float(cutoff)}) if cutoff is not None \
+        else highs_pb2.HighsOptionsProto()
     params = mathopt.SolveParameters(time_limit=dt.timedelta(seconds=max(time_limit - (time.perf_counter() - t0),
                                                                          0.01)),
-                                     node_limit=node_limit, random_seed=0)
+                                     node_limit=node_limit, random_seed=0, highs=highs)
     with quiet_stdout():
         res = mathopt.solve(model, mathopt.SolverType.HIGHS, params=params)
     seconds = time.perf_counter() - t0
     reason = res.termination.reason
-    if reason == mathopt.TerminationReason.INFEASIBLE:
-        return MipResult(math.inf, None, True, seconds)
+    if reason == mathopt.TerminationReason.INFEASIBLE:  # (with a cutoff: nothing below it)
+        return MipResult(math.inf if cutoff is None else cutoff - SAFETY * abs(cutoff) - 1.0, None, True, seconds)
     dual = res.termination.objective_bounds.dual_bound
+    if cutoff is not None:
+        dual = min(dual, cutoff)
     bound = None if not math.isfinite(dual) else dual - SAFETY * abs(dual) - 1.0
     values = None
     if res.has_primal_feasible_solution():
@@ -179,11 +191,14 @@ class BoundLog:
 
 def relaxation_bound(model, ops_all: np.ndarray, deadline: float,
                      plan_of: Callable[[dict[int, int]], object | None],
-                     add_cuts: Callable[[object], bool], log: BoundLog, node_limit: int | None = None) -> float | None:
+                     add_cuts: Callable[[object], bool], log: BoundLog, node_limit: int | None = None,
+                     cutoff: Callable[[], float | None] | None = None) -> float | None:
     """The cutting-plane loop of the module docstring on ``model`` (a fresh ILP relaxation):
     returns the best proven lower bound (model units) or None. ``plan_of(values)`` simulates
     the relaxation's solution (and offers it as a plan); ``add_cuts(sim)`` adds the
-    constraints its excess calls for and says whether any was new."""
+    constraints its excess calls for and says whether any was new. ``cutoff()``: the
+    incumbent's cost in model units, or None (see :func:`solve_mip`): the bound returned is
+    then at most it."""
     best = None
     for i in ops_all.tolist():
         if time.perf_counter() > deadline:
@@ -194,7 +209,7 @@ def relaxation_bound(model, ops_all: np.ndarray, deadline: float,
         if left <= 0.05:
             return best
         log.rounds += 1
-        res = solve_mip(model.model.Proto(), left, node_limit)
+        res = solve_mip(model.model.Proto(), left, node_limit, None if cutoff is None else cutoff())
         log.lines.append(f"bound round {log.rounds}: MIP {'optimal' if res.optimal else 'stopped'}, bound {res.bound}")
         if res.bound is not None:
             best = res.bound if best is None else max(best, res.bound)

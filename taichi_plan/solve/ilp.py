@@ -52,6 +52,7 @@ from ..partition import (
     span_tensors,
 )
 from ..problem import (
+    Options,
     Problem,
     coverage_delta,
     gap_bytes,
@@ -76,6 +77,7 @@ CHAIN_MAX_OPTIONS = 2_000
 # The bound phase (bound.py) gets this share of the time limit first; with a work limit, this
 # many branch-and-bound nodes per unit of work instead (a limit that does not depend on load).
 BOUND_SHARE = 0.6
+MERGED_BOUND_SHARE = 0.9  # the same, for a bound model of merged options (merged_structure)
 BOUND_NODES_PER_WORK = 200
 # Pairs of options per op that re-run it in two groups (apart_reruns): each a constraint.
 APART_MAX_PAIRS = 64
@@ -85,6 +87,7 @@ APART_MAX_PAIRS = 64
 # 411,684 revivals, `solve --time-limit 20`: 43-48 s, 18-19 s without them; random_layered
 # n250, 9,875 options: `--time-limit 5` 6.3 s in `make test`'s load, where the limit allows 5.7).
 DEAD_INPUTS_MAX_VARS = 200_000
+DEAD_INPUTS_MAX_OPTIONS = CHAIN_MAX_OPTIONS
 
 
 @dataclass
@@ -153,6 +156,61 @@ def structure(problem: Problem) -> Structure:
         needers[j] = sorted({k for k in broad[j] if low[k] > a[j]})
     return Structure(problem.nbytes[opts.tensor].astype(np.int64), a, b,
                      own_ops, temporaries, needers, opts.tensor, opts.cand)
+
+
+def merged_structure(problem: Problem, st: Structure, ops_all: np.ndarray) -> tuple[Structure, np.ndarray]:
+    """The options of ``st`` with one per (gap, cell), for the bound model on forward-only
+    graphs with many rebuild points: cells of rebuild points end right before each
+    budget-binding op (as in :meth:`_Model._dead_inputs`), and the options of one gap whose
+    points share a cell cover the same binding ops, re-run the same ops and meet the same
+    dead-input rules; the one kept has the latest point, which covers every op the others do
+    (counted away there, the memory constraints of other ops only get easier). So any plan
+    maps to an assignment of the smaller model (its option replaced by its cell's), which
+    stays a relaxation; a group constraint (:meth:`_Model.add_group`) of an option that
+    stands for others holds for each point it stands for (returned: the first of them, per
+    option kept). n250 at 0.9: 9,875 options -> 1,665."""
+    cuts = np.asarray(sorted({int(i) + 1 for i in ops_all.tolist()} | {problem.num_ops}))
+    cell = np.searchsorted(cuts, st.b, side="right")
+    best: dict[tuple[int, int, int], int] = {}
+    first: dict[tuple[int, int, int], int] = {}
+    for k, key in enumerate(zip(st.tensor.tolist(), st.a.tolist(), cell.tolist(), strict=True)):
+        first[key] = min(first.get(key, int(st.b[k])), int(st.b[k]))
+        if key not in best or st.b[k] > st.b[best[key]]:
+            best[key] = k
+    keep = np.asarray(sorted(best.values()), dtype=np.int64)
+    lo = np.asarray([first[(int(st.tensor[k]), int(st.a[k]), int(cell[k]))] for k in keep.tolist()], dtype=np.int64)
+    sub = Structure(st.sizes[keep], st.a[keep], st.b[keep], [st.own_ops[k] for k in keep.tolist()],
+                    [st.temporaries[k] for k in keep.tolist()], [[] for _ in keep.tolist()],
+                    st.tensor[keep], st.cand[keep])
+    return sub, lo
+
+
+def merged_revivals(problem: Problem, rv: Options, ops_all: np.ndarray) -> tuple[Options, np.ndarray, np.ndarray]:
+    """The revivals ``rv`` with one rebuilt revival per (tensor, cell of rebuild points) (cells
+    as in :func:`merged_structure`; keeps as they are), for the bound model: those of one cell
+    re-run the same ops and are the same cause of a re-make in that cell
+    (:meth:`_Model._dead_inputs`), and a group constraint counts one as a reviver when any
+    point it stands for may be (returned: the first and last of them). n250 at 0.9: 20,262
+    revivals -> 3,458."""
+    cuts = np.asarray(sorted({int(i) + 1 for i in ops_all.tolist()} | {problem.num_ops}))
+    cell = np.searchsorted(cuts, rv.remat_before, side="right")
+    keep = rv.remat_before == problem.end[rv.tensor] + 1
+    rep: dict[tuple[int, int], int] = {}
+    lo: dict[tuple[int, int], int] = {}
+    hi: dict[tuple[int, int], int] = {}
+    for j in range(len(rv)):
+        key = (int(rv.tensor[j]), -1 if keep[j] else int(cell[j]))
+        s = int(rv.remat_before[j])
+        if key not in rep:
+            rep[key], lo[key], hi[key] = j, s, s
+        else:
+            lo[key], hi[key] = min(lo[key], s), max(hi[key], s)
+            if s > rv.remat_before[rep[key]]:
+                rep[key] = j
+    keys = sorted(rep, key=lambda k: rep[k])
+    js = np.asarray([rep[k] for k in keys], dtype=np.int64)
+    out = Options(rv.tensor[js], rv.cand[js], rv.free_after[js], rv.remat_before[js])
+    return (out, np.asarray([lo[k] for k in keys], dtype=np.int64), np.asarray([hi[k] for k in keys], dtype=np.int64))
 
 
 def apart_reruns(problem: Problem, st: Structure, most_pairs: int = APART_MAX_PAIRS) -> dict[int, list[tuple[int, int]]]:
@@ -362,7 +420,13 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     timed_out = False
     work_used = 0.0
     rounds = rejected = repaired = 0
-    slack = cost_unit * (len(st.sizes) + len(parts) + 1)  # rounding of costs to the unit
+    def slack(inc: tuple[Decisions, SimResult]) -> float:
+        """What rounding costs down to the unit can take off a plan's cost in the model: under
+        one unit per op its groups re-run, per drop and per partition. (One unit per option
+        before: 9,875 units on random_layered n250, which called a plan with a 10% gap optimal.)"""
+        dec, sim = inc
+        return cost_unit * (sum(len(g.ops) for g in sim.groups.values()) + len(dec.drops) + len(dec.partitions) + 1)
+
     # The tightened model constrains every option's rebuild: too slow to build past
     # CHAIN_MAX_OPTIONS options (forward-only graphs, where the local search finds plans).
     tightened_tried = len(st.sizes) > CHAIN_MAX_OPTIONS
@@ -400,7 +464,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             for i in sorted(new_main, key=lambda i: -over[i])[:64]:
                 model.add_op(i)
         groups = sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes)
-        fresh = [i for i in new if bmodel is not None and i not in bmodel.ops]
+        # (The bound model may count kept tensors where the main model does not: a merged one.)
+        fresh = [int(i) for i in np.nonzero(over > 0)[0] if bmodel is not None and int(i) not in bmodel.ops
+                 and (req[i] > 0 or bmodel.held)]
         fresh_groups = [g for g in groups if bmodel is not None and g not in bmodel.groups]
         for r in groups:
             model.add_group(r, budget_bytes, deadline)
@@ -418,11 +484,19 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     mip_bound: float | None = None
     blog = BoundLog()
     # Past CHAIN_MAX_OPTIONS options (forward-only graphs with every rebuild point) building
-    # the bound model alone took more than a 5 s limit allows: CP-SAT's bound only there.
-    if bound_share > 0 and len(st.sizes) <= CHAIN_MAX_OPTIONS:
-        bmodel = _Model(problem, st, parts, req, ops_all, cost_unit)
+    # the bound model alone took more than a 5 s limit allows: there it has one option per
+    # gap and cell of rebuild points (merged_structure), or, past that, CP-SAT's bound only.
+    bst, merged = st, None
+    if problem.every_gap and not parts and len(st.sizes) > CHAIN_MAX_OPTIONS:
+        bst, merged = merged_structure(problem, st, ops_all)
+    if bound_share > 0 and len(bst.sizes) <= CHAIN_MAX_OPTIONS:
+        bmodel = _Model(problem, bst, parts, req, ops_all, cost_unit, merge_revivals=merged is not None)
         bmodel.chains = False
-        b_deadline = t0 + time_limit * (1.0 if work_limit is not None else bound_share)
+        bmodel.first_point = merged
+        # Merged (forward-only graphs past CHAIN_MAX_OPTIONS): CP-SAT's rounds find no plan
+        # there (the local search does) and its bound is weaker; the MIP's root cuts need the time.
+        share = bound_share if merged is None else max(bound_share, MERGED_BOUND_SHARE)
+        b_deadline = t0 + time_limit * (1.0 if work_limit is not None else share)
         nodes = None if work_limit is None else max(1, int(BOUND_NODES_PER_WORK * work_limit))
 
         def plan_of(values: dict[int, int]) -> tuple[SimResult, Problem] | None:
@@ -438,13 +512,16 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             sim, parted = got
             return sim.peak_bytes > budget_bytes and learn(sim, parted, b_deadline)
 
-        found = relaxation_bound(bmodel, ops_all, b_deadline, plan_of, add_cuts, blog, nodes)
+        # Plans cheaper than the incumbent have a model cost below its cost in units (costs
+        # are rounded down): HiGHS may prune the rest; the bound is capped there, as below.
+        found = relaxation_bound(bmodel, ops_all, b_deadline, plan_of, add_cuts, blog, nodes,
+                                 lambda: None if incumbent is None else incumbent[1].extra_cost / cost_unit)
         if found is not None:
             mip_bound = found * cost_unit
-            lower_bound = mip_bound  # of every plan: no cut, no cutoff in its model
+            lower_bound = mip_bound  # of every plan: no cut, and capped at the incumbent
         log += blog.lines
     while True:
-        if incumbent is not None and lower_bound is not None and incumbent[1].extra_cost <= lower_bound + slack:
+        if incumbent is not None and lower_bound is not None and incumbent[1].extra_cost <= lower_bound + slack(incumbent):
             status_final = "optimal"  # the bound phase proved it
             break
         remaining = time_limit - (time.perf_counter() - t0)
@@ -513,7 +590,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
                 log.append(f"round {rounds}: tightened search " + ("found a plan" if found else "found none"))
                 if found is not None:
                     offer(*found)
-        if incumbent is not None and incumbent[1].extra_cost <= lower_bound + slack:
+        if incumbent is not None and incumbent[1].extra_cost <= lower_bound + slack(incumbent):
             status_final = "optimal"
             break
     if timed_out:
@@ -604,7 +681,7 @@ class _Model:
     more ops, no-good cuts on simulated plans, a cutoff at the incumbent's cost."""
 
     def __init__(self, problem: Problem, st: Structure, parts: list[PartOption], req: np.ndarray,
-                 ops_all: np.ndarray, cost_unit: float):
+                 ops_all: np.ndarray, cost_unit: float, merge_revivals: bool = False):
         self.problem, self.st, self.parts, self.req = problem, st, parts, req
         self.cost_unit = cost_unit
         self.model = model = cp_model.CpModel()
@@ -614,6 +691,10 @@ class _Model:
         # Revivals (forward-only graphs): z[j] keeps or rebuilds a dead tensor for later groups.
         # They only add memory, which the relaxation leaves out; they enter the no-good cuts.
         self.rv = revival_options(problem)
+        # Per revival, the first and last rebuild point it stands for (merged_revivals).
+        self.rv_lo = self.rv_hi = self.rv.remat_before
+        if merge_revivals:
+            self.rv, self.rv_lo, self.rv_hi = merged_revivals(problem, self.rv, ops_all)
         self.z = z = [model.NewBoolVar(f"z{j}") for j in range(len(self.rv))]
         self.ops: set[int] = set()
         self.groups: set[int] = set()
@@ -625,6 +706,8 @@ class _Model:
         for (t, a), b in widest.items():
             self._gaps.setdefault(t, []).append((a, b))
         self.cand_set = set(st.tensor.tolist())
+        # Per option, the first rebuild point it stands for (merged_structure); None: its own.
+        self.first_point: np.ndarray | None = None
         self.terms = 0
         self.cuts = 0
         # Chain constraints at each modelled op (a dropped tensor brought back early by a
@@ -668,6 +751,10 @@ class _Model:
         apart = apart_reruns(problem, st)
         for p in apart:
             most[p] = max(most.get(p, 1), 2)
+        if problem.every_gap:  # one more re-run after its last op (a revival or a re-make): below
+            for p, _t in gaps_of:
+                most[p] = most.get(p, 1) + 1
+        self._gaps_of = gaps_of
 
         def rerun_of(p: int):
             """The variable counting op ``p``'s re-runs (made on first use)."""
@@ -697,12 +784,18 @@ class _Model:
         for js in by_tensor.values():
             model.AddAtMostOne([z[j] for j in js])
             rebuilt = [j for j in js if self.rv.remat_before[j] >= problem.end[self.rv.tensor[j]] + 2]
-            for p in problem.rebuild_ops[int(self.rv.tensor[js[0]])].tolist() if rebuilt else ():
-                model.Add(rerun_of(p) >= sum(z[j] for j in rebuilt))
+            u = int(self.rv.tensor[js[0]])
+            for p in problem.rebuild_ops[u].tolist() if rebuilt else ():
+                # its rebuild runs after its last op, so in a group apart from those of its
+                # dropped gaps (each inside its own gap): once more (most[p] has room)
+                model.Add(rerun_of(p) >= sum(z[j] for j in rebuilt) + sum(x[k] for k in gaps_of.get((p, u), ())))
         self.rem: dict[int, cp_model.IntVar] = {}
+        # (tensor, free_after) of a gap -> {cut q: e}: e says a reader of the tensor was re-made
+        # inside the gap before op q, which brings it back there (_dead_inputs, add_op).
+        self.early: dict[tuple[int, int], dict[int, cp_model.IntVar]] = {}
         self.held: dict[int, dict[int, cp_model.IntVar]] = {}
         # past these sizes CP-SAT cannot presolve them within its limit: left out (a weaker relaxation)
-        if C <= CHAIN_MAX_OPTIONS and C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
+        if C <= DEAD_INPUTS_MAX_OPTIONS and C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
             self._dead_inputs(rerun_of, ops_all)
         # What the simulator charges: each re-run op's rerun cost, each drop's own cost (x: a
         # drop; revivals, z, exist only in forward-only graphs, which have no drop cost), each
@@ -771,7 +864,8 @@ class _Model:
                 model.Add(v == 0)
                 return v
             for p in problem.rebuild_ops[u].tolist():
-                model.Add(rerun_of(p) >= v)
+                # re-made after its last op: in a group apart from its dropped gaps' rebuilds
+                model.Add(rerun_of(p) >= v + sum(self.x[k] for k in self._gaps_of.get((p, u), ())))
             for w in rebuild_inputs(problem, u):
                 if w in ok and end[w] <= end[u]:
                     model.AddBoolOr([v.Not(), remade(w), held(w, int(end[u]))])
@@ -792,10 +886,10 @@ class _Model:
 
         # remake[v, c]: some group of cell c re-runs v's rebuild ops. Only when an option of v
         # rebuilt there, a revival of v rebuilt there, or a reader w of v re-made there while v
-        # may be gone (via[w, v, c]: dead and not kept, or inside one of its dropped gaps).
+        # may be gone (via[v, c]: dead and not kept, or inside one of its dropped gaps).
         # Upper bounds only: a plan's true values satisfy them.
         remake: dict[tuple[int, int], object] = {}
-        via: dict[tuple[int, int, int], object] = {}
+        via: dict[tuple[int, int], object] = {}
         direct: dict[tuple[int, int], list] = {}
         for c, w in enumerate(st.tensor.tolist()):
             direct.setdefault((w, int(cell_of[st.b[c]])), []).append(self.x[c])
@@ -803,8 +897,16 @@ class _Model:
             if self.rv.remat_before[j] > end[w] + 1:  # a keep re-runs nothing
                 direct.setdefault((w, int(cell_of[self.rv.remat_before[j]])), []).append(self.z[j])
 
+        gone_lit: dict[tuple[int, int], object] = {}
+
         def gone(v: int, c: int):
-            """None (never) or a literal: may v be gone at some group of cell c."""
+            """None (never) or a literal: may v be gone at some group of cell c (one per pair:
+            its constraints are upper bounds, the same for every reader)."""
+            if (v, c) not in gone_lit:
+                gone_lit[(v, c)] = gone_new(v, c)
+            return gone_lit[(v, c)]
+
+        def gone_new(v: int, c: int):
             first, last = cell(c)
             ways = [self.x[k] for k in opts_of.get(v, ()) if st.a[k] < last and first <= st.b[k]]
             if last > end[v]:  # dead at its last points, unless kept (through op last - 1)
@@ -819,17 +921,20 @@ class _Model:
             model.Add(g <= sum(ways))
             return g
 
-        def reached(w: int, v: int, c: int):
-            """via[w, v, c] (None when it cannot hold)."""
-            key = (w, v, c)
+        def reached(v: int, c: int):
+            """via[v, c]: some reader of v re-made in cell c while v may be gone (None when it
+            cannot hold). One literal for all readers, at most their re-makes' sum and at most
+            gone: in a plan, 1 exactly when some via[w, v, c] of one literal per reader would be,
+            and in the LP never above gone (their sum could reach gone times the readers)."""
+            key = (v, c)
             if key not in via:
                 via[key] = None
                 g = gone(v, c)
                 if g is not None:
-                    r = remade_in(w, c)
-                    if r is not None:
-                        lit = model.NewBoolVar(f"c{w}_{v}_{c}")
-                        model.Add(lit <= r)
+                    rs = [r for w in readers.get(v, ()) if (r := remade_in(w, c)) is not None]
+                    if rs:
+                        lit = model.NewBoolVar(f"c{v}_{c}")
+                        model.Add(lit <= sum(rs))
                         if g is not True:
                             model.Add(lit <= g)
                         via[key] = lit
@@ -842,7 +947,7 @@ class _Model:
                 return remake[key]
             remake[key] = None  # while its readers are followed (the graph has no cycles)
             causes = list(direct.get(key, ()))
-            causes += [lit for w in readers.get(v, ()) if (lit := reached(w, v, c)) is not None]
+            causes += [lit for lit in (reached(v, c),) if lit is not None]
             if not causes:
                 return None
             r = model.NewBoolVar(f"rm{v}_{c}")
@@ -887,12 +992,13 @@ class _Model:
                     continue
                 new = []
                 while c_next < len(lo_of) and cell(c_next)[1] <= q - 1:
-                    new += [lit for w in readers.get(t, ()) if (lit := reached(w, t, c_next)) is not None]
+                    new += [lit for lit in (reached(t, c_next),) if lit is not None]
                     c_next += 1
                 if new or e_prev is not None:
                     eq = model.NewBoolVar(f"e{t}_{a}_{q}")
                     model.Add(eq <= sum(new) + (e_prev if e_prev is not None else 0))
                     e_prev = eq
+                    self.early.setdefault((t, a), {})[q] = eq
                 at_least = [self.x[k] for k in ks if st.b[k] >= q]
                 if q < lo or not at_least:
                     continue
@@ -1020,21 +1126,31 @@ class _Model:
             return
         self.groups.add(r)
         problem, st, model, x = self.problem, self.st, self.model, self.x
-        crossing = int(problem.nbytes[(problem.start <= r - 1) & (problem.end >= r)].sum())
+
+        def crossing(q: int) -> int:
+            return int(problem.nbytes[(problem.start <= q - 1) & (problem.end >= q)].sum())
+
         for k in np.nonzero(st.b == r)[0].tolist():
             if deadline is not None and time.perf_counter() > deadline:
                 return  # the constraints not added only weaken the relaxation
+            # An option that stands for others (merged_structure) is rebuilt before one of the
+            # ops lo..r: the constraint below holds for each (its condition implies each
+            # point's, its cover holds each point's, its excess is the least of theirs).
+            lo = r if self.first_point is None else int(self.first_point[k])
             t = int(st.tensor[k])
             a = int(st.a[k])
-            if problem.every_gap:
-                # With revivals a dead input may be kept or rebuilt ahead (no transient chain is
-                # certain), but when t's producer runs, t and every input of it are in memory.
-                p = int(problem.rebuild_ops[t][0])
-                lone = int(st.sizes[k]) + sum(int(problem.nbytes[u]) for u in problem.op_reads[p].tolist()
-                                              if u != t and not problem.held(u, r))
-            else:
-                lone = rebuild_overhead(problem, Drop(t, a, r))
-            excess = crossing - int(st.sizes[k]) + lone - budget
+            excess = None
+            for q in range(lo, r + 1):
+                if problem.every_gap:
+                    # With revivals a dead input may be kept or rebuilt ahead (no transient chain
+                    # is certain), but when t's producer runs, t and every input of it are in memory.
+                    p = int(problem.rebuild_ops[t][0])
+                    lone = int(st.sizes[k]) + sum(int(problem.nbytes[u]) for u in problem.op_reads[p].tolist()
+                                                  if u != t and not problem.held(u, q))
+                else:
+                    lone = rebuild_overhead(problem, Drop(t, a, q))
+                e = crossing(q) - int(st.sizes[k]) + lone - budget
+                excess = e if excess is None else min(excess, e)
             if excess <= 0:
                 continue
             maybe = np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
@@ -1048,7 +1164,7 @@ class _Model:
             revivers = []
             if len(self.z):
                 may = self._may_need_tensor(t, a + 1, r - 1)
-                revivers = [j for j in np.nonzero((self.rv.remat_before > a) & (self.rv.remat_before < r))[0].tolist()
+                revivers = [j for j in np.nonzero((self.rv_hi > a) & (self.rv_lo < r))[0].tolist()
                             if int(self.rv.tensor[j]) in may]
             cond = [x[k], *(x[c].Not() for c in movers), *(self.z[j].Not() for j in revivers),
                     *(v.Not() for v in self.y)]
@@ -1057,7 +1173,7 @@ class _Model:
                 held = {u for u in rebuild_inputs(problem, t) if u in self.cand_set}
             else:
                 held = set(rebuild_closure(problem, t, a, self.cand_set)[1])
-            cover = [j for j in np.nonzero((st.a < r) & (st.b >= r))[0].tolist()
+            cover = [j for j in np.nonzero((st.a < r) & (st.b >= lo))[0].tolist()
                      if j != k and int(st.tensor[j]) not in held]
             unit = self.byte_unit
             if int(st.sizes[cover].sum()) < excess:
@@ -1088,6 +1204,14 @@ class _Model:
                 continue
             model.Add(sum(int(st.sizes[j]) * x[j] for j in cover.tolist()) >= excess).OnlyEnforceIf(x[k])
 
+    def _back(self, k: int, i: int):
+        """The literal saying option ``k``'s tensor is back in memory at op ``i`` because a
+        reader of it was re-made inside its gap by then (the latest ``early[q]``, q <= i + 1),
+        or None."""
+        es = self.early.get((int(self.st.tensor[k]), int(self.st.a[k])))
+        q = None if not es else max((q for q in es if q <= i + 1), default=None)
+        return None if q is None else es[q]
+
     def add_op(self, i: int, extra: int = 0) -> None:
         """[Constraint] memory at op ``i``: the dropped-and-still-away bytes cover the excess
         (plus ``extra`` bytes: a tightening, in the plan-finding model only)."""
@@ -1114,6 +1238,28 @@ class _Model:
             model.AddImplication(aw, x[k])
             model.AddBoolOr([aw.Not(), f.Not()])
             away[k] = aw
+        by_gap: dict[tuple[int, int], list[int]] = {}  # without chains: one literal per gap
+        for k in cover:
+            # [Constraint] (forward-only graphs) a reader of k's tensor re-made inside its gap
+            # before op i + 1 (early[q], q <= i + 1; _dead_inputs) brought it back: not away at i.
+            back = self._back(k, i)
+            if back is None:
+                continue
+            if away[k] is x[k] and not self.chains:
+                by_gap.setdefault((int(st.tensor[k]), int(st.a[k])), []).append(k)
+                continue
+            if away[k] is x[k]:
+                away[k] = model.NewBoolVar(f"wb{k}_{i}")
+                model.AddImplication(away[k], x[k])
+            model.AddBoolOr([away[k].Not(), back.Not()])
+        gap_terms = []
+        for ks in by_gap.values():  # at most one option of a gap is chosen
+            w = model.NewBoolVar(f"wb{ks[0]}_{i}")
+            model.Add(w <= sum(x[k] for k in ks))
+            model.AddBoolOr([w.Not(), self._back(ks[0], i).Not()])
+            gap_terms.append(self.sizes[ks[0]] * w)
+            for k in ks:
+                del away[k]
         for k in cover:
             if k in forced:
                 for c in st.needers[k]:
@@ -1132,5 +1278,6 @@ class _Model:
                 e = min((e for e in hs if e >= i), default=None)
                 if e is not None and int(self.problem.nbytes[u]) >= unit:
                     kept.append((int(self.problem.nbytes[u]) // unit) * hs[e])
-        model.Add(sum(self.sizes[k] * away[k] for k in cover) + sum(part_terms) - sum(kept) >= need)
+        model.Add(sum(self.sizes[k] * away[k] for k in cover if k in away) + sum(gap_terms) + sum(part_terms)
+                  - sum(kept) >= need)
         self.terms += len(cover)
