@@ -164,10 +164,13 @@ def test_planner_reshards_to_a_node_where_the_job_spans_nodes(tmp_path):
 
 
 def test_derived_plan_replays_on_four_gloo_ranks(int_trace, full_trace):
-    """A plan of the step derived with both blocks resharding to 2 ranks, run by ``replay
-    --nproc 4``: the ranks shard the blocks with ``reshard_after_forward=2`` (FSDP2 takes an
-    int only in ``fully_shard``), each measures the predicted peak, shards bitwise."""
+    """A plan of the step derived with the root kept gathered, both blocks resharding to 2
+    ranks and every forward all-gather issued early, run by ``replay --nproc 4``: the ranks shard
+    the blocks with ``reshard_after_forward=2`` (FSDP2 takes an int only in ``fully_shard``; the
+    root as recorded, which apply then sets), each measures the predicted peak, shards bitwise,
+    with the plan's settings as the measured step ran."""
     from taichi_plan.plan import save_plan
+    from taichi_plan.prefetch import movable, prefetch_problem
     from taichi_plan.problem import build_problem
     from taichi_plan.reshard import reshard_problem
     from taichi_plan.sharding import reshard_settings
@@ -175,16 +178,20 @@ def test_derived_plan_replays_on_four_gloo_ranks(int_trace, full_trace):
     from taichi_plan.solve.result import make_plan
 
     d = int_trace[0]
-    prob = reshard_problem(build_problem(full_trace), {1: 2, 2: 2})
-    budget = int(0.5 * prob.recorded_problem.baseline_peak[0])
+    base = reshard_problem(build_problem(full_trace), {0: False, 1: 2, 2: 2})
+    prob = prefetch_problem(base, {"forward": {g.unit for g in movable(base.trace)["forward"]}, "backward": set()})
+    budget = int(0.55 * prob.recorded_problem.baseline_peak[0])
     plan = make_plan(prob, budget, "heuristic", plan_heuristic(prob, budget, seed=0, time_limit=60), 0.0, 0)
     path = d / "plans" / "derived.plan.json"
     save_plan(plan, path)
-    assert reshard_settings(path) == {"": True, "transformer.h.0": 2, "transformer.h.1": 2}
-    report, obj = replay_measures_the_prediction(path, nproc=4)
-    assert obj["decisions"]["reshard_after_forward"]["num_ops"] == len(full_trace.ops) + 4 * 24
+    assert reshard_settings(path) == {"": False, "transformer.h.0": 2, "transformer.h.1": 2}
+    report, obj = replay_measures_the_prediction(path, nproc=4, fraction=0.55)
+    # the blocks' post-forward ops added, the root's backward gathering gone
+    assert obj["decisions"]["reshard_after_forward"]["num_ops"] == len(prob.trace.ops) != len(full_trace.ops)
     for rank in report["ranks"]:
-        assert [r for _m, r in rank["reshard_after_forward"]] == [True, 2, 2], rank
+        assert [r for _m, r in rank["reshard_after_forward"]] == [False, 2, 2], rank
+        assert rank["fsdp_prefetch"] == {u["module"]: {"forward": u["forward_prefetch"], "backward": u["backward_prefetch"]}
+                                         for u in obj["decisions"]["fsdp_prefetch"]["units"]}, rank
 
 
 def test_usage_errors_name_the_factors(tmp_path):

@@ -516,7 +516,7 @@ def apply_sharding(model, plan: Plan, where: str):
     from ..sharding import planned_layout
 
     live = live_layout(model)
-    if live is None or live != planned_layout(want, plan.reshard):
+    if live is None or not _sharded_as(live, planned_layout(want, plan.reshard), want):
         check_layout(want, live, where)
     undo = []
     if plan.reshard:
@@ -533,6 +533,23 @@ def apply_sharding(model, plan: Plan, where: str):
             fn()
 
     return restore
+
+
+def _sharded_as(live: dict, planned: dict | None, recorded: dict | None) -> bool:
+    """Whether a live layout is one a plan runs on: the plan's, each unit's bool
+    ``reshard_after_forward`` being the plan's or the recorded one (apply sets the plan's), an
+    int the plan's (FSDP2 takes one only in ``fully_shard``)."""
+    if planned is None or recorded is None:
+        return live == planned
+    if {k: v for k, v in live.items() if k != "units"} != {k: v for k, v in planned.items() if k != "units"}:
+        return False
+    if [m for m, _ in live["units"]] != [m for m, _ in planned["units"]] or len(recorded["units"]) != len(live["units"]):
+        return False
+    for (_m, got), (_p, want), (_r, was) in zip(live["units"], planned["units"], recorded["units"]):
+        same = got == want and isinstance(got, bool) == isinstance(want, bool)
+        if not same and not (isinstance(got, bool) and isinstance(was, bool) and got == was):
+            return False
+    return True
 
 
 def install(model, rt, optimizer=None) -> list:
