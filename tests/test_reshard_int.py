@@ -232,3 +232,20 @@ def test_apply_refuses_an_int_the_model_was_not_sharded_with():
         assert _reshard_of(h1) is False
         undo()
         assert _reshard_of(h1) == 2
+
+
+def test_a_model_is_accepted_with_bools_as_recorded_or_planned_and_ints_as_planned():
+    """What apply accepts (replay._sharded_as): each unit's bool as recorded or as the plan says
+    (apply sets it), an int only as the plan says (FSDP2 takes one only in fully_shard)."""
+    from taichi_plan.replay import _sharded_as
+
+    def lay(*units):
+        return {"world_size": 4, "mesh_shape": [4], "units": [[m, r] for m, r in zip(("", "a", "b"), units)]}
+
+    recorded, planned = lay(True, True, True), lay(False, 2, True)
+    assert _sharded_as(lay(False, 2, True), planned, recorded)
+    assert _sharded_as(lay(True, 2, True), planned, recorded)      # the root's bool as recorded
+    assert not _sharded_as(lay(True, True, True), planned, recorded)  # the int not given to fully_shard
+    assert not _sharded_as(lay(True, 2, False), planned, recorded)    # a bool neither recorded nor planned
+    assert not _sharded_as(lay(False, 4, True), planned, recorded)    # another int
+    assert not _sharded_as({**lay(False, 2, True), "world_size": 8}, planned, recorded)
