@@ -235,8 +235,10 @@ def test_apply_refuses_an_int_the_model_was_not_sharded_with():
 
 
 def test_a_model_is_accepted_with_bools_as_recorded_or_planned_and_ints_as_planned():
-    """What apply accepts (replay._sharded_as): each unit's bool as recorded or as the plan says
-    (apply sets it), an int only as the plan says (FSDP2 takes one only in fully_shard)."""
+    """What apply accepts of a live layout before it sets the bools (replay._sharded_as): each
+    unit's bool as recorded or as the plan says, an int only as the plan says. A unit left at its
+    recorded bool where the plan has an int passes here, and set_reshard then names the int to
+    give fully_shard (test_apply_refuses_an_int_the_model_was_not_sharded_with)."""
     from taichi_plan.replay import _sharded_as
 
     def lay(*units):
@@ -245,7 +247,7 @@ def test_a_model_is_accepted_with_bools_as_recorded_or_planned_and_ints_as_plann
     recorded, planned = lay(True, True, True), lay(False, 2, True)
     assert _sharded_as(lay(False, 2, True), planned, recorded)
     assert _sharded_as(lay(True, 2, True), planned, recorded)      # the root's bool as recorded
-    assert not _sharded_as(lay(True, True, True), planned, recorded)  # the int not given to fully_shard
+    assert _sharded_as(lay(True, True, True), planned, recorded)  # as recorded: set_reshard names the int
     assert not _sharded_as(lay(True, 2, False), planned, recorded)    # a bool neither recorded nor planned
     assert not _sharded_as(lay(False, 4, True), planned, recorded)    # another int
     assert not _sharded_as({**lay(False, 2, True), "world_size": 8}, planned, recorded)
