@@ -465,6 +465,11 @@ def smaller_mesh_view(trace, to: dict[int, int]):
             raise PlanError(f"FSDP unit {name} cannot be set to reshard to a smaller mesh on this trace: it has no "
                             "such unit, or it was not recorded resharding in full (its backward gathering, from "
                             "which the smaller mesh's is derived, was never recorded). Record with resharding.")
+        if not units[u]["module"]:
+            raise PlanError("The root FSDP unit cannot be set to reshard to a smaller mesh on a derived step: the "
+                            "model's call returns around FSDP's post-forward ops there, and which of the step's "
+                            "tensors it lets go of before them the trace does not say. Record it with its int "
+                            "(`record_fsdp_workload(..., reshard_after_forward={'': K})`) instead.")
         if k not in factors:
             raise PlanError(f"FSDP unit {name} cannot reshard to {k} ranks: the shard group has "
                             f"{shard_group_size(meta)}, and an int reshard_after_forward must be one of its factors "

@@ -86,6 +86,8 @@ def test_settings_that_cannot_be_derived_are_refused(int_trace, full_trace):
 
     with pytest.raises(PlanError, match="one of its factors"):
         smaller_mesh_view(full_trace, {1: 3})
+    with pytest.raises(PlanError, match="root FSDP unit"):
+        smaller_mesh_view(full_trace, {0: 2})
     with pytest.raises(PlanError, match="not recorded resharding in full"):
         smaller_mesh_view(int_trace[1], {1: 2})  # recorded to 2 ranks: its full gathering was never seen
     with pytest.raises(PlanError, match="only a unit recorded resharding in full"):

@@ -101,9 +101,9 @@ def unit_moves(problem: Problem, budget_bytes: int) -> list[tuple]:
 def smaller_mesh_choice(problem: Problem) -> dict[int, int]:
     """Per unit that may reshard to a smaller mesh on this trace, the K the screen tries: the
     largest factor of the shard group (strictly between 1 and it) whose ranks share a node, so
-    that the backward all-gather runs on the node's links (else the least factor). Empty where
-    the step with a smaller mesh is not derived: a trace of measured op times
-    (:func:`taichi_plan.reshard.smaller_mesh_view`)."""
+    that the backward all-gather runs on the node's links (else the least factor). Not the root
+    (backward gathers it first anyway), and none on a trace of measured op times: the steps
+    :func:`taichi_plan.reshard.smaller_mesh_view` does not derive."""
     from ..devices import get_profile
 
     meta = problem.trace.meta
@@ -113,7 +113,8 @@ def smaller_mesh_choice(problem: Problem) -> dict[int, int]:
     node = get_profile(meta["device_profile"]).devices_per_node
     within = [k for k in factors if k <= node]
     k = max(within) if within else min(factors)
-    return dict.fromkeys(reshard_units(meta), k)
+    units = meta["fsdp"]["units"]
+    return dict.fromkeys((u for u in reshard_units(meta) if units[u]["module"]), k)  # the root's not derived
 
 
 def smaller_mesh_moves(problem: Problem, budget_bytes: int, choice: dict[int, int]) -> list[tuple]:
