@@ -332,15 +332,9 @@ def held_bytes(problem, unit: int) -> tuple[int, int, int]:
     if not len(gone):
         return 0, -1, -1
     first = int(gone[0])
-    index = rec._index
-    size, lo = 0, first
-    removed = set(gone.tolist())
-    for rows in incarnations(rec.trace.meta):
-        fwd, bwd = index.get(int(rows[0])), index.get(int(rows[1]))
-        if fwd is None or bwd is None or int(rec.start[bwd]) not in removed:
-            continue
-        size += int(rec.nbytes[fwd])
-        lo = min(lo, int(rec.end[fwd]) + 1)
+    rows = [rec._index[t] for t in gathered_rows(rec.trace, unit)]
+    size = int(sum(int(rec.nbytes[r]) for r in rows))
+    lo = min([first, *(int(rec.end[r]) + 1 for r in rows)])
     return size, lo, first
 
 
@@ -448,7 +442,6 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     import pandas as pd
 
     from .devices import get_profile
-    from .record.roofline import estimate_duration_s
     from .trace import Trace, renumber_tensors
 
     to = {int(u): int(k) for u, k in to.items()}
@@ -485,7 +478,6 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     row_of = {int(t): i for i, t in enumerate(tid.tolist())}
     alloc = tensors["alloc_op"].to_numpy().astype(np.int64)
     free = tensors["free_op"].to_numpy().astype(np.int64)
-    kind = tensors["kind"].to_numpy()
     nbytes = tensors["nbytes"].to_numpy().astype(np.int64)
     dtypes = tensors["dtype"].to_numpy()
     a_op = acc["op_id"].to_numpy().astype(np.int64)
@@ -493,9 +485,7 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     a_role = acc["role"].to_numpy()
     regather = _regather_by_unit(trace)
     group = shard_group_size(meta)
-    t_kind = dict(zip(tid.tolist(), kind.tolist()))
-    by_op = np.argsort(a_op, kind="stable")  # each op's accesses (the table's rows may come in any order)
-    s_op, s_t = a_op[by_op], a_t[by_op]
+    t_kind, _size, touched = _op_tables(trace)
     shard_reads = (a_role == "read") & np.asarray([t_kind[int(t)] == "parameter" for t in a_t.tolist()], dtype=bool)
 
     # Per unit: its gathered parameters' forward rows (in tensor order: FSDP's parameter order),
@@ -511,9 +501,7 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     new_ops: list[dict] = []
     for u, k in sorted(to.items()):
         gone = regather.get(u, np.zeros(0, dtype=np.int64))
-        removed = set(gone.tolist())
-        fwd = sorted(int(rows[0]) for rows in incarnations(meta) if len(rows) > 1 and int(rows[1]) in row_of
-                     and int(alloc[row_of[int(rows[1])]]) in removed)
+        fwd = gathered_rows(trace, u)
         if not fwd or not len(gone):
             raise PlanError(f"FSDP unit {units[u]['module'] or '<root>'!r}: the trace holds no backward gathering "
                             "of its parameters, from which the smaller mesh's would be derived.")
@@ -558,29 +546,8 @@ def smaller_mesh_view(trace, to: dict[int, int]):
         new_ops.extend(block)
         spans_new.append((x, len(block), u))
         recost.update(_gathers_over(trace, gone, k, profile))
-        # Under a mixed-precision policy the copy-in fills a buffer of the gathered dtype the size
-        # of the shard it gathers from: 1/group of the parameters, now 1/K; the ops that make and
-        # fill it move that many more bytes (as the recorder costs an op: the bytes it touches).
-        resized_here = []
-        for r in np.nonzero(np.isin(alloc, gone) & (kind == "temporary"))[0].tolist():
-            if len(tensors["shape"].iat[r]) != 1 or (int(nbytes[r]) * group) % k:
-                raise PlanError(f"FSDP unit {units[u]['module'] or '<root>'!r}: its backward gathering makes a "
-                                "buffer taichi-plan cannot resize to a smaller mesh; not derivable.")
-            resized[r] = int(nbytes[r]) * group // k
-            resized_here.append(r)
-        if resized_here:
-            shard_size = {(o, t): new_rows[j]["nbytes"] for (o, t), j in swap.items()}
-            for o in gone.tolist():
-                touched = set(s_t[np.searchsorted(s_op, o, "left"):np.searchsorted(s_op, o, "right")].tolist())
-                if o in recost or ops["duration_s"].iat[o] == 0 or not any(
-                        row_of[t] in resized or (o, t) in shard_size for t in touched):
-                    continue
-                before = estimate_duration_s(profile, 0, sum(int(nbytes[row_of[t]]) for t in touched))
-                if not np.isclose(before, ops["duration_s"].iat[o], rtol=1e-9, atol=0):
-                    raise PlanError(f"FSDP unit {units[u]['module'] or '<root>'!r}: op {o} of its backward gathering "
-                                    "was not costed by the bytes it touches; not derivable.")
-                recost[o] = estimate_duration_s(profile, 0, sum(
-                    shard_size.get((o, t), resized.get(row_of[t], int(nbytes[row_of[t]]))) for t in touched))
+        _resize_copy_in(trace, units[u]["module"], gone, k, profile, resized, recost,
+                        {key: new_rows[j]["nbytes"] for key, j in swap.items()})
 
     # The new op order: each recorded op, then the post-forward ops inserted after it.
     order: list[tuple[str, int]] = []
@@ -665,6 +632,43 @@ def smaller_mesh_view(trace, to: dict[int, int]):
     return view
 
 
+def _resize_copy_in(trace, module: str, gone, k: int, profile, resized: dict[int, int], recost: dict[int, float],
+                    shard_bytes: dict[tuple[int, int], int]) -> None:
+    """Under a mixed-precision policy a unit's backward copy-in fills a buffer of the gathered
+    dtype the size of the shard it gathers from: 1/group of the parameters, at K ranks 1/K. Adds
+    each such buffer's new bytes to ``resized`` (row -> bytes) and re-costs, into ``recost``, the
+    ops that make or fill it by the bytes they touch, as the recorder costs an op (checked on
+    their recorded cost). ``shard_bytes``: (op, tensor id) -> bytes, the post-forward shards an op
+    reads instead of the rank's shards. Nothing to do without a policy (no such buffer)."""
+    from .record.roofline import estimate_duration_s
+
+    tensors, ops = trace.tensors, trace.ops
+    kind = tensors["kind"].to_numpy()
+    nbytes = tensors["nbytes"].to_numpy().astype(np.int64)
+    row_of = {int(t): i for i, t in enumerate(tensors["tensor_id"].tolist())}
+    group = shard_group_size(trace.meta)
+    buffers = np.nonzero(np.isin(tensors["alloc_op"].to_numpy(), gone) & (kind == "temporary"))[0].tolist()
+    for r in buffers:
+        if len(tensors["shape"].iat[r]) != 1 or (int(nbytes[r]) * group) % k:
+            raise PlanError(f"FSDP unit {module or '<root>'!r}: its backward gathering makes a buffer taichi-plan "
+                            "cannot resize to a smaller mesh; not derivable.")
+        resized[r] = int(nbytes[r]) * group // k
+    if not buffers:
+        return
+    _kind, _size, touched = _op_tables(trace)
+    for o in np.asarray(gone, dtype=np.int64).tolist():
+        ts = touched(o)
+        if o in recost or ops["duration_s"].iat[o] == 0 or not any(
+                row_of[t] in resized or (o, t) in shard_bytes for t in ts):
+            continue
+        if not np.isclose(estimate_duration_s(profile, 0, sum(int(nbytes[row_of[t]]) for t in ts)),
+                          ops["duration_s"].iat[o], rtol=1e-9, atol=0):
+            raise PlanError(f"FSDP unit {module or '<root>'!r}: op {o} of its backward gathering was not costed by "
+                            "the bytes it touches; not derivable.")
+        recost[o] = estimate_duration_s(profile, 0, sum(
+            shard_bytes.get((o, t), resized.get(row_of[t], int(nbytes[row_of[t]]))) for t in ts))
+
+
 def _clone_s(profile, nbytes: int, dtype: str) -> float:
     """A post-forward shard's clone on ``profile``, as a fake recording costs it (its slice
     read and its copy written)."""
@@ -679,23 +683,42 @@ def _gathers_over(trace, ops_of_unit, k: int, profile) -> dict[int, float]:
     from .record.roofline import collective_duration_s, collective_kind
 
     ops = trace.ops
-    cached = trace.__dict__.get("_gather_tables")
-    if cached is None:  # once per trace: the screen asks for every unit
-        t, acc = trace.tensors, trace.accesses
-        by_op = np.argsort(acc["op_id"].to_numpy(), kind="stable")  # (the table's rows may come in any order)
-        cached = (dict(zip(t["tensor_id"].tolist(), t["kind"].tolist())),
-                  dict(zip(t["tensor_id"].tolist(), t["nbytes"].tolist())),
-                  acc["op_id"].to_numpy()[by_op], acc["tensor_id"].to_numpy()[by_op])
-        trace._gather_tables = cached
-    kind, size, a_op, a_t = cached
+    kind, size, touched = _op_tables(trace)
     out = {}
     for o in np.asarray(ops_of_unit, dtype=np.int64).tolist():
         name = ops["op"].iat[o]
         if collective_kind(name) in ("allgather", "all_gather"):
-            lo, hi = np.searchsorted(a_op, o, "left"), np.searchsorted(a_op, o, "right")
-            full = sum(int(size[x]) for x in set(a_t[lo:hi].tolist()) if kind[x] == "all_gather")
+            full = sum(int(size[x]) for x in touched(o) if kind[x] == "all_gather")
             out[o] = collective_duration_s(profile, name, full, k, k > profile.devices_per_node)
     return out
+
+
+def _op_tables(trace):
+    """(tensor id -> kind, tensor id -> bytes, op -> the set of tensor ids it touches), built
+    once per trace (the screen asks for every unit; the table's rows may come in any order)."""
+    cached = trace.__dict__.get("_op_tables")
+    if cached is None:
+        t, acc = trace.tensors, trace.accesses
+        by_op = np.argsort(acc["op_id"].to_numpy(), kind="stable")
+        a_op, a_t = acc["op_id"].to_numpy()[by_op], acc["tensor_id"].to_numpy()[by_op]
+
+        def touched(o: int) -> set[int]:
+            return set(a_t[np.searchsorted(a_op, o, "left"):np.searchsorted(a_op, o, "right")].tolist())
+
+        cached = (dict(zip(t["tensor_id"].tolist(), t["kind"].tolist())),
+                  dict(zip(t["tensor_id"].tolist(), t["nbytes"].tolist())), touched)
+        trace._op_tables = cached
+    return cached
+
+
+def gathered_rows(trace, unit: int) -> list[int]:
+    """Tensor ids of the forward rows of a unit's gathered parameters that its backward
+    gathering (:func:`regather_ops`) gathers again, in id order (FSDP's parameter order)."""
+    t = trace.tensors
+    alloc = dict(zip(t["tensor_id"].tolist(), t["alloc_op"].tolist()))
+    gone = set(regather_ops(trace, [unit]).tolist())
+    return sorted(int(rows[0]) for rows in incarnations(trace.meta)
+                  if len(rows) > 1 and int(rows[0]) in alloc and alloc.get(int(rows[1]), -1) in gone)
 
 
 def smaller_mesh_saving(problem, unit: int, k: int) -> tuple[int, float]:
@@ -708,17 +731,12 @@ def smaller_mesh_saving(problem, unit: int, k: int) -> tuple[int, float]:
     rec = getattr(problem, "recorded_problem", None) or problem
     trace = rec.trace
     profile = get_profile(trace.meta["device_profile"])
-    gone = regather_ops(trace, [unit])
-    removed = set(gone.tolist())
-    index = rec._index
     dtype = trace.tensors["dtype"].to_numpy()
     kept, saved = 0, 0.0
-    for rows in incarnations(trace.meta):
-        fwd, bwd = index.get(int(rows[0])), index.get(int(rows[1])) if len(rows) > 1 else None
-        if fwd is None or bwd is None or int(rec.start[bwd]) not in removed:
-            continue
-        kept += int(rec.nbytes[fwd]) // k
-        saved -= _clone_s(profile, int(rec.nbytes[fwd]) // k, str(dtype[fwd]))
+    for r in (rec._index[t] for t in gathered_rows(trace, unit)):
+        kept += int(rec.nbytes[r]) // k
+        saved -= _clone_s(profile, int(rec.nbytes[r]) // k, str(dtype[r]))
+    gone = regather_ops(trace, [unit])
     saved += sum(float(rec.op_cost[o]) - d for o, d in _gathers_over(trace, gone, k, profile).items())
     return kept, saved
 
@@ -779,7 +797,7 @@ def _remap_meta(out: dict, position: np.ndarray, n_new: int, new_tid: dict[int, 
     for name, entries in (out.get("module_args") or {}).items():
         for e in entries:
             e[0] = op(e[0])
-            e[1] = [new_tid.get(int(t), int(t)) for t in e[1]]
+            e[1] = [new_tid[int(t)] for t in e[1]]
             if len(e) > 2 and e[2] is not None:
                 owner = ends_at.get(int(e[2]))
                 inside = owner is not None and (name == owner or name.startswith(owner + ".") or owner == "")
