@@ -113,3 +113,21 @@ def random_training_trace(rng: random.Random, layers: int | None = None) -> Trac
         (g,) = b.op("aten.backward_op", reads, [rng.choice([8, 16, 32, 64])], phase="backward",
                     cost=rng.choice([0.5, 1, 2]), module=f"h.{i}", kind="temporary")
     return b.build("random")
+
+
+def many_use_graph(rng: random.Random) -> Trace:
+    """A small random forward-only graph (imported mode) whose tensors have many uses, as in
+    ``random_layered`` (../shared/graphs): each op reads the one before it and up to two
+    earlier tensors, so dropped tensors are rebuilt from dead inputs, kept or revived."""
+    b = TraceBuilder()
+    acts = [b.tensor(rng.choice([16, 32]), "input")]
+    for i in range(rng.randint(5, 8)):
+        reads = [acts[-1], *rng.sample(acts[:-1], min(len(acts) - 1, rng.choice([0, 1, 1, 2])))]
+        (a,) = b.op(rng.choice(["aten.relu.default", "aten.mm.default", "aten.add.Tensor"]), reads,
+                    [rng.choice([8, 16, 32, 64, 128])], cost=rng.choice([0.5, 1, 2, 4]), module=f"h.{i}")
+        acts.append(a)
+    b.op("aten.sum.default", [acts[-1]], [4], cost=0.1, kind="temporary")
+    trace = b.build("many-use")
+    trace.meta["mode"] = "imported"
+    trace.ops["phase"] = "forward"
+    return trace

@@ -77,7 +77,7 @@ CHAIN_MAX_OPTIONS = 2_000
 # The bound phase (bound.py) gets this share of the time limit first; with a work limit, this
 # many branch-and-bound nodes per unit of work instead (a limit that does not depend on load).
 BOUND_SHARE = 0.6
-MERGED_BOUND_SHARE = 0.9  # the same, for a bound model of merged options (merged_structure)
+MERGED_BOUND_SHARE = 0.98  # the same, for a bound model of merged options (merged_structure)
 BOUND_NODES_PER_WORK = 200
 # Pairs of options per op that re-run it in two groups (apart_reruns): each a constraint.
 APART_MAX_PAIRS = 64
@@ -88,6 +88,9 @@ APART_MAX_PAIRS = 64
 # n250, 9,875 options: `--time-limit 5` 6.3 s in `make test`'s load, where the limit allows 5.7).
 DEAD_INPUTS_MAX_VARS = 200_000
 DEAD_INPUTS_MAX_OPTIONS = CHAIN_MAX_OPTIONS
+# Levels of inputs a re-made dead input's rule follows (_dead_inputs, there): each level needs
+# its inputs kept, revived or re-made in turn.
+REMADE_DEPTH = 1
 
 
 @dataclass
@@ -515,7 +518,9 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         # Plans cheaper than the incumbent have a model cost below its cost in units (costs
         # are rounded down): HiGHS may prune the rest; the bound is capped there, as below.
         found = relaxation_bound(bmodel, ops_all, b_deadline, plan_of, add_cuts, blog, nodes,
-                                 lambda: None if incumbent is None else incumbent[1].extra_cost / cost_unit)
+                                 lambda: None if incumbent is None else incumbent[1].extra_cost / cost_unit,
+                                 lambda b: incumbent is not None and incumbent[1].extra_cost <= b * cost_unit
+                                 + slack(incumbent))
         if found is not None:
             mip_bound = found * cost_unit
             lower_bound = mip_bound  # of every plan: no cut, and capped at the incumbent
@@ -794,6 +799,10 @@ class _Model:
         # inside the gap before op q, which brings it back there (_dead_inputs, add_op).
         self.early: dict[tuple[int, int], dict[int, cp_model.IntVar]] = {}
         self.held: dict[int, dict[int, cp_model.IntVar]] = {}
+        # u -> {e: literal}: u revived (rebuilt after its last op) by op e and in memory
+        # through e (_dead_inputs; None where no revival of u can be); counted in add_op.
+        self.rev_held: dict[int, dict[int, cp_model.IntVar | None]] = {}
+        self.revs_of: dict[int, list[int]] = {}  # tensor -> its rebuilt revivals (z indices)
         # past these sizes CP-SAT cannot presolve them within its limit: left out (a weaker relaxation)
         if C <= DEAD_INPUTS_MAX_OPTIONS and C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
             self._dead_inputs(rerun_of, ops_all)
@@ -835,10 +844,18 @@ class _Model:
         its own point ``b``, or earlier when a group inside its gap re-runs an op that reads
         ``t`` (re-makes a reader of ``t`` while ``t`` is gone). ``remake[v, c]``/``via``
         bound when that can happen, per cell of group points (cells end before each
-        budget-binding op, where the held bytes are checked). Every constraint is an upper
-        bound on such an indicator or an implication that a plan's true values satisfy, so
-        the model stays a relaxation (``tests/test_ilp_exhaustive.py``, imported space).
-        The terms of each rule are in the comments below."""
+        budget-binding op, where the held bytes are checked). A dead input needed at a group
+        may also be revived by then (``rev_held[u][e]``: its bytes from the revival's point
+        through ``e``), or re-made in that group (``T[u, q]``), whose own dead inputs are then
+        needed there too, one level down (:data:`REMADE_DEPTH`; below it ``rem[u]`` stands
+        for the re-make): before, a re-made input's inputs had to be kept only through its own
+        last op, and a revival held nothing, so the relaxation re-made inputs for free in
+        memory (``random_layered`` n250 at 0.9: bound 1.00846 against the plan's 1.00904,
+        now proven optimal). Every constraint is an upper bound on such an indicator or an
+        implication that a plan's true values satisfy, so the model stays a relaxation
+        (``tests/test_ilp_exhaustive.py``, imported space; ``tests/test_relaxation_plans.py``,
+        plan by plan, also on graphs whose tensors have many uses). The terms of each rule
+        are in the comments below."""
         problem, model, st = self.problem, self.model, self.st
         if not problem.every_gap or not len(self.z):
             return
@@ -870,6 +887,62 @@ class _Model:
                 if w in ok and end[w] <= end[u]:
                     model.AddBoolOr([v.Not(), remade(w), held(w, int(end[u]))])
             return v
+
+        for j, w in enumerate(self.rv.tensor.tolist()):
+            if self.rv.remat_before[j] > end[w] + 1:
+                self.revs_of.setdefault(int(w), []).append(j)
+
+        def rev_held(u: int, e: int):
+            """The literal: ``u`` revived by a rebuild at a point <= ``e`` and in memory through
+            op ``e`` (None when no revival of ``u`` can be): at most the revivals that may be
+            there by then (each pays its own re-run)."""
+            hs = self.rev_held.setdefault(u, {})
+            if e not in hs:
+                js = [j for j in self.revs_of.get(u, ()) if self.rv_lo[j] <= e]
+                if not js:
+                    hs[e] = None
+                else:
+                    v = hs[e] = model.NewBoolVar(f"rh{u}_{e}")
+                    model.Add(v <= sum(self.z[j] for j in js))
+            return hs[e]
+
+        again: dict[tuple[int, int], object] = {}
+        deep: dict[tuple[int, int], int] = {}  # (u, q) -> levels of inputs its rule follows
+
+        def remade_at(u: int, q: int, depth: int):
+            """T[u, q]: ``u`` re-made (a transient, or a revival's rebuild) in a group before an
+            op >= ``q`` for a rebuild there that reads it (None when ``u`` cannot be re-made).
+            Its own dead inputs are needed in that group too (:func:`there`, ``depth`` levels
+            down), and it is a re-make after its last op (``rem[u]``, which pays the re-run): at
+            depth 0, where no rule follows its inputs, ``rem[u]`` itself stands for it."""
+            if depth <= 0:
+                return remade(u) if problem.rematerializable[u] else None
+            key = (u, q)
+            if key not in again:
+                again[key] = None
+                if problem.rematerializable[u]:
+                    v = model.NewBoolVar(f"T{u}_{q}")
+                    model.AddImplication(v, remade(u))
+                    again[key] = v
+            v = again[key]
+            if v is not None and depth > deep.get(key, 0):
+                deep[key] = depth
+                for w in rebuild_inputs(problem, u):
+                    if w in ok and end[w] < q - 1:
+                        there(w, q, v, depth - 1)
+            return v
+
+        def there(u: int, q: int, need, depth: int = REMADE_DEPTH) -> None:
+            """[Constraint] ``need`` (a literal or a sum of them): a group before an op >= ``q``
+            reads ``u``, dead by then (``end[u] < q - 1``). In a plan ``u`` is then kept through
+            op ``q - 1`` (``held``), revived by then and in memory at ``q - 1`` (``rev_held``:
+            a revival is held from its point to its last reader's group), or re-made in a group
+            at ``q`` or later (``remade_at``, whose own inputs are needed there in turn). So a
+            rebuild's dead inputs are paid for in memory or in re-runs all the way down: before,
+            a re-made input's own inputs had to be kept only through its last op."""
+            terms = [held(u, q - 1)]
+            terms += [lit for lit in (rev_held(u, q - 1), remade_at(u, q, depth)) if lit is not None]
+            model.Add(sum(terms) >= need)
 
         readers = self._readers()
         opts_of: dict[int, list[int]] = {}
@@ -980,6 +1053,8 @@ class _Model:
             for u in dead:  # dead at any group after a: kept through op a at least
                 if end[u] <= a:
                     model.Add(remade(u) + held(u, a) >= chosen)
+                    if end[u] < a:
+                        there(u, a + 1, chosen)
             # late[q] (q a cut): the gap's tensor is rebuilt in a group before op q or later:
             # an option with point >= q chosen, and no reader of it re-made in a cell from the
             # one of point a + 1 to the one ending at q - 1 (early[q]).
@@ -1007,10 +1082,18 @@ class _Model:
                 for u in dead:
                     if q - 1 > end[u]:  # u is dead at that group: kept through op q - 1, or re-made
                         model.Add(remade(u) + held(u, q - 1) >= lq)
+                        there(u, q, lq)
         for hs in self.held.values():  # held through a later op: held through every earlier one
             es = sorted(hs)
             for e1, e2 in zip(es, es[1:]):
                 model.AddImplication(hs[e2], hs[e1])
+        for u, hs in self.rev_held.items():
+            # revived and held through e2, by a revival whose points are all <= e1 (no later
+            # one chosen): held through e1 too
+            es = sorted(e for e, v in hs.items() if v is not None)
+            for e1, e2 in zip(es, es[1:]):
+                late = [self.z[j] for j in self.revs_of[u] if self.rv_hi[j] > e1]
+                model.Add(hs[e1] >= hs[e2] - sum(late))
 
     def cutoff(self, cost: float) -> None:
         """[Constraint] (warm start) beat the incumbent: no plan of the space costing at most
@@ -1278,6 +1361,21 @@ class _Model:
                 e = min((e for e in hs if e >= i), default=None)
                 if e is not None and int(self.problem.nbytes[u]) >= unit:
                     kept.append((int(self.problem.nbytes[u]) // unit) * hs[e])
+        # A revived tensor held through op e >= i is in memory at i unless its revival may come
+        # after i (a point past i: then it counts nothing here).
+        for u, hs in self.rev_held.items():
+            if self.problem.end[u] >= i or int(self.problem.nbytes[u]) < unit:
+                continue
+            e = min((e for e, v in hs.items() if e >= i and v is not None), default=None)
+            if e is None:
+                continue
+            late = [self.z[j] for j in self.revs_of[u] if self.rv_hi[j] > i]
+            if late:
+                pres = model.NewBoolVar(f"rp{u}_{i}")
+                model.Add(pres >= hs[e] - sum(late))
+            else:
+                pres = hs[e]
+            kept.append((int(self.problem.nbytes[u]) // unit) * pres)
         model.Add(sum(self.sizes[k] * away[k] for k in cover if k in away) + sum(gap_terms) + sum(part_terms)
                   - sum(kept) >= need)
         self.terms += len(cover)
