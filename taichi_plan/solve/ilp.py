@@ -77,7 +77,7 @@ CHAIN_MAX_OPTIONS = 2_000
 # The bound phase (bound.py) gets this share of the time limit first; with a work limit, this
 # many branch-and-bound nodes per unit of work instead (a limit that does not depend on load).
 BOUND_SHARE = 0.6
-MERGED_BOUND_SHARE = 0.98  # the same, for a bound model of merged options (merged_structure)
+MERGED_BOUND_SHARE = 0.9  # the same, for a bound model of merged options (merged_structure)
 BOUND_NODES_PER_WORK = 200
 # Pairs of options per op that re-run it in two groups (apart_reruns): each a constraint.
 APART_MAX_PAIRS = 64
@@ -88,6 +88,11 @@ APART_MAX_PAIRS = 64
 # n250, 9,875 options: `--time-limit 5` 6.3 s in `make test`'s load, where the limit allows 5.7).
 DEAD_INPUTS_MAX_VARS = 200_000
 DEAD_INPUTS_MAX_OPTIONS = CHAIN_MAX_OPTIONS
+# Past this many options and revivals, CP-SAT's presolve keeps every feasible solution (no
+# dual reductions): its dominance detection ignores the time limit, and with two no-good cuts
+# over 497k options (a generated 1,000-node forward-only graph at 0.9) it took 25 s of a
+# round given 4.6, so `--time-limit 20` ran 40-48 s; without it, 19.1 s.
+PRESOLVE_DUAL_MAX_VARS = 100_000
 # Levels of inputs a re-made dead input's rule follows (_dead_inputs, there): each level needs
 # its inputs kept, revived or re-made in turn.
 REMADE_DEPTH = 1
@@ -276,11 +281,14 @@ def binding_ops(problem: Problem, budget: int) -> tuple[np.ndarray, np.ndarray]:
     return ops, req
 
 
-def interruptible_solve(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None) -> int:
+def interruptible_solve(solver: cp_model.CpSolver, model: cp_model.CpModel, callback=None,
+                        deadline: float | None = None) -> int:
     """``solver.Solve(model, callback)`` in a worker thread, so that Ctrl-C reaches Python at
     once: the search is stopped and ``KeyboardInterrupt`` raised. CP-SAT's own SIGINT handling
     (``catch_sigint_signal``, which the caller turns off) ended only the round, and the rounds
-    went on to the time limit and wrote a plan."""
+    went on to the time limit and wrote a plan. At ``deadline`` (perf_counter) the search is
+    stopped too: CP-SAT's own time limit is not always honoured (a generated 1,000-node
+    forward-only graph at ``--time-limit 20``: a round given 5.8 s ran 26 s)."""
     import threading
 
     out: dict = {}
@@ -297,8 +305,11 @@ def interruptible_solve(solver: cp_model.CpSolver, model: cp_model.CpModel, call
     worker = threading.Thread(target=run, name="cp-sat", daemon=True)
     worker.start()
     try:
+        stopped = False
         while not done.wait(0.05):
-            pass
+            if deadline is not None and not stopped and time.perf_counter() > deadline:
+                solver.stop_search()
+                stopped = True
     except BaseException:  # Ctrl-C (or anything else raised here): stop the search, then go
         solver.stop_search()
         while not done.is_set():  # (not Thread.join: interrupted, it may return early)
@@ -441,6 +452,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         prm.interleave_search = workers > 1
         prm.max_time_in_seconds = max(seconds, 0.01)
         prm.catch_sigint_signal = False  # Ctrl-C ends the command (interruptible_solve), not a round
+        if len(model.x) + len(model.z) > PRESOLVE_DUAL_MAX_VARS:
+            prm.keep_all_feasible_solutions_in_presolve = True  # no dominance detection (above)
         if work is not None:
             prm.max_deterministic_time = max(work, 1e-3)
 
@@ -537,7 +550,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         solver = cp_model.CpSolver()
         params(solver, remaining, None if work_limit is None else work_limit - work_used)
         code = interruptible_solve(solver, model.model, _Progress(
-            progress, cost_unit, lambda: None if incumbent is None else incumbent[1].extra_cost))
+            progress, cost_unit, lambda: None if incumbent is None else incumbent[1].extra_cost),
+            deadline=t0 + time_limit)
         work_used += solver.deterministic_time
         if code == cp_model.INFEASIBLE:
             # Every plan not yet simulated either breaks a constraint every accepted plan
@@ -662,7 +676,7 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
             m.cutoff(incumbent_cost)
         solver = cp_model.CpSolver()
         solver_params(solver, left, None if work_limit is None else work_limit - work)
-        code = interruptible_solve(solver, m.model)
+        code = interruptible_solve(solver, m.model, deadline=time.perf_counter() + left)
         work += solver.deterministic_time
         if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None, work
