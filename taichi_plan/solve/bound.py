@@ -58,11 +58,11 @@ def _hull(domain) -> tuple[int, int]:
     return int(d[0]), int(d[len(d) - 1])
 
 
-def mip_of(proto, deadline: float | None = None) -> tuple[object, list] | None:
-    """A MIP of ``proto`` (a ``CpModelProto``): the same integer variables, the linear
-    forms of its constraints (see the module docstring), and its objective; None when
-    ``deadline`` (perf_counter) passes while translating. Returns (the ``mathopt`` model, the
-    ids of its variables in ``proto``'s order). The model is written as a ``ModelProto`` in
+def mip_of(proto, deadline: float | None = None):
+    """A MIP of ``proto`` (a ``CpModelProto``): the same integer variables (variable ``i`` of
+    ``proto`` is the ``mathopt`` variable of id ``i``), the linear forms of its constraints
+    (see the module docstring), and its objective; None when ``deadline`` (perf_counter) passes
+    while translating. The model is written as a ``ModelProto`` in
     bulk and read by the solver's C++ side: built term by term through ``mathopt``'s Python
     objects, ``random_layered`` n250's bound model (61k constraints) took 9 s to translate."""
     from ortools.math_opt import model_pb2
@@ -97,22 +97,22 @@ def mip_of(proto, deadline: float | None = None) -> tuple[object, list] | None:
         mx = const + sum(c * bounds[v][1 if c > 0 else 0] for c, v in terms)
         off = [(-c, v, 1.0 - k) for c, v, k in map(lit, enforce)]  # sum of (1 - e): 0 when enforced
         off_const = sum(k for _c, _v, k in off)
-        if lo > mn:
-            m = lo - mn
+
+        def relaxed(m: float) -> dict[int, float]:
+            """The terms plus ``m`` times the sum of (1 - e), per variable."""
             acc: dict[int, float] = {}
             for c, v in terms:
                 acc[v] = acc.get(v, 0.0) + c
             for c, v, _k in off:
                 acc[v] = acc.get(v, 0.0) + m * c
-            row(acc, lo - const - m * off_const, inf)
+            return acc
+
+        if lo > mn:
+            m = lo - mn
+            row(relaxed(m), lo - const - m * off_const, inf)
         if hi < mx:
             m = mx - hi
-            acc = {}
-            for c, v in terms:
-                acc[v] = acc.get(v, 0.0) + c
-            for c, v, _k in off:
-                acc[v] = acc.get(v, 0.0) - m * c
-            row(acc, -inf, hi - const + m * off_const)
+            row(relaxed(-m), -inf, hi - const + m * off_const)
 
     def lits_sum(refs) -> tuple[list[tuple[float, int]], float]:
         got = [lit(r) for r in refs]
@@ -158,7 +158,7 @@ def mip_of(proto, deadline: float | None = None) -> tuple[object, list] | None:
     mp.objective.linear_coefficients.ids.extend(ids)
     mp.objective.linear_coefficients.values.extend(obj[v] for v in ids)
     mp.objective.offset = float(proto.objective.offset)
-    return mathopt.Model.from_model_proto(mp), list(range(n_vars))
+    return mathopt.Model.from_model_proto(mp)
 
 
 @contextlib.contextmanager
@@ -198,10 +198,9 @@ def solve_mip(proto, time_limit: float, node_limit: int | None = None, cutoff: f
     from ortools.math_opt.solvers import highs_pb2
 
     t0 = time.perf_counter()
-    built = mip_of(proto, t0 + time_limit)
-    if built is None:
+    model = mip_of(proto, t0 + time_limit)
+    if model is None:
         return MipResult(None, None, False, time.perf_counter() - t0)
-    model, xs = built
     highs = highs_pb2.HighsOptionsProto(double_options={"objective_bound": float(cutoff)}) if cutoff is not None \
         else highs_pb2.HighsOptionsProto()
     params = mathopt.SolveParameters(time_limit=dt.timedelta(seconds=max(time_limit - (time.perf_counter() - t0),
@@ -219,8 +218,7 @@ def solve_mip(proto, time_limit: float, node_limit: int | None = None, cutoff: f
     bound = None if not math.isfinite(dual) else dual - SAFETY * abs(dual) - 1.0
     values = None
     if res.has_primal_feasible_solution():
-        sol = {v.id: x for v, x in res.variable_values().items()}
-        values = {i: int(round(sol.get(v, 0.0))) for i, v in enumerate(xs)}
+        values = {v.id: int(round(x)) for v, x in res.variable_values().items()}
     return MipResult(bound, values, reason == mathopt.TerminationReason.OPTIMAL, seconds)
 
 

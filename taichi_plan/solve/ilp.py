@@ -441,6 +441,10 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         dec, sim = inc
         return cost_unit * (sum(len(g.ops) for g in sim.groups.values()) + len(dec.drops) + len(dec.partitions) + 1)
 
+    def proves(bound: float | None) -> bool:
+        """Does ``bound`` (extra compute) prove the incumbent optimal, to the cost rounding?"""
+        return incumbent is not None and bound is not None and incumbent[1].extra_cost <= bound + slack(incumbent)
+
     # The tightened model constrains every option's rebuild: too slow to build past
     # CHAIN_MAX_OPTIONS options (forward-only graphs, where the local search finds plans).
     tightened_tried = len(st.sizes) > CHAIN_MAX_OPTIONS
@@ -532,14 +536,13 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         # are rounded down): HiGHS may prune the rest; the bound is capped there, as below.
         found = relaxation_bound(bmodel, ops_all, b_deadline, plan_of, add_cuts, blog, nodes,
                                  lambda: None if incumbent is None else incumbent[1].extra_cost / cost_unit,
-                                 lambda b: incumbent is not None and incumbent[1].extra_cost <= b * cost_unit
-                                 + slack(incumbent))
+                                 lambda b: proves(b * cost_unit))
         if found is not None:
             mip_bound = found * cost_unit
             lower_bound = mip_bound  # of every plan: no cut, and capped at the incumbent
         log += blog.lines
     while True:
-        if incumbent is not None and lower_bound is not None and incumbent[1].extra_cost <= lower_bound + slack(incumbent):
+        if proves(lower_bound):
             status_final = "optimal"  # the bound phase proved it
             break
         remaining = time_limit - (time.perf_counter() - t0)
@@ -609,7 +612,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
                 log.append(f"round {rounds}: tightened search " + ("found a plan" if found else "found none"))
                 if found is not None:
                     offer(*found)
-        if incumbent is not None and incumbent[1].extra_cost <= lower_bound + slack(incumbent):
+        if proves(lower_bound):
             status_final = "optimal"
             break
     if timed_out:
