@@ -53,12 +53,26 @@ def replay_measures_the_prediction(plan_path: Path, nproc: int = 2, fraction: fl
     return report, plan
 
 
+# What a rank that aborts in gloo's teardown prints, after its training has finished: a C++
+# thread of the process group still joinable when the interpreter exits (seen twice in about 40
+# runs of the two torchrun tests, once in make test and once in a clean-clone CI run, with
+# destroy_process_group called and the model let go; pytorch/pytorch#179291 describes the race).
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def torchrun_losses(script: str, *args: str, nproc: int = 2, step: int = 2) -> dict[int, str]:
     """Run ``examples/<script>`` under torchrun on ``nproc`` local ranks; each rank's printed
-    loss at ``step`` (the scripts print ``rank R step S loss X``)."""
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                        "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                        str(ROOT / "examples" / script), *args],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    loss at ``step`` (the scripts print ``rank R step S loss X``). A run whose only failure is a
+    rank aborting in gloo's teardown (:data:`TEARDOWN_ABORT`) after every rank printed its last
+    step is run once more; any other failure, or that one twice, fails."""
+    for attempt in range(2):
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                            "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                            str(ROOT / "examples" / script), *args],
+                           capture_output=True, text=True, timeout=300, cwd=ROOT,
+                           env={**os.environ, "OMP_NUM_THREADS": "1"})
+        losses = {int(m[0]): m[1] for m in re.findall(rf"rank (\d) step {step} loss (-?[0-9]+\.[0-9]{{6}})", r.stdout)}
+        if r.returncode == 0 or attempt == 1 or TEARDOWN_ABORT not in r.stdout + r.stderr or len(losses) < nproc:
+            break
     assert r.returncode == 0, r.stdout + r.stderr
-    return {int(m[0]): m[1] for m in re.findall(rf"rank (\d) step {step} loss (-?[0-9]+\.[0-9]{{6}})", r.stdout)}
+    return losses
