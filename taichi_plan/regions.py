@@ -61,8 +61,12 @@ def early_triggers(parted, sim) -> dict[int, int]:
             continue
         reads = {u for t in ts for u in rebuild_inputs(parted, t)}
         node = np.nonzero((unpack == r) & (phase == "backward"))[0].tolist() or [r]  # the ops of r's node
+        # A tensor the node reads dies with the node (its end is the node's last op when an op
+        # before that reads it: a Linear's backward reads its input at one mm, and the node
+        # holds it until its apply returns, as Funnel's k_head does): the node's unpack is its last.
+        in_node = set(node)
         found = [int(u) for o in node for u in parted.op_reads[o].tolist()
-                 if int(parted.end[u]) == o and u not in dropped and int(parted.producer[u]) >= 0
+                 if int(parted.end[u]) in in_node and u not in dropped and int(parted.producer[u]) >= 0
                  and phase[int(parted.producer[u])] == "forward"]
         found.sort(key=lambda u: (u not in reads, u))
         if found:

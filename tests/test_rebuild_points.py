@@ -80,6 +80,38 @@ def test_a_group_rebuilt_early_runs_while_its_input_is_alive():
     assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
 
 
+
+def test_a_group_rebuilt_early_finds_its_trigger_where_a_node_holds_its_input_past_its_read():
+    """Funnel Transformer pools its hidden states (a ``cat`` of slices of them) for the next
+    block's queries, whose keys come from the unpooled states through a Linear. Dropped with
+    its early option, the ``cat`` is rebuilt before that Linear's backward node lets the states
+    go. The node reads them at one ``mm`` and holds them to its end, so no read of the node was
+    their last op and no trigger was found: backward then unpacked the ``cat`` with its input
+    gone ("A storage the plan needs back ... has no recipe", replay of a Funnel plan at 50%).
+    A tensor whose end lies in the node is the node's to release: its unpack is the trigger."""
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.replay import call_plans, rebuild_groups
+    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.simulate import Drop
+
+    trace = record_workload(get_workload(entry="tiny_models:funnel"), fake=False, calibrate=False)
+    problem = build_problem(trace)
+    pooled = [k for k, t in enumerate(problem.candidates.tolist())
+              if problem.op_name[int(problem.producer[t])] == "aten.cat.default" and problem.cand_early_remat[k] >= 0]
+    assert pooled, "no cat with an early option: the test would prove nothing"
+    drops = [Drop(int(problem.candidates[k]), int(problem.cand_free_after[k]), int(problem.cand_early_remat[k]))
+             for k in pooled]
+    plan = make_plan(problem, None, "manual", Decisions(drops=drops), 0.0, 0)
+    _groups, triggers = rebuild_groups(plan, trace, problem)
+    assert triggers
+    assert any(cp.triggers for cp in call_plans(plan, trace, problem))
+    wl = get_workload(entry="tiny_models:funnel")
+    planned = run_and_measure(wl, plan, trace, 1, 0, "cpu")
+    plain = run_and_measure(wl, None, trace, 1, 0, "cpu")
+    assert planned["recompute_ops"] == plan.predicted["recompute_ops"] > 0
+    assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"]
+    assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
+
 def test_memtracker_cross_check_follows_frozen_parameters_and_leaf_inputs():
     """Replay's second peak comes from PyTorch's MemTracker, which registers a gradient hook on
     every parameter (PyTorch refuses one on a frozen parameter: replay crashed, blaming the

@@ -822,3 +822,21 @@ def shared_act_layerdrop(batch: int = 1024, **_):
     model = Net()
     x, y = torch.randn(batch, 32), torch.randint(0, 4, (batch,))
     return model, x, (lambda out, _b: nn.functional.cross_entropy(out, y)), torch.optim.AdamW(model.parameters())
+
+
+def funnel(batch: int = 2, seq: int = 16, **_):
+    """A 2-block ``transformers`` Funnel Transformer (masked LM, dropout 0.1): between blocks it
+    pools the hidden states (``cat`` of slices of them, then ``avg_pool2d``), and the next
+    block's first attention reads the pooled states as its queries and the unpooled ones as its
+    keys and values."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.FunnelConfig(vocab_size=64, d_model=32, n_head=2, d_head=16, d_inner=64, block_sizes=[1, 1],
+                                    num_decoder_layers=1)
+    model = transformers.FunnelForMaskedLM(cfg)
+    ids = torch.randint(0, 64, (batch, seq))
+    return model, {"input_ids": ids, "labels": ids.clone()}, (lambda out, _b: out.loss), \
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
+
