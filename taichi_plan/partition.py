@@ -836,8 +836,12 @@ def _checkpointed_whole(problem: Problem, span: Span, nbytes, end, new_t, new_id
     """One chunk: the module's saved tensors are gone from their last forward use (or when the
     step's code lets go of them, later) until its backward, and so are what it makes from
     parameters alone for its backward (:func:`_saved_constants`); its inputs are held until
-    its backward is done (see the module docstring)."""
+    its backward is done (see the module docstring). The re-run before the backward's first
+    read of them holds what it re-makes and its own transients at once: where that is more
+    than the saved tensors and that op's outputs, the difference is on the timeline there
+    (an XLNet layer's attention scores, made late in its forward: 8,832 B over before)."""
     _f_trans, saved, _b_trans = internal_tensors(problem, span)
+    first = len(new_t)
     for t in saved.tolist() + _saved_constants(problem, span):
         last_fwd = problem.uses[t][problem.uses[t] <= span.fwd[1]]
         end[t] = int(last_fwd[-1]) if len(last_fwd) else int(problem.start[t])
@@ -849,6 +853,18 @@ def _checkpointed_whole(problem: Problem, span: Span, nbytes, end, new_t, new_id
         new_nb.append(int(nbytes[t]))
         new_s.append(span.bwd[0])
         new_e.append(int(min(problem.end[t], span.bwd[1])))
+    made_f, _held, _outputs, fwd_life, needed = _forward_lives(problem, span)
+    r = _rerun_at(problem, span, needed, _outside_read_in_backward(problem, span, made_f))
+    if r is not None:
+        there = sum(nb for nb, s0, s1 in zip(new_nb[first:], new_s[first:], new_e[first:], strict=True) if s0 <= r <= s1)
+        there += int(problem.nbytes[(problem.start == r) & (problem.producer == r)].sum())
+        over = _rerun_peak(problem, span, made_f, fwd_life, needed, lambda t: int(problem.nbytes[t])) - there
+        if over > 0:
+            new_t.append(-1)
+            new_id.append(_SYNTHETIC_ID - len(new_id))
+            new_nb.append(over)
+            new_s.append(r)
+            new_e.append(r)
     for t in module_inputs(problem, span):
         if not problem.persists[t]:
             end[t] = max(int(end[t]), span.bwd[1])
@@ -998,6 +1014,92 @@ def _keeps_dims(problem: Problem, op: int) -> bool:
     return cache[op]
 
 
+def _uses_in(problem: Problem, t: int, lo: int, hi: int) -> np.ndarray:
+    u = problem.uses[t]
+    return u[(u >= lo) & (u <= hi)]
+
+
+def _forward_lives(problem: Problem, span: Span) -> tuple[list[int], set[int], list[int], dict[int, int], list[int]]:
+    """How a checkpointed run of ``span``'s forward holds what it makes: (the tensors it makes,
+    those the step's code holds past it (``held``), its outputs, each other tensor's last op in
+    a checkpointed forward (the checkpoint keeps none for the backward), the tensors its
+    backward needs, re-made by the re-run)."""
+    f0, f1 = span.fwd
+    b0, b1 = span.bwd
+    own = np.isin(problem.kind, ("activation", "temporary", "input", "gradient")) & ~problem.initial & ~problem.persists
+    made_f = np.nonzero(own & (problem.start >= f0) & (problem.start <= f1))[0].tolist()
+    # Made from parameters alone and held past the span by the step's code, never by a chunk:
+    # autocast's cast of a weight, which its cache keeps until the region ends. The first
+    # chunk casts it, the others find it cached; each chunk's re-run in backward, in an autocast
+    # region of its own, casts it again for that chunk's backward.
+    held = {t for t in made_f if constant_tensor(problem, t) and f1 < int(problem.python_release[t]) < b0
+            and len(_uses_in(problem, t, b0, b1))}
+    outputs, fwd_life, needed = [], {}, []
+    for t in made_f:
+        in_b = _uses_in(problem, t, b0, b1)
+        if t in held:
+            needed.append(t)
+            continue
+        after = problem.uses[t][(problem.uses[t] > f1) & ((problem.uses[t] < b0) | (problem.uses[t] > b1))]
+        if len(after) or (problem.end[t] > f1 and not len(in_b) and problem.end[t] < b0) or problem.end[t] > b1:
+            outputs.append(t)
+            fwd_life[t] = f1
+        elif problem.end[t] > f1:  # saved for the backward: gone after its last forward use
+            last = _uses_in(problem, t, f0, f1)
+            last = int(last[-1]) if len(last) else int(problem.start[t])
+            fwd_life[t] = min(problem.release_after(t, last), f1)
+        else:
+            fwd_life[t] = int(problem.end[t])
+        if len(in_b):
+            needed.append(t)
+    return made_f, held, outputs, fwd_life, needed
+
+
+def _outside_read_in_backward(problem: Problem, span: Span, made_f: list[int]) -> set[int]:
+    """Tensors made outside ``span``'s forward, alive into its backward and freed there, that
+    its backward reads (the output's gradient, an input the backward reads)."""
+    b0, b1 = span.bwd
+    made = set(made_f)
+    return {t for t in np.nonzero((problem.start < b0) & (problem.end >= b0) & (problem.end <= b1) & ~problem.persists
+                                  & ~np.isin(problem.kind, ("parameter", "buffer", "optimizer_state")))[0].tolist()
+            if t not in made and len(_uses_in(problem, t, b0, b1))}
+
+
+def _rerun_at(problem: Problem, span: Span, needed: list[int], ext: set[int]) -> int | None:
+    """The op of ``span``'s backward before which a checkpoint re-runs its forward: the first
+    that reads what the forward saved (a tensor it made, a parameter, an input); None when the
+    backward needs nothing of it."""
+    if not needed:
+        return None
+    f0 = span.fwd[0]
+    b0, b1 = span.bwd
+    needed_set = set(needed)
+    for i in range(b0, b1 + 1):
+        if any(x in needed_set or problem.kind[x] == "parameter" or (problem.start[x] < f0 and x in ext)
+               for x in problem.op_reads[i].tolist()):
+            return i
+    return None
+
+
+def _rerun_peak(problem: Problem, span: Span, made_f: list[int], fwd_life: dict[int, int], needed: list[int],
+                piece) -> int:
+    """The most bytes of ``span``'s own tensors alive while a checkpoint re-runs its forward in
+    backward (early stop: up to the last op making a tensor the backward needs, each of which
+    it holds from then on; the others live as in forward), each tensor ``piece(t)`` bytes."""
+    f0 = span.fwd[0]
+    needed_set = set(needed)
+    stop = max(int(problem.producer[t]) if problem.producer[t] >= 0 else f0 for t in needed)
+    rec = np.zeros(stop - f0 + 2, dtype=np.int64)
+    for t in made_f:
+        s = int(problem.start[t])
+        if s > stop:
+            continue
+        e = stop if t in needed_set else min(fwd_life[t], stop)
+        rec[s - f0] += piece(t)
+        rec[e - f0 + 1] -= piece(t)
+    return int(np.cumsum(rec)[:-1].max())
+
+
 def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> dict[int, int]:
     """The span run in ``k`` chunks, each checkpointed (``replay/partition.py``), event by
     event: the bytes of the span's own tensors at the worst moment of each of its ops, over
@@ -1041,40 +1143,14 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
             return nb
         return -(-nb // k)
 
-    own = np.isin(problem.kind, ("activation", "temporary", "input", "gradient")) & ~problem.initial & ~problem.persists
-    made_f = np.nonzero(own & (problem.start >= f0) & (problem.start <= f1))[0].tolist()
+    made_f, held, outputs, fwd_life, needed = _forward_lives(problem, span)
     made_b = np.nonzero(~problem.initial & (problem.start >= b0) & (problem.start <= b1)
                         & (problem.producer >= b0) & (problem.producer <= b1))[0].tolist()
     made_b = [t for t in made_b if problem.kind[t] != "parameter"]
 
     def uses_in(t, lo, hi):
-        u = problem.uses[t]
-        return u[(u >= lo) & (u <= hi)]
+        return _uses_in(problem, t, lo, hi)
 
-    # Made from parameters alone and held past the span by the step's code, never by a chunk:
-    # autocast's cast of a weight, which its cache keeps until the region ends. The first
-    # chunk casts it, the others find it cached; each chunk's re-run in backward, in an autocast
-    # region of its own, casts it again for that chunk's backward.
-    held = {t for t in made_f if constant_tensor(problem, t) and f1 < int(problem.python_release[t]) < b0
-            and len(uses_in(t, b0, b1))}
-    outputs, fwd_life, needed = [], {}, []
-    for t in made_f:
-        in_b = uses_in(t, b0, b1)
-        if t in held:
-            needed.append(t)
-            continue
-        after = problem.uses[t][(problem.uses[t] > f1) & ((problem.uses[t] < b0) | (problem.uses[t] > b1))]
-        if len(after) or (problem.end[t] > f1 and not len(in_b) and problem.end[t] < b0) or problem.end[t] > b1:
-            outputs.append(t)
-            fwd_life[t] = f1
-        elif problem.end[t] > f1:  # saved for the backward: gone after its last forward use
-            last = uses_in(t, f0, f1)
-            last = int(last[-1]) if len(last) else int(problem.start[t])
-            fwd_life[t] = min(problem.release_after(t, last), f1)
-        else:
-            fwd_life[t] = int(problem.end[t])
-        if len(in_b):
-            needed.append(t)
     for t in made_f:
         nbytes[t] = 0
     for t in held:  # on the step's timeline: from the span's start (the first chunk) to its release
@@ -1133,14 +1209,8 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     acc_grads = [cast_of.get(t, t) for t in grads]
     acc_added = [cast_of.get(t, t) for t in added]
     cast_made = sum(int(problem.nbytes[t]) for t in cast_of)
-    made_f_set, needed_set = set(made_f), set(needed)
-    ext = {t for t in np.nonzero((problem.start < b0) & (problem.end >= b0) & (problem.end <= b1) & ~problem.persists
-                                 & ~np.isin(problem.kind, ("parameter", "buffer", "optimizer_state")))[0].tolist()
-           if t not in made_f_set and len(uses_in(t, b0, b1))}
-    reads_saved = [i for i in range(b0, b1 + 1)
-                   if any(x in needed_set or problem.kind[x] == "parameter" or (problem.start[x] < f0 and x in ext)
-                          for x in problem.op_reads[i].tolist())]
-    r = reads_saved[0] if reads_saved and needed else None
+    ext = _outside_read_in_backward(problem, span, made_f)
+    r = _rerun_at(problem, span, needed, ext)
     n = b1 - b0 + 1
     base = np.zeros(n + 1, dtype=np.int64)  # one chunk's own backward tensors, per op
     for t in local_b:
@@ -1214,18 +1284,8 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         added_w[max(at for at, ts in accumulate.items() if set(ts) & set(acc_added)) - b0 + 1:] = sum(
             int(problem.nbytes[t]) for t in acc_added)
     in_piece = sum(piece(t) for t in in_grads)
-    # The forward re-run (early stop: up to the last op making a tensor the backward needs).
     if r is not None:
-        stop = max(int(problem.producer[t]) if problem.producer[t] >= 0 else f0 for t in needed)
-        rec = np.zeros(stop - f0 + 2, dtype=np.int64)
-        for t in made_f:
-            s = int(problem.start[t])
-            if s > stop:
-                continue
-            e = stop if t in needed_set else min(fwd_life[t], stop)
-            rec[s - f0] += piece(t)
-            rec[e - f0 + 1] -= piece(t)
-        rec_peak = int(np.cumsum(rec)[:-1].max())
+        rec_peak = _rerun_peak(problem, span, made_f, fwd_life, needed, piece)
         # this chunk's tensors alive right before op r: started before it and not freed before it
         before_r = sum(piece(t) for t in local_b if problem.start[t] < r <= problem.end[t])
         before_r += sum(piece(t) for t in in_grads if problem.producer[t] < r)

@@ -840,3 +840,17 @@ def funnel(batch: int = 2, seq: int = 16, **_):
     return model, {"input_ids": ids, "labels": ids.clone()}, (lambda out, _b: out.loss), \
         torch.optim.AdamW(model.parameters(), lr=1e-3)
 
+
+def xlnet(batch: int = 2, seq: int = 16, **_):
+    """A 2-layer ``transformers`` XLNet language model (relative attention with its position and
+    segment terms, dropout 0.1): late in each layer's forward its attention makes transient
+    score tensors as large as what the layer saves."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.XLNetConfig(vocab_size=64, d_model=32, n_layer=2, n_head=2, d_inner=64)
+    model = transformers.XLNetLMHeadModel(cfg)
+    ids = torch.randint(0, 64, (batch, seq))
+    return model, {"input_ids": ids, "labels": ids.clone()}, (lambda out, _b: out.loss), \
+        torch.optim.AdamW(model.parameters(), lr=1e-3)
