@@ -852,7 +852,7 @@ def _checkpointed_whole(problem: Problem, span: Span, nbytes, end, new_t, new_id
         new_id.append(-1 - int(problem.tensor_id[t]))
         new_nb.append(int(nbytes[t]))
         new_s.append(span.bwd[0])
-        new_e.append(int(min(problem.end[t], span.bwd[1])))
+        new_e.append(_rerun_copy_end(problem, t, span, int(problem.end[t])))
     made_f, _held, _outputs, fwd_life, needed = _forward_lives(problem, span)
     r = _rerun_at(problem, span, needed, _outside_read_in_backward(problem, span, made_f))
     if r is not None:
@@ -1081,6 +1081,23 @@ def _rerun_at(problem: Problem, span: Span, needed: list[int], ext: set[int]) ->
     return None
 
 
+def _rerun_copy_end(problem: Problem, t: int, span: Span, unread: int) -> int:
+    """The last op of ``span``'s backward that holds the copy of ``t`` a checkpoint's re-run
+    made: freed when the node that reads it last is done (the trace's own end there: a node
+    that reads it in its first op and runs more, autocast's cast of a weight under an addmm's
+    backward), but before the engine's sums that follow the node's apply (:func:`apply_end`:
+    the copy is the apply's, not a saved variable's), or when the step's code lets go, if
+    later. ``unread``: the answer where the backward does not read it."""
+    b0, b1 = span.bwd
+    last = _uses_in(problem, t, b0, b1)
+    if not len(last):
+        return min(unread, b1)
+    e = int(problem.release_after(t, int(last[-1])))
+    if int(last[-1]) <= int(problem.end[t]) <= b1:
+        e = max(e, apply_end(problem, int(last[-1]), int(problem.end[t])))
+    return min(e, b1)
+
+
 def _rerun_peak(problem: Problem, span: Span, made_f: list[int], fwd_life: dict[int, int], needed: list[int],
                 piece) -> int:
     """The most bytes of ``span``'s own tensors alive while a checkpoint re-runs its forward in
@@ -1224,14 +1241,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     back_until: dict[int, int] = {}  # a re-made tensor the backward needs -> its last op
     if r is not None:
         for t in needed:
-            last = uses_in(t, b0, b1)
-            # freed when the node that saved it is done: the trace's own end there (a node
-            # that reads it in its first op and runs more, autocast's cast of a weight under
-            # an addmm's backward), or when the step's code lets go, if later
-            e = int(problem.release_after(t, int(last[-1]))) if len(last) else r
-            if len(last) and int(last[-1]) <= int(problem.end[t]) <= b1:
-                e = max(e, apply_end(problem, int(last[-1]), int(problem.end[t])))
-            back_until[t] = e = min(e, b1)
+            back_until[t] = e = _rerun_copy_end(problem, t, span, r)
             saved_b[r - b0] += piece(t)
             saved_b[e - b0 + 1] -= piece(t)
     own_b = np.cumsum(base)[:-1] + gpiece + np.cumsum(saved_b)[:-1]
