@@ -383,11 +383,24 @@ def _graph_ref(out, depth: int = 3):
     return weakref.ref(mark) if found else None
 
 
-def _grads_cleared(model) -> bool:
-    """Does the model have trainable parameters and none of the first one's gradient (the
-    runtime's cheap view of ``zero_grad(set_to_none=True)`` having run)?"""
-    p = next((p for p in model.parameters() if p.requires_grad), None)
-    return p is not None and p.grad is None
+def _grads_cleared(model, sentinel: list) -> bool:
+    """Has ``zero_grad(set_to_none=True)`` run: does the model have trainable parameters and
+    none of them a gradient? ``sentinel`` ([weakref or None]) holds the parameter last seen with
+    a gradient, checked first, so a step with gradients costs one look; the full scan runs when
+    it has none. Not the first parameter alone: one the forward never uses (XLNet's
+    ``mask_emb``) has no gradient in the middle of a step either, and a second micro-batch then
+    looked like a new step and ran the first one's plan (1.4% over budget, silently)."""
+    p = sentinel[0]() if sentinel[0] is not None else None
+    if p is not None and p.grad is not None:
+        return False
+    trainable = False
+    for p in model.parameters():
+        if p.requires_grad:
+            trainable = True
+            if p.grad is not None:
+                sentinel[0] = weakref.ref(p)
+                return False
+    return trainable
 
 
 class _Trigger:
@@ -439,6 +452,7 @@ class PlanRuntime(TorchDispatchMode):
         self.warmup = warmup  # unrecorded warm-up steps before the recorded one (trace meta.warmup_steps)
         self.counted_now = False  # whether the call begun last is one of the step's (begin_call)
         self._graphs: list = []  # per call of this step: a weak reference into its autograd graph (after_call)
+        self._grad_sentinel: list = [None]  # a parameter last seen with a gradient (_grads_cleared)
         self._params = None  # (the model, weakly; [(parameter, bytes)]): _trainable
         self._frame: Frame | None = None
         self._stack: list = []  # (frame, hooks context) of the calls running now
@@ -481,7 +495,7 @@ class PlanRuntime(TorchDispatchMode):
         if self._index >= n > self.step_at:  # the recorded step's calls after its optimizer.step() are done
             self._index = 0
         pos = self._index % n
-        if self._index and _grads_cleared(model) and (
+        if self._index and _grads_cleared(model, self._grad_sentinel) and (
                 self.calls[pos].grads_alive or all((m := g()) is None or m.fired for g in self._graphs)):
             # The gradients were cleared where the recorded call at this point started with
             # them alive, or after every earlier call of this step ran its backward or let go
