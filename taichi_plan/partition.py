@@ -854,10 +854,10 @@ def _checkpointed_whole(problem: Problem, span: Span, nbytes, end, new_t, new_id
         new_s.append(span.bwd[0])
         new_e.append(_rerun_copy_end(problem, t, span, int(problem.end[t])))
     made_f, _held, _outputs, fwd_life, needed = _forward_lives(problem, span)
-    r = _rerun_at(problem, span, needed, _outside_read_in_backward(problem, span, made_f))
+    r = _rerun_at(problem, span, needed)
     if r is not None:
         there = sum(nb for nb, s0, s1 in zip(new_nb[first:], new_s[first:], new_e[first:], strict=True) if s0 <= r <= s1)
-        there += int(problem.nbytes[(problem.start == r) & (problem.producer == r)].sum())
+        there += int(problem.nbytes[problem.op_outputs[r]].sum())
         over = _rerun_peak(problem, span, made_f, fwd_life, needed, lambda t: int(problem.nbytes[t])) - there
         if over > 0:
             new_t.append(-1)
@@ -1026,7 +1026,10 @@ def _forward_lives(problem: Problem, span: Span) -> tuple[list[int], set[int], l
     backward needs, re-made by the re-run)."""
     f0, f1 = span.fwd
     b0, b1 = span.bwd
-    own = np.isin(problem.kind, ("activation", "temporary", "input", "gradient")) & ~problem.initial & ~problem.persists
+    own = problem.__dict__.get("_made_by_step")  # the same for every span: computed once per problem
+    if own is None:
+        own = problem.__dict__["_made_by_step"] = (np.isin(problem.kind, ("activation", "temporary", "input", "gradient"))
+                                                   & ~problem.initial & ~problem.persists)
     made_f = np.nonzero(own & (problem.start >= f0) & (problem.start <= f1))[0].tolist()
     # Made from parameters alone and held past the span by the step's code, never by a chunk:
     # autocast's cast of a weight, which its cache keeps until the region ends. The first
@@ -1065,19 +1068,22 @@ def _outside_read_in_backward(problem: Problem, span: Span, made_f: list[int]) -
             if t not in made and len(_uses_in(problem, t, b0, b1))}
 
 
-def _rerun_at(problem: Problem, span: Span, needed: list[int], ext: set[int]) -> int | None:
+def _rerun_at(problem: Problem, span: Span, needed: list[int]) -> int | None:
     """The op of ``span``'s backward before which a checkpoint re-runs its forward: the first
-    that reads what the forward saved (a tensor it made, a parameter, an input); None when the
-    backward needs nothing of it."""
+    that reads what the forward saved (a tensor it made, a parameter, or one made before it
+    that the backward frees: an input it saved); None when the backward needs nothing of it."""
     if not needed:
         return None
     f0 = span.fwd[0]
     b0, b1 = span.bwd
     needed_set = set(needed)
+    kind, start, end, persists = problem.kind, problem.start, problem.end, problem.persists
     for i in range(b0, b1 + 1):
-        if any(x in needed_set or problem.kind[x] == "parameter" or (problem.start[x] < f0 and x in ext)
-               for x in problem.op_reads[i].tolist()):
-            return i
+        for x in problem.op_reads[i].tolist():
+            if x in needed_set or kind[x] == "parameter" or (
+                    start[x] < f0 and b0 <= end[x] <= b1 and not persists[x]
+                    and kind[x] not in ("buffer", "optimizer_state")):
+                return i
     return None
 
 
@@ -1227,7 +1233,7 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
     acc_added = [cast_of.get(t, t) for t in added]
     cast_made = sum(int(problem.nbytes[t]) for t in cast_of)
     ext = _outside_read_in_backward(problem, span, made_f)
-    r = _rerun_at(problem, span, needed, ext)
+    r = _rerun_at(problem, span, needed)
     n = b1 - b0 + 1
     base = np.zeros(n + 1, dtype=np.int64)  # one chunk's own backward tensors, per op
     for t in local_b:
