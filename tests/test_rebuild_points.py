@@ -48,6 +48,33 @@ def test_a_rebuild_that_needs_several_outputs_of_one_op_runs_it_once(tmp_path):
     assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
 
 
+def _replays_early_drops_at_their_triggers(entry: str, pick) -> None:
+    """Drop the candidates ``pick(problem, tensor)`` chooses with their early options on a real
+    recording of ``entry``; the plan needs a trigger, and replays bitwise, re-running the
+    predicted ops, at its predicted peak."""
+    from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.replay import call_plans, rebuild_groups
+    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.simulate import Drop
+
+    trace = record_workload(get_workload(entry=entry), fake=False, calibrate=False)
+    problem = build_problem(trace)
+    chosen = [k for k, t in enumerate(problem.candidates.tolist()) if problem.cand_early_remat[k] >= 0 and pick(problem, t)]
+    assert chosen, "nothing to drop early: the test would prove nothing"
+    drops = [Drop(int(problem.candidates[k]), int(problem.cand_free_after[k]), int(problem.cand_early_remat[k]))
+             for k in chosen]
+    plan = make_plan(problem, None, "manual", Decisions(drops=drops), 0.0, 0)
+    _groups, triggers = rebuild_groups(plan, trace, problem)
+    assert triggers, "no group needs a trigger: the test would prove nothing"
+    assert any(cp.triggers for cp in call_plans(plan, trace, problem))
+    wl = get_workload(entry=entry)
+    planned = run_and_measure(wl, plan, trace, 1, 0, "cpu")
+    plain = run_and_measure(wl, None, trace, 1, 0, "cpu")
+    assert planned["recompute_ops"] == plan.predicted["recompute_ops"] > 0
+    assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"]
+    assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
+
+
 def test_a_group_rebuilt_early_runs_while_its_input_is_alive():
     """PyTorch's attention scales q and k, views of one packed projection that backward holds
     (through v) until the second ``bmm``'s backward. Dropped with their *early* option, the
@@ -55,30 +82,8 @@ def test_a_group_rebuilt_early_runs_while_its_input_is_alive():
     backward unpacks there. The runtime rebuilt a group only when backward unpacked one of
     its tensors, later, with the projection gone: "A storage the plan needs back ... has no
     recipe" (``nn.TransformerEncoderLayer`` with dropout). Now the last unpack of the
-    projection (the group's *trigger*) runs the group."""
-    from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay import call_plans, rebuild_groups
-    from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.simulate import Drop
-
-    trace = record_workload(get_workload(entry="tiny_models:encoder_layer"), fake=False, calibrate=False)
-    problem = build_problem(trace)
-    scaled = [k for k, t in enumerate(problem.candidates.tolist())
-              if problem.op_name[int(problem.producer[t])] == "aten.mul.Scalar" and problem.cand_early_remat[k] >= 0]
-    assert len(scaled) == 2, scaled  # q and k
-    drops = [Drop(int(problem.candidates[k]), int(problem.cand_free_after[k]), int(problem.cand_early_remat[k]))
-             for k in scaled]
-    plan = make_plan(problem, None, "manual", Decisions(drops=drops), 0.0, 0)
-    _groups, triggers = rebuild_groups(plan, trace, problem)
-    assert triggers, "no group needs a trigger: the test would prove nothing"
-    assert any(cp.triggers for cp in call_plans(plan, trace, problem))
-    wl = get_workload(entry="tiny_models:encoder_layer")
-    planned = run_and_measure(wl, plan, trace, 1, 0, "cpu")
-    plain = run_and_measure(wl, None, trace, 1, 0, "cpu")
-    assert planned["recompute_ops"] == plan.predicted["recompute_ops"] > 0
-    assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"]
-    assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
-
+    projection (the group's *trigger*) runs the group (q and k: the two scalings)."""
+    _replays_early_drops_at_their_triggers("tiny_models:encoder_layer", _made_by("aten.mul.Scalar"))
 
 
 def test_a_group_rebuilt_early_finds_its_trigger_where_a_node_holds_its_input_past_its_read():
@@ -89,28 +94,8 @@ def test_a_group_rebuilt_early_finds_its_trigger_where_a_node_holds_its_input_pa
     their last op and no trigger was found: backward then unpacked the ``cat`` with its input
     gone ("A storage the plan needs back ... has no recipe", replay of a Funnel plan at 50%).
     A tensor whose end lies in the node is the node's to release: its unpack is the trigger."""
-    from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay import call_plans, rebuild_groups
-    from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.simulate import Drop
+    _replays_early_drops_at_their_triggers("tiny_models:funnel", _made_by("aten.cat.default"))
 
-    trace = record_workload(get_workload(entry="tiny_models:funnel"), fake=False, calibrate=False)
-    problem = build_problem(trace)
-    pooled = [k for k, t in enumerate(problem.candidates.tolist())
-              if problem.op_name[int(problem.producer[t])] == "aten.cat.default" and problem.cand_early_remat[k] >= 0]
-    assert pooled, "no cat with an early option: the test would prove nothing"
-    drops = [Drop(int(problem.candidates[k]), int(problem.cand_free_after[k]), int(problem.cand_early_remat[k]))
-             for k in pooled]
-    plan = make_plan(problem, None, "manual", Decisions(drops=drops), 0.0, 0)
-    _groups, triggers = rebuild_groups(plan, trace, problem)
-    assert triggers
-    assert any(cp.triggers for cp in call_plans(plan, trace, problem))
-    wl = get_workload(entry="tiny_models:funnel")
-    planned = run_and_measure(wl, plan, trace, 1, 0, "cpu")
-    plain = run_and_measure(wl, None, trace, 1, 0, "cpu")
-    assert planned["recompute_ops"] == plan.predicted["recompute_ops"] > 0
-    assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"]
-    assert all(a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
 
 def test_memtracker_cross_check_follows_frozen_parameters_and_leaf_inputs():
     """Replay's second peak comes from PyTorch's MemTracker, which registers a gradient hook on
