@@ -573,8 +573,8 @@ def test_accelerate_gradient_accumulation_trains_planned(loop_plan):
     ``accumulate``, ``accelerator.backward``), the plan applied to the prepared model and
     optimizer: its ``AcceleratedOptimizer`` steps the torch optimizer only at the end of an
     accumulation, and has no step hooks of its own (apply() raised an AttributeError
-    traceback on it). Parameters bitwise those of the same loop unplanned, every micro-batch
-    within the plan's budget."""
+    traceback on it). Parameters those of the same loop unplanned (bitwise, or allclose where the
+    plan splits a module: ``assert_trains_like``), every micro-batch within the plan's budget."""
     from accelerate import Accelerator
 
     loop, _flags = LOOPS["accumulate-2"]
@@ -602,7 +602,9 @@ def test_accelerate_gradient_accumulation_trains_planned(loop_plan):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no mismatch may be reported
         got, peaks, rt = run(True)
-    assert all(torch.equal(a, b) for a, b in zip(base, got, strict=True))
+    # bitwise, or allclose where the plan splits a module (its head over tokens) into chunks: the
+    # heuristic's choice follows the recorded op times (a clean-clone CI run chose a split once)
+    assert_trains_like(base, got, plan, context=f"partitions {[(q.module, q.over, q.chunks) for q in plan.partitions]}")
     assert rt.mismatches == 0 and rt.planned_calls == 3 * loop.micro_batches and rt.steps_seen == 3
     assert max(peaks) <= plan.budget_bytes, (peaks, plan.budget_bytes)
 
