@@ -1171,9 +1171,6 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
                         & (problem.producer >= b0) & (problem.producer <= b1))[0].tolist()
     made_b = [t for t in made_b if problem.kind[t] != "parameter"]
 
-    def uses_in(t, lo, hi):
-        return _uses_in(problem, t, lo, hi)
-
     for t in made_f:
         nbytes[t] = 0
     for t in held:  # on the step's timeline: from the span's start (the first chunk) to its release
@@ -1306,20 +1303,20 @@ def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> 
         before_r = sum(piece(t) for t in local_b if problem.start[t] < r <= problem.end[t])
         before_r += sum(piece(t) for t in in_grads if problem.producer[t] < r)
     for q in range(k):  # q chunks' backward done before this one's
-        held = q * in_piece
+        waiting = q * in_piece  # the input-gradient pieces of the chunks done
         last = q == k - 1
-        v = held + own_b + (all_w + pending if q else grad_w) + (0 if last else ext_after) - (added_w if last else 0)
+        v = waiting + own_b + (all_w + pending if q else grad_w) + (0 if last else ext_after) - (added_w if last else 0)
         if r is not None:
             j = r - b0
             wr = (all_w if q else int(grad_w[j - 1]) if j else 0)
-            v[j] = max(v[j], held + before_r + rec_peak + wr + (0 if last else int(ext_after[j])))
+            v[j] = max(v[j], waiting + before_r + rec_peak + wr + (0 if last else int(ext_after[j])))
         for at, ts in accumulate.items() if q else ():
             j = at - b0
             carried = sum(piece(t) for t in local_b if problem.start[t] < at <= problem.end[t])
             carried += sum(piece(t) for t in in_grads if problem.producer[t] < at)
             carried += sum(piece(t) for t, e in back_until.items() if r < at <= e)
             new = sum(int(problem.nbytes[t]) for t in ts) + max(int(problem.nbytes[t]) for t in ts)
-            v[j] = max(v[j], held + carried + all_w + int(pending[j]) + new + (0 if last else int(ext_after[j])))
+            v[j] = max(v[j], waiting + carried + all_w + int(pending[j]) + new + (0 if last else int(ext_after[j])))
         for i in range(b0, b1 + 1):
             peaks[i] = max(peaks.get(i, 0), int(v[i - b0]))
     join = k * in_piece + sum(int(problem.nbytes[t]) for t in in_grads) + all_w - int(added_w[-1]) + cast_made

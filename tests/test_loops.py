@@ -622,7 +622,6 @@ def test_a_second_micro_batch_runs_its_own_plan_when_a_parameter_gets_no_gradien
     wl = get_workload(entry="tiny_models:xlnet", batch=4, seq=32)
     trace = record_workload(wl, fake=False, loop=Loop(micro_batches=2), calibrate=False)
     p = build_problem(trace)
-    assert next(iter(wl.build(False)[0].parameters())).grad is None
     second = [k for k, t in enumerate(p.candidates.tolist()) if p.op_call[int(p.producer[t])] == 1]
     second.sort(key=lambda k: -int(p.nbytes[int(p.candidates[k])]))
     drops = [Drop(int(p.candidates[k]), int(p.cand_free_after[k]), int(p.cand_remat_before[k])) for k in second[:8]]
@@ -630,6 +629,7 @@ def test_a_second_micro_batch_runs_its_own_plan_when_a_parameter_gets_no_gradien
     assert plan.predicted["planned_peak_bytes"] < plan.predicted["baseline_peak_bytes"]
     planned = run_and_measure(wl, plan, trace, 1, 0, "cpu")
     plain = run_and_measure(wl, None, trace, 1, 0, "cpu")
+    assert plain["grads"][0] is None  # mask_emb, the first parameter: no gradient after a whole step
     assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"]
     assert planned["recompute_ops"] == plan.predicted["recompute_ops"] > 0
     assert all(a is b is None or a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
