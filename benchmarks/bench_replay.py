@@ -56,6 +56,11 @@ class BenchModel(NamedTuple):
     blocks: str | None  # find_blocks' selector (None: the shallowest repeated blocks); "segments":
     # a flat nn.Sequential's layers (sequential_segments)
     hf: str | None  # "transformers": its own checkpointing; "stages": checkpoint per stage; None: none
+    # The least repetitions this model runs (None: the run's): a step whose time strays more needs
+    # more of them for its paired extras to be as precise. ResNet-50's per-repetition extras
+    # stray by 3-25 ms (half their IQR) against 1-2 ms for the others; its median of 11 once read
+    # 20.5 ms for a plan predicted at 14.2, the next run 13.4 for 15.0.
+    reps: int | None = None
 
 
 MODELS = {
@@ -67,7 +72,7 @@ MODELS = {
                                                "batch": 8}, None, "transformers"),
     "Llama 4L h256 b4 s128": BenchModel("llama", {"layers": 4, "hidden": 256, "heads": 4, "vocab": 8192,
                                                   "seq": 128, "batch": 4}, None, "transformers"),
-    "ResNet-50 b8 96px": BenchModel("resnet50", {"batch": 8, "image_size": 96}, "layers", "stages"),
+    "ResNet-50 b8 96px": BenchModel("resnet50", {"batch": 8, "image_size": 96}, "layers", "stages", reps=25),
     "mlp b2048 h512 4L": BenchModel("mlp", {"batch": 2048, "hidden": 512, "layers": 4}, "segments", None),
 }
 BLOCK_BASELINES = ("ckpt-every-block", "sac-save-matmuls")
@@ -299,6 +304,7 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
     from taichi_plan.trace import baseline_peak, read_trace, write_trace
 
     say = progress or (lambda msg: None)
+    reps = max(reps, spec.reps or 0)
     t_start = time.perf_counter()
     workload = without_kv_cache(get_workload(model=spec.model, **spec.sizes))
     baselines = baselines_for(spec)
@@ -456,13 +462,19 @@ def steady_env() -> dict:
 
 
 def run(models=tuple(MODELS), reps: int = REPS, time_limit: float = TIME_LIMIT, progress=None,
-        threads: int | None = 1) -> dict:
+        threads: int | None = 1, isolate: bool = False) -> dict:
     """Every method on each of ``models`` (labels of :data:`MODELS`, or (label, BenchModel)
     pairs); returns {machine, date, threads, reps, seed, models: [per-model dict], seconds}.
 
     ``threads``: torch intra-op threads for the whole run (None: leave torch's default). One by
     default: on a 2-core machine two OpenMP threads slow a step down by 10-100x whenever any
-    other process takes a core, which swamps every ratio here."""
+    other process takes a core, which swamps every ratio here.
+
+    ``isolate``: each model of :data:`MODELS` (a label) runs in a fresh Python process of its own
+    (:func:`_run_isolated`), as one training job runs. In one process, a model measured after
+    others runs in the heap they left: ViT's plain step took 143.7 ms there after GPT-2 and BERT,
+    135.7 ms in a process of its own, and its plans' extra times came out 1-5 ms above their
+    predictions there, 1-2 ms in a process of its own (docs/benchmarks.md)."""
     import torch
     import transformers  # noqa: F401  (import cost is nobody's)
 
@@ -475,13 +487,33 @@ def run(models=tuple(MODELS), reps: int = REPS, time_limit: float = TIME_LIMIT, 
         results = []
         for m in models:
             label, spec = (m, MODELS[m]) if isinstance(m, str) else m
-            results.append(run_model(label, BenchModel(*spec), reps, time_limit, progress))
+            if isolate:
+                results.append(_run_isolated(label, BenchModel(*spec), reps, time_limit, threads))
+            else:
+                results.append(run_model(label, BenchModel(*spec), reps, time_limit, progress))
         return {"machine": _machine(), "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                 "threads": torch.get_num_threads(), "reps": reps, "seed": SEED, "time_limit": time_limit,
-                "malloc": malloc_settings(),
+                "malloc": "steady" if isolate else malloc_settings(), "isolated": bool(isolate),
                 "models": results, "seconds": time.perf_counter() - t0}
     finally:
         torch.set_num_threads(old_threads)
+
+
+def _run_isolated(label: str, spec: BenchModel, reps: int, time_limit: float, threads: int | None) -> dict:
+    """:func:`run_model` of ``label`` (``spec``) in a fresh ``python -m benchmarks.bench_replay``
+    process (glibc's malloc steady there, :data:`STEADY_MALLOC`; its progress on this stderr);
+    its per-model dict."""
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as d:
+        out = Path(d) / "model.json"
+        model = json.dumps({"label": label, **spec._asdict()})
+        cmd = [sys.executable, "-m", "benchmarks.bench_replay", "--spec", model, "--in-process", "--reps", str(reps),
+               "--time-limit", str(time_limit), "--threads", str(threads or 0), "--json", str(out)]
+        subprocess.run(cmd, check=True, env=steady_env(), stdout=subprocess.DEVNULL,
+                       cwd=Path(__file__).resolve().parent.parent)
+        (result,) = json.loads(out.read_text())["models"]
+    return result
 
 
 def _machine() -> str:
@@ -545,9 +577,15 @@ def markdown(result: dict) -> str:
     """The replay section of docs/benchmarks.md: per model the A/A margin and the runtime's own
     cost, then ours against each baseline at its measured peak, then the notes."""
     reps, threads = result["reps"], result["threads"]
+    more = ", ".join(f"{m['label']}: {m['reps']}" for m in result["models"] if m.get("reps", reps) != reps)
     lines = ["## Replay: ours against one-line checkpointing, at the same measured peak", "",
-             f"Real CPU runs in one process: {result['machine']}; run {result['date']}; {threads} torch "
-             f"thread{'s' if threads != 1 else ''}; {reps} repetitions, interleaved (each repetition steps every "
+             "Real CPU runs, "
+             + ("each model in a fresh process of its own (in one process, a model measured after others ran "
+                "1-5% slower in the heap they left, and its plans' extra times drifted above their predictions): "
+                if result.get("isolated") else "in one process: ")
+             + f"{result['machine']}; run {result['date']}; {threads} torch "
+             f"thread{'s' if threads != 1 else ''}; {reps} repetitions{f' ({more})' if more else ''}, interleaved "
+             "(each repetition steps every "
              "method once, round-robin, starting one method later each time; the A/A copy of plain half a round "
              "away from it); every step time is the median "
              "of its repetitions. Each method is measured by `taichi_plan.replay.measure.MeasuredRun` (the "
@@ -628,18 +666,28 @@ def main() -> None:
     if malloc_settings() != "steady" and sys.platform.startswith("linux"):  # glibc reads them at start
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_replay", *sys.argv[1:]], steady_env())
     args = sys.argv[1:]
-    reps, json_path, models = REPS, None, []
+    reps, time_limit, threads, json_path, models, isolate = REPS, TIME_LIMIT, 1, None, [], True
     while args:
         a = args.pop(0)
         if a == "--reps":
             reps = int(args.pop(0))
+        elif a == "--time-limit":
+            time_limit = float(args.pop(0))
+        elif a == "--threads":
+            threads = int(args.pop(0)) or None
         elif a == "--json":
             json_path = Path(args.pop(0))
+        elif a == "--in-process":  # every model in this process (what each isolated model's process runs)
+            isolate = False
+        elif a == "--spec":  # a model given whole, as JSON: {"label": ..., and BenchModel's fields}
+            spec = json.loads(args.pop(0))
+            models.append((spec.pop("label"), BenchModel(**spec)))
         else:
             models.append(a)
     by_key = {v.model: k for k, v in MODELS.items()}
-    models = [by_key.get(m, m) for m in models] or list(MODELS)
-    result = run(models, reps, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
+    models = [by_key.get(m, m) if isinstance(m, str) else m for m in models] or list(MODELS)
+    result = run(models, reps, time_limit, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
+                 threads=threads, isolate=isolate)
     if json_path is not None:
         json_path.write_text(to_json(result))
     print(markdown(result))

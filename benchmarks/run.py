@@ -8,12 +8,10 @@ solver's proven lower bound. Nothing here is part of ``make test``.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import platform
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -168,14 +166,8 @@ def table(rows, with_parts=False):
 def replay_section() -> str:
     """Issue 8's benchmark (``bench_replay``): its markdown, and its raw numbers written to
     ``docs/bench_replay.json``."""
-    if bench_replay.malloc_settings() == "steady":
-        result = bench_replay.run(progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))
-    else:  # in a process of its own, glibc's malloc fixed from its start (bench_replay.STEADY_MALLOC)
-        with tempfile.TemporaryDirectory() as d:
-            out = Path(d) / "replay.json"
-            subprocess.run([sys.executable, "-m", "benchmarks.bench_replay", "--json", str(out)], check=True,
-                           env=bench_replay.steady_env(), stdout=subprocess.DEVNULL)
-            result = json.loads(out.read_text())
+    # each model in a fresh process, glibc's malloc steady there (bench_replay.STEADY_MALLOC)
+    result = bench_replay.run(progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True), isolate=True)
     write_text_atomic(REPLAY_JSON, bench_replay.to_json(result))
     return bench_replay.markdown(result)
 

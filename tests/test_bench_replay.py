@@ -134,3 +134,17 @@ def test_run_tiny():
     assert "A/A margin" in text and "2 repetitions, interleaved" in text and "1 torch thread;" in text
     raw = json.loads(br.to_json(result))
     assert raw["models"][0]["methods"]["plain"]["step_times_s"] == gpt2["methods"]["plain"]["step_times_s"]
+
+
+@pytest.mark.bench
+def test_run_isolated_tiny():
+    """``isolate=True`` runs each model in a fresh process (with glibc's malloc steady) and brings
+    back the same per-model numbers as a run in this process."""
+    result = br.run([("tiny mlp", br.BenchModel("mlp", TINY_MLP, "segments", None))], reps=2, time_limit=5,
+                    isolate=True)
+    assert result["isolated"] and result["malloc"] == "steady"
+    (mlp,) = result["models"]
+    assert mlp["label"] == "tiny mlp" and mlp["reps"] == 2
+    assert {"plain", "plain-again", "ours-no-drops"} <= set(mlp["methods"])
+    assert all(len(row["step_times_s"]) == 2 for row in mlp["methods"].values() if "step_times_s" in row)
+    assert "each model in a fresh process of its own" in br.markdown(result)
