@@ -6,7 +6,9 @@ call where the plan drops a tensor, the runtime's dispatch mode runs in the call
 regions (:mod:`taichi_plan.regions`: the module calls holding the ops that make, read or
 rebuild what it drops; the whole call where one of those is the model's own top-level code):
 each op there pays ``check_op_s``, and each op whose recipe a rebuild may need pays
-``recipe_op_s`` instead: :func:`runtime_overhead_s`, added to the plan's extra compute in its
+``recipe_op_s`` instead; each module call of such a model call pays ``module_call_s`` (the
+runtime's module hooks), and each region entered ``region_s`` (its mode and hooks on and off,
+the region's checks): :func:`runtime_overhead_s`, added to the plan's extra compute in its
 predicted extra time. Every other op, calls that only partition (their modules' wrappers and
 lazy logits do that), and everything outside the model pay nothing.
 
@@ -30,13 +32,14 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     None when the trace carries no measurement (imported graphs, older recordings). ``rerun``:
     the ops whose recipes are kept; ``reruns``: each op re-run in a rebuild, once per re-run;
     ``cal``: the rates (default: the trace's ``meta.runtime_overhead``); ``seen``: per model
-    call, the ops of its planned regions, or None for the whole call
+    call, the ops of its planned regions and how many there are, or None for the whole call
     (:func:`taichi_plan.regions.region_ops`; by default from the drops and ``rerun``, without
     the triggers of groups rebuilt early). The runtime runs its mode in a call's planned
     regions only: a call that drops nothing (its partitions run through their modules'
     wrappers, a head over tokens through its lazy logits) pays no per-op checking. A call
     that drops or partitions along the batch or the sequence pays ``module_call_s`` (trace
-    v15) per module call it makes, its module hooks (a head over tokens alone has none). Where the
+    v15) per module call it makes, its module hooks (a head over tokens alone has none), and
+    ``region_s`` (trace v18) per planned region it enters. Where the
     simulator charges what each re-run and each drop cost (``Problem.folds_runtime``: real
     recordings) they are not here; elsewhere (fake recordings) they are added here, after the
     solve."""
@@ -61,12 +64,13 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     if not planned:
         return 0.0
     calls = np.asarray(call)
-    checked = sum(int((calls == c).sum()) if k is None else int(k) for c, k in seen.items())
+    checked = sum(int((calls == c).sum()) if k is None else int(k.ops) for c, k in seen.items())
+    entered = sum(int(k.regions) for k in seen.values() if k is not None)
     recipes = sum(1 for i in rerun if 0 <= i < len(call) and int(call[i]) in seen)
     per_call = module_calls_per_call(problem.trace)
     hooked = sum(per_call.get(c, 0) for c in planned)
     out = (checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
-           + hooked * float(cal.get("module_call_s", 0.0) or 0.0))
+           + hooked * float(cal.get("module_call_s", 0.0) or 0.0) + entered * float(cal.get("region_s", 0.0) or 0.0))
     if not problem.folds_runtime:  # the re-runs at the runtime's rates, beyond their recorded time
         reruns = list(reruns)
         out += (rebuild_seconds(problem, reruns, cal) - float(problem.op_cost[reruns].sum())

@@ -211,10 +211,18 @@ def module_calls_per_call(trace) -> dict[int, int]:
     return out
 
 
-def region_ops(trace, needed, checkpointed=()) -> dict[int, int | None]:
-    """Per model call holding a needed op: how many of its ops run inside its planned regions
-    (None: the whole call)."""
-    return {c: None if rs is None else sum(r.last - r.first + 1 for r in rs)
+class RegionOps(NamedTuple):
+    """What the runtime runs in a model call's planned regions: their ops, and how many regions
+    it enters (each entry turns its mode and hooks on and off: ``region_s``)."""
+
+    ops: int
+    regions: int
+
+
+def region_ops(trace, needed, checkpointed=()) -> dict[int, RegionOps | None]:
+    """Per model call holding a needed op: its planned regions' ops and count (None: the whole
+    call)."""
+    return {c: None if rs is None else RegionOps(sum(r.last - r.first + 1 for r in rs), len(rs))
             for c, rs in planned_regions(trace, needed, checkpointed).items()}
 
 

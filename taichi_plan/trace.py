@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 17
+FORMAT_VERSION = 18
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
@@ -38,8 +38,10 @@ FORMAT_VERSION = 17
 # v15 adds the end of each module call to meta.module_args (where replay's planned regions end);
 # v16 adds meta.fsdp.units[].param_dtype/reduce_dtype (FSDP2's MixedPrecisionPolicy as it runs);
 # v17 lets meta.fsdp.units[].reshard_after_forward be an int (the ranks FSDP2 reshards to after
-# forward) and adds the kind post_forward_shard (the shards it keeps there)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)
+# forward) and adds the kind post_forward_shard (the shards it keeps there); v18 adds
+# meta.runtime_overhead.region_s (one planned region entered) and measures module_call_s on the
+# model's own call (replay/calibrate.py _hook_rates); older traces charge regions nothing
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 

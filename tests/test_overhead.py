@@ -111,10 +111,11 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2, monk
     reruns = [op for g in sim.groups.values() for op in g.ops]
     assert len(reruns) == sim.recompute_ops
 
-    def predicted(check, recipe, rebuild=0.0, ratio=None, drop=0.0, module=0.0) -> tuple[float, float]:
+    def predicted(check, recipe, rebuild=0.0, ratio=None, drop=0.0, module=0.0, region=0.0) -> tuple[float, float]:
         """(runtime overhead, simulated extra compute) of the plan's drops under these rates."""
         gpt2.meta["runtime_overhead"] = {"check_op_s": check, "recipe_op_s": recipe, "rebuild_op_s": rebuild,
-                                         "rebuild_time_ratio": ratio or {}, "drop_s": drop, "module_call_s": module}
+                                         "rebuild_time_ratio": ratio or {}, "drop_s": drop, "module_call_s": module,
+                                         "region_s": region}
         fresh = build_problem(gpt2)  # Problem.rerun_cost is computed once per problem
         seen = region_ops(gpt2, needed_ops(parted, drops, rerun, early_triggers(parted, sim)))
         return (runtime_overhead_s(fresh, drops, plan.partitions, rerun, seen=seen),
@@ -129,6 +130,9 @@ def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2, monk
                            for e in entries if calls[0]["start"] <= e[0] <= calls[0]["end"])
         assert module_calls > 0
         assert predicted(1e-6, 3e-6, module=5e-6)[0] - base == pytest.approx(module_calls * 5e-6)
+        # Trace v18: each planned region entered, once per region.
+        assert len(regions) > 0
+        assert predicted(1e-6, 3e-6, region=9e-6)[0] - base == pytest.approx(len(regions) * 9e-6)
         assert predicted(2e-6, 4e-6)[0] - base == pytest.approx(n_checked * 1e-6)  # recipe - check unchanged
         assert predicted(1e-6, 5e-6)[0] - base == pytest.approx(n_recipes * 2e-6)
         # Each re-run op's bookkeeping, once per re-run, in the simulator's cost (not the overhead).
@@ -571,6 +575,52 @@ def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
     rate = _drop_rate(probe, modelled + 0.01, rates)
     assert rate["drop_s"] * len(drops) == pytest.approx(0.01)
     assert _drop_rate(probe, modelled - 0.01, rates)["drop_s"] == 0
+
+
+def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
+    """Trace v18: ``module_call_s`` and ``region_s`` come from the drop probe's call run with the
+    module hooks alone and in its regions; what the own-clocked runtime counts there is every
+    module call of the model call and every planned region of the probe."""
+    from dataclasses import replace
+
+    from taichi_plan import replay
+    from taichi_plan.regions import module_calls_per_call
+    from taichi_plan.replay.calibrate import _drop_probe, _own_clocked
+
+    cal = gpt2.meta["runtime_overhead"]
+    assert cal["module_call_s"] > 0 and cal["region_s"] >= 0
+    call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
+    _problem, _drops, cp = _drop_probe(gpt2, call)
+    assert cp.regions and not cp.whole_call  # the probe runs in regions: kept measures their entries
+    model, batch, _loss_fn, _opt = get_workload(**GPT2).build(False)
+    counted = {}
+    for name, plan in (("hooks", replace(cp, drops={}, group_of={}, triggers={}, regions={}, probe=True)),
+                       ("kept", replace(cp, drops={}, group_of={}, probe=True))):
+        rt = _own_clocked()([plan])
+        handles = replay.install(model, rt)
+        try:
+            model(**batch)
+        finally:
+            for h in handles:
+                h.remove()
+        assert rt.mismatches == 0, name
+        counted[name] = (rt.hook_n, rt.regions_run, rt.hook_s)
+    n_modules = module_calls_per_call(gpt2)[0]
+    assert counted["hooks"][:2] == (n_modules, 0)
+    assert counted["kept"][:2] == (n_modules, sum(len(v) for v in cp.regions.values()))
+    assert counted["kept"][2] > 0
+
+
+def test_hook_rates():
+    from taichi_plan.replay.calibrate import _hook_rates
+
+    hooks = [(0, 0, 0, 0, 50 * 10e-6, 50, 0)] * 3
+    kept = [(0, 0, 0, 0, 50 * 10e-6 + 4 * 20e-6, 50, 4)] * 3
+    rates = _hook_rates({"hooks": hooks, "kept": kept})
+    assert rates["module_call_s"] == pytest.approx(10e-6) and rates["region_s"] == pytest.approx(20e-6)
+    assert _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 40 * 10e-6, 50, 4)]})["region_s"] == 0  # not below 0
+    assert _hook_rates({"kept": kept}) == {}  # no hooks-alone run: the microbenchmark's term stays
+    assert "region_s" not in _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 1.0, 50, 0)]})  # no region entered
 
 
 def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():
