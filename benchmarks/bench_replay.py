@@ -1,8 +1,9 @@
 """Measured memory and step time: taichi-plan's plans against one-line checkpointing (issue 8).
 
-``python -m benchmarks.bench_replay [MODEL ...] [--reps N] [--json PATH]`` prints a markdown
-section; ``run()`` returns the numbers. Everything is a real CPU run in one process, with one
-torch thread. Per model, these methods are each built once (same seed) and kept alive:
+``python -m benchmarks.bench_replay [MODEL ...] [--reps N] [--json PATH] [--in-process]`` prints
+a markdown section; ``run()`` returns the numbers. Everything is a real CPU run with one torch
+thread, each model in one process. Per model, these methods are each built once (same seed)
+and kept alive:
 
 * ``plain`` and ``plain-again``: no planning, two identical copies; their ratio is the A/A row,
   the noise margin of this run;
@@ -25,8 +26,10 @@ is the trace's op durations). Every method is measured by
 from the seed, one unplanned warm-up step, the plan installed, one step under the recorder
 (the measured peak) and one under MemTracker, then the timed steps. The timed steps are
 interleaved: each repetition runs one step of every method, round-robin, starting one method
-later each repetition (the A/A copy of plain half a round away from plain); the step time of a
-method is the median of its repetitions.
+later each repetition (the A/A copy of plain half a round away from plain), after
+:data:`WARMUP_ROUNDS` such rounds untimed; the step time of a method is the median of its
+repetitions. Each model runs in a fresh process of its own (``run(isolate=True)``, the command
+line's default).
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ from typing import NamedTuple
 
 SEED = 0
 REPS = 11
+# Untimed rounds before the timed ones, every method stepped once each, interleaved as they are:
+# a method's first steps after its peak measurements ran 10-46% over its median (plain's first
+# repetition, six models, two runs; ResNet-50's first two 1.46x and 1.19x), the process's heap and
+# caches still settling, and a paired extra of the first repetitions read that.
+WARMUP_ROUNDS = 2
 TIME_LIMIT = 45.0
 NO_DROP_TOLERANCE = 0.02  # issue 8: a plan with no drops within 2% of plain (or the A/A margin)
 EXTRA_REL_TOLERANCE, EXTRA_ABS_TOLERANCE_S = 0.20, 0.005  # predicted extra within 20% or 5 ms of measured
@@ -297,7 +305,7 @@ def solve_and_save(trace, budget: int, tmp: Path, tag: str, time_limit: float):
 
 
 def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float = TIME_LIMIT,
-              progress=None) -> dict:
+              progress=None, warmup: int = WARMUP_ROUNDS) -> dict:
     """Every method on one model, timed interleaved; see the module docstring."""
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import MeasuredRun
@@ -308,7 +316,8 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
     t_start = time.perf_counter()
     workload = without_kv_cache(get_workload(model=spec.model, **spec.sizes))
     baselines = baselines_for(spec)
-    out = {"label": label, "model": spec.model, "sizes": dict(spec.sizes), "reps": reps, "methods": {}}
+    out = {"label": label, "model": spec.model, "sizes": dict(spec.sizes), "reps": reps, "warmup_rounds": warmup,
+           "methods": {}}
     rows, runs = out["methods"], {}
 
     def start(name: str, wl, plan=None, trace=None, info: dict | None = None) -> None:
@@ -350,6 +359,10 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
         names = [n for n in runs if n != "plain-again"]  # the A/A copy half a round away from plain, so
         if "plain-again" in runs:  # that a burst of load on the machine does not hit both copies alike
             names.insert(len(names) // 2 + 1, "plain-again")
+        for r, order in enumerate(interleaved(names, warmup)):
+            say(f"{label}: warm-up round {r + 1}/{warmup}")
+            for name in order:
+                runs[name].one_step()
         for r, order in enumerate(interleaved(names, reps)):
             say(f"{label}: repetition {r + 1}/{reps}")
             for name in order:
@@ -470,11 +483,11 @@ def run(models=tuple(MODELS), reps: int = REPS, time_limit: float = TIME_LIMIT, 
     default: on a 2-core machine two OpenMP threads slow a step down by 10-100x whenever any
     other process takes a core, which swamps every ratio here.
 
-    ``isolate``: each model of :data:`MODELS` (a label) runs in a fresh Python process of its own
-    (:func:`_run_isolated`), as one training job runs. In one process, a model measured after
-    others runs in the heap they left: ViT's plain step took 143.7 ms there after GPT-2 and BERT,
-    135.7 ms in a process of its own, and its plans' extra times came out 1-5 ms above their
-    predictions there, 1-2 ms in a process of its own (docs/benchmarks.md)."""
+    ``isolate``: each model runs in a fresh Python process of its own (:func:`_run_isolated`), as
+    one training job runs, so that no model is measured in the heap and caches an earlier one
+    left. (This was tried as the cause of ViT's plans measuring 1-5 ms over their predictions in
+    a whole run, where ViT alone measured within 1-2 ms: isolated in a whole run, ViT's plain
+    step still took 145 ms against 136-137 alone, so the process was not the cause.)"""
     import torch
     import transformers  # noqa: F401  (import cost is nobody's)
 
@@ -580,14 +593,15 @@ def markdown(result: dict) -> str:
     more = ", ".join(f"{m['label']}: {m['reps']}" for m in result["models"] if m.get("reps", reps) != reps)
     lines = ["## Replay: ours against one-line checkpointing, at the same measured peak", "",
              "Real CPU runs, "
-             + ("each model in a fresh process of its own (in one process, a model measured after others ran "
-                "1-5% slower in the heap they left, and its plans' extra times drifted above their predictions): "
-                if result.get("isolated") else "in one process: ")
+             + ("each model in a fresh process of its own: " if result.get("isolated") else "in one process: ")
              + f"{result['machine']}; run {result['date']}; {threads} torch "
              f"thread{'s' if threads != 1 else ''}; {reps} repetitions{f' ({more})' if more else ''}, interleaved "
              "(each repetition steps every "
              "method once, round-robin, starting one method later each time; the A/A copy of plain half a round "
-             "away from it); every step time is the median "
+             "away from it"
+             + (f"; {result['models'][0]['warmup_rounds']} such rounds run untimed first"
+                if result["models"] and result["models"][0].get("warmup_rounds") else "")
+             + "); every step time is the median "
              "of its repetitions. Each method is measured by `taichi_plan.replay.measure.MeasuredRun` (the "
              "runner of `taichi-plan replay`): built from one seed, one unplanned warm-up step, its plan or "
              "checkpointing installed, one step under the recorder (the peak shown: every live storage, "

@@ -106,9 +106,37 @@ def test_extra_within():
 
 
 @pytest.mark.bench
-def test_run_tiny():
+def test_run_tiny(monkeypatch):
+    from taichi_plan.replay.measure import MeasuredRun
+
+    steps, timed, peak = {}, {}, {}  # per method: steps run once built, steps timed, steps measuring its peak
+    one_step, timed_step, measure_peak = MeasuredRun.one_step, MeasuredRun.timed_step, MeasuredRun.measure_peak
+
+    def counting_measure_peak(self, *args, **kwargs):
+        before = steps.get(self.what, 0)
+        try:
+            return measure_peak(self, *args, **kwargs)
+        finally:
+            peak[self.what] = peak.get(self.what, 0) + steps.get(self.what, 0) - before
+
+    def counting_one_step(self):
+        steps[self.what] = steps.get(self.what, 0) + 1
+        return one_step(self)
+
+    def counting_timed_step(self, *args, **kwargs):
+        timed[self.what] = timed.get(self.what, 0) + 1
+        return timed_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(MeasuredRun, "one_step", counting_one_step)
+    monkeypatch.setattr(MeasuredRun, "timed_step", counting_timed_step)
+    monkeypatch.setattr(MeasuredRun, "measure_peak", counting_measure_peak)
     result = br.run([("tiny gpt2", br.BenchModel("gpt2", TINY, None, "transformers")),
                      ("tiny mlp", br.BenchModel("mlp", TINY_MLP, "segments", None))], reps=2, time_limit=5)
+    # every method: its warm-up rounds untimed, then its timed repetitions (the peak steps before)
+    models = {what: timed[what] // 2 for what in timed}  # two repetitions in each model that has it
+    assert models["plain"] == 2 and models["hf-checkpointing"] == 1 and set(models.values()) == {1, 2}
+    untimed = {(steps[what] - timed[what] - peak[what]) / models[what] for what in timed}  # per model it runs in
+    assert untimed == {br.WARMUP_ROUNDS} and br.WARMUP_ROUNDS > 0
     assert result["reps"] == 2 and result["threads"] == 1 and len(result["models"]) == 2
     gpt2, mlp = result["models"]
     for r, baselines in ((gpt2, br.BASELINES), (mlp, br.BLOCK_BASELINES)):
@@ -132,6 +160,8 @@ def test_run_tiny():
     text = br.markdown(result)
     assert "| tiny gpt2 | hf-checkpointing |" in text and "| tiny mlp | sac-save-matmuls |" in text
     assert "A/A margin" in text and "2 repetitions, interleaved" in text and "1 torch thread;" in text
+    assert f"{br.WARMUP_ROUNDS} such rounds run untimed first" in text
+    assert all(m["warmup_rounds"] == br.WARMUP_ROUNDS for m in result["models"])
     raw = json.loads(br.to_json(result))
     assert raw["models"][0]["methods"]["plain"]["step_times_s"] == gpt2["methods"]["plain"]["step_times_s"]
 
