@@ -66,8 +66,9 @@ class BenchModel(NamedTuple):
     hf: str | None  # "transformers": its own checkpointing; "stages": checkpoint per stage; None: none
     # The least repetitions this model runs (None: the run's): a step whose time strays more needs
     # more of them for its paired extras to be as precise. ResNet-50's per-repetition extras
-    # stray by 3-25 ms (half their IQR) against 1-2 ms for the others; its median of 11 once read
-    # 20.5 ms for a plan predicted at 14.2, the next run 13.4 for 15.0.
+    # strayed by 7-29 ms (half their IQR) against 1-6 ms for the other models (2026-12-04, 11
+    # repetitions); its median of 11 once read 20.5 ms for a plan predicted at 14.2, the next
+    # run 13.4 for 15.0.
     reps: int | None = None
 
 

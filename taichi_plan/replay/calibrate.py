@@ -413,8 +413,9 @@ def _hook_rates(times: dict) -> dict:
     seconds beyond ``module_call_s`` per module call (entering a region turns the mode and
     saved-tensor hooks on, leaving it turns them off and checks the region's ops). Medians over
     the repetitions. On a 4-layer ViT the microbenchmark's 3.0 us per module call (modules that
-    run no op) read 5-7 us per call on the model, and its 24 regions cost 17 us each that the
-    overhead model had no term for: its planned forward measured 0.8 ms over its prediction.
+    run no op) read 4.6 us per call on the model, and each region 16-18 us, which the overhead
+    model had no term for: its plan's 24 regions, and its planned forward measured 0.8 ms over
+    its prediction.
     Nothing when the probe did not run (no drop probe) or its call has no module hooks."""
     hooks = [t[4] / t[5] for t in times.get("hooks", ()) if t[5]]
     if not hooks:
