@@ -27,18 +27,22 @@ import transformers as T
 
 V, H, L, NH, S, B = 512, 64, 2, 4, 128, 16
 
-def _lm(cfg, cls, batch=B, seq=S, **extra):
+def _workload(cls, cfg, data):
+    """A zoo workload: ``cls(cfg)`` built from seed 0, then ``data()`` (its draws after the
+    model's), the model's own loss, AdamW."""
     torch.manual_seed(0)
     model = cls(cfg)
-    ids = torch.randint(0, V, (batch, seq))
-    data = {"input_ids": ids, "labels": ids.clone(), **extra}
-    return model, data, (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return model, data(), (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+def _lm(cfg, cls, batch=B, seq=S, **extra):
+    def data():
+        ids = torch.randint(0, V, (batch, seq))
+        return {"input_ids": ids, "labels": ids.clone(), **extra}
+    return _workload(cls, cfg, data)
 
 def _cls_img(cfg, cls, size=32, batch=B, ch=3):
-    torch.manual_seed(0)
-    model = cls(cfg)
-    data = {"pixel_values": torch.randn(batch, ch, size, size), "labels": torch.randint(0, 10, (batch,))}
-    return model, data, (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _workload(cls, cfg, lambda: {"pixel_values": torch.randn(batch, ch, size, size),
+                                        "labels": torch.randint(0, 10, (batch,))})
 
 dec = dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_size=4 * H,
            max_position_embeddings=128)
@@ -58,8 +62,8 @@ def codegen(**_): return _lm(T.CodeGenConfig(vocab_size=V, n_embd=H, n_layer=L, 
                                               rotary_dim=8), T.CodeGenForCausalLM)
 def opt(**_): return _lm(T.OPTConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
                                       ffn_dim=4 * H, max_position_embeddings=128, word_embed_proj_dim=H), T.OPTForCausalLM)
-enc = dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_size=4 * H, max_position_embeddings=256,
-           )
+enc = dict(vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH, intermediate_size=4 * H,
+           max_position_embeddings=256)
 def roberta(**_): return _lm(T.RobertaConfig(**enc), T.RobertaForMaskedLM)
 def electra(**_): return _lm(T.ElectraConfig(**enc, embedding_size=H), T.ElectraForMaskedLM)
 def albert(**_): return _lm(T.AlbertConfig(**enc, embedding_size=32), T.AlbertForMaskedLM)
@@ -71,20 +75,14 @@ def mobilebert(**_): return _lm(T.MobileBertConfig(vocab_size=V, hidden_size=H, 
                                                    true_hidden_size=32, max_position_embeddings=128),
                                 T.MobileBertForMaskedLM)
 def t5(**_):
-    torch.manual_seed(0)
     cfg = T.T5Config(vocab_size=V, d_model=H, d_kv=16, d_ff=4 * H, num_layers=L, num_heads=NH, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
-    model = T.T5ForConditionalGeneration(cfg)
-    ids = torch.randint(0, V, (B, S))
-    data = {"input_ids": ids, "labels": torch.randint(0, V, (B, S // 2))}
-    return model, data, (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _workload(T.T5ForConditionalGeneration, cfg, lambda: {"input_ids": torch.randint(0, V, (B, S)),
+                                                                 "labels": torch.randint(0, V, (B, S // 2))})
 def bart(**_):
-    torch.manual_seed(0)
     cfg = T.BartConfig(vocab_size=V, d_model=H, encoder_layers=L, decoder_layers=L, encoder_attention_heads=NH,
                        decoder_attention_heads=NH, encoder_ffn_dim=4 * H, decoder_ffn_dim=4 * H, max_position_embeddings=128)
-    model = T.BartForConditionalGeneration(cfg)
-    ids = torch.randint(3, V, (B, S))
-    data = {"input_ids": ids, "labels": torch.randint(3, V, (B, S // 2))}
-    return model, data, (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _workload(T.BartForConditionalGeneration, cfg, lambda: {"input_ids": torch.randint(3, V, (B, S)),
+                                                                   "labels": torch.randint(3, V, (B, S // 2))})
 def convnext(**_): return _cls_img(T.ConvNextConfig(num_channels=3, hidden_sizes=[16, 32, 64, 128], depths=[1, 1, 2, 1],
                                                     num_labels=10), T.ConvNextForImageClassification)
 def mobilenet_v2(**_): return _cls_img(T.MobileNetV2Config(num_labels=10, image_size=32, depth_multiplier=0.35),
@@ -98,30 +96,24 @@ def beit(**_): return _cls_img(T.BeitConfig(hidden_size=H, num_hidden_layers=L, 
                                             intermediate_size=4 * H, image_size=32, patch_size=4, num_labels=10,
                                             drop_path_rate=0.1, use_relative_position_bias=True), T.BeitForImageClassification)
 def segformer(**_):
-    torch.manual_seed(0)
     cfg = T.SegformerConfig(num_labels=5, hidden_sizes=[16, 32, 48, 64], depths=[1, 1, 1, 1], decoder_hidden_size=32,
                             num_attention_heads=[1, 2, 2, 4], drop_path_rate=0.1)
-    model = T.SegformerForSemanticSegmentation(cfg)
-    data = {"pixel_values": torch.randn(B, 3, 64, 64), "labels": torch.randint(0, 5, (B, 64, 64))}
-    return model, data, (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _workload(T.SegformerForSemanticSegmentation, cfg, lambda: {"pixel_values": torch.randn(B, 3, 64, 64),
+                                                                       "labels": torch.randint(0, 5, (B, 64, 64))})
 def wav2vec2(**_):
-    torch.manual_seed(0)
     cfg = T.Wav2Vec2Config(vocab_size=32, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH,
                            intermediate_size=4 * H, conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3),
                            num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, layerdrop=0.0,
                            mask_time_prob=0.0)
-    model = T.Wav2Vec2ForCTC(cfg)
-    data = {"input_values": torch.randn(4, 4000), "labels": torch.randint(1, 32, (4, 10))}
-    return model, data, (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _workload(T.Wav2Vec2ForCTC, cfg, lambda: {"input_values": torch.randn(4, 4000),
+                                                     "labels": torch.randint(1, 32, (4, 10))})
 def whisper(**_):
-    torch.manual_seed(0)
     cfg = T.WhisperConfig(vocab_size=V, d_model=H, encoder_layers=L, decoder_layers=L, encoder_attention_heads=NH,
                           decoder_attention_heads=NH, encoder_ffn_dim=4 * H, decoder_ffn_dim=4 * H, num_mel_bins=16,
                           max_source_positions=50, max_target_positions=64,
                           pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
-    model = T.WhisperForConditionalGeneration(cfg)
-    data = {"input_features": torch.randn(B, 16, 100), "labels": torch.randint(0, V, (B, 16))}
-    return model, data, (lambda out, b: out.loss), torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return _workload(T.WhisperForConditionalGeneration, cfg, lambda: {"input_features": torch.randn(B, 16, 100),
+                                                                      "labels": torch.randint(0, V, (B, 16))})
 def mixtral(**_): return _lm(T.MixtralConfig(**dec, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
                              T.MixtralForCausalLM)
 def mamba(**_): return _lm(T.MambaConfig(vocab_size=V, hidden_size=H, num_hidden_layers=L, state_size=8), T.MambaForCausalLM)
@@ -135,6 +127,10 @@ ARCHS = [n for n, f in list(globals().items()) if callable(f) and getattr(f, "__
 FRACTIONS = (0.5, 0.3)
 LOOPED = ("gpt_neox", "qwen2", "t5", "bart", "funnel", "xlnet")  # also 2 micro-batches under bf16 autocast
 TIME_LIMIT = 20.0
+
+
+def _loop_name(loop) -> str:
+    return "2 micro-batches, bf16 autocast" if loop else "plain"
 
 
 def one(arch: str, fraction: float, d: Path, loop=None) -> dict:
@@ -153,7 +149,7 @@ def one(arch: str, fraction: float, d: Path, loop=None) -> dict:
                                     calibrate=False), tdir, force=True)
     trace = read_trace(tdir)
     peak = int(baseline_peak(trace)[0])
-    row = {"arch": arch, "loop": "2 micro-batches, bf16 autocast" if loop else "plain", "fraction": fraction,
+    row = {"arch": arch, "loop": _loop_name(loop), "fraction": fraction,
            "ops": trace.num_ops, "peak_bytes": peak}
     t0 = time.perf_counter()
     try:
@@ -198,7 +194,7 @@ def run(archs=None, fractions=FRACTIONS, looped=LOOPED, progress=lambda msg: Non
                 try:
                     rows.append(one(a, f, d, loop))
                 except Exception as e:  # noqa: BLE001  (one architecture failing must not lose the others)
-                    rows.append({"arch": a, "loop": "2 micro-batches, bf16 autocast" if loop else "plain",
+                    rows.append({"arch": a, "loop": _loop_name(loop),
                                  "fraction": f, "error": f"{type(e).__name__}: {str(e)[:300]}"})
     finally:
         torch.set_num_threads(old)
