@@ -633,3 +633,29 @@ def test_a_second_micro_batch_runs_its_own_plan_when_a_parameter_gets_no_gradien
     assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"]
     assert planned["recompute_ops"] == plan.predicted["recompute_ops"] > 0
     assert all(a is b is None or a.equal(b) for a, b in zip(planned["grads"], plain["grads"], strict=True))
+
+
+def test_a_second_micro_batch_is_refused_when_the_first_parameter_gets_no_gradient():
+    """The guard for a loop the plan was not made for reads the gradients as the recorder does
+    (any gradient alive when the call starts), not the first parameter's: XLNet's first
+    (``mask_emb``) never gets one, and a second micro-batch on a plan of one then ran with the
+    first batch's gradients alive beyond its prediction, with nothing said."""
+    from taichi_plan.record import record_workload
+
+    wl = get_workload(entry="tiny_models:xlnet", batch=4, seq=32)
+    trace = record_workload(wl, fake=False, calibrate=False)
+    p = build_problem(trace)
+    biggest = sorted(range(len(p.candidates)), key=lambda k: -int(p.nbytes[int(p.candidates[k])]))[:4]
+    drops = [Drop(int(p.candidates[k]), int(p.cand_free_after[k]), int(p.cand_remat_before[k])) for k in biggest]
+    plan = make_plan(p, None, "manual", Decisions(drops=drops), 0.0, 0)
+    model, batch, loss_fn, opt = wl.build(False)
+    model = taichi_plan.apply(model, plan, optimizer=opt, trace=trace)
+    try:
+        opt.zero_grad()
+        loss_fn(model(**batch), batch).backward()
+        first = next(q for q in model.parameters() if q.requires_grad)
+        assert first.grad is None and any(q.grad is not None for q in model.parameters())
+        with pytest.raises(MismatchError, match="gradients alive"):
+            model(**batch)
+    finally:
+        taichi_plan.finish(model)

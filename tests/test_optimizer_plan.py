@@ -298,9 +298,18 @@ def test_accumulating_with_a_plan_that_steps_in_backward_raises_instead_of_stepp
     loss_fn(model(batch), batch).backward()
     with pytest.raises(MismatchError, match="second backward"):
         loss_fn(model(batch), batch).backward()
+    # The refused backward leaves no partial gradient (its first parameter's) for the next to add to.
+    assert all(p.grad is None for p in model.parameters())
     opt.step()  # a step boundary: the next backward updates again
     loss_fn(model(batch), batch).backward()
     taichi_plan.finish(model)
+    ref, ref_batch, ref_loss_fn, ref_opt, _ = _build(MLP, foreach=False)  # the same two steps, nothing refused
+    taichi_plan.apply(ref, plan, optimizer=ref_opt)
+    ref_loss_fn(ref(ref_batch), ref_batch).backward()
+    ref_opt.step()
+    ref_loss_fn(ref(ref_batch), ref_batch).backward()
+    taichi_plan.finish(ref)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters(), strict=True))
 
 
 def test_a_grad_scaler_or_unrecorded_clipping_with_a_plan_that_steps_in_backward_raises(mlp):

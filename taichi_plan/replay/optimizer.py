@@ -68,6 +68,9 @@ def step_in_backward(optimizer) -> list:
             if p.grad is None:
                 return
             if id(p) in stepped:
+                # Stepped already, so its gradient was freed: what it holds is this refused backward's
+                # alone. Left behind, the next backward would add to it and step with both.
+                p.grad = None
                 raise MismatchError(
                     "A second backward ran before optimizer.step() (gradient accumulation, or another loss), but "
                     "this plan steps the optimizer in backward: each parameter is updated as soon as its gradient "

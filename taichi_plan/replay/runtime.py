@@ -383,24 +383,25 @@ def _graph_ref(out, depth: int = 3):
     return weakref.ref(mark) if found else None
 
 
-def _grads_cleared(model, sentinel: list) -> bool:
-    """Has ``zero_grad(set_to_none=True)`` run: does the model have trainable parameters and
-    none of them a gradient? ``sentinel`` ([weakref or None]) holds the parameter last seen with
-    a gradient, checked first, so a step with gradients costs one look; the full scan runs when
-    it has none. Not the first parameter alone: one the forward never uses (XLNet's
-    ``mask_emb``) has no gradient in the middle of a step either, and a second micro-batch then
-    looked like a new step and ran the first one's plan (1.4% over budget, silently)."""
+def _grads_alive(model, sentinel: list) -> bool | None:
+    """Does a trainable parameter of ``model`` hold a gradient (None: none is trainable)? Any
+    of them, as the recorder reads ``grads_alive`` off the trace (a gradient alive when the call
+    starts), not the first alone: one the forward never uses (XLNet's ``mask_emb``) has no
+    gradient in the middle of a step either, and a second micro-batch then looked like a new
+    step and ran the first one's plan (1.4% over budget, silently). ``sentinel`` ([weakref or
+    None]) holds the parameter last seen with a gradient, checked first, so a call with
+    gradients costs one look; the full scan runs when it has none (``zero_grad``)."""
     p = sentinel[0]() if sentinel[0] is not None else None
     if p is not None and p.grad is not None:
-        return False
+        return True
     trainable = False
     for p in model.parameters():
         if p.requires_grad:
             trainable = True
             if p.grad is not None:
                 sentinel[0] = weakref.ref(p)
-                return False
-    return trainable
+                return True
+    return False if trainable else None
 
 
 class _Trigger:
@@ -452,7 +453,7 @@ class PlanRuntime(TorchDispatchMode):
         self.warmup = warmup  # unrecorded warm-up steps before the recorded one (trace meta.warmup_steps)
         self.counted_now = False  # whether the call begun last is one of the step's (begin_call)
         self._graphs: list = []  # per call of this step: a weak reference into its autograd graph (after_call)
-        self._grad_sentinel: list = [None]  # a parameter last seen with a gradient (_grads_cleared)
+        self._grad_sentinel: list = [None]  # a parameter last seen with a gradient (_grads_alive)
         self._params = None  # (the model, weakly; [(parameter, bytes)]): _trainable
         self._frame: Frame | None = None
         self._stack: list = []  # (frame, hooks context) of the calls running now
@@ -495,7 +496,8 @@ class PlanRuntime(TorchDispatchMode):
         if self._index >= n > self.step_at:  # the recorded step's calls after its optimizer.step() are done
             self._index = 0
         pos = self._index % n
-        if self._index and _grads_cleared(model, self._grad_sentinel) and (
+        alive = _grads_alive(model, self._grad_sentinel)
+        if self._index and alive is False and (
                 self.calls[pos].grads_alive or all((m := g()) is None or m.fired for g in self._graphs)):
             # The gradients were cleared where the recorded call at this point started with
             # them alive, or after every earlier call of this step ran its backward or let go
@@ -508,7 +510,7 @@ class PlanRuntime(TorchDispatchMode):
             return False
         self._index += 1
         self.counted_now = True
-        problem, smaller = self._check_inputs(call, model, args, kwargs)
+        problem, smaller = self._check_inputs(call, model, args, kwargs, alive)
         if problem is not None:
             if self.on_mismatch == "raise":  # the call raises: it does not run, so it is not one of the step's
                 self._index -= 1
@@ -663,9 +665,10 @@ class PlanRuntime(TorchDispatchMode):
         mb = self.loop.get("micro_batches", 1)
         return f"recorded with {mb} micro-batch{'es' if mb != 1 else ''} per step"
 
-    def _check_inputs(self, call: CallPlan, model, args, kwargs) -> tuple[str | None, bool]:
+    def _check_inputs(self, call: CallPlan, model, args, kwargs, alive: bool | None) -> tuple[str | None, bool]:
         """(why this call cannot run the plan or None, whether its inputs are smaller than the
-        recorded ones: :func:`no_larger`)."""
+        recorded ones: :func:`no_larger`); ``alive``: whether the model holds gradients
+        (:func:`_grads_alive`)."""
         from ..record.recorder import input_signature
 
         got = input_signature(args, kwargs)
@@ -701,8 +704,6 @@ class PlanRuntime(TorchDispatchMode):
                         "optimizer state differ from what the plan counted: record the model as it trains now and "
                         "solve again, or apply the plan with on_mismatch='warn' to run such calls unplanned."), False
         if call.grads_alive is not None:
-            p = next((p for p in model.parameters() if p.requires_grad), None)
-            alive = p is not None and p.grad is not None
             if alive and not call.grads_alive:  # (freed where the trace had them only saves memory)
                 return ("The model was called with gradients alive, but in the plan's trace "
                         f"({self._loop_words()}) call {call.index} started with none. The gradients' memory is not "
