@@ -68,7 +68,9 @@ class BenchModel(NamedTuple):
     # more of them for its paired extras to be as precise. ResNet-50's per-repetition extras
     # strayed by 7-29 ms (half their IQR) against 1-6 ms for the other models (2026-12-04, 11
     # repetitions); its median of 11 once read 20.5 ms for a plan predicted at 14.2, the next
-    # run 13.4 for 15.0.
+    # run 13.4 for 15.0. At 25 repetitions (2026-12-05) its no-drop plan, which installs nothing,
+    # still read -5.6 ±9.9 ms, more than the 5 ms the prediction line asks of the others; at 61,
+    # -0.9 ±6.9 (its per-repetition spread, 7-10 ms, is about 2% of its 0.5 s step).
     reps: int | None = None
 
 
@@ -81,7 +83,7 @@ MODELS = {
                                                "batch": 8}, None, "transformers"),
     "Llama 4L h256 b4 s128": BenchModel("llama", {"layers": 4, "hidden": 256, "heads": 4, "vocab": 8192,
                                                   "seq": 128, "batch": 4}, None, "transformers"),
-    "ResNet-50 b8 96px": BenchModel("resnet50", {"batch": 8, "image_size": 96}, "layers", "stages", reps=25),
+    "ResNet-50 b8 96px": BenchModel("resnet50", {"batch": 8, "image_size": 96}, "layers", "stages", reps=61),
     "mlp b2048 h512 4L": BenchModel("mlp", {"batch": 2048, "hidden": 512, "layers": 4}, "segments", None),
 }
 BLOCK_BASELINES = ("ckpt-every-block", "sac-save-matmuls")
@@ -677,6 +679,17 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+USAGE = """usage: python -m benchmarks.bench_replay [MODEL ...] [--reps N] [--time-limit S] [--threads N]
+                                     [--json FILE] [--in-process] [--spec JSON]
+  MODEL         a model key (""" + ", ".join(v.model for v in MODELS.values()) + """) or label; default: all
+  --reps N      timed repetitions per method (default """ + str(REPS) + """; a model's own minimum may be higher)
+  --time-limit  the solver's seconds per plan (default """ + str(TIME_LIMIT) + """)
+  --threads N   torch threads (default 1; 0: torch's default)
+  --json FILE   write the whole result (every repetition's step time) to FILE
+  --in-process  run every model in this process instead of a fresh process each
+  --spec JSON   a model given whole: {"label": ..., and BenchModel's fields}"""
+
+
 def main() -> None:
     if malloc_settings() != "steady" and sys.platform.startswith("linux"):  # glibc reads them at start
         os.execve(sys.executable, [sys.executable, "-m", "benchmarks.bench_replay", *sys.argv[1:]], steady_env())
@@ -697,10 +710,17 @@ def main() -> None:
         elif a == "--spec":  # a model given whole, as JSON: {"label": ..., and BenchModel's fields}
             spec = json.loads(args.pop(0))
             models.append((spec.pop("label"), BenchModel(**spec)))
+        elif a in ("-h", "--help"):
+            print(USAGE)
+            return
         else:
             models.append(a)
     by_key = {v.model: k for k, v in MODELS.items()}
     models = [by_key.get(m, m) if isinstance(m, str) else m for m in models] or list(MODELS)
+    unknown = [m for m in models if isinstance(m, str) and m not in MODELS]
+    if unknown:
+        raise SystemExit(f"bench_replay: no benchmark model {', '.join(map(repr, unknown))}. Name one of "
+                         f"{', '.join(sorted(by_key))} (or its label), or give one whole with --spec JSON.\n\n{USAGE}")
     result = run(models, reps, time_limit, progress=lambda msg: print(f"  {msg}", file=sys.stderr, flush=True),
                  threads=threads, isolate=isolate)
     if json_path is not None:

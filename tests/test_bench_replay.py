@@ -178,3 +178,17 @@ def test_run_isolated_tiny():
     assert {"plain", "plain-again", "ours-no-drops"} <= set(mlp["methods"])
     assert all(len(row["step_times_s"]) == 2 for row in mlp["methods"].values() if "step_times_s" in row)
     assert "each model in a fresh process of its own" in br.markdown(result)
+
+
+def test_command_line_help_and_an_unknown_model(capsys, monkeypatch):
+    """``--help`` prints the usage; a model the benchmark does not have is said in a sentence
+    naming the ones it has (no KeyError traceback), before anything runs."""
+    monkeypatch.setattr(br, "malloc_settings", lambda: "steady")  # no re-exec with steady malloc
+    monkeypatch.setattr(br.sys, "argv", ["bench_replay", "--help"])
+    br.main()
+    assert "usage: python -m benchmarks.bench_replay" in capsys.readouterr().out
+    monkeypatch.setattr(br.sys, "argv", ["bench_replay", "gpt2", "no-such-model"])
+    monkeypatch.setattr(br, "run", lambda *a, **k: pytest.fail("ran with an unknown model"))
+    with pytest.raises(SystemExit) as e:
+        br.main()
+    assert "no benchmark model 'no-such-model'" in str(e.value) and "resnet50" in str(e.value)
