@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 18
+FORMAT_VERSION = 19
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
@@ -41,7 +41,9 @@ FORMAT_VERSION = 18
 # forward) and adds the kind post_forward_shard (the shards it keeps there); v18 adds
 # meta.runtime_overhead.region_s (one planned region entered) and measures module_call_s on the
 # model's own call (replay/calibrate.py _hook_rates); older traces charge regions nothing
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18)
+# v19 adds to region_s what a region costs the forward beyond the runtime's own seconds
+# (replay/calibrate.py _region_outside; region_own_s, region_outside_s, region_probe)
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 

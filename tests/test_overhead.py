@@ -589,6 +589,10 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
 
     cal = gpt2.meta["runtime_overhead"]
     assert cal["module_call_s"] > 0 and cal["region_s"] >= 0
+    # v19: the regions' cost beyond the own seconds, measured on the same probe against the call plain
+    assert cal["region_s"] == pytest.approx(cal["region_own_s"] + cal["region_outside_s"]) and cal["region_outside_s"] >= 0
+    assert cal["region_probe"]["regions"] == sum(len(v) for v in _drop_probe(gpt2, [c for c in gpt2.meta["model_calls"]
+                                                                                   if c["grad"]][0])[2].regions.values())
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
     _problem, _drops, cp = _drop_probe(gpt2, call)
     assert cp.regions and not cp.whole_call  # the probe runs in regions: kept measures their entries
@@ -621,6 +625,26 @@ def test_hook_rates():
     assert _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 40 * 10e-6, 50, 4)]})["region_s"] == 0  # not below 0
     assert _hook_rates({"kept": kept}) == {}  # no hooks-alone run: the microbenchmark's term stays
     assert "region_s" not in _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 1.0, 50, 0)]})  # no region entered
+
+
+def test_region_outside():
+    """Trace v19: what the regions cost the forward beyond the runtime's own seconds, per region
+    entered (the unclocked run against plain, forward seconds paired per repetition, minus the
+    clocked run's handler and hook seconds), added to ``region_s``; not below 0; nothing
+    without the runs or without a region term."""
+    from taichi_plan.replay.calibrate import _region_outside
+
+    kept = [(0, 0, 3e-3, 0, 1e-3, 50, 10)] * 3  # own: 3 ms in the handler, 1 ms in the hooks
+    plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3)]
+    whole = [(0.1045, 0.3), (0.1055, 0.3), (0.1070, 0.3)]  # 4.5, 4.5 and 5.0 ms over plain
+    out = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {"region_s": 20e-6})
+    assert out["region_outside_s"] == pytest.approx(50e-6)  # (4.5 - 4) ms over 10 regions
+    assert out["region_s"] == pytest.approx(70e-6) and out["region_own_s"] == 20e-6
+    assert out["region_probe"]["regions"] == 10
+    under = [(0.1030, 0.3)] * 3  # the whole run below the own seconds (noise): nothing added
+    assert _region_outside({"kept": kept, "kept_whole": under, "plain": plain}, {"region_s": 20e-6})["region_s"] == 20e-6
+    assert _region_outside({"kept": kept, "plain": plain}, {"region_s": 20e-6}) == {}
+    assert _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {}) == {}
 
 
 def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():
