@@ -39,7 +39,8 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     wrappers, a head over tokens through its lazy logits) pays no per-op checking. A call
     that drops or partitions along the batch or the sequence pays ``module_call_s`` (trace
     v15) per module call it makes, its module hooks (a head over tokens alone has none), and
-    ``region_s`` (trace v18) per planned region it enters. Where the
+    ``region_s`` (trace v18) per planned region it enters, and ``region_op_s`` (trace v19) per
+    op of its planned regions (what they cost beyond the runtime's own seconds). Where the
     simulator charges what each re-run and each drop cost (``Problem.folds_runtime``: real
     recordings) they are not here; elsewhere (fake recordings) they are added here, after the
     solve."""
@@ -66,11 +67,13 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     calls = np.asarray(call)
     checked = sum(int((calls == c).sum()) if k is None else int(k.ops) for c, k in seen.items())
     entered = sum(int(k.regions) for k in seen.values() if k is not None)
+    in_regions = sum(int(k.ops) for k in seen.values() if k is not None)
     recipes = sum(1 for i in rerun if 0 <= i < len(call) and int(call[i]) in seen)
     per_call = module_calls_per_call(problem.trace)
     hooked = sum(per_call.get(c, 0) for c in planned)
     out = (checked * cal["check_op_s"] + recipes * max(cal["recipe_op_s"] - cal["check_op_s"], 0.0)
-           + hooked * float(cal.get("module_call_s", 0.0) or 0.0) + entered * float(cal.get("region_s", 0.0) or 0.0))
+           + hooked * float(cal.get("module_call_s", 0.0) or 0.0) + entered * float(cal.get("region_s", 0.0) or 0.0)
+           + in_regions * float(cal.get("region_op_s", 0.0) or 0.0))
     if not problem.folds_runtime:  # the re-runs at the runtime's rates, beyond their recorded time
         reruns = list(reruns)
         out += (rebuild_seconds(problem, reruns, cal) - float(problem.op_cost[reruns].sum())

@@ -41,8 +41,8 @@ FORMAT_VERSION = 19
 # forward) and adds the kind post_forward_shard (the shards it keeps there); v18 adds
 # meta.runtime_overhead.region_s (one planned region entered) and measures module_call_s on the
 # model's own call (replay/calibrate.py _hook_rates); older traces charge regions nothing
-# v19 adds to region_s what a region costs the forward beyond the runtime's own seconds
-# (replay/calibrate.py _region_outside; region_own_s, region_outside_s, region_probe)
+# v19 adds meta.runtime_overhead.region_op_s, per op of a planned region what the regions cost
+# the forward beyond the runtime's own seconds (replay/calibrate.py _region_outside)
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19)
 PHASES = ("forward", "backward", "optimizer", "other")
 

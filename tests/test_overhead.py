@@ -590,9 +590,9 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
     cal = gpt2.meta["runtime_overhead"]
     assert cal["module_call_s"] > 0 and cal["region_s"] >= 0
     # v19: the regions' cost beyond the own seconds, measured on the same probe against the call plain
-    assert cal["region_s"] == pytest.approx(cal["region_own_s"] + cal["region_outside_s"]) and cal["region_outside_s"] >= 0
-    assert cal["region_probe"]["regions"] == sum(len(v) for v in _drop_probe(gpt2, [c for c in gpt2.meta["model_calls"]
-                                                                                   if c["grad"]][0])[2].regions.values())
+    regions = _drop_probe(gpt2, [c for c in gpt2.meta["model_calls"] if c["grad"]][0])[2].regions
+    assert cal["region_op_s"] >= 0 and cal["region_probe"]["ops"] == sum(
+        last - first + 1 for spans in regions.values() for first, last in spans.values())
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
     _problem, _drops, cp = _drop_probe(gpt2, call)
     assert cp.regions and not cp.whole_call  # the probe runs in regions: kept measures their entries
@@ -628,23 +628,38 @@ def test_hook_rates():
 
 
 def test_region_outside():
-    """Trace v19: what the regions cost the forward beyond the runtime's own seconds, per region
-    entered (the unclocked run against plain, forward seconds paired per repetition, minus the
-    clocked run's handler and hook seconds), added to ``region_s``; not below 0; nothing
-    without the runs or without a region term."""
+    """Trace v19: what the regions cost the forward beyond the runtime's own seconds, per op of
+    the probe's regions (the unclocked run against plain, forward seconds paired per repetition,
+    minus the clocked run's handler and hook seconds); not below 0; nothing without the runs."""
     from taichi_plan.replay.calibrate import _region_outside
 
     kept = [(0, 0, 3e-3, 0, 1e-3, 50, 10)] * 3  # own: 3 ms in the handler, 1 ms in the hooks
     plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3)]
     whole = [(0.1045, 0.3), (0.1055, 0.3), (0.1070, 0.3)]  # 4.5, 4.5 and 5.0 ms over plain
-    out = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {"region_s": 20e-6})
-    assert out["region_outside_s"] == pytest.approx(50e-6)  # (4.5 - 4) ms over 10 regions
-    assert out["region_s"] == pytest.approx(70e-6) and out["region_own_s"] == 20e-6
-    assert out["region_probe"]["regions"] == 10
+    out = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {}, 100)
+    assert out["region_op_s"] == pytest.approx(5e-6)  # (4.5 - 4) ms over 100 ops
+    assert out["region_probe"]["ops"] == 100 and out["region_probe"]["regions"] == 10
     under = [(0.1030, 0.3)] * 3  # the whole run below the own seconds (noise): nothing added
-    assert _region_outside({"kept": kept, "kept_whole": under, "plain": plain}, {"region_s": 20e-6})["region_s"] == 20e-6
-    assert _region_outside({"kept": kept, "plain": plain}, {"region_s": 20e-6}) == {}
-    assert _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {}) == {}
+    assert _region_outside({"kept": kept, "kept_whole": under, "plain": plain}, {}, 100)["region_op_s"] == 0
+    assert _region_outside({"kept": kept, "plain": plain}, {}, 100) == {}
+    assert _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {}, 0) == {}
+
+
+def test_region_ops_are_charged_per_op_in_regions(gpt2):
+    """The overhead is exactly ``region_op_s`` per op of the plan's planned regions more."""
+    p = build_problem(gpt2)
+    plan = solve(gpt2, int(0.8 * p.baseline_peak[0]), "heuristic", seed=0)
+    drops = drops_from_plan(p, plan)
+    sim, parted = simulate_plan(p, drops, [])
+    rerun = rerun_ops(parted, drops)
+
+    seen = region_ops(gpt2, needed_ops(parted, drops, rerun))
+    ops = sum(k.ops for k in seen.values() if k is not None)
+    assert ops > 0
+    cal = dict(gpt2.meta["runtime_overhead"], region_op_s=0.0)
+    more = dict(cal, region_op_s=7e-6)
+    assert runtime_overhead_s(p, drops, [], rerun, cal=more, seen=seen) - runtime_overhead_s(
+        p, drops, [], rerun, cal=cal, seen=seen) == pytest.approx(ops * 7e-6)
 
 
 def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():

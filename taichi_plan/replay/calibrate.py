@@ -240,7 +240,9 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         out["rebuild_op_s"] = statistics.median(rebuilds)
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s)
     out.update(_hook_rates(times))
-    out.update(_region_outside(times, out))
+    if drop_probe is not None:
+        out.update(_region_outside(times, out, sum(last - first + 1 for spans in drop_probe[2].regions.values()
+                                                    for first, last in spans.values())))
     out = floored(out, trace.meta.get("runtime_overhead") or {})
     if drop_probe is not None and "rebuild_op_s" in out:
         out.update(_drop_rate(drop_probe, statistics.median(
@@ -434,30 +436,30 @@ def _hook_rates(times: dict) -> dict:
     return out
 
 
-def _region_outside(times: dict, rates: dict) -> dict:
-    """``region_s`` (trace v19) raised by what the planned regions cost the forward beyond the
-    runtime's own seconds: the drop probe's call run in its regions with nothing dropped,
-    unclocked (``kept_whole``), against the same call run plain (``plain``), forward seconds,
-    paired per repetition; minus the own seconds of the same call clocked (``kept``: its
-    handler, pack hook and module hooks, kernels out); per region entered; medians over the
-    repetitions, not below 0. The own clocks start inside the runtime's Python: they miss the
-    crossing into it and back, the module calls' slow path once global hooks are on, and what
-    its Python between kernels costs the kernels. Over a call checked whole these came to
-    0-6.5 us per op (the whole forward against the own seconds: ViT 25-30 us per op either way),
-    but a 4-layer ViT's plan of 6 drops in 12-16 regions ran its forward 3.5-3.7 ms slower
-    than plain where its own seconds came to 1.8-2.1 ms. ``region_own_s`` keeps the own part,
-    ``region_probe`` what it was measured on. Nothing without those runs."""
+def _region_outside(times: dict, rates: dict, ops: int) -> dict:
+    """``region_op_s`` (trace v19): per op the runtime runs in a planned region, what the
+    regions cost the forward beyond the runtime's own seconds. The drop probe's call run in its
+    regions with nothing dropped, unclocked (``kept_whole``), against the same call run plain
+    (``plain``), forward seconds paired per repetition; minus the own seconds of the same call
+    clocked (``kept``: its handler, pack hook and module hooks, kernels out); divided by the
+    ops of the probe's regions (``ops``: counted ops, as the overhead model counts them);
+    medians over the repetitions, not below 0. The own clocks start inside the runtime's
+    Python: they miss the crossing into it and back, the module calls' slow path once global
+    hooks are on, and what its Python between kernels costs the kernels. Over a call checked
+    whole these came to 0-6.5 us per op (the whole forward against the own seconds: ViT 25-30
+    us per op either way), but a 4-layer ViT's plan of 6 drops in 12-16 regions ran its
+    forward 3.5-3.7 ms slower than plain where its own seconds came to 1.8-2.1 ms. Per op, not
+    per region: a probe whose drops make one region of most of the call (a 4-layer GPT-2's)
+    put 1.1-3.8 ms on that one region. ``region_probe`` keeps what it was measured on.
+    Nothing without those runs or without ops in regions."""
     kept, whole, plain = times.get("kept", ()), times.get("kept_whole", ()), times.get("plain", ())
-    if not (kept and whole and plain) or "region_s" not in rates:
-        return {}
-    regions = statistics.median(t[6] for t in kept)
-    if not regions:
+    if not (kept and whole and plain) or ops <= 0:
         return {}
     whole_s = statistics.median(w[0] - p[0] for w, p in zip(whole, plain, strict=True))
     own_s = statistics.median(t[2] + t[4] for t in kept)
-    outside = max((whole_s - own_s) / regions, 0.0)
-    return {"region_s": rates["region_s"] + outside, "region_own_s": rates["region_s"], "region_outside_s": outside,
-            "region_probe": {"whole_s": whole_s, "own_s": own_s, "regions": regions}}
+    return {"region_op_s": max((whole_s - own_s) / ops, 0.0),
+            "region_probe": {"whole_s": whole_s, "own_s": own_s, "ops": ops,
+                             "regions": statistics.median(t[6] for t in kept)}}
 
 
 def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
