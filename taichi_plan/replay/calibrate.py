@@ -450,16 +450,25 @@ def _region_outside(times: dict, rates: dict, ops: int) -> dict:
     us per op either way), but a 4-layer ViT's plan of 6 drops in 12-16 regions ran its
     forward 3.5-3.7 ms slower than plain where its own seconds came to 1.8-2.1 ms. Per op, not
     per region: a probe whose drops make one region of most of the call (a 4-layer GPT-2's)
-    put 1.1-3.8 ms on that one region. ``region_probe`` keeps what it was measured on.
-    Nothing without those runs or without ops in regions."""
+    put 1.1-3.8 ms on that one region. ``region_probe`` keeps what it was measured on, and
+    ``region_op_s`` is left out (charged 0) under :data:`REGION_MIN_REPEATS` repetitions: the
+    term is a difference of whole forwards, and a ResNet-50 whose forward and backward fit
+    twice in the budget read 6.7 and 62.7 us per op in two recordings. Nothing without those
+    runs or without ops in regions."""
     kept, whole, plain = times.get("kept", ()), times.get("kept_whole", ()), times.get("plain", ())
     if not (kept and whole and plain) or ops <= 0:
         return {}
     whole_s = statistics.median(w[0] - p[0] for w, p in zip(whole, plain, strict=True))
     own_s = statistics.median(t[2] + t[4] for t in kept)
-    return {"region_op_s": max((whole_s - own_s) / ops, 0.0),
-            "region_probe": {"whole_s": whole_s, "own_s": own_s, "ops": ops,
-                             "regions": statistics.median(t[6] for t in kept)}}
+    probe = {"whole_s": whole_s, "own_s": own_s, "ops": ops, "regions": statistics.median(t[6] for t in kept),
+             "repeats": len(kept)}
+    if len(kept) < REGION_MIN_REPEATS:
+        return {"region_probe": probe}
+    return {"region_op_s": max((whole_s - own_s) / ops, 0.0), "region_probe": probe}
+
+
+# The fewest repetitions region_op_s is taken from (_region_outside).
+REGION_MIN_REPEATS = 5
 
 
 def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
