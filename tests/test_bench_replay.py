@@ -99,6 +99,20 @@ def test_measured_extra_is_the_median_of_paired_differences():
     assert row["extra_ok"] and "+20.0" in br._measured(row)
 
 
+def test_the_extras_are_taken_against_both_plain_copies():
+    """A copy of plain that strays shifts the extras by half as much: each repetition's
+    reference is the mean of plain's and plain-again's steps."""
+    plain, again = [1.00, 1.00, 1.00], [0.98, 0.98, 0.98]
+    assert br.plain_reference(plain, again) == pytest.approx([0.99] * 3)
+    assert br.plain_reference(plain, []) == plain  # no copy timed: plain alone
+    out = {"methods": {"plain": {"step_s": 1.0, "step_times_s": plain, "peak_bytes": 1},
+                       "plain-again": {"step_s": 0.98, "step_times_s": again, "peak_bytes": 1},
+                       "ours-no-drops": {"step_s": 0.99, "step_times_s": [0.99] * 3, "peak_bytes": 1,
+                                         "predicted_extra_s": 0.0}}}
+    br.judge(out, ())
+    assert out["methods"]["ours-no-drops"]["measured_extra_s"] == pytest.approx(0.0)
+
+
 def test_extra_within():
     assert br.extra_within(0.100, 0.119) and not br.extra_within(0.100, 0.130)  # 20% of measured
     assert br.extra_within(0.0, 0.004) and not br.extra_within(0.0, 0.006)  # or 5 ms
