@@ -450,7 +450,8 @@ def plain_reference(plain_s: list[float], again_s: list[float]) -> list[float]:
 
 
 def paired_extra(plain_s: list[float], ours_s: list[float]) -> list[float]:
-    """Per repetition, a method's step seconds minus plain's in the same repetition: the
+    """Per repetition, a method's step seconds minus the reference's (``plain_s``: plain's, or
+    :func:`plain_reference`) in the same repetition: the
     measured extra time is their median, so that a slow stretch of the machine, which both
     steps of a repetition share, cancels out rather than landing on one median."""
     return [b - a for a, b in zip(plain_s, ours_s, strict=True)]

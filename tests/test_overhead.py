@@ -636,15 +636,15 @@ def test_region_outside():
     kept = [(0, 0, 3e-3, 0, 1e-3, 50, 10)] * 5  # own: 3 ms in the handler, 1 ms in the hooks
     plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3), (0.100, 0.3), (0.100, 0.3)]
     whole = [(0.1045, 0.3), (0.1055, 0.3), (0.1070, 0.3), (0.1045, 0.3), (0.1050, 0.3)]  # 4.5, 4.5, 5, 4.5, 5 ms over
-    out = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {}, 100)
+    out = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 100)
     assert out["region_op_s"] == pytest.approx(5e-6)  # (4.5 - 4) ms over 100 ops
     assert out["region_probe"]["ops"] == 100 and out["region_probe"]["regions"] == 10
     under = [(0.1030, 0.3)] * 5  # the whole run below the own seconds (noise): nothing added
-    assert _region_outside({"kept": kept, "kept_whole": under, "plain": plain}, {}, 100)["region_op_s"] == 0
-    few = _region_outside({"kept": kept[:4], "kept_whole": whole[:4], "plain": plain[:4]}, {}, 100)
+    assert _region_outside({"kept": kept, "kept_whole": under, "plain": plain}, 100)["region_op_s"] == 0
+    few = _region_outside({"kept": kept[:4], "kept_whole": whole[:4], "plain": plain[:4]}, 100)
     assert "region_op_s" not in few and few["region_probe"]["repeats"] == 4  # too few repetitions: not charged
-    assert _region_outside({"kept": kept, "plain": plain}, {}, 100) == {}
-    assert _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, {}, 0) == {}
+    assert _region_outside({"kept": kept, "plain": plain}, 100) == {}
+    assert _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 0) == {}
 
 
 def test_region_ops_are_charged_per_op_in_regions(gpt2):

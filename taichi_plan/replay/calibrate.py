@@ -61,6 +61,10 @@ PROBE_MIN_SHARE = 0.25
 # and 32: 456-500 us in three recordings.
 SPAN_PROBE_MOST = 32
 
+# The fewest repetitions region_op_s is taken from (_region_outside): a difference of whole
+# forwards, which a model whose step fits twice in BUDGET_S measures as noise.
+REGION_MIN_REPEATS = 5
+
 
 def _span_terms() -> dict:
     """Per span kind (a span's ``over``) other than the batch: the function giving a span's
@@ -241,7 +245,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s)
     out.update(_hook_rates(times))
     if drop_probe is not None:
-        out.update(_region_outside(times, out, sum(last - first + 1 for spans in drop_probe[2].regions.values()
+        out.update(_region_outside(times, sum(last - first + 1 for spans in drop_probe[2].regions.values()
                                                     for first, last in spans.values())))
     out = floored(out, trace.meta.get("runtime_overhead") or {})
     if drop_probe is not None and "rebuild_op_s" in out:
@@ -436,7 +440,7 @@ def _hook_rates(times: dict) -> dict:
     return out
 
 
-def _region_outside(times: dict, rates: dict, ops: int) -> dict:
+def _region_outside(times: dict, ops: int) -> dict:
     """``region_op_s`` (trace v19): per op the runtime runs in a planned region, what the
     regions cost the forward beyond the runtime's own seconds. The drop probe's call run in its
     regions with nothing dropped, unclocked (``kept_whole``), against the same call run plain
@@ -465,10 +469,6 @@ def _region_outside(times: dict, rates: dict, ops: int) -> dict:
     if len(kept) < REGION_MIN_REPEATS:
         return {"region_probe": probe}
     return {"region_op_s": max((whole_s - own_s) / ops, 0.0), "region_probe": probe}
-
-
-# The fewest repetitions region_op_s is taken from (_region_outside).
-REGION_MIN_REPEATS = 5
 
 
 def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
