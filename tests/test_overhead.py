@@ -682,3 +682,79 @@ def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():
     with_reruns = runtime_overhead_s(p, drops, [], rerun_ops(parted, drops), reruns)
     assert with_reruns - runtime_overhead_s(p, drops, [], rerun_ops(parted, drops)) == pytest.approx(
         len(reruns) * cal["rebuild_op_s"] + len(drops) * cal.get("drop_s", 0.0))
+
+
+def test_region_variants_are_topped_up_to_the_repetitions_their_term_needs():
+    """The budget's rounds run every variant; the region variants then run alone, interleaved,
+    until each has ``least`` repetitions (a model whose rounds fit 4 times in the budget would
+    otherwise charge no ``region_op_s``); nothing runs where they have that many."""
+    from taichi_plan.replay import calibrate
+
+    runs = []
+
+    def forward(v):
+        runs.append(v)
+        return (0.0, 0.0)
+
+    times = {"a": [()] * 2, "b": [()] * 2, "other": [()] * 2}
+    calibrate._top_up(forward, {"a": "A", "b": "B"}, times, 5)
+    assert runs == ["A", "B", "B", "A", "A", "B"]  # rounds 3-5, each starting one later
+    assert {n: len(v) for n, v in times.items()} == {"a": 5, "b": 5, "other": 2}
+    runs.clear()
+    calibrate._top_up(forward, {"a": "A", "b": "B"}, times, 5)
+    assert runs == []
+    assert set(calibrate.REGION_VARIANTS) == {"drops", "kept", "kept_whole", "plain"}  # drop_s pairs drops with kept
+
+
+def test_the_drop_probe_prefers_drops_made_inside_modules():
+    """A drop made in the model's own top-level code runs the runtime over the whole call, where
+    the probe cannot measure what regions cost: the probe then keeps the drops made inside
+    modules (here the heuristic's plan drops a tensor the top-level ``sin`` makes too)."""
+    import torch
+    from torch import nn
+
+    from taichi_plan.errors import InfeasibleBudgetError
+    from taichi_plan.record import record
+    from taichi_plan.replay import calibrate
+    from taichi_plan.replay.calibrate import _drop_probe
+
+    class Top(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(64, 512)
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.GELU()) for _ in range(3)])
+            self.out = nn.Linear(512, 1)
+
+        def forward(self, x):
+            e = torch.cos(torch.sin(x.repeat(1, 4)))  # the model's own code: module ""
+            return self.out(self.blocks(self.inp(x) * e.mean(dim=1, keepdim=True)))
+
+    torch.manual_seed(0)
+    model = Top()
+    batch = {"x": torch.randn(512, 64)}
+    trace = record(model, batch, lambda out, b: out.square().mean(), torch.optim.SGD(model.parameters(), lr=0.1),
+                   steps=1, warmup=0)
+    call = [c for c in trace.meta["model_calls"] if c["grad"]][0]
+    problem, drops, cp = _drop_probe(trace, call)
+    assert drops and cp.drops and not cp.whole_call and cp.regions
+    modules = trace.ops["module"].tolist()
+    made = {int(problem.producer[d.tensor]) for d in drops}
+    assert all(modules[o] for o in made)
+    # what the heuristic alone would have run: a drop made at the top level, over the whole call
+    from dataclasses import replace
+
+    from taichi_plan.replay import call_plans
+    from taichi_plan.solve import solve
+
+    bare = replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
+    plan = None
+    for share in calibrate.DROP_PROBE_FRACTIONS:  # the first that fits, as the probe took it before
+        try:
+            plan = solve(bare, int(share * problem.baseline_peak[0]), "heuristic", time_limit=10.0, problem=problem,
+                         optimizer="as-recorded")
+            break
+        except InfeasibleBudgetError:
+            continue
+    plan = replace(plan, partitions=[], recompute=[r for r in plan.recompute if call["start"] <= r.op <= call["end"]])
+    assert any(not modules[r.op] for r in plan.recompute) and any(modules[r.op] for r in plan.recompute)
+    assert call_plans(plan, bare, problem)[0].whole_call
