@@ -21,8 +21,8 @@ and kept alive:
   was *measured* to reach in this run, the plan saved, reloaded and applied.
 
 The trace is recorded in the same run, with the same one thread (the planner's cost model
-is the trace's op durations), before any method is built, so that every method starts from
-the same process state. Every method is measured by
+is the trace's op durations), before any method is built (where a model is built in its
+process still changes its step on ResNet-50: docs/benchmarks.md). Every method is measured by
 :class:`taichi_plan.replay.measure.MeasuredRun`, the runner of ``taichi-plan replay``: build
 from the seed, one unplanned warm-up step, the plan installed, one step under the recorder
 (the measured peak) and one under MemTracker, then the timed steps. The timed steps are
@@ -341,11 +341,14 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
     try:
         with tempfile.TemporaryDirectory(prefix="bench-replay-") as d:
             tmp = Path(d)
-            # Recorded before any method is built: every model then starts from the same process
-            # state. Built before the recording (and its calibration's churn), ResNet-50's plain
-            # stepped 3.3-4.5 ms slower than an identical copy built after it (31 interleaved
-            # repetitions, 2026-12-05), and its no-drop plan, which installs nothing, read -0.9
-            # to -11.5 ms against the early copies in six runs.
+            # Recorded before any method is built, so that no method is built before the
+            # recording's churn and others after it (ResNet-50's plain, built before it, stepped
+            # 3.3-4.5 ms slower than an identical copy built after it, 31 interleaved
+            # repetitions, 2026-12-05). The build order still matters on ResNet-50: an unplanned
+            # copy built after every other method stepped 12.2 ±4.0 ms faster than the plain
+            # copies (61 repetitions), as fast as the no-drop plan (-13.2 ±5.2), and in one
+            # process of plain copies alone the seventh built stepped 16-19 ms faster than the
+            # first, 10 ms of it in the optimizer step (docs/benchmarks.md).
             say(f"{label}: recording the trace to solve")
             t0 = time.perf_counter()
             trace = read_trace(write_trace(record_workload(workload, fake=False), tmp / "trace", force=True))
