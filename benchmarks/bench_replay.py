@@ -21,8 +21,9 @@ and kept alive:
   was *measured* to reach in this run, the plan saved, reloaded and applied.
 
 The trace is recorded in the same run, with the same one thread (the planner's cost model
-is the trace's op durations), before any method is built (where a model is built in its
-process still changes its step on ResNet-50: docs/benchmarks.md). Every method is measured by
+is the trace's op durations), before any method is built; then the baselines, plain, the
+plans and plain-again, in that order (the plain copies bracket the plans: where a model is
+built in its process changes its step on ResNet-50, docs/benchmarks.md). Every method is measured by
 :class:`taichi_plan.replay.measure.MeasuredRun`, the runner of ``taichi-plan replay``: build
 from the seed, one unplanned warm-up step, the plan installed, one step under the recorder
 (the measured peak) and one under MemTracker, then the timed steps. The timed steps are
@@ -344,20 +345,23 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
             # Recorded before any method is built, so that no method is built before the
             # recording's churn and others after it (ResNet-50's plain, built before it, stepped
             # 3.3-4.5 ms slower than an identical copy built after it, 31 interleaved
-            # repetitions, 2026-12-05). The build order still matters on ResNet-50: an unplanned
-            # copy built after every other method stepped 12.2 ±4.0 ms faster than the plain
-            # copies (61 repetitions), as fast as the no-drop plan (-13.2 ±5.2), and in one
-            # process of plain copies alone the seventh built stepped 16-19 ms faster than the
-            # first, 10 ms of it in the optimizer step (docs/benchmarks.md).
+            # repetitions, 2026-12-05).
             say(f"{label}: recording the trace to solve")
             t0 = time.perf_counter()
             trace = read_trace(write_trace(record_workload(workload, fake=False), tmp / "trace", force=True))
             out["record_s"] = time.perf_counter() - t0
             out["trace_peak_bytes"] = int(baseline_peak(trace)[0])
-            start("plain", workload)
-            start("plain-again", workload)
+            # The two plain copies bracket the plans in the build order: plain right before the
+            # first, plain-again after the last, so that their mean (each extra's reference,
+            # plain_reference) is built where the plans are on average. Where a model is built
+            # in its process changes its step on ResNet-50: one process of unplanned copies
+            # alone, the seventh built stepped 16.0-18.5 ms faster than the first (10 ms of it in
+            # the optimizer step), and a copy built after every other method read -12.2 ±4.0 ms
+            # against the plain copies built first, as the no-drop plan did (-13.2 ±5.2;
+            # docs/benchmarks.md). The A/A row measures that spread.
             for method in baselines:
                 start(method, wrapped_workload(workload, method, spec))
+            start("plain", workload)
             plain_peak = rows["plain"].get("peak_bytes", 0)
             targets = [("ours-no-drops", max(out["trace_peak_bytes"], plain_peak))]
             targets += [(f"ours@{m}", rows[m]["peak_bytes"]) for m in baselines if "peak_bytes" in rows[m]]
@@ -368,7 +372,9 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
                     rows[name] = info
                     continue
                 start(name, workload, plan, ptrace, info)
-        names = [n for n in runs if n != "plain-again"]  # the A/A copy half a round away from plain, so
+            start("plain-again", workload)
+        stepping = ["plain", *baselines, *(n for n in runs if n.startswith("ours"))]
+        names = [n for n in stepping if n in runs]  # the A/A copy half a round away from plain, so
         if "plain-again" in runs:  # that a burst of load on the machine does not hit both copies alike
             names.insert(len(names) // 2 + 1, "plain-again")
         for r, order in enumerate(interleaved(names, warmup)):
