@@ -396,9 +396,10 @@ def _drop_probe(trace, call: dict):
     nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
     its partitions left out): (problem, drops, its CallPlan for the call), or None when no
     such plan drops anything there. A probe that runs in planned regions is preferred: where
-    the heuristic's plan drops a tensor made in the model's own top-level code (a Llama's
-    rotary tables), which runs the runtime over the whole call, its drops made inside modules
-    alone are tried, then the next share; the first whole-call probe where none has regions.
+    the heuristic's plan drops a tensor made or read in the model's own top-level code (a
+    Llama's rotary tables, its last hidden state), which runs the runtime over the whole call,
+    its drops that run in regions on their own are tried together, then the next share; the
+    first whole-call probe where none has regions.
     Without regions the probe cannot measure what regions cost (``region_s``, ``region_op_s``),
     and a 4-layer Llama's plans, all in regions, measured 2.6 ms over their predicted
     bookkeeping (2026-12-05). The plan is solved at the trace's recorded op costs alone
@@ -414,8 +415,17 @@ def _drop_probe(trace, call: dict):
     trace = _replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
     problem = build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
-    modules = trace.ops["module"].tolist() if "module" in trace.ops.columns else None
     whole = None  # the first probe found that runs over the whole call
+
+    def probe_of(plan, recompute):
+        try:
+            probe = _replace(plan, partitions=[], recompute=recompute)
+            drops = drops_from_plan(problem, probe)
+            cp = call_plans(probe, trace, problem)[0]
+        except Exception:  # noqa: BLE001  (calibration only: no plan to run)
+            return None
+        return (problem, drops, _replace(cp, grads_alive=None)) if drops and cp.drops else None
+
     for share in DROP_PROBE_FRACTIONS:
         try:
             plan = solve(trace, int(share * problem.baseline_peak[0]), "heuristic", time_limit=10.0, problem=problem,
@@ -423,22 +433,19 @@ def _drop_probe(trace, call: dict):
         except Exception:  # noqa: BLE001  (calibration only: no budget fits)
             continue
         ours = [r for r in plan.recompute if start <= r.op <= end]
-        # the drops made inside the model's modules alone, where the plan's are not: a drop made
-        # in the model's own top-level code runs the runtime over the whole call
-        inner = [r for r in ours if modules[r.op]] if modules else ours
-        for recompute in (ours, inner) if len(inner) < len(ours) else (ours,):
-            try:
-                probe = _replace(plan, partitions=[], recompute=recompute)
-                drops = drops_from_plan(problem, probe)
-                cp = call_plans(probe, trace, problem)[0]
-            except Exception:  # noqa: BLE001  (calibration only: no plan to run)
-                continue
-            if not (drops and cp.drops):
-                continue
-            found = (problem, drops, _replace(cp, grads_alive=None))
-            if not cp.whole_call:
-                return found
-            whole = whole or found
+        found = probe_of(plan, ours)
+        if found is not None and not found[2].whole_call:
+            return found
+        whole = whole or found
+        if found is None or len(ours) < 2:
+            continue
+        # the plan's drops that run in regions on their own (a drop made or read in the model's
+        # own top-level code runs the runtime over the whole call)
+        alone = [probe_of(plan, [r]) for r in ours]
+        inner = [r for r, p in zip(ours, alone, strict=True) if p is not None and not p[2].whole_call]
+        found = probe_of(plan, inner) if inner else None
+        if found is not None and not found[2].whole_call:
+            return found
     return whole
 
 
