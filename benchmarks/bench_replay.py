@@ -455,8 +455,8 @@ def aa_spread(plain_s: list[float], again_s: list[float]) -> float:
 def plain_reference(plain_s: list[float], again_s: list[float]) -> list[float]:
     """Per repetition, the mean of the two unplanned copies' steps (``plain`` alone where the
     copy has no times): what each method's extra is taken against. Against ``plain`` alone, a
-    copy that strays shifts every extra of its model: ResNet-50's plain, the first model built
-    in its process, stepped slower than its identical copy in four of five runs of 61
+    copy that strays shifts every extra of its model: ResNet-50's plain, when it was the first
+    model built in its process, stepped slower than its identical copy in four of five runs of 61
     repetitions (the copy's paired difference -1.2 to -6.8 ms), and its no-drop plan, which
     installs nothing, read -0.9 to -7.4 ms against it (2026-12-05)."""
     if len(again_s) != len(plain_s):

@@ -708,8 +708,9 @@ def test_region_variants_are_topped_up_to_the_repetitions_their_term_needs():
 
 def test_the_drop_probe_prefers_drops_made_inside_modules():
     """A drop made in the model's own top-level code runs the runtime over the whole call, where
-    the probe cannot measure what regions cost: the probe then keeps the drops made inside
-    modules (here the heuristic's plan drops a tensor the top-level ``sin`` makes too)."""
+    the probe cannot measure what regions cost: the probe then keeps the plan's drops that run
+    in regions on their own (here the heuristic's plan drops a tensor the top-level ``sin``
+    makes too)."""
     import torch
     from torch import nn
 

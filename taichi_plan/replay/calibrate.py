@@ -779,14 +779,14 @@ def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: 
 
 
 def _top_up(forward, variants: dict, times: dict[str, list[float]], least: int) -> None:
-    """More rounds of ``variants`` alone (interleaved, each in another order), appended to their
-    ``times``, until each has ``least`` repetitions: the budget's rounds run every variant, and
-    a model whose rounds fit fewer times than ``least`` would leave out what needs that many."""
-    names = list(variants)
-    for r in range(len(times[names[0]]), least):
-        for i in range(len(names)):
-            n = names[(r + i) % len(names)]
-            times[n].append(forward(variants[n]))
+    """More rounds of ``variants`` alone (:func:`_interleaved`, no budget, no warm-up: they ran
+    already), appended to their ``times``, until each has ``least`` repetitions: the budget's
+    rounds run every variant, and a model whose rounds fit fewer times than ``least`` would
+    leave out what needs that many."""
+    more = least - len(times[next(iter(variants))])
+    if more > 0:
+        for n, t in _interleaved(forward, variants, more, float("inf"), time.perf_counter, set(variants)).items():
+            times[n].extend(t)
 
 
 def _interleaved(forward, variants: dict, repeats: int, budget_s: float, clock,
