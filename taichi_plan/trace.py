@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from .atomic import check_output, replace_dir_atomic
 from .errors import TraceError
 
-FORMAT_VERSION = 19
+FORMAT_VERSION = 20
 # v1 lacks meta.model_calls and meta.loop: plans of it cannot be applied; v3 adds meta.gpu_kernels,
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
@@ -43,7 +43,10 @@ FORMAT_VERSION = 19
 # model's own call (replay/calibrate.py _hook_rates); older traces charge regions nothing
 # v19 adds meta.runtime_overhead.region_op_s, per op of a planned region what the regions cost
 # the forward beyond the runtime's own seconds (replay/calibrate.py _region_outside)
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19)
+# v20 measures module_call_s whole: the module hooks alone unclocked against the call plain, per
+# module call (meta.runtime_overhead.module_call_probe; replay/calibrate.py _hook_rates), where
+# v18-v19 took the hooks' own seconds; region_op_s is net of it
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20)
 PHASES = ("forward", "backward", "optimizer", "other")
 
 

@@ -611,6 +611,7 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
         counted[name] = (rt.hook_n, rt.regions_run, rt.hook_s)
     n_modules = module_calls_per_call(gpt2)[0]
     assert counted["hooks"][:2] == (n_modules, 0)
+    assert cal["module_call_probe"]["calls"] == n_modules  # v20: the hooks whole, per module call
     assert counted["kept"][:2] == (n_modules, sum(len(v) for v in cp.regions.values()))
     assert counted["kept"][2] > 0
 
@@ -622,9 +623,33 @@ def test_hook_rates():
     kept = [(0, 0, 0, 0, 50 * 10e-6 + 4 * 20e-6, 50, 4)] * 3
     rates = _hook_rates({"hooks": hooks, "kept": kept})
     assert rates["module_call_s"] == pytest.approx(10e-6) and rates["region_s"] == pytest.approx(20e-6)
+    assert rates["module_call_own_s"] == rates["module_call_s"]  # no unclocked run: the own seconds
     assert _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 40 * 10e-6, 50, 4)]})["region_s"] == 0  # not below 0
     assert _hook_rates({"kept": kept}) == {}  # no hooks-alone run: the microbenchmark's term stays
     assert "region_s" not in _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 1.0, 50, 0)]})  # no region entered
+
+
+def test_module_calls_cost_what_the_hooks_cost_them_whole():
+    """Trace v20: ``module_call_s`` is what the module hooks alone cost the forward and backward
+    per module call, unclocked, against the call plain (paired per repetition, median), not
+    their own seconds; never below those; from 5 repetitions."""
+    from taichi_plan.replay.calibrate import REGION_MIN_REPEATS, _hook_rates
+
+    hooks = [(0, 0, 0, 0, 50 * 10e-6, 50, 0)] * 5  # own: 10 us per call
+    plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3), (0.100, 0.3), (0.100, 0.3)]
+    # forward 1.5, 1.5, 2, 1.5, 2 ms over; forward and backward 2, 2, 2.5, 2, 2.5 ms over
+    whole = [(0.1015, 0.302), (0.1025, 0.302), (0.1040, 0.3025), (0.1015, 0.302), (0.1020, 0.3025)]
+    rates = _hook_rates({"hooks": hooks, "hooks_whole": whole, "plain": plain})
+    assert rates["module_call_s"] == pytest.approx(2e-3 / 50)  # 40 us a call, forward and backward
+    assert rates["module_call_forward_s"] == pytest.approx(1.5e-3 / 50)  # 30 of them in the forward
+    assert rates["module_call_own_s"] == pytest.approx(10e-6)
+    assert rates["module_call_probe"] == {"whole_s": pytest.approx(2e-3), "forward_s": pytest.approx(1.5e-3),
+                                          "own_s": pytest.approx(0.5e-3), "calls": 50, "repeats": 5}
+    below = [(0.1002, 0.3002)] * 5  # noise below the own seconds: the own seconds stand
+    assert _hook_rates({"hooks": hooks, "hooks_whole": below, "plain": plain})["module_call_s"] == pytest.approx(10e-6)
+    n = REGION_MIN_REPEATS - 1
+    few = _hook_rates({"hooks": hooks[:n], "hooks_whole": whole[:n], "plain": plain[:n]})
+    assert few["module_call_s"] == pytest.approx(10e-6) and few["module_call_probe"]["repeats"] == n
 
 
 def test_region_outside():
@@ -645,6 +670,9 @@ def test_region_outside():
     assert "region_op_s" not in few and few["region_probe"]["repeats"] == 4  # too few repetitions: not charged
     assert _region_outside({"kept": kept, "plain": plain}, 100) == {}
     assert _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 0) == {}
+    # v20: the module calls' cost beyond their hooks' own seconds is charged per call, not per op
+    beyond = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 100, 4e-6)
+    assert beyond["region_op_s"] == pytest.approx(3e-6)  # (4.5 - 4 - 50 x 4 us) ms over 100 ops
 
 
 def test_region_ops_are_charged_per_op_in_regions(gpt2):
@@ -703,7 +731,8 @@ def test_region_variants_are_topped_up_to_the_repetitions_their_term_needs():
     runs.clear()
     calibrate._top_up(forward, {"a": "A", "b": "B"}, times, 5)
     assert runs == []
-    assert set(calibrate.REGION_VARIANTS) == {"drops", "kept", "kept_whole", "plain"}  # drop_s pairs drops with kept
+    # drop_s pairs drops with kept; region_op_s kept_whole with plain; module_call_s hooks_whole with plain
+    assert set(calibrate.REGION_VARIANTS) == {"drops", "kept", "kept_whole", "plain", "hooks_whole"}
 
 
 def test_the_drop_probe_prefers_drops_made_inside_modules():

@@ -68,7 +68,7 @@ REGION_MIN_REPEATS = 5
 # (_top_up; "drops" with them: drop_s pairs it with "kept"). Within the budget alone a 4-layer
 # GPT-2 and Llama ran 4 on a slower afternoon of the same machine type, and their plans, then
 # charged no region_op_s, measured 3-6 ms over their predictions (2026-12-05).
-REGION_VARIANTS = ("drops", "kept", "kept_whole", "plain")
+REGION_VARIANTS = ("drops", "kept", "kept_whole", "plain", "hooks_whole")
 
 
 def _span_terms() -> dict:
@@ -136,6 +136,8 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
             # beyond the runtime's own seconds (_region_outside)
             variants["kept_whole"] = (variants["kept"][0], [])
             variants["plain"] = (None, [])
+            # the module hooks alone unclocked: what a module call costs them whole (_hook_rates)
+            variants["hooks_whole"] = (variants["hooks"][0], [])
     for kind, (_span, _ks, probes_k) in span_probes.items():
         variants.update({f"{kind}{k}": v for k, v in probes_k.items()})
     clock = op_clock()
@@ -214,7 +216,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
             variants = {n: v for n, v in variants.items() if not n.startswith("part")}
         if drop_probe is not None and not _runs_cleanly(forward, {"drops": variants["drops"]}, runtimes, ran):
             drop_probe = None  # a drop cannot be rebuilt here: drops cost what the other terms say
-            for name in ("drops", "kept", "kept_whole", "plain"):
+            for name in REGION_VARIANTS:
                 variants.pop(name, None)
         for kind, (_span, ks, _p) in list(span_probes.items()):
             if not _runs_cleanly(forward, {f"{kind}{k}": variants[f"{kind}{k}"] for k in ks}, runtimes, ran):
@@ -250,10 +252,14 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     if rebuilds:
         out["rebuild_op_s"] = statistics.median(rebuilds)
         out["rebuild_time_ratio"] = _time_ratios(trace, call, ops, rebuilt_s)
-    out.update(_hook_rates(times))
+    hook_rates = _hook_rates(times)
+    own_call_s = hook_rates.pop("module_call_own_s", 0.0)
+    forward_call_s = hook_rates.pop("module_call_forward_s", own_call_s)
+    out.update(hook_rates)
     if drop_probe is not None:
         out.update(_region_outside(times, sum(last - first + 1 for spans in drop_probe[2].regions.values()
-                                                    for first, last in spans.values())))
+                                                    for first, last in spans.values()),
+                                   forward_call_s - own_call_s))
     out = floored(out, trace.meta.get("runtime_overhead") or {})
     if drop_probe is not None and "rebuild_op_s" in out:
         out.update(_drop_rate(drop_probe, statistics.median(
@@ -452,37 +458,62 @@ def _drop_probe(trace, call: dict):
 def _hook_rates(times: dict) -> dict:
     """``module_call_s`` and ``region_s`` (trace v18) measured on the model, from the drop
     probe's runs (own-clocked: each run's module-hook seconds, module calls and regions entered
-    are its times' 5th-7th): ``module_call_s``, the module hooks' seconds per module call in the
-    probe's call with the hooks alone (``hooks``: no region); ``region_s``, per region entered
-    in the probe's call run in its regions with nothing dropped (``kept``), its module hooks'
-    seconds beyond ``module_call_s`` per module call (entering a region turns the mode and
-    saved-tensor hooks on, leaving it turns them off and checks the region's ops). Medians over
-    the repetitions. On a 4-layer ViT the microbenchmark's 3.0 us per module call (modules that
-    run no op) read 4.6 us per call on the model, and each region 16-18 us, which the overhead
-    model had no term for: its plan's 24 regions, and its planned forward measured 0.8 ms over
-    its prediction.
-    Nothing when the probe did not run (no drop probe) or its call has no module hooks."""
+    are its times' 5th-7th): ``module_call_s``, what the module hooks cost per module call in
+    the probe's call with the hooks alone and no region: since trace v20 the run unclocked
+    (``hooks_whole``) against the call plain, forward and backward seconds paired per
+    repetition (the step pays both), over the module calls, never below their own seconds per
+    call (the clocked run ``hooks``: the hooks' Python alone, all v18-v19 measured; returned as
+    ``module_call_own_s``, and the forward's share per call as ``module_call_forward_s``, for
+    :func:`_region_outside`). The own seconds miss the module calls' slow path once hooks are
+    on and the crossing into the hooks and back: on a 4-layer Llama its 65 module calls cost
+    1.4-2.9 ms whole in four recordings (22-44 us each, 0.8-2.2 ms of it in the forward),
+    where their own seconds were 11-12 us each, and its plan at HF's peak (57 module calls, 75
+    ops in 8 regions) measured its regions 1.3 ms over their v19 prediction.
+    ``module_call_probe`` keeps the whole, forward and own seconds, the calls and the
+    repetitions; the whole run is not used under :data:`REGION_MIN_REPEATS` repetitions (then
+    the own seconds stand). ``region_s``, per
+    region entered in the probe's call run in its regions with nothing dropped (``kept``), its
+    module hooks' own seconds beyond their own per module call (entering a region turns the
+    mode and saved-tensor hooks on, leaving it turns them off and checks the region's ops).
+    Medians over the repetitions. On a 4-layer ViT the microbenchmark's 3.0 us per module call
+    (modules that run no op) read 4.6 us per call on the model, and each region 16-18 us, which
+    the overhead model had no term for: its plan's 24 regions, and its planned forward measured
+    0.8 ms over its prediction. Nothing when the probe did not run (no drop probe) or its call
+    has no module hooks."""
     hooks = [t[4] / t[5] for t in times.get("hooks", ()) if t[5]]
     if not hooks:
         return {}
-    module_s = statistics.median(hooks)
-    out = {"module_call_s": module_s}
-    regions = [(t[4] - module_s * t[5]) / t[6] for t in times.get("kept", ()) if t[6]]
+    own_s = statistics.median(hooks)
+    out = {"module_call_s": own_s, "module_call_own_s": own_s}
+    regions = [(t[4] - own_s * t[5]) / t[6] for t in times.get("kept", ()) if t[6]]
     if regions:
         out["region_s"] = max(statistics.median(regions), 0.0)
+    whole, plain = times.get("hooks_whole", ()), times.get("plain", ())
+    if whole and plain:
+        calls = statistics.median(t[5] for t in times["hooks"])
+        step_s, forward_s = (statistics.median(w[i] - p[i] for w, p in zip(whole, plain, strict=True)) for i in (1, 0))
+        out["module_call_probe"] = {"whole_s": step_s, "forward_s": forward_s, "own_s": own_s * calls,
+                                    "calls": calls, "repeats": len(whole)}
+        if len(whole) >= REGION_MIN_REPEATS and calls > 0:
+            out["module_call_s"] = max(step_s / calls, own_s)
+            out["module_call_forward_s"] = max(forward_s / calls, own_s)
     return out
 
 
-def _region_outside(times: dict, ops: int) -> dict:
+def _region_outside(times: dict, ops: int, hooks_beyond_s: float = 0.0) -> dict:
     """``region_op_s`` (trace v19): per op the runtime runs in a planned region, what the
     regions cost the forward beyond the runtime's own seconds. The drop probe's call run in its
     regions with nothing dropped, unclocked (``kept_whole``), against the same call run plain
     (``plain``), forward seconds paired per repetition; minus the own seconds of the same call
-    clocked (``kept``: its handler, pack hook and module hooks, kernels out); divided by the
+    clocked (``kept``: its handler, pack hook and module hooks, kernels out) and what its
+    module calls cost the forward beyond their hooks' own seconds (``hooks_beyond_s`` per call:
+    trace v20, from the run with the hooks alone, which ``module_call_s`` charges per module
+    call); divided by the
     ops of the probe's regions (``ops``: counted ops, as the overhead model counts them);
     medians over the repetitions, not below 0. The own clocks start inside the runtime's
     Python: they miss the crossing into it and back, the module calls' slow path once global
-    hooks are on, and what its Python between kernels costs the kernels. Over a call checked
+    hooks are on (v20: measured per module call instead), and what its Python between kernels
+    costs the kernels. Over a call checked
     whole these came to 0-6.5 us per op (the whole forward against the own seconds: ViT 25-30
     us per op either way), but a 4-layer ViT's plan of 6 drops in 12-16 regions ran its
     forward 3.5-3.7 ms slower than plain where its own seconds came to 1.8-2.1 ms. Per op, not
@@ -496,7 +527,7 @@ def _region_outside(times: dict, ops: int) -> dict:
     if not (kept and whole and plain) or ops <= 0:
         return {}
     whole_s = statistics.median(w[0] - p[0] for w, p in zip(whole, plain, strict=True))
-    own_s = statistics.median(t[2] + t[4] for t in kept)
+    own_s = statistics.median(t[2] + t[4] + hooks_beyond_s * t[5] for t in kept)
     probe = {"whole_s": whole_s, "own_s": own_s, "ops": ops, "regions": statistics.median(t[6] for t in kept),
              "repeats": len(kept)}
     if len(kept) < REGION_MIN_REPEATS:
