@@ -493,7 +493,13 @@ def extra_within(predicted_s: float | None, measured_s: float) -> bool | None:
 # are fresh pages, each page-faulted in, depends on what ran before in the process: a 4-layer
 # Llama's plain step took 8,160 page faults (33 MB) and 205 ms in one process, none and 186 ms
 # with these settings, and the methods this benchmark interleaves change that state for each other.
-STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30)}
+# And torch's CPU allocator gives its blocks of 2 MiB and more huge pages (THP_MEM_ALLOC_ENABLE,
+# read by c10's alloc_cpu; the kernel's transparent_hugepage "madvise" or "always"): with 4 KiB
+# pages, where a model was built in the process changed its step (one process of unplanned
+# ResNet-50 copies alone: the seventh built stepped 16.0-18.5 ms faster than the first, half
+# that with huge pages; docs/benchmarks.md).
+STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(16 << 30),
+                 "THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def malloc_settings() -> str:
@@ -643,7 +649,9 @@ def markdown(result: dict) -> str:
                 "GiB`, `bench_replay.STEADY_MALLOC`): with its defaults, whether a step's large buffers are fresh "
                 "pages depends on what ran before in the process, which the interleaved methods change for each "
                 "other (a 4-layer Llama's plain step: 8,160 page faults and 205 ms in one process, none and 186 ms "
-                "so). " if result.get("malloc") == "steady" else "glibc's malloc with its defaults. ")
+                "so); and torch's blocks of 2 MiB and more on huge pages (`THP_MEM_ALLOC_ENABLE=1`), with which "
+                "where a model is built in its process moves its step half as much (ResNet-50). "
+                if result.get("malloc") == "steady" else "glibc's malloc with its defaults. ")
              + f"This section took {result['seconds']:.0f} s.", "",
              "### Per model: noise and the runtime's own cost", "",
              "A/A = `plain-again` / `plain`, two identical unplanned copies measured interleaved. The run's "
