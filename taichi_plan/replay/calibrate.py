@@ -471,10 +471,10 @@ def _hook_rates(times: dict) -> dict:
     ops in 8 regions) measured its regions 1.3 ms over their v19 prediction.
     ``module_call_probe`` keeps the whole, forward and own seconds, the calls and the
     repetitions; the whole run is not used under :data:`REGION_MIN_REPEATS` repetitions (then
-    the own seconds stand). ``region_s``, per
-    region entered in the probe's call run in its regions with nothing dropped (``kept``), its
-    module hooks' own seconds beyond their own per module call (entering a region turns the
-    mode and saved-tensor hooks on, leaving it turns them off and checks the region's ops).
+    the own seconds stand). ``region_s``, per region entered in the probe's call run in its
+    regions with nothing dropped (``kept``), its module hooks' own seconds beyond their own per
+    module call (entering a region turns the mode and saved-tensor hooks on, leaving it turns
+    them off and checks the region's ops).
     Medians over the repetitions. On a 4-layer ViT the microbenchmark's 3.0 us per module call
     (modules that run no op) read 4.6 us per call on the model, and each region 16-18 us, which
     the overhead model had no term for: its plan's 24 regions, and its planned forward measured
@@ -508,14 +508,13 @@ def _region_outside(times: dict, ops: int, hooks_beyond_s: float = 0.0) -> dict:
     clocked (``kept``: its handler, pack hook and module hooks, kernels out) and what its
     module calls cost the forward beyond their hooks' own seconds (``hooks_beyond_s`` per call:
     trace v20, from the run with the hooks alone, which ``module_call_s`` charges per module
-    call); divided by the
-    ops of the probe's regions (``ops``: counted ops, as the overhead model counts them);
-    medians over the repetitions, not below 0. The own clocks start inside the runtime's
-    Python: they miss the crossing into it and back, the module calls' slow path once global
-    hooks are on (v20: measured per module call instead), and what its Python between kernels
-    costs the kernels. Over a call checked
-    whole these came to 0-6.5 us per op (the whole forward against the own seconds: ViT 25-30
-    us per op either way), but a 4-layer ViT's plan of 6 drops in 12-16 regions ran its
+    call); divided by the ops of the probe's regions (``ops``: counted ops, as the overhead
+    model counts them); medians over the repetitions, not below 0. The own clocks start inside
+    the runtime's Python: they miss the crossing into it and back, the module calls' slow path
+    once global hooks are on (v20: measured per module call instead), and what its Python
+    between kernels costs the kernels. Over a call checked whole these came to 0-6.5 us per op
+    (the whole forward against the own seconds: ViT 25-30 us per op either way), but a 4-layer
+    ViT's plan of 6 drops in 12-16 regions ran its
     forward 3.5-3.7 ms slower than plain where its own seconds came to 1.8-2.1 ms. Per op, not
     per region: a probe whose drops make one region of most of the call (a 4-layer GPT-2's)
     put 1.1-3.8 ms on that one region. ``region_probe`` keeps what it was measured on, and
