@@ -179,6 +179,9 @@ def refusal(trace, mode: str) -> str | None:
     """Why ``mode`` cannot be used on ``trace`` (None: it can)."""
     if mode == "as-recorded":
         return None
+    if mode in ("in-backward", "groups") and trace.meta.get("compiled") is not None:
+        return ("the trace is of a torch.compile'd step, and stepping the optimizer in backward hooks or in groups "
+                "beside a compiled backward is not built yet")
     if mode in ("in-backward", "groups") and trace.meta.get("fsdp") is not None:
         return ("the trace is rank 0 of an FSDP2 job (record --fsdp): FSDP writes the gradient shards after its "
                 "reduce-scatter, not through autograd, and stepping its DTensor parameters in hooks or groups is not "

@@ -158,6 +158,8 @@ def module_spans(problem: Problem) -> list:
     cached = getattr(problem, "_module_spans", None)
     if cached is not None:
         return cached
+    if problem.trace.meta.get("compiled") is not None:
+        return []  # a compiled step's plan runs through compile's partitioner: no partitions yet
     from .token_span import token_spans
 
     # A random module without the opt-in is still checkpointed whole: its one chunk re-runs
@@ -236,6 +238,8 @@ def partitionable_spans(problem: Problem) -> list:
     looked up in (the planners choose from :func:`module_spans`)."""
     from .token_span import token_spans
 
+    if problem.trace.meta.get("compiled") is not None:
+        return []
     return _batch_spans(problem) + _sequence_spans(problem) + token_spans(problem)
 
 

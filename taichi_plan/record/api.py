@@ -182,9 +182,9 @@ class StepRecording:
     (:mod:`taichi_plan.integrations.hf`), whose callbacks call :meth:`begin` and :meth:`end`.
     Close it (or use it as a context manager) to remove its hooks."""
 
-    def __init__(self, model, optimizer, profile: DeviceProfile | None = None):
+    def __init__(self, model, optimizer, profile: DeviceProfile | None = None, recorder_cls: type = Recorder):
         self.model, self.optimizer = model, optimizer
-        self.recorder = Recorder(profile, model)
+        self.recorder = recorder_cls(profile, model)
         self.records: list[StepRecord] = []
         self.active = False
         self._hooks = self.recorder.optimizer_hooks(optimizer) + self.recorder.model_hooks(model)
@@ -231,7 +231,7 @@ class StepRecording:
 
 def run_and_record(model, optimizer, step_fn: Callable[[], None], inputs=(), *, loop: Loop, steps: int,
                    warmup: int, profile: DeviceProfile | None = None,
-                   say: Callable[[str], None] = lambda msg: None) -> list[StepRecord]:
+                   say: Callable[[str], None] = lambda msg: None, recorder_cls: type = Recorder) -> list[StepRecord]:
     """Run ``warmup`` unrecorded steps, then record ``steps`` steps; each step is
     ``optimizer.zero_grad(set_to_none=loop.set_to_none)`` (not recorded), then ``step_fn()``.
     Then one forward-only probe (:mod:`taichi_plan.record.pyrefs`) learns when the step's own
@@ -240,7 +240,7 @@ def run_and_record(model, optimizer, step_fn: Callable[[], None], inputs=(), *, 
         say(f"warm-up step {w + 1}/{warmup}")
         optimizer.zero_grad(set_to_none=loop.set_to_none)
         step_fn()
-    with StepRecording(model, optimizer, profile) as session:
+    with StepRecording(model, optimizer, profile, recorder_cls) as session:
         for s in range(steps):
             say(f"recording step {s + 1}/{steps}")
             optimizer.zero_grad(set_to_none=loop.set_to_none)

@@ -709,6 +709,10 @@ class Recorder(TorchDispatchMode):
             if tid is not None:
                 self._rec.tensors["kind"][tid] = kind
 
+    def tensor_id(self, t: torch.Tensor) -> int | None:
+        """The current step's row of ``t``'s storage, None if the step has not seen it."""
+        return self._tid.get(local_tensor(t).untyped_storage()._cdata) if self._rec is not None else None
+
     def close(self) -> None:
         """Drop the weakrefs (and their callbacks) and the module tracker: no cycle keeps the
         model alive after recording. The cyclic collector is on again if a step left it off."""

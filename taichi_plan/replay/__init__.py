@@ -414,17 +414,23 @@ def plan_and_trace(plan: Plan | str | Path, trace=None):
     return plan, found
 
 
-def _refuse_compiled(model) -> None:
-    import torch
+def _apply_compiled(model, plan, trace):
+    """A compiled model (``torch.compile(m)`` or ``m.compile()``) under a plan of its compiled step
+    (:mod:`taichi_plan.compiled.apply`)."""
+    from ..compiled.apply import apply_compiled
 
-    compiled = isinstance(model, getattr(torch._dynamo.eval_frame, "OptimizedModule", ())) or \
-        getattr(model, "_compiled_call_impl", None) is not None
-    if compiled:
+    plan, trace = plan_and_trace(plan, trace)
+    model, undo = apply_compiled(model, plan, trace)
+    model._taichi_plan = Applied(runtime=None, handles=[], undo=undo, plan=plan)
+    return model
+
+
+def _refuse_compiled_plan(trace) -> None:
+    if trace.meta.get("compiled") is not None:
         raise PlanError(
-            "apply() was given a torch.compile'd model. Under compile the op stream differs from the eager "
-            "trace the plan was made for (dropout becomes native_dropout, ops are fused), so the plan cannot be "
-            "matched op by op. Apply the plan to the eager model, or use torch.compile with PyTorch's own "
-            "activation checkpointing instead.")
+            "apply() was given an eager model and a plan of a torch.compile'd step: the plan decides what compile's "
+            "partitioner saves, so it applies to the compiled model only. Compile the model as it was recorded "
+            "(torch.compile(model) or model.compile()) and apply the plan to that.")
 
 
 def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=None, trace=None):
@@ -448,7 +454,10 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
         raise PlanError(f"on_mismatch must be 'raise' or 'warn', not {on_mismatch!r}.")
     if getattr(model, "_taichi_plan", None) is not None:
         raise PlanError("This model already has a plan applied: call taichi_plan.finish(model) first.")
-    _refuse_compiled(model)
+    from ..compiled.graphs import compiled_kind
+
+    if compiled_kind(model) is not None:
+        return _apply_compiled(model, plan, trace)
     from ..record.ddp import unwrap
     from ..record.workloads import torch_optimizer
     from .optimizer import install_optimizer
@@ -458,6 +467,7 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     from .partition import install_partitions
 
     plan, trace = plan_and_trace(plan, trace)
+    _refuse_compiled_plan(trace)
     rt = runtime_for(plan, trace, on_mismatch)
     unshard = apply_sharding(model, plan, "apply()")
     try:

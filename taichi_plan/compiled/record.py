@@ -1,0 +1,220 @@
+"""Record a compiled training step: the ops of the graphs compile runs, node by node.
+
+The model is compiled again with the user's backend and our recording partitioner
+(:func:`.graphs.save_everything`), and the partitioned forward and backward graphs run through
+an FX interpreter instead of their generated code: each node's aten ops reach the recorder
+(a :class:`Recorder` that lets compiled code run under it: ``ignore_compile_internals``), each
+intermediate is freed after its last use as the generated code frees it, and each op is tagged
+with its graph and node. Eager code between graphs (a graph break, the loss outside the model,
+the optimizer step) is recorded as in an eager step. ``meta.compiled`` (trace v21) lists the
+graphs (signature, saved values, random nodes) and, per forward node, its op span and the
+tensors it made: what :mod:`.apply` turns a plan's drops into.
+"""
+
+from __future__ import annotations
+
+import re
+
+from ..errors import WorkloadError
+from ..record.recorder import Recorder
+from .graphs import compiled_kind, eager_module, graph_signature, is_random, make_backend, partition, save_everything
+
+GRAPH_KEY = "taichi_plan_graph"
+
+
+class CompiledRecorder(Recorder):
+    """A recorder under which ``torch.compile``'d code runs compiled (dynamo would fall back to
+    eager under any other dispatch mode), so that it sees the ops the compiled graphs run."""
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+
+def module_of(node) -> str:
+    """The FQN (relative to the model) of the module a graph node came from: its
+    ``nn_module_stack`` (forward) or ``fwd_nn_module_stack`` (backward), innermost entry."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"^L\['[^']*'\]\.?", "", str(path))
+    path = re.sub(r"\[(\d+)\]", r".\1", path)
+    path = re.sub(r"^_orig_mod\.?", "", path)
+    return path if re.fullmatch(r"[\w.]*", path) else ""
+
+
+class Capture:
+    """What a recording compile saw: one entry per partitioned joint graph."""
+
+    def __init__(self):
+        self.graphs: list[dict] = []
+
+    def add(self, joint_graph, node_info, saved) -> int:
+        tensors = [n.name for n in saved if hasattr(n.meta.get("val"), "shape")]
+        self.graphs.append({
+            "signature": graph_signature(joint_graph),
+            "saved": tensors,
+            "random": [n.name for n in joint_graph.nodes if is_random(n)],
+            "forward_nodes": sum(1 for n in joint_graph.nodes if n.op == "call_function" and node_info.is_required_fw(n)),
+        })
+        return len(self.graphs) - 1
+
+    def partition_fn(self, joint_module, joint_inputs, **kwargs):
+        seen: list[int] = []
+        fw, bw = partition(joint_module, joint_inputs, choose=save_everything,
+                           on_graph=lambda g, info, saved: seen.append(self.add(g, info, saved)), **kwargs)
+        if seen:  # a graph with no backward goes to the default partitioner: nothing to plan
+            fw.meta[GRAPH_KEY] = (seen[-1], "forward")
+            bw.meta[GRAPH_KEY] = (seen[-1], "backward")
+        return fw, bw
+
+
+def _recorder():
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if isinstance(mode, CompiledRecorder):
+            return mode
+    return None
+
+
+def interpreting_compiler(gm, _example_inputs):
+    """Compile a partitioned graph into a boxed function that runs it node by node under
+    ``torch.fx.Interpreter`` (values freed after their last use), telling the active
+    :class:`CompiledRecorder` which ops each node ran."""
+    import torch
+    from torch.utils._pytree import tree_leaves
+
+    graph, part = gm.meta.get(GRAPH_KEY, (None, None))
+    modules = {n.name: module_of(n) for n in gm.graph.nodes}
+
+    class Tagging(torch.fx.Interpreter):
+        def run_node(self, n):
+            rec = _recorder()
+            step = rec.current if rec is not None else None
+            if step is None or n.op in ("placeholder", "output"):
+                return super().run_node(n)
+            start = rec.op_count
+            out = super().run_node(n)
+            tids = sorted({t for t in (rec.tensor_id(x) for x in tree_leaves(out) if isinstance(x, torch.Tensor))
+                           if t is not None})
+            step.extras.setdefault("compiled_nodes", []).append(
+                [graph, part, n.name, start, rec.op_count, tids, modules.get(n.name, "")])
+            return out
+
+    interp = Tagging(gm, garbage_collect_values=True)
+
+    def run(args):
+        try:
+            return interp.boxed_run(args)
+        finally:
+            interp.env = {}  # the interpreter keeps the last run's values (its outputs) otherwise
+
+    run._boxed_call = True
+    return run
+
+
+def backend_of(model, backend: str | None) -> str:
+    """The backend to plan for: ``backend`` if given, else the one ``model`` was compiled with."""
+    if backend is not None:
+        return backend
+    ctx = getattr(model, "dynamo_ctx", None) if compiled_kind(model) == "module" else None
+    found = _backend_name(ctx)
+    if found is None:
+        raise WorkloadError(
+            "taichi-plan could not tell which backend this model was compiled with (a model compiled with "
+            "model.compile() does not say): pass backend='inductor' or backend='aot_eager' (--compile on the "
+            "command line).")
+    return found
+
+
+def _backend_name(ctx) -> str | None:
+    """The backend's name behind dynamo's wrappers of it (``_torchdynamo_orig_backend``, on torch 2.13:
+    CatchErrorsWrapper -> ConvertFrame -> WrapBackendDebug named after the backend)."""
+    obj = getattr(ctx, "callback", None)
+    for _ in range(6):
+        if obj is None:
+            return None
+        name = getattr(obj, "compiler_name", None) or getattr(obj, "__name__", None)
+        if name in ("aot_eager", "inductor", "compile_fx"):
+            return "inductor" if name == "compile_fx" else name
+        obj = getattr(obj, "_torchdynamo_orig_backend", None)
+    return None
+
+
+def recording_model(model, backend: str):
+    """``model``'s module compiled again for recording, as ``model`` is compiled (or, for an
+    eager ``model``, as ``torch.compile(model, backend=backend)`` would be), and the capture."""
+    import torch
+
+    capture = Capture()
+    rec_backend = make_backend(backend, capture.partition_fn, "record", fw_compiler=interpreting_compiler)
+    inner = eager_module(model)
+    torch._dynamo.reset()  # our compile must not reuse a cache entry of the user's
+    return torch.compile(inner, backend=rec_backend), capture
+
+
+def tag_record(rec, capture: Capture) -> dict:
+    """Set the module of each op the compiled graphs ran from their nodes, mark every op
+    outside a planned graph's forward (and every random node's) as not recomputable by a
+    plan, make each op of a compiled backward its own unpack point, and return ``meta.compiled``'s graphs and nodes for this step."""
+    nodes = rec.extras.pop("compiled_nodes", [])
+    n = rec.num_ops
+    planned = [False] * n
+    random = {(g, name) for g, entry in enumerate(capture.graphs) for name in entry["random"]}
+    for graph, part, name, start, end, _tids, module in nodes:
+        for op in range(start, min(end, n)):
+            if module:
+                rec.ops["module"][op] = module
+            if graph is not None and part == "forward" and (graph, name) not in random:
+                planned[op] = True
+    # A compiled backward is one autograd node that unpacks every saved value at its start, but
+    # the values are read, and recomputed ones rebuilt, inside its graph op by op: each of its
+    # ops is where what it reads is needed (meta.backward_nodes).
+    starts = set(rec.node_starts)
+    for graph, part, _name, start, end, _tids, _module in nodes:
+        if graph is not None and part == "backward":
+            starts.update(range(start, min(end, n)))
+    rec.node_starts[:] = sorted(starts)
+    rec.ops["recomputable"] = [bool(r) and p for r, p in zip(rec.ops["recomputable"], planned, strict=True)]
+    forward = [[g, name, s, e, tids] for g, part, name, s, e, tids, _m in nodes if part == "forward" and g is not None]
+    return {"graphs": capture.graphs, "nodes": forward}
+
+
+def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = None, name: str = "compiled",
+                    steps: int = 2, warmup: int = 1, loop=None, args: dict | None = None, inputs=None,
+                    progress=None):
+    """Record one training step of ``model`` as ``torch.compile`` runs it (``model`` compiled, or
+    eager with ``backend`` given): a :class:`~taichi_plan.trace.Trace` whose ``meta.compiled``
+    says which graphs and nodes its ops are, for :func:`taichi_plan.apply` on the compiled model.
+    ``warmup`` steps compile; then ``steps`` recorded steps (the weights change) must match."""
+    from ..record.api import (CALLER_STEP_DEFINITION, check_calls, check_counts, device_type, dtype_name,
+                              make_step_fn, run_and_record, trace_from_records)
+    from ..record.loop import Loop
+
+    check_counts(steps, warmup)
+    backend = backend_of(model, backend) if compiled_kind(model) else (backend or "inductor")
+    loop = loop or Loop()
+    rec_model, capture = recording_model(model, backend)
+    step = make_step_fn(rec_model, batch, loss_fn, optimizer, f"record_compiled({name!r})", loop)
+    if inputs is None:
+        inputs = [v for v in (batch.values() if isinstance(batch, dict) else
+                              batch if isinstance(batch, list | tuple) else [batch]) if hasattr(v, "untyped_storage")]
+    records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=warmup,
+                             say=progress or (lambda msg: None), recorder_cls=CompiledRecorder)
+    if not capture.graphs:
+        raise WorkloadError(
+            f"record_compiled({name!r}): compile made no graph with a backward (nothing in the model's forward "
+            "needs a gradient, or every op ran eagerly): there is nothing to plan. Record the eager model instead.")
+    compiled = [tag_record(r, capture) for r in records]
+    trace = trace_from_records(records, warmup=warmup, fake=False, loop=loop, meta={
+        "device": device_type(eager_module(model)),
+        "workload": {"name": name, "kind": "python", "args": dict(args or {})},
+        "device_profile": None,
+        "dtype": dtype_name(eager_module(model)),
+        "step_definition": CALLER_STEP_DEFINITION,
+    })
+    kept = trace.meta["kept_step"] - warmup
+    trace.meta["compiled"] = {"backend": backend, **compiled[kept]}
+    return trace
