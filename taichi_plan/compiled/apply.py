@@ -12,7 +12,14 @@ unplanned compiled run. The model object is the user's own, re-pointed in place;
 from __future__ import annotations
 
 from ..errors import PlanError
-from .graphs import compiled_kind, eager_module, graph_signature, make_backend, partition, planned_choice
+from .graphs import (
+    compiled_kind,
+    eager_module,
+    graph_signature,
+    make_backend,
+    partition,
+    planned_choice,
+)
 
 
 def dropped_nodes(plan, trace) -> dict[int, set[str]]:

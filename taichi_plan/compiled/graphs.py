@@ -168,7 +168,9 @@ def make_backend(name: str, partition_fn: Callable, key: str, fw_compiler: Calla
                         "compile with one of those (backend='inductor' is torch.compile's default).")
     if name == "aot_eager":
         from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.debugging import boxed_nop  # aot_eager's own: frees inputs at last use
+        from torch._dynamo.backends.debugging import (
+            boxed_nop,  # aot_eager's own: frees inputs at last use
+        )
 
         compiler = fw_compiler or boxed_nop
         return aot_autograd(fw_compiler=compiler, bw_compiler=compiler, partition_fn=partition_fn,

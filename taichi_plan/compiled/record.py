@@ -17,7 +17,15 @@ import re
 
 from ..errors import WorkloadError
 from ..record.recorder import Recorder
-from .graphs import compiled_kind, eager_module, graph_signature, is_random, make_backend, partition, save_everything
+from .graphs import (
+    compiled_kind,
+    eager_module,
+    graph_signature,
+    is_random,
+    make_backend,
+    partition,
+    save_everything,
+)
 
 GRAPH_KEY = "taichi_plan_graph"
 
@@ -189,8 +197,15 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
     eager with ``backend`` given): a :class:`~taichi_plan.trace.Trace` whose ``meta.compiled``
     says which graphs and nodes its ops are, for :func:`taichi_plan.apply` on the compiled model.
     ``warmup`` steps compile; then ``steps`` recorded steps (the weights change) must match."""
-    from ..record.api import (CALLER_STEP_DEFINITION, check_calls, check_counts, device_type, dtype_name,
-                              make_step_fn, run_and_record, trace_from_records)
+    from ..record.api import (
+        CALLER_STEP_DEFINITION,
+        check_counts,
+        device_type,
+        dtype_name,
+        make_step_fn,
+        run_and_record,
+        trace_from_records,
+    )
     from ..record.loop import Loop
 
     check_counts(steps, warmup)
