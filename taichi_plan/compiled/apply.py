@@ -102,7 +102,10 @@ def _unwrap_plan_error(fn):
 
 def apply_compiled(model, plan, trace):
     """Point the compiled ``model`` at a compile of its module under ``plan``; returns ``model``
-    and a function that undoes it."""
+    and a function that undoes it. Dynamo's caches are reset (``torch._dynamo.reset()``, as on
+    the way back): the module's cached graphs were partitioned without the plan, and dynamo keys
+    them by code object, not by backend; other compiled functions of the process recompile on
+    their next call (time, not behaviour)."""
     import torch
 
     check_plan(plan, trace)
@@ -110,13 +113,13 @@ def apply_compiled(model, plan, trace):
     kind = compiled_kind(model)
     torch._dynamo.reset()  # the module's cached graphs were partitioned without the plan
     if kind == "module":
-        before = (model.dynamo_ctx, model.__dict__.get("forward"), model.__dict__.get("_forward"))
+        before = model.dynamo_ctx
         model.dynamo_ctx = torch.compile(eager_module(model), backend=backend).dynamo_ctx
         model._initialize()
         model.forward = _unwrap_plan_error(model.forward)
 
         def restore():
-            model.dynamo_ctx = before[0]
+            model.dynamo_ctx = before
             model._initialize()
             torch._dynamo.reset()
     else:

@@ -58,20 +58,19 @@ class Capture:
     def __init__(self):
         self.graphs: list[dict] = []
 
-    def add(self, joint_graph, node_info, saved) -> int:
+    def add(self, joint_graph, saved) -> int:
         tensors = [n.name for n in saved if hasattr(n.meta.get("val"), "shape")]
         self.graphs.append({
             "signature": graph_signature(joint_graph),
             "saved": tensors,
             "random": [n.name for n in joint_graph.nodes if is_random(n)],
-            "forward_nodes": sum(1 for n in joint_graph.nodes if n.op == "call_function" and node_info.is_required_fw(n)),
         })
         return len(self.graphs) - 1
 
     def partition_fn(self, joint_module, joint_inputs, **kwargs):
         seen: list[int] = []
         fw, bw = partition(joint_module, joint_inputs, choose=save_everything,
-                           on_graph=lambda g, info, saved: seen.append(self.add(g, info, saved)), **kwargs)
+                           on_graph=lambda g, _info, saved: seen.append(self.add(g, saved)), **kwargs)
         if seen:  # a graph with no backward goes to the default partitioner: nothing to plan
             fw.meta[GRAPH_KEY] = (seen[-1], "forward")
             bw.meta[GRAPH_KEY] = (seen[-1], "backward")
@@ -198,10 +197,8 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
     says which graphs and nodes its ops are, for :func:`taichi_plan.apply` on the compiled model.
     ``warmup`` steps compile; then ``steps`` recorded steps (the weights change) must match."""
     from ..record.api import (
-        CALLER_STEP_DEFINITION,
+        caller_meta,
         check_counts,
-        device_type,
-        dtype_name,
         make_step_fn,
         run_and_record,
         trace_from_records,
@@ -213,9 +210,8 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
     loop = loop or Loop()
     rec_model, capture = recording_model(model, backend)
     step = make_step_fn(rec_model, batch, loss_fn, optimizer, f"record_compiled({name!r})", loop)
-    if inputs is None:
-        inputs = [v for v in (batch.values() if isinstance(batch, dict) else
-                              batch if isinstance(batch, list | tuple) else [batch]) if hasattr(v, "untyped_storage")]
+    if inputs is None:  # what record() registers as the step's inputs (record.api.registered_tensors)
+        inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
     records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=warmup,
                              say=progress or (lambda msg: None), recorder_cls=CompiledRecorder)
     if not capture.graphs:
@@ -223,13 +219,8 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
             f"record_compiled({name!r}): compile made no graph with a backward (nothing in the model's forward "
             "needs a gradient, or every op ran eagerly): there is nothing to plan. Record the eager model instead.")
     compiled = [tag_record(r, capture) for r in records]
-    trace = trace_from_records(records, warmup=warmup, fake=False, loop=loop, meta={
-        "device": device_type(eager_module(model)),
-        "workload": {"name": name, "kind": "python", "args": dict(args or {})},
-        "device_profile": None,
-        "dtype": dtype_name(eager_module(model)),
-        "step_definition": CALLER_STEP_DEFINITION,
-    })
+    trace = trace_from_records(records, warmup=warmup, fake=False, loop=loop,
+                               meta=caller_meta(eager_module(model), name, args, None))
     kept = trace.meta["kept_step"] - warmup
     trace.meta["compiled"] = {"backend": backend, **compiled[kept]}
     return trace

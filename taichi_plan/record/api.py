@@ -527,13 +527,19 @@ def record_step(model, optimizer, step_fn: Callable[[], None], *, inputs=(), loo
     records = run_and_record(model, optimizer, step_fn, inputs, loop=loop, steps=steps, warmup=warmup,
                              say=progress or (lambda msg: None))
     check_calls(records[-1], loop, where)
-    return trace_from_records(records, warmup=warmup, fake=False, loop=loop, meta={
+    return trace_from_records(records, warmup=warmup, fake=False, loop=loop,
+                              meta=caller_meta(model, name, args, device_profile))
+
+
+def caller_meta(model, name: str, args: dict | None, device_profile: str | None) -> dict:
+    """The meta of a trace of a step the caller wrote (:func:`record_step`, a compiled step)."""
+    return {
         "device": device_type(model),
         "workload": {"name": name, "kind": "python", "args": dict(args or {})},
         "device_profile": device_profile,
         "dtype": dtype_name(model),
         "step_definition": CALLER_STEP_DEFINITION,
-    })
+    }
 
 
 def check_calls(rec: StepRecord, loop: Loop, where: str) -> None:
