@@ -49,7 +49,9 @@ def test_compiled_plan_measures_as_predicted(tmp_path):
     peak, grads = _measure(planned, b, lf, o)
     predicted = plan.predicted["planned_peak_bytes"]
     assert abs(peak / predicted - 1) <= 0.03, (peak, predicted)
-    assert abs(base_peak / plan.predicted["baseline_peak_bytes"] - 1) <= 0.03
+    # The trace's baseline saves every value the backward reads; compile's own partitioner
+    # recomputes some of them, so the unplanned compiled step peaks lower than that.
+    assert base_peak <= plan.predicted["baseline_peak_bytes"]
     assert peak < 0.8 * base_peak
     for k in base_grads:  # same ops, same order of their results: bitwise on CPU
         assert torch.equal(base_grads[k], grads[k]), k
@@ -64,3 +66,79 @@ def test_compiled_plan_refused_on_eager_model(tmp_path):
     plan.trace["path"] = plan.trace["path_absolute"] = str(tmp_path / "t")
     with pytest.raises(taichi_plan.TaichiError, match="compiled model only"):
         taichi_plan.apply(_build()[0], plan)
+
+
+class _Broken(torch.nn.Module):
+    """Four residual MLP blocks with a graph break between the second and the third: compile
+    runs two graphs (and the eager code of the break between them)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)) for _ in range(4))
+
+    def forward(self, x):
+        x = x + torch.tanh(self.blocks[0](x))
+        x = x + torch.tanh(self.blocks[1](x))
+        torch._dynamo.graph_break()
+        x = x + torch.tanh(self.blocks[2](x))
+        return x + torch.tanh(self.blocks[3](x))
+
+
+def _build_broken(state=None):
+    torch.manual_seed(0)
+    model = _Broken()
+    if state is not None:
+        model.load_state_dict(state)
+    return model, {"x": torch.randn(256, 64)}, (lambda out, batch: out.square().mean()), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _compile(model, how):
+    if how == "method":
+        model.compile(backend="aot_eager")
+        return model
+    return torch.compile(model, backend="aot_eager")
+
+
+@pytest.mark.parametrize("build,how,graphs", [(_build, "method", 1), (_build_broken, "module", 2)],
+                         ids=["gpt2-model.compile", "graph-break"])
+def test_compiled_plan_other_forms(tmp_path, build, how, graphs):
+    """model.compile() (the module itself runs compiled) and a model with a graph break (two
+    graphs, one budget) plan, measure and differentiate as torch.compile(model) does."""
+    model, batch, loss_fn, opt = build()
+    state = copy.deepcopy(model.state_dict())
+    trace = record_compiled(_compile(model, how), batch, loss_fn, opt, backend="aot_eager", steps=1)
+    assert len(trace.meta["compiled"]["graphs"]) == graphs
+    write_trace(trace, tmp_path / "t")
+    plan = solve(trace, int(baseline_peak(trace)[0] * 0.8), time_limit=10)
+    assert plan.recompute
+    drops = {int(r.tensor) for r in plan.recompute}
+    assert any(drops.intersection(tids) for _g, _name, _start, _end, tids in trace.meta["compiled"]["nodes"])
+    plan.trace["path"] = plan.trace["path_absolute"] = str(tmp_path / "t")
+    m, b, lf, o = build(state)
+    base_peak, base_grads = _measure(_compile(m, how), b, lf, o)
+    m, b, lf, o = build(state)
+    planned = taichi_plan.apply(_compile(m, how), plan)
+    peak, grads = _measure(planned, b, lf, o)
+    assert abs(peak / plan.predicted["planned_peak_bytes"] - 1) <= 0.03, (peak, plan.predicted)
+    assert peak < base_peak
+    for k in base_grads:
+        assert torch.equal(base_grads[k], grads[k]), k
+    taichi_plan.finish(planned)
+
+
+@pytest.mark.parametrize("how", ["module", "method"])
+def test_compile_after_eager_apply_is_refused(tmp_path, how):
+    """An eager plan, then torch.compile / model.compile(): a sentence, not a silently unplanned run."""
+    from taichi_plan.record import record
+
+    model, batch, loss_fn, opt = _build_broken()
+    trace = record(model, batch, loss_fn, opt, steps=1)
+    write_trace(trace, tmp_path / "t")
+    plan = solve(trace, int(baseline_peak(trace)[0] * 0.8), time_limit=5)
+    plan.trace["path"] = plan.trace["path_absolute"] = str(tmp_path / "t")
+    m, b, lf, o = _build_broken()
+    planned = _compile(taichi_plan.apply(m, plan), how)
+    with pytest.raises(taichi_plan.TaichiError, match="then compiled"):
+        make_step_fn(planned, b, lf, o)()
+    taichi_plan.finish(m)

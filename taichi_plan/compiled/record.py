@@ -59,10 +59,9 @@ class Capture:
         self.graphs: list[dict] = []
 
     def add(self, joint_graph, saved) -> int:
-        tensors = [n.name for n in saved if hasattr(n.meta.get("val"), "shape")]
         self.graphs.append({
             "signature": graph_signature(joint_graph),
-            "saved": tensors,
+            "saved": [n.name for n in saved if hasattr(n.meta.get("val"), "shape")],
             "random": [n.name for n in joint_graph.nodes if is_random(n)],
         })
         return len(self.graphs) - 1
@@ -152,14 +151,23 @@ def _backend_name(ctx) -> str | None:
 
 def recording_model(model, backend: str):
     """``model``'s module compiled again for recording, as ``model`` is compiled (or, for an
-    eager ``model``, as ``torch.compile(model, backend=backend)`` would be), and the capture."""
+    eager ``model``, as ``torch.compile(model, backend=backend)`` would be): the module to
+    call, the capture, and a function that puts a ``model.compile()``'d model back."""
     import torch
 
     capture = Capture()
     rec_backend = make_backend(backend, capture.partition_fn, "record", fw_compiler=interpreting_compiler)
-    inner = eager_module(model)
     torch._dynamo.reset()  # our compile must not reuse a cache entry of the user's
-    return torch.compile(inner, backend=rec_backend), capture
+    if compiled_kind(model) == "method":  # m.compile(): record through a wrapper, as torch.compile(m)
+        before = model._compiled_call_impl  # (the recorder's module tracking sees m entered once)
+        model._compiled_call_impl = None
+
+        def restore():
+            model._compiled_call_impl = before
+            torch._dynamo.reset()
+
+        return torch.compile(model, backend=rec_backend), capture, restore
+    return torch.compile(eager_module(model), backend=rec_backend), capture, torch._dynamo.reset
 
 
 def tag_record(rec, capture: Capture) -> dict:
@@ -208,12 +216,15 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
     check_counts(steps, warmup)
     backend = backend_of(model, backend) if compiled_kind(model) else (backend or "inductor")
     loop = loop or Loop()
-    rec_model, capture = recording_model(model, backend)
+    rec_model, capture, restore = recording_model(model, backend)
     step = make_step_fn(rec_model, batch, loss_fn, optimizer, f"record_compiled({name!r})", loop)
     if inputs is None:  # what record() registers as the step's inputs (record.api.registered_tensors)
         inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
-    records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=warmup,
-                             say=progress or (lambda msg: None), recorder_cls=CompiledRecorder)
+    try:
+        records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=warmup,
+                                 say=progress or (lambda msg: None), recorder_cls=CompiledRecorder)
+    finally:
+        restore()
     if not capture.graphs:
         raise WorkloadError(
             f"record_compiled({name!r}): compile made no graph with a backward (nothing in the model's forward "

@@ -564,6 +564,23 @@ def _sharded_as(live: dict, planned: dict | None, recorded: dict | None) -> bool
     return True
 
 
+def refuse_under_compile() -> None:
+    """Refuse to run an eager plan in a model compiled after :func:`apply`
+    (``torch.compile(planned)``, ``planned.compile()``): dynamo runs a module's own hooks outside
+    its graph but with its frame callback set, and would trace the planned calls' forwards
+    without the runtime, silently unplanned or half planned."""
+    import torch
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback
+
+    if torch.compiler.is_compiling() or get_eval_frame_callback() not in (None, False):
+        raise PlanError(
+            "This model was planned by taichi_plan.apply() for eager execution and then compiled "
+            "(torch.compile or model.compile() after apply()): a plan of the eager op stream does not hold for the "
+            "graphs compile runs. Compile first, record the compiled model (taichi-plan record --compile BACKEND, "
+            "or taichi_plan.compiled.record_compiled), solve that trace and apply its plan to the compiled model; "
+            "or train the planned model without compiling it.")
+
+
 def install(model, rt, optimizer=None) -> list:
     """Hook ``rt`` (a :class:`~taichi_plan.replay.runtime.PlanRuntime`) onto ``model``'s calls
     (and ``optimizer``'s steps); returns the hook handles (``.remove()`` each to undo)."""
@@ -576,6 +593,7 @@ def install(model, rt, optimizer=None) -> list:
         if module is not owner():  # a copy of the model (copy.deepcopy) has these hooks too: it is not planned
             running.append((False, False))
             return
+        refuse_under_compile()
         planned = rt.begin_call(module, args, kwargs)
         running.append((planned, rt.counted_now))
 
