@@ -142,3 +142,21 @@ def test_compile_after_eager_apply_is_refused(tmp_path, how):
     with pytest.raises(taichi_plan.TaichiError, match="then compiled"):
         make_step_fn(planned, b, lf, o)()
     taichi_plan.finish(m)
+
+
+def test_compile_cli_refusals(tmp_path):
+    """--compile with a fake or sharded recording, and replay of a compiled plan: a sentence each."""
+    from click.testing import CliRunner
+
+    from taichi_plan.cli import main
+    from taichi_plan.replay.measure import workload_of
+
+    runner = CliRunner()
+    for extra in (["--fake"], ["--ddp", "2"]):
+        res = runner.invoke(main, ["record", "--model", "mlp", "--compile", "aot_eager", *extra, "-o", str(tmp_path / "t")])
+        assert res.exit_code != 0 and "--compile records a real step of one process" in res.output, res.output
+        assert not (tmp_path / "t").exists()
+    model, batch, loss_fn, opt = _build()
+    trace = record_compiled(model, batch, loss_fn, opt, backend="aot_eager", steps=1)
+    with pytest.raises(taichi_plan.TaichiError, match="replay does not compile"):
+        workload_of(trace)

@@ -64,6 +64,10 @@ from ._common import Status, handle_errors, size_options
               help="With --ddp: DDP's bucket_cap_mb (MiB per gradient bucket). [default: DDP's, 25]")
 @click.option("--gradient-as-bucket-view", is_flag=True,
               help="With --ddp: DDP(gradient_as_bucket_view=True): the gradients are views of DDP's buckets.")
+@click.option("--compile", "compile_backend", type=click.Choice(["inductor", "aot_eager"]), default=None,
+              help="Record the step as torch.compile(model, backend=...) runs it: the ops of the graphs compile runs "
+                   "(partitioned by AOTAutograd), for a plan that taichi_plan.apply() runs on the compiled model. "
+                   "Real runs of one process only.")
 @click.option("-o", "--output", type=click.Path(path_type=Path), default=None,
               help="Trace directory. Default: traces/<model>-b<batch>...")
 @click.option("--force", is_flag=True, help="Replace an existing trace directory (only a trace, never other files).")
@@ -71,7 +75,7 @@ from ._common import Status, handle_errors, size_options
 def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer,
             no_kv_cache, fake, device_profile, cpu_kernels, steps, micro_batches, forwards, autocast, clip_grad_norm, keep_grads,
             fsdp, no_reshard_after_forward, reshard_to, fsdp_param_dtype, fsdp_reduce_dtype, replicas, ddp, bucket_cap_mb,
-            gradient_as_bucket_view, output, force) -> None:
+            gradient_as_bucket_view, compile_backend, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
     from ..errors import UsageError
     from ..record import Loop, get_workload, record_workload
@@ -109,10 +113,14 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         raise UsageError("--ddp and --fsdp are two layouts of a job: give one of them.")
     if ddp is None and (bucket_cap_mb is not None or gradient_as_bucket_view):
         raise UsageError("--bucket-cap-mb and --gradient-as-bucket-view are DDP's settings: add --ddp N.")
+    if compile_backend is not None and (fake or fsdp is not None or ddp is not None):
+        raise UsageError("--compile records a real step of one process as torch.compile runs it: leave out --fake, "
+                         "--fsdp and --ddp (taichi-plan does not plan compiled sharded or fake steps yet).")
     if output is None:
         output = Path("traces") / (workload.default_output_name() + (f"-fsdp{fsdp}" if fsdp else "")
                                    + (f"-hsdp{replicas}" if replicas and replicas > 1 else "")
-                                   + (f"-ddp{ddp}" if ddp else "") + ("-fake" if fake else ""))
+                                   + (f"-ddp{ddp}" if ddp else "") + ("-fake" if fake else "")
+                                   + (f"-{compile_backend}" if compile_backend else ""))
     check_trace_output(output, force, option="-o")
 
     with Status('recording') as status:
@@ -130,6 +138,13 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
             trace = record_ddp_workload(workload, ddp, bucket_cap_mb=bucket_cap_mb,
                                         gradient_as_bucket_view=gradient_as_bucket_view, fake=fake,
                                         device_profile=device_profile, steps=steps, loop=loop, progress=status.update)
+        elif compile_backend is not None:
+            from ..compiled import record_compiled
+
+            model, batch, loss_fn, opt = workload.build(False)
+            trace = record_compiled(model, batch, loss_fn, opt, backend=compile_backend, name=workload.name,
+                                    steps=steps, loop=loop, args=workload.args, progress=status.update)
+            trace.meta["device_profile"] = device_profile
         else:
             trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                     progress=status.update, gpu_kernels=not cpu_kernels)

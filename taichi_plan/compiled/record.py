@@ -14,6 +14,7 @@ tensors it made: what :mod:`.apply` turns a plan's drops into.
 from __future__ import annotations
 
 import re
+import warnings
 
 from ..errors import WorkloadError
 from ..record.recorder import Recorder
@@ -221,8 +222,12 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
     if inputs is None:  # what record() registers as the step's inputs (record.api.registered_tensors)
         inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
     try:
-        records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=warmup,
-                                 say=progress or (lambda msg: None), recorder_cls=CompiledRecorder)
+        with warnings.catch_warnings():
+            # the recorder tracks modules with global hooks, which dynamo warns also fire for the
+            # torch.compile(module) wrapper: a wrapper the recording made, not the user's
+            warnings.filterwarnings("ignore", message="Using `torch.compile\\(module\\)` when there are global hooks")
+            records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=warmup,
+                                     say=progress or (lambda msg: None), recorder_cls=CompiledRecorder)
     finally:
         restore()
     if not capture.graphs:

@@ -54,6 +54,11 @@ STAT_FACTOR = 2.0  # per-chunk dropout: planned-vs-unplanned distance <= this x 
 def workload_of(trace):
     from ..record import get_workload
 
+    if trace.meta.get("compiled") is not None:
+        raise PlanError(
+            "This plan is of a torch.compile'd step, and replay does not compile the workload it rebuilds yet: "
+            "run the plan in your loop, taichi_plan.apply(torch.compile(model), plan), and measure its peak "
+            "with taichi_plan.compiled.compiled_peak (README, \"Compiled training\").")
     wl = trace.meta.get("workload") or {}
     kind, name, args = wl.get("kind"), wl.get("name"), dict(wl.get("args") or {})
     if trace.meta.get("mode") == "imported" or kind not in ("builtin", "entry"):
