@@ -19,6 +19,7 @@ from rich.progress import Progress
 
 from benchmarks import (
     bench_bounds,
+    bench_compiled,
     bench_floor,
     bench_fsdp,
     bench_graphs,
@@ -276,6 +277,10 @@ def main() -> None:
         progress.update(task, description="maxbatch")
         sections.append(_guarded("Max batch", lambda: maxbatch_section(
             lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))))
+
+        # 6b. Compiled training against PyTorch's activation_memory_budget.
+        progress.update(task, description="compiled")
+        sections.append(_guarded("Compiled training", bench_compiled.section))
 
         # 7. Sharded: rank 0 of FSDP2 jobs (7B at 8 ranks, 70B at 64).
         progress.update(task, description="sharded")
