@@ -81,7 +81,7 @@ def run_model(label: str, progress=lambda msg: None) -> dict:
         m.load_state_dict(state)
         return m, b, lf, o
 
-    variants: dict[str, dict] = {}  # name -> {"step": fn, "parts": (m, b, lf, o), ...}
+    variants: dict[str, dict] = {}  # name -> {"step", "model", "opt", "batch", and what the table shows}
 
     def add(key, compiled, parts, **info):
         m, b, lf, o = parts
@@ -111,7 +111,7 @@ def run_model(label: str, progress=lambda msg: None) -> dict:
             plans[f"ours @ amb {budget}"] = solve(trace, int(variants[f"amb {budget}"]["peak"]), time_limit=20)
         except InfeasibleBudgetError as e:
             plans[f"ours @ amb {budget}"] = f"no plan: least budget {e.min_budget_bytes}"
-    try:
+    try:  # solve's infeasible path finds the least budget it is known to meet
         solve(trace, 1, time_limit=5)
     except InfeasibleBudgetError as e:
         plans["ours least"] = solve(trace, int(e.min_budget_bytes), time_limit=20)

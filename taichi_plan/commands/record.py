@@ -143,8 +143,8 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
 
             model, batch, loss_fn, opt = workload.build(False)
             trace = record_compiled(model, batch, loss_fn, opt, backend=compile_backend, name=workload.name,
-                                    steps=steps, loop=loop, args=workload.args, progress=status.update)
-            trace.meta["device_profile"] = device_profile
+                                    steps=steps, loop=loop, args=workload.args, device_profile=device_profile,
+                                    progress=status.update)
         else:
             trace = record_workload(workload, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                     progress=status.update, gpu_kernels=not cpu_kernels)

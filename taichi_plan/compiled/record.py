@@ -200,11 +200,12 @@ def tag_record(rec, capture: Capture) -> dict:
 
 def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = None, name: str = "compiled",
                     steps: int = 2, warmup: int = 1, loop=None, args: dict | None = None, inputs=None,
-                    progress=None):
+                    device_profile: str | None = None, progress=None):
     """Record one training step of ``model`` as ``torch.compile`` runs it (``model`` compiled, or
     eager with ``backend`` given): a :class:`~taichi_plan.trace.Trace` whose ``meta.compiled``
     says which graphs and nodes its ops are, for :func:`taichi_plan.apply` on the compiled model.
-    ``warmup`` steps compile; then ``steps`` recorded steps (the weights change) must match."""
+    ``warmup`` steps compile; then ``steps`` recorded steps (the weights change) must match.
+    ``device_profile``: metadata only, as for any real recording."""
     from ..record.api import (
         caller_meta,
         check_counts,
@@ -236,7 +237,10 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
             "needs a gradient, or every op ran eagerly): there is nothing to plan. Record the eager model instead.")
     compiled = [tag_record(r, capture) for r in records]
     trace = trace_from_records(records, warmup=warmup, fake=False, loop=loop,
-                               meta=caller_meta(eager_module(model), name, args, None))
+                               meta=caller_meta(eager_module(model), name, args, device_profile))
+    # No replay runtime runs beside a compiled step (the partitioner's backward graph holds the
+    # recomputation): its rates would charge the plan for checks and recipes that never run.
+    trace.meta.pop("runtime_overhead", None)
     kept = trace.meta["kept_step"] - warmup
     trace.meta["compiled"] = {"backend": backend, **compiled[kept]}
     return trace

@@ -79,10 +79,9 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
     rerun = rerun_ops(parted, dec.drops) if dec.drops else set()
     seen = region_ops(problem.trace, needed_ops(parted, dec.drops, rerun, early_triggers(parted, sim)),
                       checkpointed_modules(dec.partitions)) if dec.drops else {}
+    overhead = runtime_overhead_s(problem, dec.drops, dec.partitions, rerun,
+                                  [op for g in sim.groups.values() for op in g.ops], seen=seen)
     compiled = problem.trace.meta.get("compiled") is not None
-    # Under compile no runtime runs: the partitioner's backward graph holds the recomputation.
-    overhead = 0.0 if compiled else runtime_overhead_s(problem, dec.drops, dec.partitions, rerun,
-                                                       [op for g in sim.groups.values() for op in g.ops], seen=seen)
     notes = list(dec.notes) + (["a torch.compile'd step: drops only; partitions and the optimizer options are not "
                                 "run under compile yet (docs/planner.md, \"Compiled training\")"] if compiled else [])
     return Plan(
