@@ -45,8 +45,53 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["Offload", "OffloadSchedule", "OffloadTiming", "check_offloads", "issue_points", "offload_candidates",
+__all__ = ["Offload", "OffloadConfig", "OffloadSchedule", "allow_offload", "host_link_of", "OffloadTiming", "check_offloads", "issue_points", "offload_candidates",
            "schedule_offloads"]
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """A solve that may offload: the host link its copies run on and the host bytes they may hold."""
+
+    host_link_bytes_per_s: float
+    host_budget_bytes: int | None = None  # None: no bound
+
+    def to_dict(self) -> dict:
+        return {"host_link_bytes_per_s": float(self.host_link_bytes_per_s), "host_budget_bytes": self.host_budget_bytes}
+
+
+def host_link_of(trace, given: float | None = None) -> float:
+    """The host link an offload of ``trace`` is costed on: ``given`` (bytes/s), else the trace's
+    device profile's (``meta.device_profile``); a :class:`~taichi_plan.errors.UsageError`
+    when neither is known."""
+    from .devices import get_profile
+    from .errors import UsageError
+
+    if given is not None:
+        if not given > 0:
+            raise UsageError(f"The host link bandwidth must be above 0 bytes/s, not {given!r}.")
+        return float(given)
+    name = trace.meta.get("device_profile")
+    if name:
+        bw = get_profile(name).host_link_bytes_per_s
+        if bw > 0:
+            return float(bw)
+    raise UsageError("Offload needs the host link bandwidth its copies run at, and this trace names no device "
+                     "profile (record it with --device-profile, or give --host-link GB/s).")
+
+
+def allow_offload(problem, config: OffloadConfig | None):
+    """``problem`` with offload among the planners' options (``config``) or not; what else the
+    instance carries goes along (as :func:`taichi_plan.partition.allow_random`)."""
+    import dataclasses
+
+    if problem.offload == config:
+        return problem
+    out = dataclasses.replace(problem, offload=config)
+    for key, value in vars(problem).items():
+        if not key.startswith("_") and key not in vars(out):
+            setattr(out, key, value)
+    return out
 
 
 @dataclass(frozen=True)

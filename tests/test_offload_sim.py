@@ -10,7 +10,7 @@ from taichi_plan.offload import Offload, offload_candidates
 from taichi_plan.plan import peak_from_schedule
 from taichi_plan.problem import build_problem
 from taichi_plan.simulate import Drop, build_schedule, simulate
-from tests.synthetic import TraceBuilder
+from synthetic import TraceBuilder
 
 
 def tiny(big_b: bool = False, backward_s: float = 1.0):

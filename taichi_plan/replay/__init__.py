@@ -304,12 +304,15 @@ def _simulated(plan: Plan, problem) -> tuple | None:
     """(drops, simulation, problem with the partitions applied) of ``plan``'s drops on
     ``problem`` (the plan's view of its trace); None when it drops nothing."""
     from ..simulate import simulate_plan
-    from ..solve.result import drops_from_plan
+    from ..solve.result import drops_from_plan, offloads_from_plan, plan_problem
 
     drops = drops_from_plan(problem, plan)
-    if not drops:
+    offloads = offloads_from_plan(problem, plan)
+    if not drops and not offloads:
         return None
-    sim, parted = simulate_plan(problem, drops, plan.partitions)
+    problem = plan_problem(problem, plan)
+    link = problem.offload.host_link_bytes_per_s if problem.offload is not None else None
+    sim, parted = simulate_plan(problem, drops, plan.partitions, offloads, link)
     return drops, sim, parted
 
 
