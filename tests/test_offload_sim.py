@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from synthetic import TraceBuilder
 
 from taichi_plan.errors import PlanError
 from taichi_plan.offload import Offload, offload_candidates
 from taichi_plan.plan import peak_from_schedule
 from taichi_plan.problem import build_problem
 from taichi_plan.simulate import Drop, build_schedule, simulate
-from synthetic import TraceBuilder
 
 
 def tiny(big_b: bool = False, backward_s: float = 1.0):

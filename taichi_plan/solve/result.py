@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
+from ..offload import Offload, OffloadTiming
 from ..optimizer_plan import describe as describe_optimizer
 from ..optimizer_plan import recorded_problem, recorded_trace
 from ..overhead import runtime_overhead_s
 from ..partition import find_span, partition_cost, partition_savings, random_draws
-from ..offload import Offload, OffloadTiming
 from ..plan import Offloaded, Partition, Plan, Recompute
 from ..prefetch import describe as describe_prefetch
 from ..problem import Problem
