@@ -205,9 +205,10 @@ def issue_points(problem) -> np.ndarray:
     return out
 
 
-def trigger_tensor(problem, r: int, exclude=()) -> int | None:
-    """A saved forward tensor (index) whose last unpack is node ``r``'s, not in ``exclude``
-    (the plan's dropped or offloaded tensors), the smallest index; None if there is none."""
+def trigger_tensor(problem, r: int, call: int | None = None) -> int | None:
+    """A saved forward tensor (index) whose last unpack is node ``r``'s (made in model call
+    ``call``, if given), the smallest index; None if there is none. The runtime issues a copy
+    back there when autograd unpacks it (:func:`issue_points`)."""
     phase = problem.op_phase
     unpack = problem.unpack_at
     best = None
@@ -216,8 +217,8 @@ def trigger_tensor(problem, r: int, exclude=()) -> int | None:
             continue
         for u in problem.op_reads[o].tolist():
             p, e = int(problem.producer[u]), int(problem.end[u])
-            if (u in exclude or p < 0 or phase[p] != "forward" or not 0 <= e < problem.num_ops
-                    or int(unpack[e]) != r or problem.op_call[p] < 0):
+            if (p < 0 or phase[p] != "forward" or not 0 <= e < problem.num_ops or int(unpack[e]) != r
+                    or problem.op_call[p] < 0 or (call is not None and int(problem.op_call[p]) != call)):
                 continue
             best = u if best is None else min(best, u)
     return best
