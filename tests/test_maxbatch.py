@@ -372,8 +372,8 @@ def test_offload_row_at_least_ours_and_its_answer_fits():
     their copies hide behind compute, so ours with offload fits at least ours' batch (it starts
     there), and at its answer the offload plan fits within the overhead and one batch above it
     does not."""
-    from taichi_plan.offload import OffloadConfig, allow_offload
     from taichi_plan.maxbatch import render_max_batch
+    from taichi_plan.offload import OffloadConfig, allow_offload
 
     budget, overhead, off = 2000, 30.0, OffloadConfig(1000.0)
     res = max_batch(chain_at, budget, method="heuristic", max_overhead_pct=overhead, time_limit=5, limit=1000,
