@@ -70,3 +70,19 @@ def test_replay_command_reports_an_offload_plan(solved, tmp_path):
     assert "computed, not measured" in r["offload"]["note"]
     # measured: the planned step and the host copies in one memory, within budget + host peak
     assert r["within_budget"] and r["measured_peak_bytes"] <= plan.budget_bytes + plan.predicted["host_peak_bytes"]
+
+
+def test_a_plan_whose_copies_do_not_fit_the_trace_is_refused(solved, tmp_path):
+    """Guards: an offload moved off its tensor's forward -> backward gap is refused when the plan
+    is applied (the simulator checks every offload against the trace), before any step runs."""
+    import dataclasses
+
+    import taichi_plan
+    from taichi_plan.errors import PlanError
+
+    trace, plan = solved
+    bad = dataclasses.replace(plan, offloads=[dataclasses.replace(plan.offloads[0], after=plan.offloads[0].op - 1),
+                                              *plan.offloads[1:]])
+    model, _x, _loss_fn, opt = get_workload(entry=ENTRY).build(False)
+    with pytest.raises(PlanError, match="not a forward -> backward gap"):
+        taichi_plan.apply(model, bad, trace=trace, optimizer=opt)
