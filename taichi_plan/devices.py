@@ -51,6 +51,9 @@ class DeviceProfile:
         link it crosses (within one node up to ``devices_per_node`` devices, else between nodes)."""
         return self.intra_node_bytes_per_s if world_size <= self.devices_per_node else self.inter_node_bytes_per_s
     compute_capability: tuple[int, int] | None = None  # CUDA sm version; None: not a CUDA GPU
+    # Host link bandwidth per direction (bytes/s) an offload's copies run at: the *effective*
+    # rate of pinned-memory copies over the card's PCIe link, or NVLink-C2C on a Grace Hopper.
+    host_link_bytes_per_s: float = 0.0
 
     def flops_per_s(self, dtype: str) -> float:
         """Peak dense FLOP/s for ``dtype`` (``fp32``/``bf16``/``fp16``/``tf32``; torch names too)."""
@@ -96,14 +99,38 @@ _LINKS = {
                   50, "NVIDIA DGX H100 datasheet: 8x ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU (50 GB/s)"),
     "h200-141gb": (450, "NVIDIA H200 Tensor Core GPU datasheet (SXM): " + _NVLINK.format(both=900, each=450),
                    50, "NVIDIA DGX H200 datasheet: 8x ConnectX-7 400 Gb/s NDR InfiniBand, one per GPU (50 GB/s)"),
+    "gh200-96gb": (450, "NVIDIA GH200 Grace Hopper Superchip datasheet: NVLink 900 GB/s (both directions), 450 GB/s "
+                        "each way between GPUs", 12.5, _NO_SYSTEM),
     "rtx-4090-24gb": (32, "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090): PCIe Gen4 x16, 64 GB/s "
                           "(both directions), 32 GB/s each way (no NVLink)", 12.5, _NO_SYSTEM),
 }
 
 
+# Host link per direction (GB/s effective, pinned memory) and where it is from. PCIe figures are the
+# link's raw rate per direction less the ~20% that packet headers and flow control take in measured
+# pinned copies (CUDA's bandwidthTest reaches 12-13 GB/s on PCIe 3 x16, ~25 on Gen4, ~50 on Gen5).
+_PCIE = "PCIe Gen{gen} x16: {raw} GB/s raw per direction, ~{eff} GB/s effective for pinned copies (about 80%)"
+_HOST_LINKS = {
+    "v100-16gb": (12, "NVIDIA Tesla V100 datasheet: host interface " + _PCIE.format(gen=3, raw="15.75", eff=12)),
+    "t4-16gb": (12, "NVIDIA T4 Tensor Core GPU datasheet: " + _PCIE.format(gen=3, raw="15.75", eff=12)),
+    "a100-40gb": (25, "NVIDIA A100 Tensor Core GPU datasheet: " + _PCIE.format(gen=4, raw="31.5", eff=25)),
+    "a100-80gb": (25, "NVIDIA A100 Tensor Core GPU datasheet: " + _PCIE.format(gen=4, raw="31.5", eff=25)),
+    "h100-80gb": (50, "NVIDIA H100 Tensor Core GPU datasheet: PCIe Gen5 128 GB/s (both directions); "
+                      + _PCIE.format(gen=5, raw=63, eff=50)),
+    "h200-141gb": (50, "NVIDIA H200 Tensor Core GPU datasheet: PCIe Gen5 128 GB/s (both directions); "
+                       + _PCIE.format(gen=5, raw=63, eff=50)),
+    "rtx-4090-24gb": (25, "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090): "
+                          + _PCIE.format(gen=4, raw="31.5", eff=25)),
+    "gh200-96gb": (450, "NVIDIA GH200 Grace Hopper Superchip datasheet: NVLink-C2C 900 GB/s (both directions), "
+                        "450 GB/s each way between the Grace CPU's memory and the H100"),
+}
+
+
 def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None, cc=None):
     intra_gbs, intra_note, inter_gbs, inter_note = _LINKS[name]
+    host_gbs, host_note = _HOST_LINKS[name]
     sources = {
+        "host_link_bytes_per_s": host_note,
         "intra_node_bytes_per_s": intra_note,
         "inter_node_bytes_per_s": inter_note,
         "memory_bytes": f"{sheet}: {mem_note}",
@@ -126,6 +153,7 @@ def _profile(name, title, mem_gib, flops_tf, bw_gbs, sheet, mem_note, extra=None
         intra_node_bytes_per_s=intra_gbs * GIGA,
         inter_node_bytes_per_s=inter_gbs * GIGA,
         compute_capability=cc,
+        host_link_bytes_per_s=host_gbs * GIGA,
     )
 
 
@@ -188,6 +216,18 @@ PROFILES: dict[str, DeviceProfile] = {
             cc=(9, 0),
         ),
         _profile(
+            "gh200-96gb", "NVIDIA GH200 Grace Hopper Superchip (H100 96GB)", 96,
+            {"fp32": 67.0, "tf32": 494.7, "fp16": 989.4, "bf16": 989.4}, 4000,
+            "NVIDIA GH200 Grace Hopper Superchip datasheet", "96 GB HBM3 on the GPU",
+            {"peak_flops.tf32": "NVIDIA GH200 Grace Hopper Superchip datasheet: 989 TFLOPS TF32 tensor core with "
+                                "sparsity, halved to the dense 494.7",
+             "peak_flops.fp16": "NVIDIA GH200 Grace Hopper Superchip datasheet: 1,979 TFLOPS FP16 tensor core with "
+                                "sparsity, halved to the dense 989.4",
+             "peak_flops.bf16": "NVIDIA GH200 Grace Hopper Superchip datasheet: 1,979 TFLOPS BF16 tensor core with "
+                                "sparsity, halved to the dense 989.4"},
+            cc=(9, 0),
+        ),
+        _profile(
             "rtx-4090-24gb", "NVIDIA GeForce RTX 4090 24GB", 24,
             {"fp32": 82.6, "tf32": 82.6, "fp16": 165.2, "bf16": 165.2}, 1008,
             "NVIDIA Ada Lovelace GPU architecture whitepaper (RTX 4090)", "24 GB GDDR6X",
@@ -222,6 +262,7 @@ def profiles_table() -> list[dict]:
                 "memory_gib": p.memory_bytes / GIB,
                 **{f"{dt}_tflops": (p.peak_flops[dt] / TERA if dt in p.peak_flops else None) for dt in DTYPES},
                 "bandwidth_gbs": p.bandwidth_bytes_per_s / GIGA,
+                "host_link_gbs": p.host_link_bytes_per_s / GIGA,
                 "launch_us": p.launch_overhead_s * 1e6,
             }
         )

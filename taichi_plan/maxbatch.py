@@ -11,6 +11,11 @@ of the step (33% is about one extra forward):
   extra compute is within the overhead (on sharded traces, :func:`taichi_plan.solve.solve`'s
   plan, which also chooses the FSDP units' resharding).
 
+With ``offload`` (an :class:`~taichi_plan.offload.OffloadConfig`), ours is searched a second
+time with offload allowed (the row ``<method>+offload``: :mod:`taichi_plan.solve.offload_plan`),
+from ours' answer (a plan without offload is one of its plans), its extra compute counting the
+copies' stalls and its plans held to the host budget.
+
 A planner whose search ends on a batch above which its plan fits the budget but costs more
 than the overhead is *excluded by the overhead cap* there; each result says so
 (``PlannerResult.stop``, :func:`exclusion`), with the batch, the plan's extra compute and
@@ -41,11 +46,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from .errors import InfeasibleBudgetError, UsageError
+from .offload import OffloadConfig, allow_offload
 from .partition import floor_bytes
 from .problem import Problem, build_problem, min_live_bytes
 from .reshard import reshard_units
-from .simulate import simulate_plan
 from .solve import OURS, run_method, solve
+from .solve.result import Decisions, host_fits, simulate_plan_of
 from .trace import Trace
 from .units import format_bytes
 
@@ -156,9 +162,18 @@ def fake_recorder(model: str | None = None, entry: str | None = None, *, device_
     return record
 
 
+OFFLOAD_SUFFIX = "+offload"  # ours searched again with offload allowed: "auto+offload"
+
+
 def probe_planner(problem: Problem, batch: int, budget_bytes: int, planner: str, max_overhead_pct: float, *,
-                  time_limit: float = DEFAULT_TIME_LIMIT, seed: int = 0) -> Probe:
-    """Does ``planner`` fit ``budget_bytes`` at this batch within the overhead?"""
+                  time_limit: float = DEFAULT_TIME_LIMIT, seed: int = 0, offload: OffloadConfig | None = None) -> Probe:
+    """Does ``planner`` fit ``budget_bytes`` at this batch within the overhead? ``planner``
+    ``<ours>+offload``: ours with ``offload`` allowed."""
+    if planner.endswith(OFFLOAD_SUFFIX):
+        if offload is None:
+            raise UsageError(f"{planner!r} needs an offload setting (the host link, the host budget).")
+        planner = planner[: -len(OFFLOAD_SUFFIX)]
+        problem = allow_offload(problem, offload)
     base_peak = problem.baseline_peak[0]
     if base_peak <= budget_bytes:
         return Probe(batch, True, base_peak, 0.0, "fits")
@@ -199,8 +214,10 @@ def plan_once(problem: Problem, budget_bytes: int, planner: str, *, time_limit: 
     under each optimizer option) cost minutes a probe on a large trace, and a probe needs only
     whether this plan fits. A batch at which only such a fallback would fit counts as not
     fitting: the search's answer is a batch some plan is known to fit."""
-    dec = run_method(problem, budget_bytes, planner, time_limit=time_limit, seed=seed)
-    sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
+    dec: Decisions = run_method(problem, budget_bytes, planner, time_limit=time_limit, seed=seed)
+    sim, _ = simulate_plan_of(problem, dec)  # with offload allowed: the copies' stalls in its extra compute
+    if not host_fits(problem, sim):  # over the host budget: as good as over the device's
+        return max(int(sim.peak_bytes), budget_bytes + 1), float(sim.extra_pct)
     return int(sim.peak_bytes), float(sim.extra_pct)
 
 
@@ -364,7 +381,7 @@ GUIDE_BATCHES = (2, 3)  # recorded first when the search is guided: the line the
 def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str = "auto",
               max_overhead_pct: float = DEFAULT_MAX_OVERHEAD_PCT, time_limit: float = DEFAULT_TIME_LIMIT,
               seed: int = 0, limit: int = MAX_BATCH, progress: Callable[[str], None] | None = None,
-              compared: tuple[str, ...] = COMPARED, guide: bool = False) -> dict:
+              compared: tuple[str, ...] = COMPARED, guide: bool = False, offload: OffloadConfig | None = None) -> dict:
     """Max batch for ``method`` (ours) and each of ``compared`` (``none`` and any of
     :data:`COMPARED`); see the module docstring.
 
@@ -378,6 +395,8 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
 
     Returns ``{"budget_bytes", "max_overhead_pct", "method", "planners": [...],
     "ratios": {"ours/none", ...}, "batches_recorded", "guide"}``;
+    With ``offload``, a row ``<method>+offload`` (ours with offload allowed, searched from ours'
+    answer) follows ours', and ``ratios`` gains ``ours+offload/<c>``.
     each planner row has ``planner``, ``ours``, ``max_batch``, ``peak_bytes``, ``extra_pct``,
     ``capped``, ``probes``, ``stop`` (the failed probe one batch above, or None), ``guess``
     (None unguided) and ``excluded`` (:func:`exclusion`'s sentence, or None). A ratio is None
@@ -404,7 +423,7 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
             problem = problem_at(batch)
             say(f"{planner}: batch {batch}{what}")
             return probe_planner(problem, batch, budget_bytes, planner, max_overhead_pct,
-                                 time_limit=time_limit, seed=seed)
+                                 time_limit=time_limit, seed=seed, offload=offload)
         return probe
 
     line = LineGuide(cache) if guide and limit >= max(GUIDE_BATCHES) else None
@@ -447,10 +466,17 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
     if ours_start is not start:
         r.probes.insert(0, ours_start)
     ours = results[method].max_batch
+    with_offload = ()
+    if offload is not None:
+        # from ours' answer: a plan without offload is one of the plans offload allows
+        with_offload = (method + OFFLOAD_SUFFIX,)
+        r = search(prober(with_offload[0], cache.problem), _start_probe(results[method]), limit)
+        r.planner = with_offload[0]
+        results[with_offload[0]] = r
     rows = []
-    for planner in (method, *compared):
+    for planner in (method, *with_offload, *compared):
         row = asdict(results[planner])
-        row["ours"] = planner in OURS
+        row["ours"] = planner in OURS or planner in with_offload
         row["guess"] = guesses.get(planner)
         row["excluded"] = exclusion(row, max_overhead_pct)
         rows.append(row)
@@ -459,7 +485,10 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
         "max_overhead_pct": max_overhead_pct,
         "method": method,
         "planners": rows,
-        "ratios": {f"ours/{c}": (ours / results[c].max_batch if results[c].max_batch else None) for c in compared},
+        "ratios": {f"ours/{c}": (ours / results[c].max_batch if results[c].max_batch else None) for c in compared}
+        | {f"ours+offload/{c}": (results[w].max_batch / results[c].max_batch if results[c].max_batch else None)
+           for w in with_offload for c in compared},
+        "offload": offload.to_dict() if offload is not None else None,
         "batches_recorded": cache.recorded,
         "limit": limit,
         "guide": None if line is None else {"batches": list(line.batches), "why_not": line.why_not,
@@ -470,7 +499,7 @@ def max_batch(record: Callable[[int], Trace], budget_bytes: int, *, method: str 
 def _start_probe(none: PlannerResult) -> Probe | None:
     if none.max_batch == 0:
         return None
-    return Probe(none.max_batch, True, none.peak_bytes, 0.0, "fits")
+    return Probe(none.max_batch, True, none.peak_bytes, none.extra_pct or 0.0, "fits")
 
 
 def render_max_batch(result: dict, title: str = "", units: str = "auto", width: int = 80) -> str:
@@ -489,10 +518,11 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
     by = {r["planner"]: r for r in result["planners"]}
     ratio_to = [c for c in RATIO_TO if c in by]  # the planners compared (max_batch's ``compared``)
     head = "".join(f"{'vs ' + c:>{RATIO_TO[c]}}" for c in ratio_to)
-    lines.append(f"{'planner':<16}{'max batch':>10}{'peak at it':>14}{'extra %':>10}" + head)
-    lines.append("-" * (50 + len(head)))
-    for r in result["planners"]:
-        name = r["planner"] + (" (ours)" if r["ours"] else "")
+    names = [r["planner"] + (" (ours)" if r["ours"] else "") for r in result["planners"]]
+    nw = max(16, *(len(n) + 1 for n in names))
+    lines.append(f"{'planner':<{nw}}{'max batch':>10}{'peak at it':>14}{'extra %':>10}" + head)
+    lines.append("-" * (nw + 34 + len(head)))
+    for r, name in zip(result["planners"], names, strict=True):
         mb = f"{r['max_batch']}" + ("+" if r["capped"] else "")
         extra = f"{r['extra_pct']:.2f}" if r["extra_pct"] is not None else "-"
         ratios = ""
@@ -500,7 +530,7 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
             den = by[c]["max_batch"]
             cell = "-" if r["planner"] == c else (f"{r['max_batch'] / den:.2f}x" if den else "n/a")
             ratios += f"{cell:>{RATIO_TO[c]}}"
-        lines.append(f"{name:<16}{mb:>10}{size(r['peak_bytes']):>14}{extra:>10}" + ratios)
+        lines.append(f"{name:<{nw}}{mb:>10}{size(r['peak_bytes']):>14}{extra:>10}" + ratios)
     lines.append("")
     notes = []
     if by["none"]["max_batch"] == 0:
@@ -511,6 +541,12 @@ def render_max_batch(result: dict, title: str = "", units: str = "auto", width: 
         notes.append(f"+ the search stopped at its limit (batch {result['limit']}): the step's memory may not "
                      "grow with the batch.")
     notes += [r["excluded"] for r in result["planners"] if r.get("excluded")]
+    off = result.get("offload")
+    if off:
+        cap = f", at most {size(off['host_budget_bytes'])} on the host" if off.get("host_budget_bytes") else ""
+        notes.append(f"+offload: ours with saved activations also copied to host and back on a "
+                     f"{off['host_link_bytes_per_s'] / 1e9:g} GB/s host link{cap}; its extra compute counts the "
+                     "copies' stalls (docs/planner.md#offload).")
     notes.append("MegTaiChi (ICS 2022) reports 5x over no planning and 2.4x over sqrt(n).")
     notes.append(f"Recorded {len(result['batches_recorded'])} fake step(s), batch sizes "
                  + ", ".join(map(str, result["batches_recorded"])) + ".")

@@ -24,8 +24,12 @@ version 10 drops of the outputs of a module checkpointed whole (``chunks: 1``), 
 through its insides (:func:`taichi_plan.partition.whole_outputs`); version 11 predicts a head
 over tokens as one fused pass, whose cost may be below 0 (:mod:`taichi_plan.token_span`);
 version 13 layouts whose units reshard to a smaller mesh after forward (an int
-``reshard_after_forward``, trace v17).
-Version 10 files, version 9 files, version 8 files, version 7 files, version 6 files, version 5 files, version 4 files, version 3 files (no ``over``: every
+``reshard_after_forward``, trace v17); version 14 offloads (``decisions.offload``: saved
+activations copied to host after their last forward use and back before backward,
+:mod:`taichi_plan.offload`), the host memory they hold and the stalls they cost
+(``predicted.host_peak_bytes``, ``predicted.stall_s``), and ``copy_out`` / ``copy_in`` events
+in the schedule.
+Version 13 files, version 12 files, version 11 files, version 10 files, version 9 files, version 8 files, version 7 files, version 6 files, version 5 files, version 4 files, version 3 files (no ``over``: every
 partition is along the batch), version 2 files (no reserved peaks) and
 version 1 files (trace path relative to the directory ``solve`` ran in) are still read.
 """
@@ -41,10 +45,10 @@ from .atomic import check_output, write_json_atomic
 from .errors import PlanError
 from .plan_check import STATUSES, check_plan_json
 
-FORMAT_VERSION = 13
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13)
-__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Partition", "Plan", "Recompute", "load_plan", "peak_from_schedule",
-           "save_plan"]
+FORMAT_VERSION = 14
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14)
+__all__ = ["FORMAT_VERSION", "READABLE_VERSIONS", "STATUSES", "Offloaded", "Partition", "Plan", "Recompute", "load_plan",
+           "peak_from_schedule", "save_plan"]
 
 
 @dataclass
@@ -58,6 +62,28 @@ class Recompute:
     nbytes: int
     free_after: int
     remat_before: int
+    why: str = ""
+
+
+@dataclass
+class Offloaded:
+    """Copy ``tensor`` to host after op ``after`` (its last forward use) and back before op
+    ``before`` (its first backward use's unpack point), the copy-in issued before op
+    ``prefetch_at``; its device bytes are freed after op ``freed_after`` (when the copy-out has
+    ended). The seconds are the simulator's (v14, :mod:`taichi_plan.offload`)."""
+
+    tensor: int
+    op: int
+    op_name: str
+    module: str
+    nbytes: int
+    after: int
+    before: int
+    freed_after: int
+    prefetch_at: int
+    copy_out_s: float
+    copy_in_s: float
+    stall_s: float
     why: str = ""
 
 
@@ -102,6 +128,11 @@ class Plan:
     # "units": [{"module", "forward_prefetch", "backward_prefetch"}], "overlap", "recorded_overlap",
     # "why"?, "chosen_by"} (taichi_plan/prefetch.py).
     prefetch: dict | None = None
+    # Offloads (v14, ``decisions.offload``): None when the solve did not allow them; else
+    # {"host_link_bytes_per_s": float, "host_budget_bytes": int | None} with ``offloads`` the
+    # tensors (taichi_plan/offload.py).
+    offload: dict | None = None
+    offloads: list[Offloaded] = field(default_factory=list)
     format_version: int = FORMAT_VERSION
     # The file the plan was read from (not written): a relative ``trace['path']`` is
     # relative to it. None for a plan made in memory, whose path is as ``solve`` was given it.
@@ -123,6 +154,8 @@ class Plan:
             decisions["reshard_after_forward"] = self.reshard
         if self.prefetch is not None:
             decisions["fsdp_prefetch"] = self.prefetch
+        if self.offload is not None:
+            decisions["offload"] = {**self.offload, "tensors": [asdict(o) for o in self.offloads]}
         return {
             "format_version": version,
             "trace": self._trace_json(plan_dir),
@@ -178,6 +211,9 @@ class Plan:
             optimizer=dict(dec["optimizer"]) if dec.get("optimizer") is not None else None,
             reshard=dict(dec["reshard_after_forward"]) if dec.get("reshard_after_forward") is not None else None,
             prefetch=dict(dec["fsdp_prefetch"]) if dec.get("fsdp_prefetch") is not None else None,
+            offload=({k: v for k, v in dec["offload"].items() if k != "tensors"}
+                     if dec.get("offload") is not None else None),
+            offloads=[Offloaded(**o) for o in (dec.get("offload") or {}).get("tensors", [])],
             format_version=version,
         )
 

@@ -18,6 +18,9 @@ from .sharding import check_layout, layout
 STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
 COST_UNITS = ("s", "units")
 EVENT_KINDS = ("run", "recompute")
+OFFLOAD_EVENT_KINDS = ("copy_out", "copy_in")  # v14
+OFFLOAD_FIELDS = ("tensor", "op", "op_name", "module", "nbytes", "after", "before", "freed_after", "prefetch_at",
+                  "copy_out_s", "copy_in_s", "stall_s", "why")
 RECOMPUTE_FIELDS = ("tensor", "op", "op_name", "module", "nbytes", "free_after", "remat_before", "why")
 PARTITION_FIELDS = ("module", "dim", "chunks", "why", "over", "random_draws")  # `over`, `random_draws`: v4
 RANDOM_DRAWS = ("as-unpartitioned", "per-chunk")
@@ -230,8 +233,47 @@ def check_plan_json(obj: dict, where: str) -> None:
                 raise _bad(where, f"{f}.backward_prefetch", u.get("backward_prefetch"),
                            "null (FSDP's default) or [] (no backward prefetch)")
 
+    v14 = _is_int(obj.get("format_version")) and obj["format_version"] >= 14
+    off = (obj.get("decisions") or {}).get("offload")
+    if off is not None:  # v14: offloads (taichi_plan/offload.py)
+        if not v14:
+            raise _bad(where, "decisions.offload", "(present)", f"absent below format version 14. {_REMEDY}")
+        _check_offload(off, where, n, seen)
+        for key in ("host_peak_bytes",):
+            _int(where, f"predicted.{key}", p.get(key), lo=0)
+        _num(where, "predicted.stall_s", p.get("stall_s"), lo=0)
+
     if obj.get("schedule") is not None:
-        _check_schedule(obj["schedule"], where, n)
+        _check_schedule(obj["schedule"], where, n, EVENT_KINDS + (OFFLOAD_EVENT_KINDS if v14 else ()))
+
+
+def _check_offload(off, where: str, n: int, dropped: set[int]) -> None:
+    _kind(where, "decisions.offload", off, dict, "an object")
+    _num(where, "decisions.offload.host_link_bytes_per_s", off.get("host_link_bytes_per_s"), lo=0)
+    if not off["host_link_bytes_per_s"] > 0:
+        raise _bad(where, "decisions.offload.host_link_bytes_per_s", off["host_link_bytes_per_s"], "above 0")
+    _int(where, "decisions.offload.host_budget_bytes", off.get("host_budget_bytes"), lo=0, none=True)
+    tensors = off.get("tensors")
+    _kind(where, "decisions.offload.tensors", tensors, list, "a list")
+    seen: set[int] = set()
+    for i, o in enumerate(tensors):
+        f = f"decisions.offload.tensors[{i}]"
+        _fields(where, f, o, OFFLOAD_FIELDS)
+        _int(where, f"{f}.tensor", o["tensor"])
+        _int(where, f"{f}.op", o["op"], lo=0, hi=n - 1)
+        _str(where, f"{f}.op_name", o["op_name"])
+        _str(where, f"{f}.module", o["module"])
+        _int(where, f"{f}.nbytes", o["nbytes"], lo=0)
+        _int(where, f"{f}.after", o["after"], lo=0, hi=n - 1)
+        _int(where, f"{f}.before", o["before"], lo=o["after"] + 1, hi=n - 1)
+        _int(where, f"{f}.freed_after", o["freed_after"], lo=o["after"], hi=n - 1)
+        _int(where, f"{f}.prefetch_at", o["prefetch_at"], lo=o["after"] + 1, hi=o["before"])
+        for key in ("copy_out_s", "copy_in_s", "stall_s"):
+            _num(where, f"{f}.{key}", o[key], lo=0)
+        _str(where, f"{f}.why", o.get("why", ""))
+        if o["tensor"] in seen or o["tensor"] in dropped:
+            raise _bad(where, f"{f}.tensor", o["tensor"], "a tensor no other decision drops or offloads")
+        seen.add(o["tensor"])
 
 
 def _fields(where: str, f: str, entry, fields: tuple[str, ...]) -> None:
@@ -246,7 +288,7 @@ def _fields(where: str, f: str, entry, fields: tuple[str, ...]) -> None:
                         f"{', '.join(fields)}. {_REMEDY}")
 
 
-def _check_schedule(sched, where: str, n: int) -> None:
+def _check_schedule(sched, where: str, n: int, kinds: tuple = EVENT_KINDS) -> None:
     _kind(where, "schedule", sched, dict, "an object or null")
     nb = sched.get("nbytes")
     if not isinstance(nb, dict):
@@ -271,7 +313,7 @@ def _check_schedule(sched, where: str, n: int) -> None:
         if not (isinstance(ev, list) and len(ev) == 4):
             raise _bad(where, f, ev, "a list [kind, op, allocated ids, freed ids]")
         kind, op, allocs, frees = ev
-        _str(where, f"{f} kind", kind, choices=EVENT_KINDS)
+        _str(where, f"{f} kind", kind, choices=kinds)
         _int(where, f"{f} op", op, lo=0, hi=n - 1)
         for what, ids in (("allocated", allocs), ("freed", frees)):
             if not isinstance(ids, list):
@@ -315,6 +357,13 @@ def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
         if names[r.op] != r.op_name:
             raise PlanError(f"{where}: {f} names op {r.op} {r.op_name!r}, but in the trace{at} it is "
                             f"{names[r.op]!r}. {other}")
+    for i, o in enumerate(getattr(plan, "offloads", ())):
+        f = f"decisions.offload.tensors[{i}]"
+        if o.tensor not in producer:
+            raise PlanError(f"{where}: {f} offloads tensor {o.tensor}, which the trace{at} does not have. {other}")
+        if producer[o.tensor] != o.op or names[o.op] != o.op_name:
+            raise PlanError(f"{where}: {f} says tensor {o.tensor} is made by op {o.op} {o.op_name!r}, but in the "
+                            f"trace{at} op {producer[o.tensor]} {names[producer[o.tensor]]!r} makes it. {other}")
     check_layout(plan.trace.get("layout"), layout(recorded.meta), where)
     modules = set(trace.ops["module"].tolist())
     for i, q in enumerate(plan.partitions):

@@ -62,6 +62,9 @@ class Problem:
     # May planners partition modules that draw random numbers (dropout)? Their chunks then
     # draw their own numbers: training changes. Off unless a solve opts in (partition.py).
     partition_random: bool = False
+    # Offload allowed (a taichi_plan.offload.OffloadConfig: host link, host budget), or None:
+    # planners keep or drop only (the default).
+    offload: object = None
     # Op ids that drew random numbers (trace v4 ``meta.random_ops``); None for older traces.
     random_ops: frozenset | None = None
     # Per tensor index of a storage FSDP resized (meta.fsdp.incarnations): the other rows of

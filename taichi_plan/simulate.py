@@ -24,6 +24,12 @@ Semantics (per-tensor rematerialization, the mechanism replay executes):
   group (Moccasin's second interval of a node). At most one revival per tensor; a group
   before ``remat_before`` that needs it re-makes it as a transient.
 * Partitions (see :mod:`taichi_plan.partition`) are applied to the problem before this.
+* An *offloaded* tensor (:mod:`taichi_plan.offload`) is copied to host after its last forward
+  use and back before its first backward use: its device bytes are freed after the op that runs
+  when its copy-out ends and allocated again where its copy-in is issued (the prefetch point),
+  then held as a rebuilt copy is. Where a copy-in ends after its op is due, the compute stream
+  waits: the stall is added to the extra compute. A recompute group may not read a tensor while
+  it is offloaded.
 
 Memory is counted per op: a tensor is live during ops ``start..end`` inclusive. During a
 recompute op the live bytes are those carried into the group plus the group's outputs so
@@ -39,6 +45,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .errors import PlanError
+from .offload import Offload, OffloadSchedule, check_offloads, schedule_offloads
 from .problem import FIXED_KINDS, Problem, rebuild_inputs
 from .trace import KINDS
 
@@ -77,6 +84,16 @@ class SimResult:
     partition_cost: float = 0.0  # included in extra_cost
     transients: dict[int, set[int]] = field(default_factory=dict)  # group -> tensors re-made and freed in it
     revived: dict[int, tuple[int, int]] = field(default_factory=dict)  # revived tensor -> ops it is held
+    offload: OffloadSchedule | None = None  # the copies of offloaded tensors (None: none)
+
+    @property
+    def stall_cost(self) -> float:
+        """Seconds the compute stream waits for copies-in (included in ``extra_cost``)."""
+        return self.offload.stall_s if self.offload is not None else 0.0
+
+    @property
+    def host_peak_bytes(self) -> int:
+        return self.offload.host_peak_bytes if self.offload is not None else 0
 
     @property
     def extra_pct(self) -> float:
@@ -216,12 +233,15 @@ def _resolve(problem: Problem, drops: list[Drop], failures: set[int] | None = No
                      dict(rebuilt))
 
 
-def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
-    """Simulate the step with ``drops`` applied; see the module docstring for semantics."""
+def simulate(problem: Problem, drops: list[Drop], offloads: list[Offload] = (),
+             host_link_bytes_per_s: float | None = None) -> SimResult:
+    """Simulate the step with ``drops`` and ``offloads`` applied (copies on a host link of
+    ``host_link_bytes_per_s``); see the module docstring for semantics."""
     res = _resolve(problem, drops)
     D, remat_at = res.D, res.remat_at
     n = problem.num_ops
     nbytes = problem.nbytes
+    sched = _offload_schedule(problem, res, list(offloads), host_link_bytes_per_s) if offloads else None
 
     # Pieces (tensor, first op, last op) under the plan, then the per-op live timeline.
     starts = problem.start.copy()
@@ -239,6 +259,13 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
         extra_s.append(first)
         extra_e.append(last)
         made.append(res.R[t] >= problem.end[t] + 2)  # a kept tensor is not allocated again
+    for tm in sched.timings if sched is not None else ():
+        if tm.leaves_device:
+            ends[tm.tensor] = tm.freed_after
+            extra_t.append(tm.tensor)
+            extra_s.append(tm.prefetch_at)
+            extra_e.append(rebuilt_end(problem, tm.tensor))
+            made.append(False)  # copied in before the group at its op: carried into it
     pt = np.concatenate([np.arange(len(nbytes)), np.asarray(extra_t, dtype=np.int64)])
     ps = np.concatenate([starts, np.asarray(extra_s, dtype=np.int64)])
     pe = np.concatenate([ends, np.asarray(extra_e, dtype=np.int64)])
@@ -274,6 +301,7 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
     # Each drop's own cost beyond its re-run ops (Problem.drop_cost: the runtime's measured
     # drop_s; 0 without one).
     extra = float(sum(g.cost for g in groups.values())) + problem.drop_cost * len(drops)
+    extra += sched.stall_s if sched is not None else 0.0
     remat_at_drop = {(t, ds[j].free_after): remat_at[(t, j)] for t, ds in D.items() for j in range(len(ds))}
     remat_at_drop.update({(t, int(problem.end[t])): s for t, s in res.R.items()})
     return SimResult(
@@ -289,7 +317,29 @@ def simulate(problem: Problem, drops: list[Drop]) -> SimResult:
         remat_at_drop=remat_at_drop,
         transients=res.transients,
         revived=res.revived,
+        offload=sched,
     )
+
+
+def _offload_schedule(problem: Problem, res: _Resolved, offloads: list[Offload],
+                      host_link_bytes_per_s: float | None) -> OffloadSchedule:
+    """The offloads' copies (:func:`taichi_plan.offload.schedule_offloads`) on the timeline of
+    the plan's recompute groups, after checking that no group reads a tensor while it is away."""
+    check_offloads(problem, offloads, res.D)
+    away = {int(o.tensor): o for o in offloads}
+    group_cost = {}
+    for r, members in res.groups().items():
+        ops = [p for p, _a, _f in group_events(problem, members)]
+        group_cost[r] = float(problem.rerun_cost[ops].sum()) if ops else 0.0
+        for p in ops:
+            for u in problem.op_reads[p].tolist():
+                o = away.get(int(u))
+                if o is not None and o.after < r <= o.before:
+                    raise PlanError(
+                        f"The plan offloads tensor {int(problem.tensor_id[u])} (after op {o.after}, back before op "
+                        f"{o.before}), but the recompute group before op {r} reads it while it is on the host. "
+                        "Keep it, or drop it instead.")
+    return schedule_offloads(problem, offloads, group_cost, host_link_bytes_per_s or 0.0)
 
 
 def _piece_end(problem: Problem, ds: list[Drop], j: int, t: int) -> int:
@@ -435,12 +485,14 @@ def _run_group(problem, r: int, members, carried: int) -> Group:
     return Group(before_op=r, ops=[e[0] for e in events], peak_bytes=peak, cost=cost)
 
 
-def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
+def build_schedule(problem: Problem, drops: list[Drop], offload: OffloadSchedule | None = None) -> dict:
     """The explicit event list of the planned step, self-contained.
 
     ``{"initial": [tensor ids live at step start], "nbytes": {tensor id: bytes},
     "events": [[kind, op, [allocated tensor ids], [freed tensor ids]], ...]}`` where kind
-    is ``run`` or ``recompute``. Peak = max over events of (live + allocated), then the
+    is ``run`` or ``recompute``, or, with ``offload`` (the simulation's copies), ``copy_out``
+    (its copy to host has ended: the device copy freed, right after the run of the op that held
+    it last) and ``copy_in`` (issued before the op's recompute group: allocated again). Peak = max over events of (live + allocated), then the
     freed ones leave. :func:`taichi_plan.plan.peak_from_schedule` does exactly that.
     """
     res = _resolve(problem, drops)
@@ -451,6 +503,12 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
     allocs: list[list[int]] = [[] for _ in range(n)]
     frees: list[list[int]] = [[] for _ in range(n)]
     initial = []
+    away = {tm.tensor: tm for tm in offload.timings if tm.leaves_device} if offload is not None else {}
+    copy_in: dict[int, list[int]] = defaultdict(list)
+    copy_out: dict[int, list[int]] = defaultdict(list)
+    for tm in sorted(away.values(), key=lambda x: (x.before, x.tensor)):
+        copy_out[tm.freed_after].append(int(tid[tm.tensor]))
+        copy_in[tm.prefetch_at].append(int(tid[tm.tensor]))
     for t in range(len(tid)):
         if problem.initial[t]:
             initial.append(int(tid[t]))
@@ -459,14 +517,18 @@ def build_schedule(problem: Problem, drops: list[Drop]) -> dict:
         for d in D.get(t, ()):
             frees[d.free_after].append(int(tid[t]))
         if not problem.persists[t] and t not in kept:
-            frees[rebuilt_end(problem, t) if t in D else problem.end[t]].append(int(tid[t]))
+            frees[rebuilt_end(problem, t) if t in D or t in away else problem.end[t]].append(int(tid[t]))
     grouped = res.groups()
     events = []
     for i in range(n):
+        for x in copy_in.get(i, ()):
+            events.append(["copy_in", i, [x], []])
         if i in grouped:
             for p, a, f in group_events(problem, grouped[i]):
                 events.append(["recompute", p, [int(tid[x]) for x in a], [int(tid[x]) for x in f]])
         events.append(["run", i, allocs[i], frees[i]])
+        for x in copy_out.get(i, ()):
+            events.append(["copy_out", i, [], [x]])
     used = {x for e in events for x in e[2]} | set(initial)
     nb = {int(tid[t]): int(problem.nbytes[t]) for t in range(len(tid)) if int(tid[t]) in used}
     return {"initial": initial, "nbytes": nb, "events": events}
@@ -486,13 +548,15 @@ def rebuild_overhead(problem: Problem, drop: Drop) -> int:
     return peak
 
 
-def simulate_plan(problem: Problem, drops: list[Drop], partitions=()) -> tuple[SimResult, Problem]:
-    """Simulate drops and partitions together; returns the result and the partitioned problem
-    (the one whose tensors the timeline and schedule describe)."""
+def simulate_plan(problem: Problem, drops: list[Drop], partitions=(), offloads=(),
+                  host_link_bytes_per_s: float | None = None) -> tuple[SimResult, Problem]:
+    """Simulate drops, partitions and offloads together; returns the result and the partitioned
+    problem (the one whose tensors the timeline and schedule describe)."""
     from .partition import apply_partitions
 
-    parted, cost = apply_partitions(problem, partitions, drops)
-    sim = simulate(parted, drops)
+    parted, cost = apply_partitions(problem, partitions, [*drops, *(Drop(o.tensor, o.after, o.before) for o in offloads)]
+                                    if offloads and partitions else drops)
+    sim = simulate(parted, drops, offloads, host_link_bytes_per_s)
     sim.partition_cost = cost
     sim.extra_cost += cost
     return sim, parted

@@ -160,3 +160,7 @@ def test_compile_cli_refusals(tmp_path):
     trace = record_compiled(model, batch, loss_fn, opt, backend="aot_eager", steps=1)
     with pytest.raises(taichi_plan.TaichiError, match="replay does not compile"):
         workload_of(trace)
+    write_trace(trace, tmp_path / "c")
+    res = runner.invoke(main, ["solve", str(tmp_path / "c"), "--budget", "70%", "--offload", "-o", str(tmp_path / "p")])
+    assert res.exit_code != 0 and "without --offload" in res.output, res.output
+    assert not (tmp_path / "p").exists()

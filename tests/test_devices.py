@@ -48,3 +48,16 @@ def test_roofline():
     assert estimate_duration_s(p, flops, 3 * 4096 * 4096 * 2, "bf16") == pytest.approx(flops / 312e12 + 5e-6)
     # memory bound: 1 GB moved, no FLOPs
     assert estimate_duration_s(p, 0, 10**9, "fp32") == pytest.approx(1e9 / 1555e9 + 5e-6)
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_host_links_have_sources(name):
+    p = get_profile(name)
+    assert 5e9 <= p.host_link_bytes_per_s <= 1e12 and p.sources.get("host_link_bytes_per_s")
+
+
+def test_host_link_numbers():
+    # PCIe 3 x16 ~12 GB/s effective (V100), PCIe 5 x16 ~50 (H100), NVLink-C2C 450 each way (GH200)
+    assert get_profile("v100-16gb").host_link_bytes_per_s == 12e9
+    assert get_profile("h100-80gb").host_link_bytes_per_s == 50e9
+    assert get_profile("gh200-96gb").host_link_bytes_per_s == 450e9

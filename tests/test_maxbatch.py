@@ -365,3 +365,41 @@ def test_a_sharded_probe_asks_solve_not_the_recorded_settings_floor(monkeypatch)
     monkeypatch.setattr(maxbatch, "min_live_bytes", lambda _p: np.full(p.num_ops, 10 * budget))
     again = maxbatch.probe_planner(p, 4, budget, "heuristic", 100.0, time_limit=30)
     assert again.fits and again.peak_bytes == fits.peak_bytes, again
+
+
+def test_offload_row_at_least_ours_and_its_answer_fits():
+    """The chain's ops take 1 s each and its activations 10 B per sample: on a 1000 B/s link
+    their copies hide behind compute, so ours with offload fits at least ours' batch (it starts
+    there), and at its answer the offload plan fits within the overhead and one batch above it
+    does not."""
+    from taichi_plan.maxbatch import render_max_batch
+    from taichi_plan.offload import OffloadConfig, allow_offload
+
+    budget, overhead, off = 2000, 30.0, OffloadConfig(1000.0)
+    res = max_batch(chain_at, budget, method="heuristic", max_overhead_pct=overhead, time_limit=5, limit=1000,
+                    offload=off)
+    by = {r["planner"]: r for r in res["planners"]}
+    ours, mine = by["heuristic"]["max_batch"], by["heuristic+offload"]["max_batch"]
+    assert mine > ours and by["heuristic+offload"]["ours"]
+    assert res["ratios"]["ours+offload/none"] == pytest.approx(mine / by["none"]["max_batch"])
+    plan = solve(chain_at(mine), budget, "heuristic", time_limit=5, offload=off)
+    assert plan.offloads and plan.predicted["planned_peak_bytes"] <= budget
+    assert plan.predicted["extra_compute_pct"] <= overhead
+    assert not probe_planner(build_problem(chain_at(mine + 1)), mine + 1, budget, "heuristic+offload", overhead,
+                             time_limit=5, offload=off).fits
+    assert allow_offload(build_problem(chain_at(1)), off).offload == off
+    assert "+offload: ours with saved activations also copied" in " ".join(render_max_batch(res).split())
+    # No offload unless asked: the table of before.
+    plain = max_batch(chain_at, budget, method="heuristic", max_overhead_pct=overhead, time_limit=5, limit=1000)
+    assert [r["planner"] for r in plain["planners"]] == ["heuristic", "none", "sqrt-n", "full", "dtr"]
+    assert plain["offload"] is None and "+offload" not in render_max_batch(plain)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host-budget", "1GB"], "only apply with --offload"),
+    (["--offload", "--fsdp", "2"], "not planned for sharded jobs"),
+    (["--offload", "--host-link", "-1"], "above 0 GB/s"),
+])
+def test_cli_offload_refusals(args, message):
+    r = CliRunner().invoke(main, ["maxbatch", "--model", "mlp", "--budget", "8MB", *args])
+    assert r.exit_code != 0 and message in " ".join(r.output.split()) and "Traceback" not in r.output

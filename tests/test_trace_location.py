@@ -36,7 +36,7 @@ def project(tmp_path, monkeypatch):
 
 def test_plan_format_v2_records_both_paths(project):
     obj = json.loads((project / "plans" / "chain.plan.json").read_text())
-    assert obj["format_version"] == FORMAT_VERSION == 13
+    assert obj["format_version"] == FORMAT_VERSION == 14
     assert obj["trace"]["path"] == "../traces/chain"
     assert obj["trace"]["path_absolute"] == str((project / "traces" / "chain").resolve())
 

@@ -203,3 +203,42 @@ class Status:
         self.update(message, done, total)
 
     __call__ = update
+
+
+def offload_options(fn):
+    """``--offload``, ``--host-budget BYTES`` and ``--host-link GB/s`` (solve, maxbatch)."""
+    fn = click.option("--host-link", "host_link", default=None, type=float, metavar="GB/s",
+                      help="With --offload: the host link's bandwidth each way in GB/s [default: the trace's "
+                           "device profile's, `taichi-plan devices`].")(fn)
+    fn = click.option("--host-budget", "host_budget", default=None, metavar="BYTES",
+                      help="With --offload: the host memory the offloaded copies may hold at most (16GB, 16GiB, "
+                           "512MB) [default: no bound].")(fn)
+    return click.option("--offload", is_flag=True,
+                        help="Let our planners also offload saved activations: copied to host memory after their "
+                             "last forward use and back before backward needs them, on copy streams, the copies "
+                             "costed on the device profile's host link and their stalls counted in the extra "
+                             "compute (docs/planner.md#offload).")(fn)
+
+
+def offload_config(trace, offload: bool, host_budget: str | None, host_link: float | None):
+    """The :class:`~taichi_plan.offload.OffloadConfig` the flags ask for, or None without ``--offload``."""
+    from ..errors import UsageError
+    from ..offload import OffloadConfig, host_link_of
+    from ..units import parse_budget
+
+    if not offload:
+        if host_budget is not None or host_link is not None:
+            raise UsageError("--host-budget and --host-link only apply with --offload; add --offload, or leave "
+                             "them out.")
+        return None
+    if trace.meta.get("compiled") is not None:
+        raise UsageError("--offload: this trace is of a torch.compile'd step, and a compiled step runs no "
+                         "runtime beside it to copy tensors to host and back; solve it without --offload "
+                         "(drops only), or record the step eagerly (without --compile) to plan offloads.")
+    cap = None
+    if host_budget is not None:
+        if str(host_budget).strip().endswith("%"):
+            raise UsageError(f"--host-budget {host_budget!r}: give bytes (16GB, 512MB), not a percentage.")
+        cap = parse_budget(host_budget)
+    bw = host_link_of(trace, None if host_link is None else host_link * 1e9)
+    return OffloadConfig(bw, cap)

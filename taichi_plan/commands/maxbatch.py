@@ -17,7 +17,7 @@ from ..maxbatch import (
     render_max_batch,
 )
 from ..units import parse_budget
-from ._common import Status, handle_errors, size_options, units_option
+from ._common import Status, handle_errors, offload_options, size_options, units_option
 
 DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
 
@@ -54,11 +54,12 @@ DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
               help="Record batch 2 and 3 first and search each planner on steps drawn through them; then "
                    "recordings confirm each answer (fewer recordings: for large models).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON instead of the table.")
+@offload_options
 @units_option
 @handle_errors
 def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dtype, optimizer, no_kv_cache,
             device_profile, budget, max_overhead, method, time_limit, seed, limit, fsdp, replicas, fsdp_param_dtype,
-            fsdp_reduce_dtype, guide, as_json, units) -> None:
+            fsdp_reduce_dtype, guide, as_json, offload, host_budget, host_link, units) -> None:
     """The largest batch size whose training step fits the budget with extra compute within
     --max-overhead: for our planner, for no planning, sqrt(n) checkpointing, checkpointing every
     block and DTR (offline); a planner stopped by the overhead cap rather than the budget is
@@ -80,6 +81,8 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
         raise UsageError(f"--limit must be a positive batch size, got {limit}.")
     from ..record.fsdp import mixed_precision
 
+    off = _offload(profile, offload, host_budget, host_link, fsdp)
+
     with Status('searching') as status:
         record = fake_recorder(model_name, entry, device_profile=profile.name, progress=status, fsdp=fsdp,
                                replicas=replicas, mixed_precision=mixed_precision(fsdp_param_dtype, fsdp_reduce_dtype),
@@ -87,7 +90,7 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
                                image_size=image_size, layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                                dtype=dtype, optimizer=optimizer, kv_cache=not no_kv_cache)
         result = max_batch(record, budget_bytes, method=method, max_overhead_pct=overhead, time_limit=time_limit,
-                           seed=seed, limit=limit, progress=status, guide=guide)
+                           seed=seed, limit=limit, progress=status, guide=guide, offload=off)
     result["workload"] = {"model": model_name, "entry": entry, "seq": seq, "image_size": image_size,
                           "layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab, "dtype": dtype,
                           "optimizer": optimizer, **({"kv_cache": False} if no_kv_cache else {})}
@@ -110,3 +113,23 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
             title += (f", gathered in {fsdp_param_dtype or 'the parameters dtype'}, reduced in "
                       f"{fsdp_reduce_dtype or fsdp_param_dtype or 'it'}")
     click.echo(render_max_batch(result, title, units or "auto"), nl=False)
+
+
+def _offload(profile, offload: bool, host_budget: str | None, host_link: float | None, fsdp: int | None):
+    """The offload setting the flags ask for (``--host-link``, else the profile's host link)."""
+    from ..errors import UsageError
+    from ..offload import OffloadConfig
+    from ..units import parse_budget
+
+    if not offload:
+        if host_budget is not None or host_link is not None:
+            raise UsageError("--host-budget and --host-link only apply with --offload; add --offload, or leave them out.")
+        return None
+    if fsdp is not None:
+        raise UsageError("--offload is not planned for sharded jobs (--fsdp) yet: leave one of them out.")
+    if host_link is not None and not host_link > 0:
+        raise UsageError(f"The host link bandwidth must be above 0 GB/s, not {host_link!r}.")
+    if host_budget is not None and str(host_budget).strip().endswith("%"):
+        raise UsageError(f"--host-budget {host_budget!r}: give bytes (16GB, 512MB), not a percentage.")
+    bw = host_link * 1e9 if host_link is not None else profile.host_link_bytes_per_s
+    return OffloadConfig(bw, parse_budget(host_budget) if host_budget is not None else None)

@@ -24,6 +24,11 @@ def render(r: dict) -> str:
         f"ratio {pct(r['peak_ratio'])}, {'within' if r['within_budget'] else 'OVER'} budget",
         f"  unplanned peak     predicted {format_bytes(r['baseline_predicted_peak_bytes'])}, "
         f"measured {format_bytes(r['baseline_measured_peak_bytes'])}",
+        *([f"  offload            {r['offload']['tensors']} tensors, host peak "
+           f"{format_bytes(r['offload']['host_peak_bytes'] or 0)} predicted; {r['offload']['note']}"]
+          if r.get("offload") and r["offload"].get("note") else
+          [f"  offload            {r['offload']['tensors']} tensors, host peak "
+           f"{format_bytes(r['offload']['host_peak_bytes'] or 0)} predicted"] if r.get("offload") else []),
         "  MemTracker peak    " + (f"- ({r.get('memtracker_note') or 'not measured'})"
                                   if r.get("memtracker_peak_bytes") is None or
                                   r.get("baseline_memtracker_peak_bytes") is None else

@@ -16,7 +16,7 @@ from ..problem import build_problem
 from ..solve import MIN_TIME_LIMIT_S, PREFETCH_CHOICES, RESHARD_CHOICES, methods, solve
 from ..trace import read_trace
 from ..units import format_bytes, format_cost, parse_budget
-from ._common import Status, handle_errors, units_option
+from ._common import Status, handle_errors, offload_config, offload_options, units_option
 
 DEFAULT_DIR = Path("plans")
 
@@ -60,6 +60,12 @@ def render_solve_summary(plan, units: str = "auto") -> str:
     if plan.optimizer is not None:
         lines.append(f"Optimizer  {plan.optimizer['mode']} ({plan.optimizer.get('chosen_by', 'asked')}): "
                      f"{plan.optimizer['why']}")
+    if plan.offload is not None:
+        cap = plan.offload.get("host_budget_bytes")
+        lines.append(f"Offload    {len(plan.offloads)} tensors offloaded ({b(sum(o.nbytes for o in plan.offloads))}); "
+                     f"host peak {b(p.get('host_peak_bytes') or 0)}" + (f" of {b(cap)}" if cap is not None else "")
+                     + f"; the step waits {format_cost(p.get('stall_s') or 0.0, unit)} for copies (in the extra); "
+                     f"host link {plan.offload['host_link_bytes_per_s'] / 1e9:g} GB/s")
     lb, gap = s.get("lower_bound"), s.get("gap")
     bound = (f"lower bound {format_cost(lb, unit)}, gap {100 * gap:.2f}%" if lb is not None and gap is not None
              else "no lower bound")
@@ -132,10 +138,11 @@ def default_plan_path(trace_dir: Path) -> Path:
 @click.option("--partition-random", is_flag=True,
               help="Allow partitioning modules that draw random numbers (dropout): their chunks draw their own "
                    "masks, so training changes statistically, not bitwise. The plan, inspect and replay say so.")
+@offload_options
 @units_option
 @handle_errors
 def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_limit, optimizer, reshard, prefetch,
-            seed, output, force, partition_random, units) -> None:
+            seed, output, force, partition_random, offload, host_budget, host_link, units) -> None:
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     started = command_started()
     if method not in methods():
@@ -151,6 +158,7 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
         where = "--alloc-conf" if alloc_conf is not None else "PYTORCH_CUDA_ALLOC_CONF"
         raise UsageError(f"{where}: {e}.") from e
     trace = read_trace(trace_dir)
+    offload = offload_config(trace, offload, host_budget, host_link)
     if output is None:
         output = default_plan_path(trace_dir)
     check_plan_output(output, force, option="-o")
@@ -158,7 +166,8 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
     budget_bytes = parse_budget(budget, problem.baseline_peak[0])
     plan = _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on=budget_on,
                                 allocator=allocator, work_limit=work_limit, started=started, optimizer=optimizer,
-                                partition_random=partition_random, reshard=reshard, prefetch=prefetch)
+                                partition_random=partition_random, reshard=reshard, prefetch=prefetch,
+                                offload=offload)
     click.echo(render_solve_summary(plan, units or "auto"))
     path = save_plan(plan, output, force=force)
     click.echo(f"Wrote {path}")
@@ -166,7 +175,7 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
 
 def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed, on="allocated", allocator=None,
                          work_limit=None, started=None, optimizer="auto", partition_random=False, reshard="auto",
-                         prefetch="auto"):
+                         prefetch="auto", offload=None):
     unit = "s" if trace.cost_unit == "s" else "u"
     with Status("solving", time_limit, timed=True) as status:
         status.update(f"{method} (limit {time_limit:g}s)")
@@ -177,4 +186,5 @@ def _solve_with_progress(trace, problem, budget_bytes, method, time_limit, seed,
 
         return solve(trace, budget_bytes, method, time_limit=time_limit, seed=seed, progress=report,
                      problem=problem, on=on, allocator=allocator, work_limit=work_limit, started=started,
-                     optimizer=optimizer, partition_random=partition_random, reshard=reshard, prefetch=prefetch)
+                     optimizer=optimizer, partition_random=partition_random, reshard=reshard, prefetch=prefetch,
+                     offload=offload)

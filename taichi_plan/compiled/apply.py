@@ -52,6 +52,9 @@ def check_plan(plan, trace, where: str = "apply()") -> None:
         raise PlanError(f"{where}: the plan partitions {plan.partitions[0].module}, which taichi-plan cannot run under "
                         "torch.compile yet; solve the compiled trace again (solve leaves partitions out of compiled "
                         "traces).")
+    if plan.offloads:
+        raise PlanError(f"{where}: the plan offloads {len(plan.offloads)} tensors to host memory, and a compiled step "
+                        "runs no runtime beside it to copy them; solve the compiled trace again without --offload.")
     if plan.optimizer is not None:
         raise PlanError(f"{where}: the plan changes how the optimizer steps ({plan.optimizer.get('mode')}), which "
                         "taichi-plan does not run with a compiled model yet; solve again without optimizer options.")

@@ -124,6 +124,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         j = pos.get((op, tid))
         if where is not None and j is not None:
             triggers[where[0]].setdefault(where[1], []).append((j, group))
+    offloads, copy_out_at, prefetch = _offload_tables(plan, problem, len(calls), locate, pos)
     tensors = trace.tensors
     kinds = tensors["kind"].tolist()
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
@@ -148,8 +149,50 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
                             own_hooks=bool((trace.meta.get("forward_in_backward") or {}).get("ops")),
                             autocast=call.get("autocast", "unknown"),
                             regions=mine or {}, whole_call=mine is None,
-                            entries=_entries(starts[c], [*spans[c], *tokens[c]])))
+                            entries=_entries(starts[c], [*spans[c], *tokens[c]]),
+                            offloads=offloads[c], copy_out_at=copy_out_at[c], prefetch_triggers=prefetch[c]))
     return out
+
+
+def _offload_tables(plan: Plan, problem, ncalls: int, locate, pos: dict) -> tuple[list, list, list]:
+    """Per grad-enabled model call, the runtime's offload tables (plan v14; see
+    :class:`~taichi_plan.replay.runtime.CallPlan`): the offloaded storages by producing op, the
+    copies to host by the op after which they are made (in the simulator's order: its copy
+    stream is first in first out), and the saved tensors whose last unpack issues copies back at
+    the plan's prefetch points (a copy issued at its own tensor's unpack needs none)."""
+    from ..offload import trigger_tensor
+
+    made: list[dict] = [{} for _ in range(ncalls)]
+    out: list[dict] = [{} for _ in range(ncalls)]
+    back: list[dict] = [{} for _ in range(ncalls)]
+    offs = list(getattr(plan, "offloads", ()))
+    call_of: dict[int, int] = {}
+    for o in sorted(offs, key=lambda o: (o.after, problem.index_of(o.tensor))):
+        where, after, j = locate(o.op), locate(o.after), pos.get((o.op, o.tensor))
+        if where is None or j is None or after is None or after[0] != where[0]:
+            raise PlanError(f"The plan offloads tensor {o.tensor} (made by op {o.op}, {o.op_name}), which is not made "
+                            "and last used in forward in one call of the model in this trace: the plan was made for "
+                            "another trace. Solve it again.")
+        made[where[0]].setdefault(where[1], []).append((j, o.tensor))
+        out[where[0]].setdefault(after[1], []).append(o.tensor)
+        call_of[o.tensor] = where[0]
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for o in sorted(offs, key=lambda o: (o.before, problem.index_of(o.tensor))):
+        if o.prefetch_at >= o.before:
+            continue
+        c = call_of[o.tensor]
+        u = trigger_tensor(problem, o.prefetch_at, call=c)
+        p = int(problem.producer[u]) if u is not None else -1
+        w = locate(p) if p >= 0 else None
+        j = pos.get((p, int(problem.tensor_id[u]))) if u is not None else None
+        if w is None or j is None or w[0] != c:
+            raise PlanError(f"The plan copies tensor {o.tensor} back before op {o.prefetch_at}, where replay cannot "
+                            "issue a copy (no tensor of its model call is unpacked there for the last time). Solve "
+                            "the trace again.")
+        groups.setdefault((c, w[1], j), []).append(o.tensor)
+    for (c, op, j), tids in groups.items():
+        back[c].setdefault(op, []).append((j, tids))
+    return made, out, back
 
 
 def _entries(starts: dict, uncounted: list[str]) -> tuple:
@@ -172,7 +215,17 @@ def _call_regions(plan: Plan, trace, simulated, rerun: set[int], counted: list[b
     if simulated is None:
         return {}
     drops, sim, parted = simulated
-    needed = needed_ops(parted, drops, rerun, early_triggers(parted, sim))
+    triggers = dict(early_triggers(parted, sim))
+    if sim.offload is not None:  # offloads: their storages are seen as a drop's, their copies back issued at triggers
+        from ..offload import trigger_tensor
+        from ..simulate import Drop
+
+        drops = [*drops, *(Drop(tm.tensor, tm.after, tm.before) for tm in sim.offload.timings)]
+        for tm in sim.offload.timings:
+            u = trigger_tensor(parted, tm.prefetch_at, call=int(parted.op_call[parted.producer[tm.tensor]]))
+            if tm.prefetch_at < tm.before and u is not None:
+                triggers.setdefault(u, -1)
+    needed = needed_ops(parted, drops, rerun, triggers)
     calls = model_calls(trace)
     out: dict[int, dict | None] = {}
     for c, regions in planned_regions(trace, needed, checkpointed_modules(plan.partitions)).items():
@@ -304,12 +357,15 @@ def _simulated(plan: Plan, problem) -> tuple | None:
     """(drops, simulation, problem with the partitions applied) of ``plan``'s drops on
     ``problem`` (the plan's view of its trace); None when it drops nothing."""
     from ..simulate import simulate_plan
-    from ..solve.result import drops_from_plan
+    from ..solve.result import drops_from_plan, offloads_from_plan, plan_problem
 
     drops = drops_from_plan(problem, plan)
-    if not drops:
+    offloads = offloads_from_plan(problem, plan)
+    if not drops and not offloads:
         return None
-    sim, parted = simulate_plan(problem, drops, plan.partitions)
+    problem = plan_problem(problem, plan)
+    link = problem.offload.host_link_bytes_per_s if problem.offload is not None else None
+    sim, parted = simulate_plan(problem, drops, plan.partitions, offloads, link)
     return drops, sim, parted
 
 

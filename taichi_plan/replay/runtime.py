@@ -58,6 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..errors import MismatchError
 from ..record.recorder import draws_random
+from .copies import to_device, to_host, wait_ready
 
 _Tensor = torch.Tensor
 _SKIP_NAMESPACES = ("prim", "profiler")
@@ -188,11 +189,18 @@ class CallPlan:
     # call, not calls inside a partitioned module or a head over tokens, which run uncounted):
     # outside the regions, a live forward that passes one without calling its module skipped it.
     entries: tuple = ()
+    # Offloads (plan v14, taichi_plan/replay/copies.py): op -> [(flattened output index, tensor
+    # id)] of the storages it makes that the plan offloads; counted op -> [tensor id] copied to
+    # host right after it runs (their last forward use); op -> [(flattened output index, [tensor
+    # ids])]: saved tensors whose last unpack issues those copies back (the plan's prefetch points).
+    offloads: dict = field(default_factory=dict)
+    copy_out_at: dict = field(default_factory=dict)
+    prefetch_triggers: dict = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
         """Whether this call needs the dispatch mode and hooks at all."""
-        return bool(self.drops) or bool(self.spans) or bool(self.tokens) or self.probe
+        return bool(self.drops) or bool(self.spans) or bool(self.tokens) or self.probe or bool(self.offloads)
 
     @property
     def lazy_only(self) -> bool:
@@ -203,7 +211,8 @@ class CallPlan:
         (inputs, trainable parameters, autocast) and the lazy logits' own (a use that needs the
         full logits). Checking every op of the call cost a 4-layer GPT-2 or Llama about 8 ms a
         step (their heads' own split: 3-17 ms)."""
-        return bool(self.tokens) and not (self.drops or self.spans or self.triggers or self.whole or self.probe)
+        return bool(self.tokens) and not (self.drops or self.spans or self.triggers or self.whole or self.probe
+                                          or self.offloads)
 
     @property
     def in_regions(self) -> bool:
@@ -255,6 +264,11 @@ class Frame:
     # now; module None: the rest of the call is counted (_enter_rest)
     region: tuple | None = None
     pos: int = -1  # the recorded first op of the last module call entered (calls run in regions: _jumped)
+    offloaded: dict = field(default_factory=dict)  # sid -> tensor id the plan offloads
+    off_sid: dict = field(default_factory=dict)  # tensor id -> sid
+    host: dict = field(default_factory=dict)  # sid -> (host copy, its copy's event, device) after the copy out
+    restored: dict = field(default_factory=dict)  # sid -> (storage copied back, its event), held for its handles
+    prefetch_of: dict = field(default_factory=dict)  # sid -> tensor ids whose copies back its last unpack issues
 
 
 def no_larger(got: list, want: list) -> bool:
@@ -468,6 +482,9 @@ class PlanRuntime(TorchDispatchMode):
         self.skipped_calls = 0  # recorded module calls a live forward did not make (_resync, _entered)
         self.skipped_sized_ops = 0  # recorded ops of loop iterations over routed data a live forward did not run
         self.regions_run = 0  # planned regions entered (_enter_region)
+        # (copy_out, tensor id, counted op of its call) and (copy_in, tensor id, "prefetch" or
+        # "on-demand"), in the order the copies were made (plan v14 offloads)
+        self.copies: list[tuple] = []
         # global forward pre- and post-hooks while a planned call runs (_entered, _left)
         self._module_hook: tuple | None = None
         self._names: dict[int, str] = {}
@@ -481,6 +498,7 @@ class PlanRuntime(TorchDispatchMode):
         self.skipped_calls = 0
         self.skipped_sized_ops = 0
         self.regions_run = 0
+        self.copies = []
 
     # -- calls and steps ------------------------------------------------------------------------------
     def begin_call(self, model, args, kwargs) -> bool:
@@ -918,9 +936,13 @@ class PlanRuntime(TorchDispatchMode):
         rng = _rng_state(args, kwargs) if info.random and keep and draws_random(func, args, kwargs) else None
         out = func(*args, **kwargs)
         sizes = call.ops[i][2]
+        if call.copy_out_at and not self._copy_out_at(frame, i):
+            return out
         if not keep:
             if i in call.triggers:
                 self._note_triggers(frame, i, out)
+            if i in call.offloads or i in call.prefetch_triggers:
+                self._note_offloads(frame, i, out)
             if sizes:
                 flat = _flat_tensors(out)
                 for j, want in sizes.items():
@@ -969,7 +991,62 @@ class PlanRuntime(TorchDispatchMode):
                 self.dropped_storages += 1
         if i in call.triggers:
             self._note_triggers(frame, i, out)
+        if i in call.offloads or i in call.prefetch_triggers:
+            self._note_offloads(frame, i, out)
         return out
+
+    def _note_offloads(self, frame: Frame, i: int, out) -> None:
+        """Mark the outputs of op ``i`` that the plan offloads, and those whose last unpack issues
+        copies back (after their recipes, if kept: a storage gets its recipe when its id is new)."""
+        call = frame.call
+        flat = _flat_tensors(out)
+        for j, tid in call.offloads.get(i, ()):
+            if j < len(flat):
+                sid = self._sid(frame, flat[j].untyped_storage())
+                frame.offloaded[sid] = tid
+                frame.off_sid[tid] = sid
+        for j, tids in call.prefetch_triggers.get(i, ()):
+            if j < len(flat):
+                frame.prefetch_of.setdefault(self._sid(frame, flat[j].untyped_storage()), []).extend(tids)
+
+    def _copy_out_at(self, frame: Frame, i: int) -> bool:
+        """Op ``i`` ran: copy to host the offloaded storages whose last forward use it was.
+        False when the plan stopped for this call (a storage to copy is gone)."""
+        call = frame.call
+        for tid in call.copy_out_at.get(i, ()):
+            sid = frame.off_sid.get(tid)
+            st = self._alive(frame, sid) if sid is not None else None
+            if st is None:
+                self._frame_mismatch(frame, (
+                    f"The plan copies tensor {tid} to host after op {i} of model call {call.index}, but that storage "
+                    "was not made in this call, or is gone by then: the model differs from the recorded one. Record "
+                    "and solve again, or apply the plan with on_mismatch='warn'."))
+                return False
+            host, ready = to_host(st)
+            frame.host[sid] = (host, ready, st.device)
+            self.copies.append(("copy_out", tid, i))
+        return True
+
+    def _copy_in(self, frame: Frame, sid: int, how: str) -> torch.UntypedStorage:
+        """Copy offloaded ``sid`` back (at its prefetch point, or on demand at its first unpack)."""
+        got = frame.restored.get(sid)
+        if got is not None:
+            return got[0]
+        if sid not in frame.host:
+            raise MismatchError(f"Backward needs tensor {frame.offloaded[sid]} back from the host, but it was never "
+                                "copied there (its call ended before its last forward use): the plan does not match "
+                                "this model. Record and solve again.")
+        host, ready, device = frame.host.pop(sid)
+        st, done = to_device(host, ready, device)
+        frame.restored[sid] = (st, done)
+        self.copies.append(("copy_in", frame.offloaded[sid], how))
+        return st
+
+    def _prefetch(self, frame: Frame, tids: list[int]) -> None:
+        for tid in tids:
+            sid = frame.off_sid.get(tid)
+            if sid is not None and sid in frame.host and frame.pending.get(sid, 0) > 0:
+                self._copy_in(frame, sid, "prefetch")
 
     def _names_of(self, model) -> None:
         """Module names as the recorder saw them: ``model.named_modules()`` (cached per model)."""
@@ -1276,9 +1353,13 @@ class PlanRuntime(TorchDispatchMode):
         if frame is None or not frame.enabled:
             return t.detach()
         sid = frame.sid_of.get(t.untyped_storage()._cdata)
-        if sid is not None and sid in frame.trigger_of:
+        if sid is not None and (sid in frame.trigger_of or sid in frame.prefetch_of) and sid not in frame.offloaded \
+                and sid not in frame.dropped:
             frame.trigger_pending[sid] = frame.trigger_pending.get(sid, 0) + 1
             return _Trigger(frame, sid, t.detach())
+        if sid is not None and sid in frame.offloaded:
+            frame.pending[sid] = frame.pending.get(sid, 0) + 1
+            return _Handle(frame, self._ref(frame, t))
         if sid is None or sid not in frame.dropped:
             return t.detach()
         frame.pending[sid] = frame.pending.get(sid, 0) + 1
@@ -1290,7 +1371,10 @@ class PlanRuntime(TorchDispatchMode):
             left = frame.trigger_pending.get(sid, 1) - 1
             frame.trigger_pending[sid] = left
             if left == 0 and frame.enabled and frame.depth == 0:
-                self._fire(frame, frame.trigger_of[sid])
+                if sid in frame.trigger_of:
+                    self._fire(frame, frame.trigger_of[sid])
+                if sid in frame.prefetch_of:
+                    self._prefetch(frame, frame.prefetch_of[sid])
             return packed.tensor
         if not isinstance(packed, _Handle):
             return packed
@@ -1300,6 +1384,10 @@ class PlanRuntime(TorchDispatchMode):
         if left <= 0:
             frame.pending.pop(ref.sid, None)
             st = frame.cache.pop(ref.sid, None)
+            if st is None and ref.sid in frame.restored:
+                st = frame.restored.pop(ref.sid)[0]
+            if ref.sid in frame.prefetch_of and frame.enabled:
+                self._prefetch(frame, frame.prefetch_of[ref.sid])
             if st is not None:
                 # Released by the runtime, but alive while autograd holds what it unpacked: a
                 # node unpacks all its saved tensors before it runs, so a later one of them
@@ -1336,6 +1424,13 @@ class PlanRuntime(TorchDispatchMode):
             return frame.building[sid]
         if sid in frame.cache:
             return frame.cache[sid]
+        if sid in frame.offloaded:  # on the host (plan v14): back at its prefetch point, or now
+            got = frame.restored.get(sid)
+            if got is None and self._alive(frame, sid) is not None:
+                return self._alive(frame, sid)  # its forward's own references still hold it
+            st = got[0] if got is not None else self._copy_in(frame, sid, "on-demand")
+            wait_ready(st, frame.restored[sid][1])
+            return st
         st = self._alive(frame, sid)
         if st is not None:  # still alive (its value cannot have changed: see remat_deadline)
             return st

@@ -42,6 +42,8 @@ MAX_PHASE_SPANS = 2000  # more phase runs than this: one phase per bucket of ops
 DECISION_COLUMNS = ("tensor", "op", "op_name", "module", "nbytes", "free_after", "remat_before", "why")
 # Each decision row ends with ``rebuilt_before``: the simulator's recompute group for that
 # tensor (``remat_before``, or earlier when another rebuild needs it), null without the trace.
+OFFLOAD_COLUMNS = ("tensor", "op", "op_name", "module", "nbytes", "after", "before", "freed_after", "prefetch_at",
+                   "copy_out_s", "copy_in_s", "stall_s", "why")  # v14 plans that allowed offloading
 GROUP_COLUMNS = ("before_op", "peak_bytes", "num_ops", "cost")
 UNIT_NAMES = {"GB": "GB", "GIB": "GiB", "MB": "MB", "MIB": "MiB", "AUTO": "auto"}
 
@@ -157,6 +159,9 @@ def plan_data(plan: Plan, summary: dict, timeline: dict | None, problem: Problem
         "decisions": {"columns": [*DECISION_COLUMNS, "rebuilt_before"],
                       "rows": [[*(getattr(r, c) for c in DECISION_COLUMNS), rebuilt_before.get(int(r.tensor))]
                                for r in plan.recompute]},
+        **({"offloads": {"columns": list(OFFLOAD_COLUMNS),
+                         "rows": [[getattr(o, c) for c in OFFLOAD_COLUMNS] for o in plan.offloads]}}
+           if getattr(plan, "offload", None) is not None else {}),
         "solver_stats": plan.solver.get("stats") or {},
         "timeline": timeline_blob(timeline, problem) if timeline is not None else None,
     }
@@ -245,6 +250,13 @@ def _header(s: dict, units: str) -> str:
         ("Solver", f"{sv['method']}: {sv['status']}",
          f"lower bound {cost(sv.get('lower_bound'))}, gap {gap}, wall {wall}, seed {sv.get('seed')}"),
     ]
+    off = s.get("offload")
+    if off:
+        cap = f"host budget {size(off['host_budget_bytes'])}; " if off["host_budget_bytes"] is not None else ""
+        cards.insert(5, ("Host memory", size(off["host_peak_bytes"]),
+                         f"{cap}{off['tensors_offloaded']} tensors offloaded, {size(off['nbytes_offloaded'])} copied; "
+                         f"waits for copies {cost(off['stall_s'])}; host link "
+                         f"{off['host_link_bytes_per_s'] / 1e9:g} GB/s each way"))
     out = [f"<h1>Plan for <span class='name'>{e(str(t['name'] or '-'))}</span></h1>"]
     if t["found"]:
         trace_line = f"trace <code>{e(str(t['read_from']))}</code> (found; content hash matches the plan)"
@@ -275,6 +287,19 @@ def _header(s: dict, units: str) -> str:
         warns.append(f"Warning: the simulator now predicts peak {size(r['peak_bytes'])} and extra "
                      f"{cost(r['extra_compute'])} for this plan, not what the plan file says; solve the trace again.")
     out += [f"<p class='warn'>{e(w)}</p>" for w in warns]
+    if off and off["top"]:
+        out.append(f"<h2>Offload decisions</h2><p class='sub'>{off['tensors_offloaded']} tensors copied to host after "
+                   "their last forward use and back before backward reads them"
+                   + (f"; the {len(off['top'])} largest" if off["tensors_offloaded"] > len(off["top"]) else "")
+                   + "</p><table class='offloads'><tr><th>tensor</th><th>bytes</th><th>op (module)</th>"
+                   "<th>out after</th><th>freed after</th><th>copy-in before</th><th>needed before</th>"
+                   "<th>why</th></tr>")
+        for r in off["top"]:
+            where = r["op_name"] + (f" in {r['module']}" if r["module"] else "")
+            out.append(f"<tr><td>{r['tensor']}</td><td>{e(size(r['nbytes']))}</td><td>{e(where)}</td>"
+                       f"<td>{r['after']}</td><td>{r['freed_after']}</td><td>{r['prefetch_at']}</td>"
+                       f"<td>{r['before']}</td><td>{e(r['why'])}</td></tr>")
+        out.append("</table>")
     return "\n".join(out)
 
 

@@ -248,6 +248,7 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
                  "nbytes": int(r.nbytes), "free_after": r.free_after, "remat_before": r.remat_before,
                  "why": r.why} for r in order[:TOP_DECISIONS]],
     }
+    summary["offload"] = offload_summary(plan)
     summary["partitions"] = [{"module": p.module, "dim": p.dim, "chunks": p.chunks, "over": p.over, "why": p.why,
                               "random_draws": p.random_draws} for p in plan.partitions]
     summary["partition_random"] = bool(plan.solver.get("partition_random"))
@@ -264,6 +265,27 @@ def plan_summary(plan: Plan, trace: Trace | None, *, trace_status: dict | None =
                        <= 1e-9 * max(1.0, abs(sim.extra_cost))),
         }
     return summary
+
+
+def offload_summary(plan: Plan) -> dict | None:
+    """The plan's offloads (v14 ``decisions.offload``), largest first, with the host memory they
+    hold and the stalls they cost; None where the solve did not allow offloading."""
+    off = getattr(plan, "offload", None)
+    if off is None:
+        return None
+    order = sorted(plan.offloads, key=lambda o: (-int(o.nbytes), int(o.tensor)))
+    return {
+        "host_link_bytes_per_s": off.get("host_link_bytes_per_s"),
+        "host_budget_bytes": off.get("host_budget_bytes"),
+        "host_peak_bytes": plan.predicted.get("host_peak_bytes"),
+        "stall_s": plan.predicted.get("stall_s"),
+        "tensors_offloaded": len(plan.offloads),
+        "nbytes_offloaded": int(sum(int(o.nbytes) for o in plan.offloads)),
+        "top": [{"tensor": o.tensor, "op": o.op, "op_name": o.op_name, "module": o.module, "nbytes": int(o.nbytes),
+                 "after": o.after, "before": o.before, "freed_after": o.freed_after, "prefetch_at": o.prefetch_at,
+                 "copy_out_s": o.copy_out_s, "copy_in_s": o.copy_in_s, "stall_s": o.stall_s, "why": o.why}
+                for o in order[:TOP_DECISIONS]],
+    }
 
 
 def reserved_summary(plan: Plan) -> dict:
@@ -350,9 +372,16 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
         lines += wrap(f"not predicted (plan format v{s.get('format_version')}; solve again for the allocator "
                       "model's reserved peak)", f"  {'reserved':<10} ")
     xp = f"{x['pct_of_step']:.2f}%" if x["pct_of_step"] is not None else "-"
+    off = s.get("offload")
+    offloaded = (f", {off['tensors_offloaded']} offloaded, {cost(off['stall_s'])} of it waiting for copies"
+                 if off else "")
     lines += wrap(f"{cost(x['cost'])} of compute, {xp} of the step's {cost(x['step'])} "
-                   f"({x['ops_rerun']} ops re-run, {s['decisions']['tensors_dropped']} tensors dropped)",
+                   f"({x['ops_rerun']} ops re-run, {s['decisions']['tensors_dropped']} tensors dropped{offloaded})",
                    f"  {'extra':<10} ")
+    if off:
+        cap = f", host budget {size(off['host_budget_bytes'])}" if off["host_budget_bytes"] is not None else ""
+        lines += wrap(f"peak {size(off['host_peak_bytes'])} of offloaded copies{cap}, host link "
+                      f"{off['host_link_bytes_per_s'] / 1e9:g} GB/s each way", f"  {'host':<10} ")
     gap = f"{100 * sv['gap']:.2f}%" if sv["gap"] is not None else "-"
     wall = f"{sv['wall_s']:.2f} s" if sv["wall_s"] is not None else "-"
     lines += wrap(f"{sv['method']}: {sv['status']}, lower bound {cost(sv['lower_bound'])}, gap {gap}, "
@@ -387,6 +416,21 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
         span = f"{row['free_after']}..{row['remat_before']}"
         lines += wrap(where, f"  {row['tensor']:>7} {size(row['nbytes']):>10}  {span:<12} ")
         lines += wrap(row["why"], " " * 10)
+
+    if off:
+        lines.append("")
+        head = (f"Offload decisions: {off['tensors_offloaded']} tensors offloaded, {size(off['nbytes_offloaded'])} "
+                "copied to host and back")
+        if off["tensors_offloaded"] > len(off["top"]):
+            head += f"; the {len(off['top'])} largest:"
+        lines.append(head if off["tensors_offloaded"] else "Offload decisions: none (offload was allowed)")
+        if off["top"]:
+            lines.append(f"  {'tensor':>7} {'bytes':>10}  {'out..in':<12} {'prefetch':>8} op (module), then why")
+        for row in off["top"]:
+            where = row["op_name"] + (f" in {row['module']}" if row["module"] else "")
+            span = f"{row['after']}..{row['before']}"
+            lines += wrap(where, f"  {row['tensor']:>7} {size(row['nbytes']):>10}  {span:<12} {row['prefetch_at']:>8} ")
+            lines += wrap(row["why"], " " * 10)
 
     if s["partitions"]:
         lines.append("")

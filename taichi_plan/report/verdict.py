@@ -8,7 +8,7 @@ from ..errors import PlanError
 from ..plan import Plan
 from ..problem import Problem
 from ..simulate import SimResult, simulate_plan
-from ..solve.result import drops_from_plan
+from ..solve.result import drops_from_plan, offloads_from_plan, plan_problem
 
 
 def resimulate(problem: Problem, plan: Plan) -> tuple[SimResult, Problem]:
@@ -16,10 +16,13 @@ def resimulate(problem: Problem, plan: Plan) -> tuple[SimResult, Problem]:
     being ``problem`` with the plan's partitions applied. A :class:`PlanError` if the plan does not apply."""
     try:
         drops = drops_from_plan(problem, plan)
+        offloads = offloads_from_plan(problem, plan)
     except KeyError as e:  # Problem.index_of: a tensor id the trace does not have
         raise PlanError(f"The plan drops tensor {e.args[0]}, which the trace does not have; "
                         "the plan was made for another trace.") from e
-    return simulate_plan(problem, drops, list(plan.partitions))
+    problem = plan_problem(problem, plan)
+    link = problem.offload.host_link_bytes_per_s if problem.offload is not None else None
+    return simulate_plan(problem, drops, list(plan.partitions), offloads, link)
 
 
 __all__ = ["resimulate"]

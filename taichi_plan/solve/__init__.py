@@ -73,6 +73,9 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
     ``time_limit``: wall seconds from this call, everything included; ``work_limit``: CP-SAT's
     deterministic time (``auto`` and ``ilp`` only)."""
     t0 = time.perf_counter()
+    if problem.offload is not None and method in OURS:
+        return _with_offload(problem, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
+                             work_limit=work_limit)
     if method == "heuristic":
         return plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
     if method in ("auto", "ilp"):
@@ -103,6 +106,41 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
     return table[method](problem, budget_bytes, seed=seed, time_limit=time_limit)
 
 
+def _with_offload(problem: Problem, budget_bytes: int, method: str, *, time_limit: float, seed: int, progress,
+                  work_limit: float | None) -> Decisions:
+    """Our planners with offload allowed (:mod:`.offload_plan`): the heuristic keeps, drops or
+    offloads; ``auto`` and ``ilp`` also run the drop-only search in half the time and keep the
+    better plan by the simulator. The ILP does not model copies, so its bound holds for plans
+    without offload only: none is claimed, unless no tensor can be offloaded at all."""
+    from ..offload import allow_offload
+    from .offload_plan import lone_timings, plan_offload
+
+    t0 = time.perf_counter()
+    plain = allow_offload(problem, None)
+    if not lone_timings(problem):
+        dec = run_method(plain, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
+                         work_limit=work_limit)
+        dec.notes.append("offload allowed, but no saved activation of this trace can be offloaded")
+        return dec
+    if method == "heuristic":
+        drop_only = plan_heuristic(plain, budget_bytes, seed=seed, time_limit=time_limit / 2)
+    else:
+        drop_only = run_method(plain, budget_bytes, method, time_limit=time_limit / 2, seed=seed, progress=progress,
+                               work_limit=work_limit)
+    left = max(time_limit - (time.perf_counter() - t0), 0.0)
+    dec = plan_offload(problem, budget_bytes, seed=seed, time_limit=left, drop_only=drop_only)
+    if dec is drop_only and drop_only.status == "optimal" and drop_only.lower_bound == 0.0:
+        return dec  # free already: a bound of 0 holds for every plan
+    if dec is not drop_only:
+        dec.notes.append(f"the offload heuristic's plan, better by the simulator than the drop-only {method} plan")
+    if drop_only.lower_bound is not None:
+        dec.notes.append(f"no lower bound: the {method} search's bound ({drop_only.lower_bound:.6g}) holds for plans "
+                         "without offload only (the ILP does not model copies)")
+    dec.lower_bound = None
+    dec.status = None
+    return dec
+
+
 def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[Decisions, str]:
     """The best plan by the simulator among our heuristic and every baseline (they are fast,
     and ours must never do worse than one of them), and its name ("heuristic", "dtr
@@ -131,8 +169,13 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
           seed: int = 0, progress: Callable[[float | None, float], None] | None = None,
           problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
           work_limit: float | None = None, started: float | None = None, optimizer: str = "auto",
-          partition_random: bool = False, reshard: str = "auto", prefetch: str = "auto") -> Plan:
+          partition_random: bool = False, reshard: str = "auto", prefetch: str = "auto",
+          offload=None) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
+
+    ``offload`` (an :class:`~taichi_plan.offload.OffloadConfig`, None by default): our planners
+    may also offload saved activations to host memory (:mod:`.offload_plan`), on its host link
+    and within its host budget; baselines never offload.
 
     ``optimizer`` (:mod:`taichi_plan.optimizer_plan`): ``as-recorded`` plans activations only;
     ``in-backward`` / ``groups`` plan the step as that option runs it; ``auto`` (default) keeps
@@ -170,7 +213,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
                                  problem=problem, allocator=allocator, work_limit=work_limit, started=began,
                                  optimizer=optimizer, partition_random=partition_random, reshard=reshard,
-                                 prefetch=prefetch),
+                                 prefetch=prefetch, offload=offload),
             budget_bytes, method)
     if reshard not in RESHARD_CHOICES:
         raise UsageError(f"--reshard must be one of {', '.join(RESHARD_CHOICES)}, not {reshard!r}.")
@@ -186,7 +229,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
         # by its own limit, does not (a plan it holds is never lost to a check).
         with until(t0 + time_limit * (1 - REPORT_SHARE)):
             return _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator,
-                                  work_limit, t0, optimizer, partition_random, reshard, prefetch, failed)
+                                  work_limit, t0, optimizer, partition_random, reshard, prefetch, failed, offload)
     except OutOfTime as e:
         err = stopped_error(problem, budget_bytes, method, e.phase, time_limit, work_limit, failed, deadline=end)
         reached = problem.__dict__.get("_reached_plan")
@@ -202,7 +245,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
 
 
 def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator, work_limit, t0,
-                   optimizer, partition_random, reshard, prefetch, failed) -> Plan:
+                   optimizer, partition_random, reshard, prefetch, failed, offload=None) -> Plan:
     """:func:`solve`'s search over the optimizer options, in order; the errors of the options
     that found no plan are added to ``failed``."""
     check_choice(trace, optimizer)
@@ -229,6 +272,10 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
         check(f"building the step with the optimizer {WORDS.get(mode, 'as recorded')}")
         prob = allow_random(view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups"
                                          else None), partition_random)
+        if offload is not None:
+            from ..offload import allow_offload
+
+            prob = allow_offload(prob, offload)
         if budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0] and not is_last():
             skipped.append(prob)
             continue  # below what this step can reach at all: the next option

@@ -29,7 +29,7 @@ from ..partition import (
 from ..plan import Partition
 from ..problem import Options, Problem, gap_bytes, options, rebuild_closure
 from ..simulate import Drop, SimResult, simulate, simulate_plan
-from .result import Decisions
+from .result import Decisions, host_fits, simulate_plan_of
 
 MAX_ROUNDS = 30
 LOCAL_MAX_S = 10.0  # seconds the local search of forward-only graphs may take per call
@@ -69,6 +69,8 @@ def _remember(problem: Problem, drops: list[Drop], sim: SimResult) -> None:
 
 def _judge(problem: Problem, dec: Decisions) -> SimResult:
     """The simulation of ``dec`` (one the heuristic already ran where it has it)."""
+    if dec.offloads:
+        return simulate_plan_of(problem, dec)[0]
     if not dec.partitions:
         sim = problem.__dict__.get("_judged_plans", {}).get(tuple(dec.drops))
         if sim is not None:
@@ -93,7 +95,7 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 
     def key(dec: Decisions) -> tuple:
         sim = _judge(problem, dec)
-        fits = sim.peak_bytes <= budget_bytes
+        fits = sim.peak_bytes <= budget_bytes and host_fits(problem, sim)
         return (0, sim.extra_cost, sim.peak_bytes) if fits else (1, sim.peak_bytes, sim.extra_cost)
 
     return min(candidates, key=key)
@@ -261,12 +263,14 @@ def _fits(problem: Problem, dec: Decisions, budget_bytes: int) -> bool:
 
 
 def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] | None = None,
-               deadline: float | None = None, fixed: list[Drop] | None = None, by_bytes: bool = False) -> Decisions:
+               deadline: float | None = None, fixed: list[Drop] | None = None, by_bytes: bool = False,
+               offloads: list | None = None, blocked: set[int] | None = None) -> Decisions:
     """The greedy rematerialization sweep (no partitions), starting from the ``initial`` drops
     that are options of ``problem``; no new round starts past ``deadline`` (perf_counter).
     ``fixed`` drops (any, e.g. a baseline's region rebuilds) are kept as they are: the sweep
     starts from the memory they leave and adds drops of other tensors. ``by_bytes`` ranks the
-    drops as if every rebuild cost the same (see :func:`_by_bytes`)."""
+    drops as if every rebuild cost the same (see :func:`_by_bytes`). ``offloads`` (with
+    ``problem.offload``) are kept too, their tensors and the ``blocked`` ones never dropped."""
     if budget_bytes is None or problem.num_ops == 0:
         return Decisions(notes=["no budget: nothing to do"])
     n = problem.num_ops
@@ -283,10 +287,12 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
             chosen[k] = True
 
     fixed = list(fixed or [])
-    if fixed:
-        held = np.isin(opts.tensor, [d.tensor for d in fixed])
+    offloads = list(offloads or [])
+    link = problem.offload.host_link_bytes_per_s if offloads else None
+    if fixed or offloads or blocked:
+        held = np.isin(opts.tensor, [d.tensor for d in fixed] + [o.tensor for o in offloads] + sorted(blocked or ()))
         chosen[held] = False
-        est = sim_over(problem, simulate(problem, fixed))
+        est = sim_over(problem, simulate(problem, fixed, offloads, link))
     else:
         held = None
         est = problem.baseline_live.astype(np.int64)
@@ -297,7 +303,7 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
         before = int(chosen.sum())
         _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group, held)
         drops = fixed + [Drop(int(opts.tensor[k]), int(a_arr[k]), int(b_arr[k])) for k in np.nonzero(chosen)[0]]
-        sim = simulate(problem, drops)
+        sim = simulate(problem, drops, offloads, link)
         if best is None or sim.peak_bytes <= budget_bytes or (
                 best[1].peak_bytes > budget_bytes and sim.peak_bytes < best[1].peak_bytes):
             best = (drops, sim)
@@ -312,8 +318,9 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
         over = sim_over(problem, sim) - budget_bytes
         target[over > 0] -= over[over > 0]
     drops, sim = best
-    _remember(problem, drops, sim)
-    return Decisions(drops=drops, notes=[f"greedy sweep, {rounds} round(s) checked by the simulator"],
+    if not offloads:
+        _remember(problem, drops, sim)
+    return Decisions(drops=drops, offloads=offloads, notes=[f"greedy sweep, {rounds} round(s) checked by the simulator"],
                      stats={"rounds": rounds, "candidates": int(len(sizes)), "dropped": len(drops)})
 
 

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
+from ..offload import Offload, OffloadTiming
 from ..optimizer_plan import describe as describe_optimizer
 from ..optimizer_plan import recorded_problem, recorded_trace
 from ..overhead import runtime_overhead_s
 from ..partition import find_span, partition_cost, partition_savings, random_draws
-from ..plan import Partition, Plan, Recompute
+from ..plan import Offloaded, Partition, Plan, Recompute
 from ..prefetch import describe as describe_prefetch
 from ..problem import Problem
 from ..regions import checkpointed_modules, early_triggers, needed_ops, region_ops
@@ -31,6 +32,7 @@ class Decisions:
 
     drops: list[Drop] = field(default_factory=list)
     partitions: list[Partition] = field(default_factory=list)
+    offloads: list[Offload] = field(default_factory=list)  # only where problem.offload allows them
     status: str | None = None  # optimal|feasible; None = let the simulator decide feasible/infeasible
     objective: float | None = None  # the planner's own model objective (not the final cost)
     lower_bound: float | None = None  # a proven lower bound on extra compute, if any
@@ -58,9 +60,9 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
               allocator: AllocatorConfig | None = None) -> Plan:
     """The plan of ``dec``, with the simulator's numbers and the allocator model's reserved
     peaks (``allocator``: its settings; PyTorch's defaults when None)."""
-    sim, parted = simulate_plan(problem, dec.drops, dec.partitions)
+    sim, parted = simulate_plan_of(problem, dec)
     base_peak, base_op = recorded_baseline(problem)
-    fits = budget_bytes is None or sim.peak_bytes <= budget_bytes
+    fits = (budget_bytes is None or sim.peak_bytes <= budget_bytes) and host_fits(problem, sim)
     status = "infeasible" if not fits else (dec.status or "feasible")
     lb = dec.lower_bound
     if status == "optimal" and lb is None:
@@ -73,7 +75,7 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         gap = 0.0 if sim.extra_cost <= 1e-12 else max(sim.extra_cost - lb, 0.0) / sim.extra_cost
     unit = problem.trace.cost_unit
     trace = recorded_trace(problem.trace)  # the plan names the trace as recorded
-    schedule = build_schedule(parted, dec.drops)
+    schedule = build_schedule(parted, dec.drops, sim.offload)
     planned_al = replay_schedule(schedule, allocator)
     base_al = baseline_allocator(recorded_problem(problem), allocator)
     rerun = rerun_ops(parted, dec.drops) if dec.drops else set()
@@ -131,6 +133,10 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             # what the step is predicted to take longer.
             "runtime_overhead": overhead,
             "extra_time": None if overhead is None else sim.extra_cost + overhead,
+            # Offload (v14): host bytes the copies hold at most, seconds the compute stream waits for
+            # copies-in (in extra_compute). Only where the solve allowed offloading.
+            **({"host_peak_bytes": sim.host_peak_bytes, "stall_s": sim.stall_cost}
+               if problem.offload is not None else {}),
         },
         recompute=[_recompute(problem, d, sim, unit) for d in sorted(dec.drops, key=lambda d: d.tensor)],
         partitions=[_partition(problem, p, unit) for p in dec.partitions],
@@ -138,7 +144,40 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
         optimizer=describe_optimizer(problem),
         reshard=describe_reshard(problem),
         prefetch=describe_prefetch(problem),
+        offload=problem.offload.to_dict() if problem.offload is not None else None,
+        offloads=[_offloaded(problem, tm, unit) for tm in sim.offload.timings] if sim.offload is not None else [],
     )
+
+
+def simulate_plan_of(problem: Problem, dec: Decisions):
+    """:func:`simulate_plan` of ``dec``, its offloads on the host link ``problem.offload`` gives."""
+    if dec.offloads and problem.offload is None:
+        raise ValueError("decisions offload tensors, but the problem does not allow offloading")
+    link = problem.offload.host_link_bytes_per_s if problem.offload is not None else None
+    return simulate_plan(problem, dec.drops, dec.partitions, dec.offloads, link)
+
+
+def host_fits(problem: Problem, sim: SimResult) -> bool:
+    """Whether the host bytes the plan's copies hold stay within the solve's host budget."""
+    cap = problem.offload.host_budget_bytes if problem.offload is not None else None
+    return cap is None or sim.host_peak_bytes <= cap
+
+
+def _offloaded(problem: Problem, tm: OffloadTiming, unit: str) -> Offloaded:
+    t = tm.tensor
+    p = int(problem.producer[t])
+    if tm.leaves_device:
+        what = (f"frees {format_bytes(tm.nbytes)} on the device for {tm.prefetch_at - tm.freed_after - 1} ops "
+                f"(op {tm.freed_after + 1} to {tm.prefetch_at - 1}), {format_bytes(tm.nbytes)} on the host")
+    else:
+        what = "frees nothing on the device: its copy-in must be issued before its copy-out ends"
+    copy = format_cost(tm.copy_out_end_s - tm.copy_out_start_s, unit)
+    why = (f"{what}; each copy takes {copy}, the copy-in issued before op {tm.prefetch_at}"
+           + (f"; the step waits {format_cost(tm.stall_s, unit)} for it" if tm.stall_s > 0 else ", in time"))
+    return Offloaded(tensor=int(problem.tensor_id[t]), op=p, op_name=problem.op_name[p], module=problem.op_module[p],
+                     nbytes=tm.nbytes, after=tm.after, before=tm.before, freed_after=tm.freed_after,
+                     prefetch_at=tm.prefetch_at, copy_out_s=tm.copy_out_end_s - tm.copy_out_start_s,
+                     copy_in_s=tm.copy_in_end_s - tm.copy_in_start_s, stall_s=tm.stall_s, why=why)
 
 
 def recorded_baseline(problem: Problem) -> tuple[int, int]:
@@ -217,3 +256,18 @@ def _partition(problem: Problem, part: Partition, unit: str) -> Partition:
 
 def drops_from_plan(problem: Problem, plan: Plan) -> list[Drop]:
     return [Drop(problem.index_of(r.tensor), r.free_after, r.remat_before) for r in plan.recompute]
+
+
+def offloads_from_plan(problem: Problem, plan: Plan) -> list[Offload]:
+    return [Offload(problem.index_of(o.tensor), o.after, o.before) for o in getattr(plan, "offloads", ())]
+
+
+def plan_problem(problem: Problem, plan: Plan) -> Problem:
+    """``problem`` with the plan's offload setting (v14 ``decisions.offload``), so that it
+    simulates as the plan was solved."""
+    from ..offload import OffloadConfig, allow_offload
+
+    off = getattr(plan, "offload", None)
+    if off is None:
+        return problem
+    return allow_offload(problem, OffloadConfig(float(off["host_link_bytes_per_s"]), off.get("host_budget_bytes")))

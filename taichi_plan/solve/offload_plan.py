@@ -1,0 +1,203 @@
+"""The heuristic with offload as a third choice (``solve --offload``; no torch).
+
+Where ``problem.offload`` allows it, a saved activation may be kept, dropped or offloaded
+(:mod:`taichi_plan.offload`). An offload costs nothing where its copies hide behind compute,
+and its stall where they do not; a drop costs its rebuild. The planner:
+
+1. times each candidate's copies alone on the host link (the stall-free schedule of that one
+   offload): the ops during which it is off the device, and its stall alone;
+2. takes offloads one by one, those freeing the most bytes x over-budget ops alone first,
+   keeping one only where, timed with all those kept before it (one FIFO copy stream per
+   direction: more copies, later frees and later copies-in), every copy still frees device
+   memory, no copy back stalls the step and the host budget holds: the link's capacity, not
+   the candidates alone, bounds what is offloaded;
+3. (no step: an offload that would stall is never kept, so the plan's stalls are 0 unless the
+   drops' recompute groups move the copies)
+4. drops what is still over budget with the drop heuristic's sweep (:func:`~.heuristic.plan_remat`),
+   the offloaded tensors and every tensor whose rebuild reads one kept out (where a rebuild's
+   transient reads one anyway, the largest offload goes and step 2 runs again, up to
+   :data:`SWEEPS` times);
+5. also turns the drop-only plan's drops into offloads one at a time, the costliest rebuild
+   first, each swap kept where the simulator finds the plan cheaper and still within the
+   budgets (:func:`_swap_drops`: from a plan that fits, it can only get cheaper);
+6. returns the best plan by the simulator among those and the drop-only heuristic's, so
+   allowing offload never ends above not allowing it.
+
+Steps 1-4 run on the step as recorded and, where the drop-only plan partitions modules, on the
+step with those partitions applied (their drops re-planned around the copies).
+
+Not done: the ILP (:mod:`.ilp`) does not model copies; with offload allowed ``auto`` and
+``ilp`` weigh its drop-only plan against this one, and claim no lower bound (its bound holds
+for plans without offload only). No new partition is chosen with offload in view.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ..errors import PlanError
+from ..offload import Offload, offload_candidates, schedule_offloads
+from ..partition import apply_partitions
+from ..problem import Problem, rebuild_closure
+from ..simulate import simulate
+from .heuristic import best_by_simulator, plan_heuristic, plan_remat
+from .result import Decisions
+
+SWEEPS = 3  # tries per start (step 4: each without the offload a rebuild read)
+
+
+def lone_timings(problem: Problem) -> list[tuple[Offload, int, int, float]]:
+    """Per offload candidate that leaves the device when alone: (offload, first op it is off
+    the device, first op it is back, stall alone); cached on the problem."""
+    cached = problem.__dict__.get("_lone_offloads")
+    if cached is not None:
+        return cached
+    link = problem.offload.host_link_bytes_per_s
+    out = []
+    for o in offload_candidates(problem):
+        tm = schedule_offloads(problem, [o], {}, link).timings[0]
+        if tm.leaves_device:
+            out.append((o, tm.freed_after + 1, tm.prefetch_at, tm.stall_s))
+    problem.__dict__["_lone_offloads"] = out
+    return out
+
+
+def _choose(problem: Problem, budget_bytes: int, lone: list, banned: set[int]) -> list[Offload]:
+    """Offloads taken one by one, the most bytes x over-budget ops freed alone first, each kept
+    only if it frees memory where the step, with those kept before it, is still over budget
+    and, with them, every copy still frees device memory, no copy back stalls the step and the
+    host budget holds (the copies share one link per direction: what
+    one more copy does is timed with all of them, :func:`~taichi_plan.offload.schedule_offloads`)."""
+    rows = [x for x in lone if x[0].tensor not in banned]
+    if not rows:
+        return []
+    link = problem.offload.host_link_bytes_per_s
+    cap = problem.offload.host_budget_bytes
+    over = np.concatenate([[0], np.cumsum(problem.baseline_live > budget_bytes)])
+    score = [int(problem.nbytes[o.tensor]) * int(over[b] - over[s]) for o, s, b, _st in rows]
+    order = sorted(range(len(rows)), key=lambda k: (-score[k], rows[k][0].tensor))
+    chosen: list[Offload] = []
+    est = problem.baseline_live.astype(np.int64)  # live bytes with the offloads kept so far (no drops)
+    for k in order:
+        o, s, b, stall = rows[k]
+        if score[k] <= 0:
+            break
+        if stall > 0 or not (est[s:b] > budget_bytes).any():
+            continue  # stalls alone, or frees nothing where the step is still over budget
+        trial = [*chosen, o]
+        sched = schedule_offloads(problem, trial, {}, link)
+        if sched.stall_s > 0 or not all(t.leaves_device for t in sched.timings):
+            continue
+        if cap is not None and sched.host_peak_bytes > cap:
+            continue
+        chosen = trial
+        delta = np.zeros(problem.num_ops + 1, dtype=np.int64)
+        for t in sched.timings:
+            delta[t.freed_after + 1] -= t.nbytes
+            delta[t.prefetch_at] += t.nbytes
+        est = problem.baseline_live.astype(np.int64) + np.cumsum(delta)[:-1]
+    return chosen
+
+
+def _blocked(problem: Problem, offloads: list[Offload]) -> set[int]:
+    """Tensors a drop may not take beside ``offloads``: those whose rebuild (its ops and the
+    inputs it certainly re-makes, :func:`~taichi_plan.problem.rebuild_closure`) or whose
+    candidate inputs read an offloaded one (the simulator refuses a group that reads a tensor
+    while it is on the host)."""
+    away = {o.tensor for o in offloads}
+    cands = set(problem.candidates.tolist())
+    out: set[int] = set()
+    for t, a in zip(problem.candidates.tolist(), problem.cand_free_after.tolist()):
+        if t in out:
+            continue
+        ops, deps = rebuild_closure(problem, int(t), int(a), cands, dead_candidates=False)
+        if away.intersection(deps) or any(away.intersection(problem.op_reads[q].tolist()) for q in set(ops)):
+            out.add(int(t))
+    return out
+
+
+def plan_offload(problem: Problem, budget_bytes: int, *, seed: int = 0, time_limit: float = 60.0,
+                 drop_only: Decisions | None = None) -> Decisions:
+    """Keep, drop or offload (module docstring); ``drop_only``: the drop heuristic's plan if
+    already made."""
+    deadline = time.perf_counter() + time_limit
+    base = drop_only or plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit / 2)
+    if problem.offload is None or not lone_timings(problem):
+        return base
+    tried: list[Decisions] = [base]
+    starts = [[]] + ([list(base.partitions)] if base.partitions else [])
+    for parts in starts:
+        if time.perf_counter() > deadline and len(tried) > 1:
+            break
+        on = apply_partitions(problem, parts, base.drops if parts else ())[0] if parts else problem
+        for dec in _rounds(on, budget_bytes, deadline):
+            dec.partitions = list(parts)
+            tried.append(dec)
+    if time.perf_counter() <= deadline and base.drops:
+        on = apply_partitions(problem, base.partitions, base.drops)[0] if base.partitions else problem
+        swapped = _swap_drops(on, budget_bytes, base, deadline)
+        if swapped is not None:
+            tried.append(swapped)
+    return best_by_simulator(problem, budget_bytes, tried)
+
+
+def _swap_drops(problem: Problem, budget_bytes: int, base: Decisions, deadline: float) -> Decisions | None:
+    """``base`` (a drop-only plan) with drops turned into offloads one at a time, the costliest
+    rebuild first, each kept where the simulator finds the plan cheaper, still within the
+    budget (and the host budget) and executable (no rebuild reads a tensor on the host): the
+    plan never gets worse than ``base`` (None when no swap was kept)."""
+    link = problem.offload.host_link_bytes_per_s
+    cap = problem.offload.host_budget_bytes
+    can = {o.tensor: o for o in offload_candidates(problem)}
+    drops, offs = list(base.drops), []
+    cost = simulate(problem, drops, [], link).extra_cost
+    rebuild = problem.rebuild_cost
+    for d in sorted(base.drops, key=lambda d: (-float(rebuild[d.tensor]), d.tensor)):
+        if time.perf_counter() > deadline:
+            break
+        o = can.get(d.tensor)
+        if o is None:
+            continue
+        trial_drops = [x for x in drops if x is not d]
+        try:
+            sim = simulate(problem, trial_drops, [*offs, o], link)
+        except PlanError:
+            continue
+        if sim.peak_bytes <= budget_bytes and (cap is None or sim.host_peak_bytes <= cap) and sim.extra_cost < cost:
+            drops, offs, cost = trial_drops, [*offs, o], sim.extra_cost
+    if not offs:
+        return None
+    return Decisions(drops=drops, offloads=offs, partitions=list(base.partitions),
+                     notes=[f"the drop-only plan with {len(offs)} of its drops offloaded instead (each swap kept where "
+                            "the simulator finds it cheaper and within the budget)", *base.notes],
+                     stats={**base.stats, "offloaded": len(offs)})
+
+
+def _rounds(problem: Problem, budget_bytes: int, deadline: float) -> list[Decisions]:
+    """Steps 1-4 of the module docstring on ``problem`` (partitions already applied): its plan
+    (none, or several tries where a rebuild read an offloaded tensor)."""
+    banned: set[int] = set()
+    tried: list[Decisions] = []
+    if not lone_timings(problem):
+        return tried
+    for _try in range(SWEEPS):
+        if time.perf_counter() > deadline and tried:
+            break
+        chosen = _choose(problem, budget_bytes, lone_timings(problem), banned)
+        if not chosen:
+            break
+        try:
+            dec = plan_remat(problem, budget_bytes, deadline=deadline, offloads=chosen,
+                             blocked=_blocked(problem, chosen))
+        except PlanError:  # a rebuild's transient reads an offloaded tensor: take the largest out
+            banned.add(max(chosen, key=lambda o: (problem.nbytes[o.tensor], o.tensor)).tensor)
+            continue
+        dec.notes = [f"greedy sweep with offload: {len(chosen)} tensor(s) offloaded, then drops where still over",
+                     *dec.notes]
+        dec.stats["offloaded"] = len(chosen)
+        tried.append(dec)
+        break
+    return tried
+

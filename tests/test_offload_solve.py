@@ -1,0 +1,98 @@
+"""Our planners with offload allowed: they choose among keep, drop and offload, hold the host
+budget, claim no bound they cannot prove, and leave everything as before without --offload."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+from test_offload_sim import tiny
+
+from taichi_plan.cli import main
+from taichi_plan.offload import OffloadConfig
+from taichi_plan.plan import load_plan
+from taichi_plan.problem import build_problem
+from taichi_plan.solve import solve
+from taichi_plan.trace import Trace, read_trace, write_trace
+
+
+def _solve(prob, budget, method="heuristic", offload=None):
+    return solve(prob.trace, budget, method, problem=prob, time_limit=10, optimizer="as-recorded", offload=offload)
+
+
+@pytest.mark.parametrize("method", ["heuristic", "auto"])
+def test_offload_replaces_a_costly_drop(method):
+    # Unplanned peak 3204 B at op3 (A 1000 B live). At 2300 B, without offload a drop is
+    # needed (its rebuild costs compute); on a 1000 B/s link A's copies hide behind compute
+    # (test_offload_sim: no stall), so the plan offloads A and costs nothing.
+    prob, a, _ = tiny()
+    plain = _solve(prob, 2300, method)
+    assert plain.recompute and plain.predicted["extra_compute"] > 0 and plain.offload is None
+    plan = _solve(prob, 2300, method, OffloadConfig(1000.0))
+    assert [o.tensor for o in plan.offloads] == [int(prob.tensor_id[a])] and not plan.recompute
+    assert plan.predicted["planned_peak_bytes"] <= 2300 and plan.predicted["extra_compute"] == 0.0
+    assert plan.predicted["host_peak_bytes"] == 1000 and plan.solver["status"] == "feasible"
+    assert plan.solver["lower_bound"] is None  # the ILP does not model copies: no bound claimed
+
+
+def test_stalls_count_and_a_slow_link_falls_back_to_drops():
+    # 100 B/s: A's copy-out takes 10 s, longer than the 6 s from its last forward use to its
+    # first backward one: it never leaves the device, so the planner drops instead.
+    prob, a, _ = tiny()
+    plan = _solve(prob, 2300, "heuristic", OffloadConfig(100.0))
+    assert not plan.offloads and plan.recompute and plan.predicted["planned_peak_bytes"] <= 2300
+
+
+def test_host_budget_binds():
+    prob, _a, _ = tiny()
+    plan = _solve(prob, 2300, "heuristic", OffloadConfig(1000.0, host_budget_bytes=999))
+    assert not plan.offloads and plan.recompute  # A's 1000 B do not fit on the host
+    assert plan.predicted["host_peak_bytes"] == 0
+
+
+@pytest.fixture
+def profiled(tmp_path):
+    """The tiny trace on disk, as if recorded for the V100 profile (12 GB/s host link)."""
+    prob, _a, _ = tiny()
+    t = prob.trace
+    trace = Trace(t.ops, t.tensors, t.accesses, {**t.meta, "device_profile": "v100-16gb"})
+    return write_trace(trace, tmp_path / "traces" / "tiny")
+
+
+def test_cli(profiled, tmp_path):
+    out = tmp_path / "p.plan.json"
+    r = CliRunner().invoke(main, ["solve", str(profiled), "--budget", "2300", "--offload", "--optimizer",
+                                  "as-recorded", "--host-budget", "1KB", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "Offload    1 tensors offloaded" in r.output and "host link 12 GB/s" in r.output
+    plan = load_plan(out)
+    assert plan.offload == {"host_link_bytes_per_s": 12e9, "host_budget_bytes": 1000} and len(plan.offloads) == 1
+    # Without --offload: the plan of before, no offload field at all.
+    r = CliRunner().invoke(main, ["solve", str(profiled), "--budget", "2300", "--optimizer", "as-recorded",
+                                  "-o", str(tmp_path / "q.plan.json")])
+    assert r.exit_code == 0 and "Offload" not in r.output
+    assert "offload" not in json.loads((tmp_path / "q.plan.json").read_text())["decisions"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host-budget", "1GB"], "only apply with --offload"),
+    (["--offload", "--host-budget", "50%"], "not a percentage"),
+    (["--offload", "--host-link", "0"], "must be above 0"),
+])
+def test_cli_refusals(profiled, tmp_path, args, message):
+    r = CliRunner().invoke(main, ["solve", str(profiled), "--budget", "2300", *args, "-o", str(tmp_path / "x.json")])
+    assert r.exit_code != 0 and message in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_no_profile_needs_a_host_link(tmp_path):
+    prob, _a, _ = tiny()
+    path = write_trace(prob.trace, tmp_path / "traces" / "bare")
+    r = CliRunner().invoke(main, ["solve", str(path), "--budget", "2300", "--offload", "-o", str(tmp_path / "x.json")])
+    assert r.exit_code != 0 and "names no device profile" in " ".join(r.output.split())
+    r = CliRunner().invoke(main, ["solve", str(path), "--budget", "2300", "--offload", "--host-link", "1e-6",
+                                  "--optimizer", "as-recorded", "-o", str(tmp_path / "y.json")])
+    assert r.exit_code == 0, r.output
+    assert load_plan(tmp_path / "y.json").offload["host_link_bytes_per_s"] == pytest.approx(1000.0)
+    assert build_problem(read_trace(path)).offload is None  # nothing of it stays on the trace
