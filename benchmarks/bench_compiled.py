@@ -31,7 +31,24 @@ MODELS = {
     "BERT 4L h256 b4 s128": ("bert", SIZES),
     "Llama 4L h256 b4 s128": ("llama", SIZES),
     "ViT 4L h256 b8 128px": ("vit", {"layers": 4, "hidden": 256, "heads": 4, "image_size": 128, "batch": 8}),
+    # a model no test builds: Phi's parallel attention + MLP blocks, partial rotary embeddings
+    "Phi 4L h256 b4 s128": ("benchmarks.bench_compiled:phi", SIZES),
 }
+
+
+def phi(batch: int, seq: int, layers: int, hidden: int, heads: int, vocab: int, dtype: str = "fp32"):
+    """An entry workload (``--entry benchmarks.bench_compiled:phi``): a Phi causal LM from its
+    config, next-token loss, AdamW."""
+    import torch
+    from transformers import PhiConfig, PhiForCausalLM
+
+    cfg = PhiConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                    intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=max(2048, seq),
+                    attn_implementation="sdpa")
+    model = PhiForCausalLM(cfg)
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))
+    return (model, {"input_ids": ids, "labels": ids.clone()}, lambda out, b: out.loss,
+            torch.optim.AdamW(model.parameters(), lr=1e-4))
 
 
 def _amb_backend(budget: float):
@@ -61,7 +78,7 @@ def run_model(label: str, progress=lambda msg: None) -> dict:
     torch._dynamo.config.cache_size_limit = 64
     torch._dynamo.config.accumulated_cache_size_limit = 512
     name, sizes = MODELS[label]
-    workload = get_workload(model=name, **sizes)
+    workload = get_workload(entry=name, **sizes) if ":" in name else get_workload(model=name, **sizes)
 
     def build():
         torch.manual_seed(0)
@@ -89,6 +106,8 @@ def run_model(label: str, progress=lambda msg: None) -> dict:
 
     p = fresh()
     add("plain", torch.compile(p[0]), p)
+    p = fresh()  # the same program again: its step / plain is the A/A margin of the timings
+    add("plain A/A", torch.compile(p[0]), p)
     for budget in BUDGETS:
         p = fresh()
         add(f"amb {budget}", torch.compile(p[0], backend=_amb_backend(budget)), p, budget=budget)
@@ -194,6 +213,15 @@ def markdown(results: list[dict], command: str) -> str:
         amb_least = min(r["peak"] for k, r in rows.items() if k.startswith("amb ") and "peak" in r)
         ours_least = min((p for _b, p in ours), default=None)
         monotonic = all(a[1] <= b[1] for a, b in zip(ours, ours[1:], strict=False))
+        margin = abs(rows["plain A/A"]["step_ms"] / plain["step_ms"] - 1) if "plain A/A" in rows else None
+        wins = [k for k, r in rows.items() if k.startswith("ours @ ") and "peak" in r]
+        fails = [k for k in wins if rows[k]["peak"] > rows[k[len("ours @ "):]]["peak"]
+                 or (margin is not None and rows[k]["step_ms"] > rows[k[len("ours @ "):]]["step_ms"] * (1 + margin))]
+        if margin is not None:
+            out.append(f"\nA/A margin (plain A/A against plain): {100 * margin:.1f}% of the step. Ours at an amb peak, "
+                       f"peak <= its and step <= its within the margin: {len(wins) - len(fails)} of "
+                       f"{sum(1 for k in rows if k.startswith('ours @ '))} budgets"
+                       f"{' (not: ' + ', '.join(fails) + ')' if fails else ''}.")
         out.append(f"\nLeast peak: ours {ours_least:,} B, the least `activation_memory_budget` setting "
                    f"{amb_least:,} B ({'ours below' if ours_least is not None and ours_least < amb_least else 'ours NOT below'}); "
                    f"ours {'monotonic' if monotonic else 'NOT monotonic'} in its budget.\n")
@@ -205,7 +233,7 @@ def main(argv: list[str]) -> None:
         results = [r for f in argv[1:] for r in json.loads(Path(f).read_text())]
         print(markdown(results, "python -m benchmarks.bench_compiled"))
         return
-    labels = [lab for lab, (name, _sizes) in MODELS.items() if not argv or name in argv]
+    labels = [lab for lab, (name, _sizes) in MODELS.items() if not argv or name in argv or name.split(":")[-1] in argv]
     results = []
     for label in labels:
         results.append(run_model(label, progress=lambda msg: print(msg, file=sys.stderr, flush=True)))

@@ -164,3 +164,144 @@ def test_compile_cli_refusals(tmp_path):
     res = runner.invoke(main, ["solve", str(tmp_path / "c"), "--budget", "70%", "--offload", "-o", str(tmp_path / "p")])
     assert res.exit_code != 0 and "without --offload" in res.output, res.output
     assert not (tmp_path / "p").exists()
+
+
+class _Blocks(torch.nn.Module):
+    """Three residual blocks whose activations (GELU, LayerNorm, tanh, dropout) inductor fuses
+    into the kernels that read them."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
+                                torch.nn.Dropout(0.1), torch.nn.Linear(256, 64)) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = x + torch.tanh(block(x)) * 0.5
+        return x
+
+
+def _build_blocks(state=None):
+    torch.manual_seed(0)
+    model = _Blocks()
+    if state is not None:
+        model.load_state_dict(state)
+    return model, {"x": torch.randn(512, 64)}, (lambda out, batch: out.square().mean()), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _rebuild_chain(trace, plan):
+    """The ops the rebuilds of ``plan`` re-run: each dropped tensor's producer, and the producers
+    of the inputs it reads that are dropped too or never exist (fused by inductor: 0 bytes)."""
+    from taichi_plan.problem import build_problem
+
+    p = build_problem(trace)
+    dropped = {int(r.tensor) for r in plan.recompute}
+    seen, stack = set(), [r.op for r in plan.recompute]
+    while stack:
+        op = stack.pop()
+        if op in seen:
+            continue
+        seen.add(op)
+        stack.extend(int(p.producer[u]) for u in p.op_reads[op].tolist()
+                     if p.producer[u] >= 0 and (u in dropped or p.nbytes[u] == 0))
+    return seen
+
+
+def _mask_plan(trace):
+    """A plan dropping each candidate whose rebuild re-runs an ``inductor_random`` (a dropout's
+    mask, from its saved seed), at its longest gap: what the solver picks only where it pays."""
+    from taichi_plan.problem import build_problem
+    from taichi_plan.simulate import Drop
+    from taichi_plan.solve.result import Decisions, make_plan
+
+    p = build_problem(trace)
+    ops = trace.ops["op"].tolist()
+    drops = []
+    for k, t in enumerate(p.candidates.tolist()):
+        seen, stack = set(), [int(p.producer[t])]
+        while stack:
+            op = stack.pop()
+            if op not in seen:
+                seen.add(op)
+                stack.extend(int(p.producer[u]) for u in p.op_reads[op].tolist() if p.producer[u] >= 0 and p.nbytes[u] == 0)
+        if any(ops[op] == "prims.inductor_random.default" for op in seen):
+            drops.append(Drop(t, int(p.cand_free_after[k]), int(p.cand_remat_before[k])))
+    return make_plan(p, None, "test", Decisions(drops=drops), 0.0, 0)
+
+
+def test_inductor_fusion_in_the_prediction(tmp_path):
+    """Under inductor a fused kernel's intermediates never exist: the recording lowers each
+    graph with inductor and records the storages of values it gives no buffer as 0 bytes, so
+    the plan's predicted peak is what the inductor-compiled step allocates (within 3%, the
+    issue's bar; measured by the profiler's memory events). Gradients: allclose to the
+    unplanned inductor run's (rtol 1e-5, atol 1e-7: the planned backward recomputes inside
+    other fused kernels, whose float sums may round differently), dropout masks recomputed
+    from inductor's saved seeds included."""
+    model, batch, loss_fn, opt = _build_blocks()
+    state = copy.deepcopy(model.state_dict())
+    trace = record_compiled(model, batch, loss_fn, opt, backend="inductor", steps=1)
+    write_trace(trace, tmp_path / "t")
+    nbytes = trace.tensors["nbytes"].to_numpy()
+    fused = [t for _g, _name, _s, _e, tids in trace.meta["compiled"]["nodes"] for t in tids if nbytes[t] == 0]
+    assert fused, "inductor fused nothing of the forward: the test model no longer exercises fusion"
+    full = int(baseline_peak(trace)[0])
+    m, b, lf, o = _build_blocks(state)
+    base_peak, base_grads = _measure(torch.compile(m), b, lf, o)
+    ops = trace.ops["op"].tolist()
+    masked = _mask_plan(trace)  # every value whose rebuild draws a dropout mask again from its seed, dropped
+    assert any(ops[op] == "prims.inductor_random.default" for op in _rebuild_chain(trace, masked))
+    plans = [solve(trace, full, time_limit=10), solve(trace, int(0.9 * base_peak), time_limit=10), masked]
+    assert not plans[0].recompute and plans[1].recompute  # all saved; below the plain step's own peak
+    peaks = []
+    for plan in plans:
+        plan.trace["path"] = plan.trace["path_absolute"] = str(tmp_path / "t")
+        m, b, lf, o = _build_blocks(state)
+        planned = taichi_plan.apply(torch.compile(m), plan)
+        peak, grads = _measure(planned, b, lf, o)
+        assert abs(peak / plan.predicted["planned_peak_bytes"] - 1) <= 0.03, (len(peaks), peak, plan.predicted)
+        for k in base_grads:
+            torch.testing.assert_close(grads[k], base_grads[k], rtol=1e-5, atol=1e-7)
+        taichi_plan.finish(planned)
+        peaks.append(peak)
+    assert peaks[1] < base_peak  # below what compile's own partitioner reaches
+
+
+def test_saved_views_droppable_across_the_forward_end():
+    """AOTAutograd detaches each saved value that is a view right after the compiled forward
+    (before ``ctx.save_for_backward``). Those reads exist only because the value is saved, so
+    the trace holds none: every activation alive across the forward graph's end can be
+    dropped there (no plan could free it across that point, the compiled step's peak, before)."""
+    from taichi_plan.problem import build_problem, rebuildable
+
+    model, batch, loss_fn, opt = _build()
+    trace = record_compiled(model, batch, loss_fn, opt, backend="aot_eager", steps=1)
+    end = max(e for _g, _name, _s, e, _tids in trace.meta["compiled"]["nodes"])  # first op after the forward graph
+    ops = trace.ops["op"].tolist()
+    detaches = []
+    while ops[end + len(detaches)] == "aten.detach.default":
+        detaches.append(end + len(detaches))
+    assert detaches, "no detach after the compiled forward: AOTAutograd's wrapper changed, the test exercises nothing"
+    acc = trace.accesses
+    assert not ((acc["op_id"].isin(detaches)) & (acc["role"] == "read")).any()
+    p = build_problem(trace)
+    gaps = {}
+    for k, t in enumerate(p.candidates.tolist()):
+        gaps.setdefault(t, []).append((int(p.cand_free_after[k]), int(p.cand_remat_before[k])))
+    phase = trace.ops["phase"].to_numpy()
+
+    def next_use(t):  # its first backward use
+        later = [int(u) for u in p.uses[t] if u >= end and phase[u] == "backward"]
+        return later[0] if later else None
+
+    def saved(t):  # read by the forward graph, next by the backward (or the wrapper's detach)
+        u = next_use(t)
+        return u is not None and all(int(x) in detaches for x in p.uses[t] if end <= x < u)
+
+    across = [t for t in range(len(p.nbytes)) if p.kind[t] == "activation" and p.nbytes[t] > 0
+              and p.start[t] < end and saved(t)]
+    assert len(across) > 20
+    pinned = [t for t in across if not any(a < end < b for a, b in gaps.get(t, []))]
+    # what stays pinned cannot be rebuilt where the backward reads it (its recomputation needs
+    # a dropout's output, which is never recomputed: it would draw other numbers)
+    assert not [t for t in pinned if p.rematerializable[t] and rebuildable(p, t, p.unpack_point(next_use(t)))]

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from ..errors import PlanError
 
 BACKENDS = ("aot_eager", "inductor")
+LOWERED_KEY = "taichi_plan_lowered"  # a recorded graph's meta: node name -> what inductor made of it
 _patch_lock = threading.Lock()
 
 
@@ -82,7 +83,9 @@ def _saveable(n) -> bool:
 
 def save_everything(joint_graph, node_info) -> list:
     """Every forward value (inputs included) that a node outside the forward reads: nothing is
-    recomputed. Where that is a multi-output node's tuple, the getitem reading it is saved."""
+    recomputed. Where that is a multi-output node's tuple, the getitem reading it is saved.
+    And inductor's dropout seeds (:func:`is_seeds`), a few bytes, so that a plan can recompute
+    a dropout mask from them."""
     import operator
 
     saved: dict = {}
@@ -96,8 +99,23 @@ def save_everything(joint_graph, node_info) -> list:
                 saved[a] = None
             elif u.target is operator.getitem and _saveable(u):
                 saved[u] = None
+    for n in joint_graph.nodes:  # inductor's dropout seeds: a plan may recompute a mask from them
+        if is_seeds(n) and node_info.is_required_fw(n):
+            saved[n] = None
     order = {n: i for i, n in enumerate(joint_graph.nodes)}
     return sorted(saved, key=order.__getitem__)
+
+
+def is_seeds(node) -> bool:
+    """Is this inductor's ``inductor_seeds`` call (one draw of seeds per forward, after its
+    joint-graph pass replaced each dropout with ``inductor_random(seed)``)? Given its seed,
+    ``inductor_random`` is deterministic: a mask recomputed in backward from the saved seeds
+    is the forward's mask, so a plan may drop what depends on it (``native_dropout``, under
+    aot_eager, draws again: never)."""
+    import torch
+
+    target = getattr(torch.ops.prims, "inductor_seeds", None)
+    return node.op == "call_function" and target is not None and node.target is target.default
 
 
 def planned_choice(recorded: list[str], dropped: set[str]) -> Callable:
@@ -187,14 +205,24 @@ def make_backend(name: str, partition_fn: Callable, key: str, fw_compiler: Calla
         def uuid(self):
             return None if fw_compiler is not None else key
 
+        def __reduce__(self):
+            # Inductor's caches pickle the config, this object included (torch 2.13 does not
+            # leave it out as it does custom passes): it stands for its key, which is the plan.
+            return (str, (f"taichi-plan partitioner {self.uuid()}",))
+
     partitioner = Partitioner()
 
     def backend(gm, example_inputs):
-        with inductor_config.patch(custom_partitioner_fn=partitioner):
+        # recording: no cache may answer for a graph, or the partitioner and the recording
+        # compiler would not see it
+        with inductor_config.patch(custom_partitioner_fn=partitioner, force_disable_caches=fw_compiler is not None):
             if fw_compiler is None:
                 return compile_fx(gm, example_inputs)
 
-            def inner(graph, inputs, **_kwargs):
+            def inner(graph, inputs, **kwargs):
+                from .fusion import lowered_values
+
+                graph.meta[LOWERED_KEY] = lowered_values(graph, inputs, kwargs)  # what gets a buffer
                 return fw_compiler(graph, inputs)
 
             return compile_fx(gm, example_inputs, inner_compile=inner)

@@ -18,7 +18,9 @@ import warnings
 
 from ..errors import WorkloadError
 from ..record.recorder import Recorder
+from .fusion import NO_BUFFER
 from .graphs import (
+    LOWERED_KEY,
     compiled_kind,
     eager_module,
     graph_signature,
@@ -58,6 +60,7 @@ class Capture:
 
     def __init__(self):
         self.graphs: list[dict] = []
+        self.compiles = 0  # joint graphs partitioned so far (a recompile counts again)
 
     def add(self, joint_graph, saved) -> int:
         self.graphs.append({
@@ -68,6 +71,7 @@ class Capture:
         return len(self.graphs) - 1
 
     def partition_fn(self, joint_module, joint_inputs, **kwargs):
+        self.compiles += 1
         seen: list[int] = []
         fw, bw = partition(joint_module, joint_inputs, choose=save_everything,
                            on_graph=lambda g, _info, saved: seen.append(self.add(g, saved)), **kwargs)
@@ -95,6 +99,8 @@ def interpreting_compiler(gm, _example_inputs):
 
     graph, part = gm.meta.get(GRAPH_KEY, (None, None))
     modules = {n.name: module_of(n) for n in gm.graph.nodes}
+    lowered = gm.meta.get(LOWERED_KEY)  # inductor: node name -> buffer / no buffer
+    no_buffer = {name for name, what in (lowered or {}).items() if what == NO_BUFFER}
 
     class Tagging(torch.fx.Interpreter):
         def run_node(self, n):
@@ -107,7 +113,7 @@ def interpreting_compiler(gm, _example_inputs):
             tids = sorted({t for t in (rec.tensor_id(x) for x in tree_leaves(out) if isinstance(x, torch.Tensor))
                            if t is not None})
             step.extras.setdefault("compiled_nodes", []).append(
-                [graph, part, n.name, start, rec.op_count, tids, modules.get(n.name, "")])
+                [graph, part, n.name, start, rec.op_count, tids, modules.get(n.name, ""), n.name in no_buffer])
             return out
 
     interp = Tagging(gm, garbage_collect_values=True)
@@ -171,6 +177,73 @@ def recording_model(model, backend: str):
     return torch.compile(eager_module(model), backend=rec_backend), capture, torch._dynamo.reset
 
 
+def fused_storages(rec, nodes) -> None:
+    """Record as 0 bytes each storage that a node inductor gives no buffer (fused into the
+    kernel that reads it, local to one kernel, a view) allocated: the interpreter made it, the
+    compiled code never does (:mod:`.fusion`). The rows stay (the ops still read them)."""
+    alloc = rec.tensors["alloc_op"]
+    spans = sorted((start, end) for _g, _p, _name, start, end, _tids, _module, fused in nodes if fused)
+    if not spans:
+        return
+    import bisect
+
+    starts = [s for s, _e in spans]
+    for tid, op in enumerate(alloc):
+        i = bisect.bisect_right(starts, op) - 1
+        if i >= 0 and spans[i][0] <= op < spans[i][1]:
+            rec.tensors["nbytes"][tid] = 0
+
+
+def saved_view_detaches(rec, nodes) -> None:
+    """Drop the reads of the ``detach`` ops AOTAutograd's wrapper runs right after a compiled
+    forward, one per saved value that is a view (``x.detach() if x._is_view()``, before
+    ``ctx.save_for_backward``). They read the view's storage once the graph is done only
+    because the value is saved: a plan that drops it saves it not, and the detach is not run.
+    Counted as uses they pinned every such storage across the forward's end (the peak of a
+    compiled step), as if no plan could free it there."""
+    inside = set()
+    ends = set()
+    for graph, part, _name, start, end, _tids, _module, _fused in nodes:
+        inside.update(range(start, end))
+        if graph is not None and part == "forward":
+            ends.add(end)
+    last_ends = {e for e in ends if e not in inside}  # the op after each forward graph's last node
+    names = rec.ops["op"]
+    wrapper = set()
+    for op in sorted(last_ends):
+        while op < len(names) and op not in inside and names[op] == "aten.detach.default":
+            wrapper.add(op)
+            op += 1
+    if not wrapper:
+        return
+    acc = rec.accesses
+    keep = [i for i, (op, role) in enumerate(zip(acc["op_id"], acc["role"], strict=True))
+            if not (op in wrapper and role == "read")]
+    for k in acc:
+        acc[k][:] = [acc[k][i] for i in keep]
+
+
+SEEDS_OP = "prims.inductor_seeds.default"
+
+
+def seeds_through_backward(rec, nodes) -> None:
+    """Keep inductor's dropout seeds (saved by the recording: :func:`.graphs.is_seeds`) alive to
+    the end of their graph's backward, as a plan that recomputes a mask from them holds them
+    there (a few bytes). Unread by the recorded backward, they were freed at its start, and no
+    mask could be recomputed after that."""
+    last_bw: dict = {}
+    for graph, part, _name, _start, end, _tids, _module, _fused in nodes:
+        if graph is not None and part == "backward":
+            last_bw[graph] = max(last_bw.get(graph, 0), end - 1)
+    ops, alloc, free = rec.ops["op"], rec.tensors["alloc_op"], rec.tensors["free_op"]
+    for graph, part, _name, start, end, tids, _module, _fused in nodes:
+        if part != "forward" or graph not in last_bw or not any(ops[i] == SEEDS_OP for i in range(start, end)):
+            continue
+        for tid in tids:
+            if start <= alloc[tid] < end and 0 <= free[tid] < last_bw[graph]:
+                free[tid] = last_bw[graph]
+
+
 def tag_record(rec, capture: Capture) -> dict:
     """Set the module of each op the compiled graphs ran from their nodes, mark every op
     outside a planned graph's forward (and every random node's) as not recomputable by a
@@ -179,7 +252,10 @@ def tag_record(rec, capture: Capture) -> dict:
     n = rec.num_ops
     planned = [False] * n
     random = {(g, name) for g, entry in enumerate(capture.graphs) for name in entry["random"]}
-    for graph, part, name, start, end, _tids, module in nodes:
+    fused_storages(rec, nodes)
+    saved_view_detaches(rec, nodes)
+    seeds_through_backward(rec, nodes)
+    for graph, part, name, start, end, _tids, module, _fused in nodes:
         for op in range(start, min(end, n)):
             if module:
                 rec.ops["module"][op] = module
@@ -189,13 +265,38 @@ def tag_record(rec, capture: Capture) -> dict:
     # the values are read, and recomputed ones rebuilt, inside its graph op by op: each of its
     # ops is where what it reads is needed (meta.backward_nodes).
     starts = set(rec.node_starts)
-    for graph, part, _name, start, end, _tids, _module in nodes:
+    for graph, part, _name, start, end, _tids, _module, _fused in nodes:
         if graph is not None and part == "backward":
             starts.update(range(start, min(end, n)))
     rec.node_starts[:] = sorted(starts)
     rec.ops["recomputable"] = [bool(r) and p for r, p in zip(rec.ops["recomputable"], planned, strict=True)]
-    forward = [[g, name, s, e, tids] for g, part, name, s, e, tids, _m in nodes if part == "forward" and g is not None]
+    forward = [[g, name, s, e, tids] for g, part, name, s, e, tids, _m, _f in nodes if part == "forward" and g is not None]
     return {"graphs": capture.graphs, "nodes": forward}
+
+
+EXTRA_WARMUP = 3  # warm-up steps beyond the asked ones while a step still compiles something
+
+
+def steady_state(step, optimizer, loop, capture: Capture, warmup: int, say, name: str) -> int:
+    """Run ``warmup`` unrecorded steps, then more (up to :data:`EXTRA_WARMUP`) while the last one
+    compiled a graph: a model can compile again on its second step (a Hugging Face model's loss
+    sets ``config.problem_type`` on its first call, a guard of the first graph). A compile under
+    the recorder would trace the recorder's own hooks into the graphs, breaking them where the
+    steady-state step does not. Returns the number of warm-up steps run."""
+    done = 0
+    while True:
+        before = capture.compiles
+        say(f"warm-up step {done + 1}")
+        optimizer.zero_grad(set_to_none=loop.set_to_none)
+        step()
+        done += 1
+        if done >= warmup and capture.compiles == before:
+            return done
+        if done >= warmup + EXTRA_WARMUP:
+            raise WorkloadError(
+                f"record_compiled({name!r}): torch.compile compiled the model again on each of {done} warm-up "
+                "steps: the step has no steady state to record. Find what changes between steps "
+                "(TORCH_LOGS=recompiles names the failing guard) and make it stable, then record again.")
 
 
 def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = None, name: str = "compiled",
@@ -222,15 +323,24 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
     step = make_step_fn(rec_model, batch, loss_fn, optimizer, f"record_compiled({name!r})", loop)
     if inputs is None:  # what record() registers as the step's inputs (record.api.registered_tensors)
         inputs = [batch, list(getattr(loss_fn, "inputs", ()))]
+    say = progress or (lambda msg: None)
     try:
+        warmup = steady_state(step, optimizer, loop, capture, warmup, say, name)
+        before = capture.compiles
         with warnings.catch_warnings():
             # the recorder tracks modules with global hooks, which dynamo warns also fire for the
             # torch.compile(module) wrapper: a wrapper the recording made, not the user's
             warnings.filterwarnings("ignore", message="Using `torch.compile\\(module\\)` when there are global hooks")
-            records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=warmup,
-                                     say=progress or (lambda msg: None), recorder_cls=CompiledRecorder)
+            records = run_and_record(rec_model, optimizer, step, inputs, loop=loop, steps=steps, warmup=0,
+                                     say=say, recorder_cls=CompiledRecorder)
     finally:
         restore()
+    if capture.compiles != before:
+        raise WorkloadError(
+            f"record_compiled({name!r}): torch.compile compiled the model again during a recorded step, after "
+            f"{warmup} warm-up step(s) that compiled nothing new: the recording would hold graphs the steady-state "
+            "step does not run. Find what changes between steps (TORCH_LOGS=recompiles names the failing guard) "
+            "and make it stable, or mark the changing sizes dynamic, then record again.")
     if not capture.graphs:
         raise WorkloadError(
             f"record_compiled({name!r}): compile made no graph with a backward (nothing in the model's forward "

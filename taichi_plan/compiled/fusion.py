@@ -1,0 +1,78 @@
+"""What inductor's fusion does to memory: which values of a partitioned graph get a buffer.
+
+An FX interpreter (what :mod:`.record` runs instead of generated code) allocates every node's
+output; inductor's generated code allocates only the buffers its lowering realizes and its
+scheduler keeps. A value fused into the kernel that reads it (a ``Pointwise`` or reduction
+body inlined there), a buffer the scheduler found local to one fused kernel, and a view of
+another buffer never exist as memory of their own. :func:`lowered_values` lowers a copy of the
+graph with inductor's own ``GraphLowering`` (``compile_fx_inner``, caches off, so lowering
+really runs) and says, per node name, what the lowering made of it. :mod:`.record` then
+records the storages a node without a buffer allocated as 0 bytes: the trace's peak, and every
+plan's prediction, is then of what the compiled code allocates.
+
+Read at the end of the lowering: the IR a node lowered to is realized in place when a later
+user needs it as a buffer (a ``StorageBox`` whose data becomes a ``ComputedBuffer``), so its
+state after the whole graph is lowered is what the code allocates.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+_lock = threading.Lock()
+BUFFER, NO_BUFFER, UNKNOWN = "buffer", "no buffer", "unknown"
+
+
+def classify(value, removed) -> str:
+    """``BUFFER`` if the lowered ``value`` (a ``TensorBox``) is a realized buffer the scheduler
+    kept, ``NO_BUFFER`` for a fused computation, a kernel-local buffer or a view, ``UNKNOWN``
+    for anything else (a tuple of outputs, a symbolic size): then the trace keeps what the
+    interpreter allocated."""
+    from torch._inductor import ir
+
+    if not isinstance(value, ir.TensorBox):
+        return UNKNOWN
+    data = value.data
+    if not isinstance(data, ir.StorageBox):
+        return NO_BUFFER  # a view (ReinterpretView, View, ...) of another value's storage
+    inner = data.data
+    if isinstance(inner, ir.Buffer):
+        return NO_BUFFER if inner.get_name() in removed else BUFFER
+    return NO_BUFFER  # Pointwise / Reduction never realized: inlined where it is read
+
+
+def lowered_values(gm, example_inputs, kwargs: dict) -> dict[str, str]:
+    """Lower a copy of the partitioned graph ``gm`` as inductor does (post-grad passes, lowering,
+    scheduling) and classify each of its call nodes (:func:`classify`). A node the post-grad
+    passes replaced is absent (``UNKNOWN`` to the caller)."""
+    from torch._inductor import config as inductor_config
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.graph import GraphLowering
+
+    seen: list = []
+    original_init, original_run_node = GraphLowering.__init__, GraphLowering.run_node
+
+    def init(self, *args, **kw):
+        seen.append(self)
+        self._taichi_plan_values = {}
+        return original_init(self, *args, **kw)
+
+    def run_node(self, n):
+        out = original_run_node(self, n)
+        values = getattr(self, "_taichi_plan_values", None)
+        if values is not None and n.op == "call_function":
+            values[n.name] = out  # the interpreter drops values after their last use; keep them
+        return out
+
+    with _lock, inductor_config.patch(force_disable_caches=True):
+        GraphLowering.__init__, GraphLowering.run_node = init, run_node
+        try:
+            compile_fx_inner(copy.deepcopy(gm), example_inputs, **kwargs)
+        finally:
+            GraphLowering.__init__, GraphLowering.run_node = original_init, original_run_node
+    main = [g for g in seen if not getattr(g, "is_const_graph", False)]
+    if not main:
+        return {}
+    graph = main[0]  # the graph itself (subgraphs of higher-order ops are lowered inside it, after it)
+    return {name: classify(v, graph.removed_buffers) for name, v in graph._taichi_plan_values.items()}
