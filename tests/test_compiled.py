@@ -167,16 +167,19 @@ def test_compile_cli_refusals(tmp_path):
 
 
 class _Blocks(torch.nn.Module):
-    """Three residual blocks whose activations (GELU, LayerNorm, tanh, dropout) inductor fuses
-    into the kernels that read them."""
+    """A convolution stem (inductor copies its input and weight to channels-last), then three
+    residual blocks whose activations (GELU, LayerNorm, tanh, dropout) inductor fuses into the
+    kernels that read them."""
 
     def __init__(self):
         super().__init__()
+        self.stem = torch.nn.Conv2d(4, 64, 4, stride=4)
         self.blocks = torch.nn.ModuleList(
             torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 256), torch.nn.GELU(),
                                 torch.nn.Dropout(0.1), torch.nn.Linear(256, 64)) for _ in range(3))
 
     def forward(self, x):
+        x = self.stem(x).flatten(2).transpose(1, 2).reshape(-1, 64)
         for block in self.blocks:
             x = x + torch.tanh(block(x)) * 0.5
         return x
@@ -187,7 +190,7 @@ def _build_blocks(state=None):
     model = _Blocks()
     if state is not None:
         model.load_state_dict(state)
-    return model, {"x": torch.randn(512, 64)}, (lambda out, batch: out.square().mean()), torch.optim.SGD(model.parameters(), lr=0.1)
+    return model, {"x": torch.randn(8, 4, 32, 32)}, (lambda out, batch: out.square().mean()), torch.optim.SGD(model.parameters(), lr=0.1)
 
 
 def _rebuild_chain(trace, plan):
@@ -232,8 +235,8 @@ def _mask_plan(trace):
 
 def test_inductor_fusion_in_the_prediction(tmp_path):
     """Under inductor a fused kernel's intermediates never exist: the recording lowers each
-    graph with inductor and records the storages of values it gives no buffer as 0 bytes, so
-    the plan's predicted peak is what the inductor-compiled step allocates (within 3%, the
+    graph with inductor and records the storages of values it gives no buffer as 0 bytes, and
+    adds the copies of inputs it makes (the stem's, in channels-last), so the plan's predicted peak is what the inductor-compiled step allocates (within 3%, the
     issue's bar; measured by the profiler's memory events). Gradients: allclose to the
     unplanned inductor run's (rtol 1e-5, atol 1e-7: the planned backward recomputes inside
     other fused kernels, whose float sums may round differently), dropout masks recomputed
@@ -245,6 +248,9 @@ def test_inductor_fusion_in_the_prediction(tmp_path):
     nbytes = trace.tensors["nbytes"].to_numpy()
     fused = [t for _g, _name, _s, _e, tids in trace.meta["compiled"]["nodes"] for t in tids if nbytes[t] == 0]
     assert fused, "inductor fused nothing of the forward: the test model no longer exercises fusion"
+    t = trace.tensors
+    copies = t[(t["producer_op"] < 0) & (t["alloc_op"] >= 0) & (t["kind"] == "activation")]
+    assert len(copies) == 2, "inductor made no copy of the convolution's input and weight: the test exercises none"
     full = int(baseline_peak(trace)[0])
     m, b, lf, o = _build_blocks(state)
     base_peak, base_grads = _measure(torch.compile(m), b, lf, o)
@@ -305,3 +311,41 @@ def test_saved_views_droppable_across_the_forward_end():
     # what stays pinned cannot be rebuilt where the backward reads it (its recomputation needs
     # a dropout's output, which is never recomputed: it would draw other numbers)
     assert not [t for t in pinned if p.rematerializable[t] and rebuildable(p, t, p.unpack_point(next_use(t)))]
+
+
+class _SetsOnFirstCall(torch.nn.Module):
+    """Sets an attribute its forward branches on at its first call, as a Hugging Face model's
+    loss sets ``config.problem_type``: compile makes a second graph on the second step.
+    ``every_call``: the attribute changes at every call (no step is ever steady)."""
+
+    def __init__(self, every_call=False):
+        super().__init__()
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(), torch.nn.Linear(128, 32))
+        self.mode, self.every_call = None, every_call
+
+    def forward(self, x):
+        if self.mode is None or self.every_call:
+            self.mode = (self.mode or 0) + 1
+        return self.mlp(x) * self.mode
+
+
+@pytest.mark.parametrize("every_call", [False, True], ids=["second-step-recompile", "never-steady"])
+def test_recording_waits_for_the_steady_state(every_call):
+    """The recorded step runs the graph the steady-state step runs: warm-up goes on while a step
+    still compiles (a compile under the recorder would trace its hooks into the graph and break
+    it in pieces that the real step never runs), and a step that never stops compiling is refused."""
+    from taichi_plan.errors import WorkloadError
+
+    torch.manual_seed(0)
+    model = _SetsOnFirstCall(every_call)
+    batch, loss_fn = {"x": torch.randn(64, 32)}, (lambda out, batch: out.square().mean())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if every_call:
+        with pytest.raises(WorkloadError, match="no steady state"):
+            record_compiled(model, batch, loss_fn, opt, backend="aot_eager", steps=1)
+        return
+    trace = record_compiled(model, batch, loss_fn, opt, backend="aot_eager", steps=1)
+    graphs = trace.meta["compiled"]["graphs"]
+    assert len(graphs) == 2  # the first step's graph, and the steady one (compiled again: the guard on mode)
+    ran = {g for g, _name, _s, _e, _tids in trace.meta["compiled"]["nodes"]}
+    assert ran == {1}

@@ -42,10 +42,36 @@ def classify(value, removed) -> str:
     return NO_BUFFER  # Pointwise / Reduction never realized: inlined where it is read
 
 
-def lowered_values(gm, example_inputs, kwargs: dict) -> dict[str, str]:
+def input_copies(graph, values: dict) -> list[int]:
+    """Bytes of each buffer the lowered ``graph`` keeps that no node's value is and that is made
+    from graph inputs only: a copy of an input in the layout a kernel wants (a convolution's
+    input and weight in channels-last). The interpreter makes no such copy; inductor's code
+    does, and keeps it while the graph's outputs (the values saved for backward) hold it."""
+    from torch._inductor import ir
+
+    own = set()
+    for v in values.values():
+        if isinstance(v, ir.TensorBox) and isinstance(v.data, ir.StorageBox) and isinstance(v.data.data, ir.Buffer):
+            own.add(v.data.data.get_name())
+    out = []
+    for buf in graph.buffers:
+        name = buf.get_name()
+        if name in own or name in graph.removed_buffers or isinstance(buf.layout, ir.MultiOutputLayout | ir.NoneLayout):
+            continue
+        origins = buf.get_origins()
+        if origins and all(o.op == "placeholder" for o in origins):
+            try:
+                out.append(int(buf.get_numel()) * buf.get_dtype().itemsize)
+            except TypeError:  # a symbolic size: not recorded
+                continue
+    return out
+
+
+def lowered_values(gm, example_inputs, kwargs: dict) -> dict:
     """Lower a copy of the partitioned graph ``gm`` as inductor does (post-grad passes, lowering,
-    scheduling) and classify each of its call nodes (:func:`classify`). A node the post-grad
-    passes replaced is absent (``UNKNOWN`` to the caller)."""
+    scheduling): ``{"nodes": {name: what}}`` for each call node (:func:`classify`; a node the
+    post-grad passes replaced is absent, ``UNKNOWN`` to the caller), ``"input_copies"``: the
+    bytes of its copies of inputs (:func:`input_copies`)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
@@ -73,6 +99,8 @@ def lowered_values(gm, example_inputs, kwargs: dict) -> dict[str, str]:
             GraphLowering.__init__, GraphLowering.run_node = original_init, original_run_node
     main = [g for g in seen if not getattr(g, "is_const_graph", False)]
     if not main:
-        return {}
+        return {"nodes": {}, "input_copies": []}
     graph = main[0]  # the graph itself (subgraphs of higher-order ops are lowered inside it, after it)
-    return {name: classify(v, graph.removed_buffers) for name, v in graph._taichi_plan_values.items()}
+    values = graph._taichi_plan_values
+    return {"nodes": {name: classify(v, graph.removed_buffers) for name, v in values.items()},
+            "input_copies": input_copies(graph, values)}

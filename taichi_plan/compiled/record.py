@@ -99,8 +99,9 @@ def interpreting_compiler(gm, _example_inputs):
 
     graph, part = gm.meta.get(GRAPH_KEY, (None, None))
     modules = {n.name: module_of(n) for n in gm.graph.nodes}
-    lowered = gm.meta.get(LOWERED_KEY)  # inductor: node name -> buffer / no buffer
-    no_buffer = {name for name, what in (lowered or {}).items() if what == NO_BUFFER}
+    lowered = gm.meta.get(LOWERED_KEY) or {}  # inductor: node name -> buffer / no buffer, input copies
+    no_buffer = {name for name, what in lowered.get("nodes", {}).items() if what == NO_BUFFER}
+    copies = lowered.get("input_copies", [])
 
     class Tagging(torch.fx.Interpreter):
         def run_node(self, n):
@@ -119,10 +120,15 @@ def interpreting_compiler(gm, _example_inputs):
     interp = Tagging(gm, garbage_collect_values=True)
 
     def run(args):
+        rec = _recorder()
+        step = rec.current if rec is not None else None
+        start = rec.op_count if step is not None else None
         try:
             return interp.boxed_run(args)
         finally:
             interp.env = {}  # the interpreter keeps the last run's values (its outputs) otherwise
+            if step is not None and graph is not None:
+                step.extras.setdefault("compiled_runs", []).append([graph, part, start, rec.op_count, copies])
 
     run._boxed_call = True
     return run
@@ -223,6 +229,28 @@ def saved_view_detaches(rec, nodes) -> None:
         acc[k][:] = [acc[k][i] for i in keep]
 
 
+def add_input_copies(rec, runs) -> None:
+    """Add a storage for each copy of its inputs a forward graph's inductor code makes
+    (:func:`.fusion.input_copies`), alive from the graph's first op to the last op of its
+    backward (it is saved where the backward reads the input in that layout: a convolution's;
+    an over-estimate where it is not, for the forward only). No plan drops it."""
+    tens = rec.tensors
+    for i, (graph, part, start, end, copies) in enumerate(runs):
+        if part != "forward" or not copies or end <= start:
+            continue
+        later = [e for g, p, _s, e, _c in runs[i + 1:] if g == graph and p == "backward"]
+        last = (later[0] if later else end) - 1
+        for nbytes in copies:
+            tens["nbytes"].append(nbytes)
+            tens["dtype"].append("uint8")
+            tens["shape"].append([nbytes])
+            tens["kind"].append("activation")
+            tens["producer_op"].append(-1)
+            tens["alloc_op"].append(start)
+            tens["free_op"].append(last)
+            rec.producer_phase.append(None)
+
+
 SEEDS_OP = "prims.inductor_seeds.default"
 
 
@@ -255,6 +283,7 @@ def tag_record(rec, capture: Capture) -> dict:
     fused_storages(rec, nodes)
     saved_view_detaches(rec, nodes)
     seeds_through_backward(rec, nodes)
+    add_input_copies(rec, rec.extras.pop("compiled_runs", []))
     for graph, part, name, start, end, _tids, module, _fused in nodes:
         for op in range(start, min(end, n)):
             if module:
