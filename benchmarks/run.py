@@ -23,6 +23,7 @@ from benchmarks import (
     bench_floor,
     bench_fsdp,
     bench_graphs,
+    bench_offload,
     bench_optimizer,
     bench_record,
     bench_replay,
@@ -276,6 +277,11 @@ def main() -> None:
         # 6. Max batch under a budget.
         progress.update(task, description="maxbatch")
         sections.append(_guarded("Max batch", lambda: maxbatch_section(
+            lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))))
+
+        # 6a. Max batch with offload to host memory allowed.
+        progress.update(task, description="maxbatch with offload")
+        sections.append(_guarded("Max batch with offload", lambda: bench_offload.section(
             lambda msg: print(f"  {msg}", file=sys.stderr, flush=True))))
 
         # 6b. Compiled training against PyTorch's activation_memory_budget.
