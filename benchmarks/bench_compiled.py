@@ -42,6 +42,8 @@ def phi(batch: int, seq: int, layers: int, hidden: int, heads: int, vocab: int, 
     import torch
     from transformers import PhiConfig, PhiForCausalLM
 
+    if dtype != "fp32":
+        raise ValueError(f"the Phi benchmark workload is fp32 only, not {dtype}")
     cfg = PhiConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
                     intermediate_size=4 * hidden, vocab_size=vocab, max_position_embeddings=max(2048, seq),
                     attn_implementation="sdpa")

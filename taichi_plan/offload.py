@@ -81,17 +81,9 @@ def host_link_of(trace, given: float | None = None) -> float:
 
 
 def allow_offload(problem, config: OffloadConfig | None):
-    """``problem`` with offload among the planners' options (``config``) or not; what else the
-    instance carries goes along (as :func:`taichi_plan.partition.allow_random`)."""
-    import dataclasses
-
-    if problem.offload == config:
-        return problem
-    out = dataclasses.replace(problem, offload=config)
-    for key, value in vars(problem).items():
-        if not key.startswith("_") and key not in vars(out):
-            setattr(out, key, value)
-    return out
+    """``problem`` with offload among the planners' options (``config``) or not
+    (:meth:`~taichi_plan.problem.Problem.with_options`)."""
+    return problem.with_options(offload=config)
 
 
 @dataclass(frozen=True)

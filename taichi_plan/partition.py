@@ -263,16 +263,9 @@ def _sequence_spans(problem: Problem) -> list[Span]:
 
 
 def allow_random(problem: Problem, allow: bool) -> Problem:
-    """``problem`` with random modules among the planners' options (``allow``) or not. What
-    else the instance carries (an optimizer view's ``recorded_problem``) goes along; caches
-    (``_``-prefixed) do not, since partition options depend on the flag."""
-    if problem.partition_random == allow:
-        return problem
-    out = dataclasses.replace(problem, partition_random=allow)
-    for key, value in vars(problem).items():
-        if not key.startswith("_") and key not in vars(out):
-            setattr(out, key, value)
-    return out
+    """``problem`` with random modules among the planners' options (``allow``) or not
+    (:meth:`Problem.with_options`)."""
+    return problem.with_options(partition_random=allow)
 
 
 def draws_random(problem: Problem, op: int) -> bool:

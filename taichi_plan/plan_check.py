@@ -168,12 +168,7 @@ def check_plan_json(obj: dict, where: str) -> None:
     seen: set[int] = set()
     for i, r in enumerate(rec):
         f = f"decisions.recompute[{i}]"
-        _fields(where, f, r, RECOMPUTE_FIELDS)
-        _int(where, f"{f}.tensor", r["tensor"])
-        _int(where, f"{f}.op", r["op"], lo=0, hi=n - 1)
-        _str(where, f"{f}.op_name", r["op_name"])
-        _str(where, f"{f}.module", r["module"])
-        _int(where, f"{f}.nbytes", r["nbytes"], lo=0)
+        _tensor_decision(where, f, r, RECOMPUTE_FIELDS, n)
         _int(where, f"{f}.free_after", r["free_after"], lo=0, hi=n - 1)
         _int(where, f"{f}.remat_before", r["remat_before"], lo=r["free_after"] + 1, hi=n - 1)
         _str(where, f"{f}.why", r.get("why", ""))
@@ -247,6 +242,16 @@ def check_plan_json(obj: dict, where: str) -> None:
         _check_schedule(obj["schedule"], where, n, EVENT_KINDS + (OFFLOAD_EVENT_KINDS if v14 else ()))
 
 
+def _tensor_decision(where: str, f: str, r, fields, n: int) -> None:
+    """The fields a recompute and an offload decision share: the tensor, the op that made it, its size."""
+    _fields(where, f, r, fields)
+    _int(where, f"{f}.tensor", r["tensor"])
+    _int(where, f"{f}.op", r["op"], lo=0, hi=n - 1)
+    _str(where, f"{f}.op_name", r["op_name"])
+    _str(where, f"{f}.module", r["module"])
+    _int(where, f"{f}.nbytes", r["nbytes"], lo=0)
+
+
 def _check_offload(off, where: str, n: int, dropped: set[int]) -> None:
     _kind(where, "decisions.offload", off, dict, "an object")
     _num(where, "decisions.offload.host_link_bytes_per_s", off.get("host_link_bytes_per_s"), lo=0)
@@ -258,12 +263,7 @@ def _check_offload(off, where: str, n: int, dropped: set[int]) -> None:
     seen: set[int] = set()
     for i, o in enumerate(tensors):
         f = f"decisions.offload.tensors[{i}]"
-        _fields(where, f, o, OFFLOAD_FIELDS)
-        _int(where, f"{f}.tensor", o["tensor"])
-        _int(where, f"{f}.op", o["op"], lo=0, hi=n - 1)
-        _str(where, f"{f}.op_name", o["op_name"])
-        _str(where, f"{f}.module", o["module"])
-        _int(where, f"{f}.nbytes", o["nbytes"], lo=0)
+        _tensor_decision(where, f, o, OFFLOAD_FIELDS, n)
         _int(where, f"{f}.after", o["after"], lo=0, hi=n - 1)
         _int(where, f"{f}.before", o["before"], lo=o["after"] + 1, hi=n - 1)
         _int(where, f"{f}.freed_after", o["freed_after"], lo=o["after"], hi=n - 1)

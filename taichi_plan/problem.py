@@ -197,6 +197,20 @@ class Problem:
         ``op`` itself for older traces and outside backward)."""
         return int(self.unpack_at[op])
 
+    def with_options(self, **changes) -> Problem:
+        """This instance with planner options changed (``partition_random``, ``offload``).
+        What else it carries (an optimizer view's ``recorded_problem``) goes along; caches
+        (``_``-prefixed) do not, since what they hold depends on the options."""
+        import dataclasses
+
+        if all(getattr(self, k) == v for k, v in changes.items()):
+            return self
+        out = dataclasses.replace(self, **changes)
+        for key, value in vars(self).items():
+            if not key.startswith("_") and key not in vars(out):
+                setattr(out, key, value)
+        return out
+
     def release_after(self, t: int, last_use: int) -> int:
         """The op after which dropping ``t`` (last used by op ``last_use`` before a gap) really
         frees it: when the step's Python code lets go of it, if that is later (``meta.python_refs``)."""

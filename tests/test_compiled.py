@@ -193,6 +193,17 @@ def _build_blocks(state=None):
     return model, {"x": torch.randn(8, 4, 32, 32)}, (lambda out, batch: out.square().mean()), torch.optim.SGD(model.parameters(), lr=0.1)
 
 
+def _producers(p, ops, follow):
+    """``ops`` and, recursively, the producers of the inputs they read for which ``follow(tensor)``."""
+    seen, stack = set(), list(ops)
+    while stack:
+        op = stack.pop()
+        if op not in seen:
+            seen.add(op)
+            stack.extend(int(p.producer[u]) for u in p.op_reads[op].tolist() if p.producer[u] >= 0 and follow(u))
+    return seen
+
+
 def _rebuild_chain(trace, plan):
     """The ops the rebuilds of ``plan`` re-run: each dropped tensor's producer, and the producers
     of the inputs it reads that are dropped too or never exist (fused by inductor: 0 bytes)."""
@@ -200,15 +211,7 @@ def _rebuild_chain(trace, plan):
 
     p = build_problem(trace)
     dropped = {int(r.tensor) for r in plan.recompute}
-    seen, stack = set(), [r.op for r in plan.recompute]
-    while stack:
-        op = stack.pop()
-        if op in seen:
-            continue
-        seen.add(op)
-        stack.extend(int(p.producer[u]) for u in p.op_reads[op].tolist()
-                     if p.producer[u] >= 0 and (u in dropped or p.nbytes[u] == 0))
-    return seen
+    return _producers(p, [r.op for r in plan.recompute], lambda u: u in dropped or p.nbytes[u] == 0)
 
 
 def _mask_plan(trace):
@@ -222,13 +225,8 @@ def _mask_plan(trace):
     ops = trace.ops["op"].tolist()
     drops = []
     for k, t in enumerate(p.candidates.tolist()):
-        seen, stack = set(), [int(p.producer[t])]
-        while stack:
-            op = stack.pop()
-            if op not in seen:
-                seen.add(op)
-                stack.extend(int(p.producer[u]) for u in p.op_reads[op].tolist() if p.producer[u] >= 0 and p.nbytes[u] == 0)
-        if any(ops[op] == "prims.inductor_random.default" for op in seen):
+        if any(ops[op] == "prims.inductor_random.default"
+               for op in _producers(p, [int(p.producer[t])], lambda u: p.nbytes[u] == 0)):
             drops.append(Drop(t, int(p.cand_free_after[k]), int(p.cand_remat_before[k])))
     return make_plan(p, None, "test", Decisions(drops=drops), 0.0, 0)
 
