@@ -18,10 +18,10 @@ GIB = 2**30
 
 
 def main() -> None:
-    from taichi_plan.allocator import AllocatorConfig, replay_schedule
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.simulate import build_schedule
+    from taichi_plan.simulate.allocator import AllocatorConfig, replay_schedule
+    from taichi_plan.simulate.core import build_schedule
     from taichi_plan.solve import solve
 
     for label, flags in TRACES:

@@ -69,12 +69,12 @@ def run_model(label: str, progress=lambda msg: None) -> dict:
     import torch
 
     import taichi_plan
+    from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.compiled import compiled_peak, record_compiled
-    from taichi_plan.errors import InfeasibleBudgetError
     from taichi_plan.record import get_workload
     from taichi_plan.record.api import make_step_fn
     from taichi_plan.solve import solve
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     torch.set_num_threads(1)
     torch._dynamo.config.cache_size_limit = 64

@@ -55,7 +55,12 @@ def no_drops(problem):
 def optimizer_views(problem) -> list:
     """The step as recorded and as each optimizer option the trace allows runs it (groups:
     the grouping of lowest floor)."""
-    from taichi_plan.optimizer_plan import OPTION_ORDER, choose_groups, refusal, view_problem
+    from taichi_plan.problem.optimizer.plan import (
+        OPTION_ORDER,
+        choose_groups,
+        refusal,
+        view_problem,
+    )
 
     return [problem] + [view_problem(problem, mode, choose_groups(problem, 0) if mode == "groups" else None)
                         for mode in OPTION_ORDER if refusal(problem.trace, mode) is None]
@@ -63,8 +68,8 @@ def optimizer_views(problem) -> list:
 
 def least_peaks(problem) -> dict[str, float]:
     """Each lever's least reachable peak, as a fraction of ``problem``'s plain peak."""
-    from taichi_plan.partition import allow_random
-    from taichi_plan.simulate import simulate_plan
+    from taichi_plan.problem.partition.core import allow_random
+    from taichi_plan.simulate.core import simulate_plan
     from taichi_plan.solve import BISECT_LOCAL_MAX_S, least_reached
     from taichi_plan.solve.baselines import plan_dtr, plan_full
     from taichi_plan.solve.heuristic import plan_heuristic as heuristic
@@ -87,7 +92,7 @@ def least_peaks(problem) -> dict[str, float]:
 
 
 def run(progress=lambda msg: None) -> list[dict]:
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.record import get_workload, record_workload
 
     rows = []
@@ -141,7 +146,7 @@ def markdown(rows: list[dict], command: str = "python -m benchmarks.bench_floor"
 
 def write_section(path: Path, text: str) -> None:
     """Replace this benchmark's section of ``path`` (up to the next ``## ``), or append it."""
-    from taichi_plan.atomic import write_text_atomic
+    from taichi_plan.base.atomic import write_text_atomic
 
     doc = path.read_text() if path.exists() else "# Benchmarks\n"
     start = doc.find(TITLE)

@@ -76,10 +76,10 @@ def _timed(fn, *args, **kwargs):
 
 
 def run(cases=CASES) -> list[dict]:
-    from taichi_plan.errors import InfeasibleBudgetError
+    from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.record.fsdp import trace_by_tracker_category
     from taichi_plan.solve import solve
-    from taichi_plan.trace import read_trace
+    from taichi_plan.trace.format import read_trace
 
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -145,8 +145,8 @@ def maxbatch_rows(case, budget_bytes: int | None = None, method: str = MAXBATCH_
                   compared=MAXBATCH_COMPARED, guide: bool = True) -> dict:
     """``max_batch`` of one case (batch per rank) at ``budget_bytes`` (None: the profile's
     memory), with its wall and CPU seconds and the recordings it made."""
-    from taichi_plan.devices import get_profile
-    from taichi_plan.maxbatch import fake_recorder, max_batch
+    from taichi_plan.explore.maxbatch import fake_recorder, max_batch
+    from taichi_plan.trace.devices import get_profile
 
     _label, ranks, sizes = case
     sizes = {k: v for k, v in sizes.items() if k != "batch"}
@@ -159,7 +159,7 @@ def maxbatch_rows(case, budget_bytes: int | None = None, method: str = MAXBATCH_
 
 
 def maxbatch_table(case, result: dict) -> str:
-    from taichi_plan.maxbatch import guide_notes
+    from taichi_plan.explore.maxbatch import guide_notes
 
     label, ranks, sizes = case
     rows = []

@@ -7,10 +7,10 @@ import sys
 import time
 from pathlib import Path
 
-from taichi_plan.errors import InfeasibleBudgetError
-from taichi_plan.import_graph import import_graph
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import InfeasibleBudgetError
+from taichi_plan.problem.core import build_problem
 from taichi_plan.solve import solve
+from taichi_plan.trace.import_graph import import_graph
 
 GRAPHS = ["VGG16_256_224x224_train_nx", "MobileNet_512_224x224_train_nx", "ResNet50_256_224x224_train_nx",
           "random_layered_n100_w0.27_nlv0.75_ed0.2_scd0.14", "random_layered_n250_w0.43_nlv0.75_ed0.2_scd0.14"]

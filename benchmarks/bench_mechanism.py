@@ -39,7 +39,7 @@ from pathlib import Path
 def block_ops(trace, blocks: list[str]) -> dict[str, list[int]]:
     """Per block: the op ids of its forward in the first grad-enabled model call, counted ops
     only, in order (what a selective-checkpoint policy of that block is called on)."""
-    from taichi_plan.problem import grad_model_calls
+    from taichi_plan.problem.core import grad_model_calls
     from taichi_plan.replay import counted_ops
 
     call = grad_model_calls(trace.meta)[0]
@@ -146,12 +146,12 @@ def main(models: list[str], reps: int, frac: float) -> None:
     import transformers  # noqa: F401  (import cost is nobody's)
 
     from benchmarks.bench_replay import MODELS
-    from taichi_plan.plan import save_plan
+    from taichi_plan.plan.format import save_plan
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay import plan_and_trace
     from taichi_plan.replay.measure import MeasuredRun
     from taichi_plan.solve import solve
-    from taichi_plan.trace import baseline_peak, read_trace, write_trace
+    from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
 
     torch.set_num_threads(1)
     for key in models:

@@ -26,10 +26,10 @@ CASES = [(f"{label} on {budget} ({profile})", flags, budget, profile)
 
 def section(say=lambda msg: None, only: tuple[int, ...] | None = None) -> str:
     """The max-batch tables of :data:`CASES` (``only``: their indices) with offload allowed."""
-    from taichi_plan.devices import get_profile
-    from taichi_plan.maxbatch import fake_recorder, max_batch, render_max_batch
-    from taichi_plan.offload import OffloadConfig
-    from taichi_plan.units import parse_budget
+    from taichi_plan.base.units import parse_budget
+    from taichi_plan.explore.maxbatch import fake_recorder, max_batch, render_max_batch
+    from taichi_plan.problem.offload import OffloadConfig
+    from taichi_plan.trace.devices import get_profile
 
     parts = ["## Max batch with offload allowed (extra compute <= 33%, fake recordings)\n"]
     total = time.perf_counter()

@@ -10,15 +10,15 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
-from taichi_plan.errors import InfeasibleBudgetError
-from taichi_plan.optimizer_plan import OPTION_ORDER, choose_groups, refusal, view_problem
-from taichi_plan.partition import floor_bytes
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import InfeasibleBudgetError
+from taichi_plan.base.units import format_bytes
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.optimizer.plan import OPTION_ORDER, choose_groups, refusal, view_problem
+from taichi_plan.problem.partition.core import floor_bytes
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.solve import solve
-from taichi_plan.trace import write_trace
-from taichi_plan.units import format_bytes
+from taichi_plan.trace.format import write_trace
 
 ENTRY = "examples.my_workload:make_step"
 REAL = [  # (label, workload flags): real CPU steps, replayed

@@ -60,8 +60,13 @@ def partition_plans(trace, chunks=(1, 2, 4)) -> dict:
     split into ``chunks`` (random ones too, their chunks drawing their own numbers)."""
     import dataclasses
 
-    from taichi_plan.partition import allow_random, as_partition, partitionable_spans, random_draws
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.partition.core import (
+        allow_random,
+        as_partition,
+        partitionable_spans,
+        random_draws,
+    )
     from taichi_plan.replay import counted_ops
     from taichi_plan.solve.result import Decisions, make_plan
 
@@ -89,12 +94,12 @@ def main(models: list[str], reps: int, partitions: bool = False) -> list[dict]:
 
     import taichi_plan.replay.runtime as runtime
     from benchmarks.bench_replay import MODELS
-    from taichi_plan.plan import save_plan
+    from taichi_plan.plan.format import save_plan
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay import plan_and_trace
     from taichi_plan.replay.measure import MeasuredRun
     from taichi_plan.solve import solve
-    from taichi_plan.trace import baseline_peak, read_trace, write_trace
+    from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
 
     torch.set_num_threads(1)
     runtime.time = types.SimpleNamespace(perf_counter=time.thread_time)  # rebuild timers in CPU time too

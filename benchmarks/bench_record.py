@@ -21,7 +21,7 @@ def run() -> list[dict]:
     import transformers  # noqa: F401  (import cost is not the recorder's)
 
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.trace import baseline_peak
+    from taichi_plan.trace.format import baseline_peak
 
     rows = []
     for label, model, sizes, fake in CASES:

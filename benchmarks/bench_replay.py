@@ -285,8 +285,8 @@ def interleaved(names: list[str], reps: int) -> list[list[str]]:
 def solve_and_save(trace, budget: int, tmp: Path, tag: str, time_limit: float):
     """Solve ``trace`` at ``budget`` (auto), save the plan and load it back with its trace.
     Returns (plan, trace, info); plan is None when the budget is infeasible."""
-    from taichi_plan.errors import InfeasibleBudgetError
-    from taichi_plan.plan import save_plan
+    from taichi_plan.base.errors import InfeasibleBudgetError
+    from taichi_plan.plan.format import save_plan
     from taichi_plan.replay import plan_and_trace
     from taichi_plan.solve import solve
 
@@ -314,7 +314,7 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
     """Every method on one model, timed interleaved; see the module docstring."""
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import MeasuredRun
-    from taichi_plan.trace import baseline_peak, read_trace, write_trace
+    from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
 
     say = progress or (lambda msg: None)
     reps = max(reps, spec.reps or 0)

@@ -135,12 +135,12 @@ def _loop_name(loop) -> str:
 
 def one(arch: str, fraction: float, d: Path, loop=None) -> dict:
     """Record ``arch`` (with ``loop``), solve at ``fraction`` of its peak, replay the plan."""
-    from taichi_plan.errors import InfeasibleBudgetError
-    from taichi_plan.plan import save_plan
+    from taichi_plan.base.errors import InfeasibleBudgetError
+    from taichi_plan.plan.format import save_plan
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import replay
     from taichi_plan.solve import solve
-    from taichi_plan.trace import baseline_peak, read_trace, write_trace
+    from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
 
     tag = f"{arch}{'-accum-bf16' if loop else ''}"
     tdir = d / tag

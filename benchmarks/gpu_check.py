@@ -126,8 +126,8 @@ def _peaks(report: dict, run: str, device: str) -> dict:
 
 
 def _row(label, trace, on, frac, device, steps, time_limit) -> dict:
-    from taichi_plan.errors import InfeasibleBudgetError
-    from taichi_plan.problem import build_problem
+    from taichi_plan.base.errors import InfeasibleBudgetError
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.replay.measure import replay
     from taichi_plan.solve import solve
 
@@ -156,7 +156,7 @@ def _row(label, trace, on, frac, device, steps, time_limit) -> dict:
 
 def _fake_row(builtin, sizes, device, steps, time_limit) -> dict:
     """A --fake recording for the H200 profile, made on ``device``, solved and applied there."""
-    from taichi_plan.errors import TaichiError
+    from taichi_plan.base.errors import TaichiError
     from taichi_plan.record import record_workload
 
     row = {"workload": f"{builtin} fake ({FAKE_PROFILE} profile)", "on": "allocated", "budget_fraction": 0.7}
@@ -178,7 +178,7 @@ def compare_ops(real, mapped) -> dict:
     both baseline peaks. Equal streams mean the mapping recorded what the GPU ran."""
     from collections import Counter
 
-    from taichi_plan.trace import baseline_peak
+    from taichi_plan.trace.format import baseline_peak
 
     a, b = real.ops["op"].tolist(), mapped.ops["op"].tolist()
     first = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None if len(a) == len(b) else min(len(a), len(b)))
@@ -254,7 +254,7 @@ def machine(device: str) -> dict:
 
 def run(device: str, tiny: bool, out: Path, steps: int = 3, time_limit: float = 10.0,
         say=lambda msg: print(msg, file=sys.stderr, flush=True)) -> dict:
-    from taichi_plan.atomic import write_json_atomic
+    from taichi_plan.base.atomic import write_json_atomic
     from taichi_plan.record import record_workload
 
     stand_in = _stand_in_ortools()

@@ -25,12 +25,12 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 import taichi_plan
-from taichi_plan.errors import InfeasibleBudgetError
+from taichi_plan.base.errors import InfeasibleBudgetError
+from taichi_plan.base.units import format_bytes
 from taichi_plan.integrations.hf import PlanCallback, record_trainer
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.solve import solve
-from taichi_plan.units import format_bytes
 
 SIZES = dict(layers=2, hidden=64, heads=2, vocab=256, seq=64, batch=8)
 

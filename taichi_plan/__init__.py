@@ -5,8 +5,8 @@ under a memory budget (``solve``), judge it in a simulator (``simulate``) and lo
 (``inspect``). Planning modules never import torch; ``record`` imports it lazily.
 """
 
-from .errors import TaichiError
-from .trace import Trace, read_trace, write_trace
+from .base.errors import TaichiError
+from .trace.format import Trace, read_trace, write_trace
 
 __version__ = "0.1.0"
 
@@ -28,8 +28,8 @@ def finish(model) -> None:
 
 def reshard_settings(plan) -> dict:
     """Each FSDP unit's ``reshard_after_forward`` as ``plan`` runs the job (FQN -> True, False
-    or an int), to pass to its ``fully_shard``; see :func:`taichi_plan.sharding.reshard_settings`."""
-    from .sharding import reshard_settings as _settings
+    or an int), to pass to its ``fully_shard``; see :func:`taichi_plan.trace.layout.reshard_settings`."""
+    from .trace.layout import reshard_settings as _settings
 
     return _settings(plan)
 

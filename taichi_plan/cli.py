@@ -1,7 +1,7 @@
 """The ``taichi-plan`` command line: a thin face over the library.
 
 Each command lives in ``taichi_plan/commands/<name>.py``: it parses, calls one library
-function and prints. Every :class:`~taichi_plan.errors.TaichiError` becomes a one-paragraph
+function and prints. Every :class:`~taichi_plan.base.errors.TaichiError` becomes a one-paragraph
 message on stderr and the error's exit code (``commands/_common.handle_errors``).
 """
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from taichi_plan.trace import Trace, frame, op_signature
+from taichi_plan.trace.format import Trace, frame, op_signature
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 

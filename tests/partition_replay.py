@@ -4,16 +4,16 @@ the predicted one, to the byte, with gradients allclose."""
 
 from __future__ import annotations
 
-from taichi_plan.plan import load_plan, save_plan
+from taichi_plan.plan.format import load_plan, save_plan
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan
 
 
 def recorded(directory, **sizes):
     """A workload recorded for real, its trace written to ``directory``: (directory, problem)."""
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     trace = record_workload(get_workload(**sizes), fake=False)
     write_trace(trace, directory)
@@ -23,7 +23,7 @@ def recorded(directory, **sizes):
 def innermost_with_outputs(p):
     """The innermost modules (along the batch) that may be checkpointed whole and have outputs
     a plan may then drop (``partition.whole_outputs``), as the trace finds them."""
-    from taichi_plan.partition import _under, module_spans, whole_outputs
+    from taichi_plan.problem.partition.core import _under, module_spans, whole_outputs
 
     spans = module_spans(p)
     return [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
@@ -36,8 +36,8 @@ def whole_output_drops(p, spans, every=True):
     output that is another whole module's input is held by that checkpoint, and one whose
     rebuild in the unplanned step re-makes a tensor a whole module keeps to itself, such as
     a dropout's mask, is not offered)."""
-    from taichi_plan.partition import apply_partitions, as_partition, whole_outputs
-    from taichi_plan.simulate import Drop
+    from taichi_plan.problem.partition.core import apply_partitions, as_partition, whole_outputs
+    from taichi_plan.simulate.core import Drop
 
     parted, _ = apply_partitions(p, [as_partition(s, 1) for s in spans])
     gap = {int(t): (int(a), int(b)) for t, a, b in zip(parted.candidates, parted.cand_free_after,

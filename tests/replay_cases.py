@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from taichi_plan.errors import InfeasibleBudgetError
-from taichi_plan.plan import Plan, save_plan
-from taichi_plan.problem import Problem, build_problem
-from taichi_plan.trace import Trace, write_trace
+from taichi_plan.base.errors import InfeasibleBudgetError
+from taichi_plan.plan.format import Plan, save_plan
+from taichi_plan.problem.core import Problem, build_problem
+from taichi_plan.trace.format import Trace, write_trace
 
 MODELS = {
     "mlp": dict(model="mlp", hidden=256, layers=3, batch=32),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from taichi_plan.trace import Trace, frame, op_signature
+from taichi_plan.trace.format import Trace, frame, op_signature
 
 
 class TraceBuilder:

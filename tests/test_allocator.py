@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.allocator import (
+from taichi_plan.simulate.allocator import (
     AllocatorConfig,
     CachingAllocator,
     replay_schedule,

@@ -10,9 +10,9 @@ import pytest
 from conftest import graph_files
 from synthetic import TraceBuilder, chain_trace, random_training_trace
 
-from taichi_plan.errors import PlanError
-from taichi_plan.problem import build_problem
-from taichi_plan.simulate import Drop, simulate
+from taichi_plan.base.errors import PlanError
+from taichi_plan.problem.core import build_problem
+from taichi_plan.simulate.core import Drop, simulate
 from taichi_plan.solve.baselines import (
     BASELINES,
     DESCRIPTIONS,
@@ -300,7 +300,7 @@ GRAPHS = graph_files()
 
 @pytest.mark.parametrize("path", GRAPHS, ids=[p.stem for p in GRAPHS])
 def test_public_graphs(path):
-    from taichi_plan.import_graph import import_graph
+    from taichi_plan.trace.import_graph import import_graph
 
     problem = build_problem(import_graph(path))
     peak = problem.baseline_peak[0]
@@ -386,7 +386,7 @@ def test_the_heuristic_never_ends_above_one_line_checkpointing(gpt2_cpu_attentio
     and with partitions) returns a plan that fits: its sweep also starts from their drops and
     adds per-tensor drops where still over (the sweep alone fails at every block's peak on
     this model). The lowest peak its bisection reaches is never above every block's either."""
-    from taichi_plan.simulate import simulate_plan
+    from taichi_plan.simulate.core import simulate_plan
     from taichi_plan.solve import least_reached
     from taichi_plan.solve.heuristic import plan_heuristic
 

@@ -10,7 +10,7 @@ import random
 from ortools.sat.python import cp_model
 from synthetic import random_training_trace
 
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
 from taichi_plan.solve.bound import SAFETY, solve_mip
 from taichi_plan.solve.ilp import plan_ilp
 from taichi_plan.solve.result import make_plan

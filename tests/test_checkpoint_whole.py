@@ -8,16 +8,21 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner
 
+from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import PlanError
-from taichi_plan.partition import apply_partitions, find_span, module_spans, partitionable_spans
-from taichi_plan.plan import Partition, load_plan, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import Partition, load_plan, save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import (
+    apply_partitions,
+    find_span,
+    module_spans,
+    partitionable_spans,
+)
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay.measure import replay
-from taichi_plan.simulate import simulate_plan
+from taichi_plan.simulate.core import simulate_plan
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 from tests.kv_cache import ENTRY
 
 # Dropout on (transformers' defaults, 0.1): every block, attn and mlp draws random numbers.
@@ -93,7 +98,7 @@ def test_ilp_checkpoints_a_module_whole_where_nothing_else_reaches():
     """A module whose saved tensor no rebuild can make (its producer is not recomputable) and
     that cannot be split (its tensors have no batch dimension): checkpointing it whole is the
     only plan under its peak, and the ILP finds it; the schedule's peak is the prediction."""
-    from taichi_plan.plan import peak_from_schedule
+    from taichi_plan.plan.format import peak_from_schedule
     from taichi_plan.solve import solve
     from tests.synthetic import TraceBuilder
 

@@ -9,13 +9,13 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace
 
+from taichi_plan.base.errors import BudgetError, InfeasibleBudgetError, UsageError
 from taichi_plan.cli import main
-from taichi_plan.compare import compare, parse_sweep, render_compare
-from taichi_plan.errors import BudgetError, InfeasibleBudgetError, UsageError
-from taichi_plan.problem import build_problem
+from taichi_plan.explore.compare import compare, parse_sweep, render_compare
+from taichi_plan.problem.core import build_problem
 from taichi_plan.report.pareto import pareto_data
 from taichi_plan.solve import OURS, methods, solve
-from taichi_plan.trace import baseline_peak, write_trace
+from taichi_plan.trace.format import baseline_peak, write_trace
 
 FRACTIONS = (0.9, 0.8, 0.68)
 

@@ -10,7 +10,7 @@ from taichi_plan.compiled import compiled_peak, record_compiled
 from taichi_plan.record import get_workload
 from taichi_plan.record.api import make_step_fn
 from taichi_plan.solve import solve
-from taichi_plan.trace import baseline_peak, write_trace
+from taichi_plan.trace.format import baseline_peak, write_trace
 
 
 def _build(state=None):
@@ -207,7 +207,7 @@ def _producers(p, ops, follow):
 def _rebuild_chain(trace, plan):
     """The ops the rebuilds of ``plan`` re-run: each dropped tensor's producer, and the producers
     of the inputs it reads that are dropped too or never exist (fused by inductor: 0 bytes)."""
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
 
     p = build_problem(trace)
     dropped = {int(r.tensor) for r in plan.recompute}
@@ -217,8 +217,8 @@ def _rebuild_chain(trace, plan):
 def _mask_plan(trace):
     """A plan dropping each candidate whose rebuild re-runs an ``inductor_random`` (a dropout's
     mask, from its saved seed), at its longest gap: what the solver picks only where it pays."""
-    from taichi_plan.problem import build_problem
-    from taichi_plan.simulate import Drop
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.simulate.core import Drop
     from taichi_plan.solve.result import Decisions, make_plan
 
     p = build_problem(trace)
@@ -276,7 +276,7 @@ def test_saved_views_droppable_across_the_forward_end():
     (before ``ctx.save_for_backward``). Those reads exist only because the value is saved, so
     the trace holds none: every activation alive across the forward graph's end can be
     dropped there (no plan could free it across that point, the compiled step's peak, before)."""
-    from taichi_plan.problem import build_problem, rebuildable
+    from taichi_plan.problem.core import build_problem, rebuildable
 
     model, batch, loss_fn, opt = _build()
     trace = record_compiled(model, batch, loss_fn, opt, backend="aot_eager", steps=1)
@@ -332,7 +332,7 @@ def test_recording_waits_for_the_steady_state(every_call):
     """The recorded step runs the graph the steady-state step runs: warm-up goes on while a step
     still compiles (a compile under the recorder would trace its hooks into the graph and break
     it in pieces that the real step never runs), and a step that never stops compiling is refused."""
-    from taichi_plan.errors import WorkloadError
+    from taichi_plan.base.errors import WorkloadError
 
     torch.manual_seed(0)
     model = _SetsOnFirstCall(every_call)

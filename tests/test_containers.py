@@ -16,13 +16,13 @@ import tiny_models
 import torch
 
 import taichi_plan
-from taichi_plan.errors import MismatchError, PlanError
-from taichi_plan.partition import as_partition, module_spans
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import MismatchError, PlanError
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import as_partition, module_spans
 from taichi_plan.record import record
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_a_checkpointed_module_holds_the_arguments_it_never_reads(tmp_path):
     module call's tensor arguments (trace v10 ``meta.module_args``), which the simulator holds."""
     from partition_replay import replay_partitions
 
-    from taichi_plan.partition import module_inputs
+    from taichi_plan.problem.partition.core import module_inputs
     from taichi_plan.record import get_workload, record_workload
 
     trace = record_workload(get_workload(entry="tiny_models:unused_arg_blocks"), fake=False, calibrate=False)

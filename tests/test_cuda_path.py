@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.devices import get_profile
-from taichi_plan.errors import WorkloadError
-from taichi_plan.plan import save_plan
+from taichi_plan.base.errors import WorkloadError
+from taichi_plan.plan.format import save_plan
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay import measure
 from taichi_plan.solve import solve
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.devices import get_profile
+from taichi_plan.trace.format import read_trace, write_trace
 
 
 class _Meta:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from live_peak import train_entry
 
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload, record
-from taichi_plan.simulate import Drop
+from taichi_plan.simulate.core import Drop
 from taichi_plan.solve.result import Decisions, make_plan
 
 ENTRY = "tiny_models:swish_mlp"

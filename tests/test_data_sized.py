@@ -12,12 +12,12 @@ from live_peak import end_run, step_peak
 from torch import nn
 
 import taichi_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.record.api import first_mismatch
 from taichi_plan.report.trace_text import render_trace_summary, trace_summary
 from taichi_plan.solve import solve
-from taichi_plan.trace import data_sized_note
+from taichi_plan.trace.format import data_sized_note
 
 STEPS = 6
 
@@ -173,7 +173,7 @@ def test_a_step_that_routes_no_token_to_an_expert_skips_its_recorded_iteration()
 def test_a_step_that_routes_tokens_to_an_expert_the_recording_did_not_says_so():
     """The other way round: the recorded step left an expert without tokens, a live one does
     not. That iteration's ops are not in the trace: the plan stops for the call, and says why."""
-    from taichi_plan.errors import MismatchError
+    from taichi_plan.base.errors import MismatchError
 
     torch.manual_seed(0)
     model, x, loss_fn, opt = get_workload(entry="tiny_models:hit_moe", batch=512).build(False)

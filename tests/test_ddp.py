@@ -14,13 +14,13 @@ import pytest
 from click.testing import CliRunner
 from ranks import replay_measures_the_prediction, torchrun_losses
 
+from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
-from taichi_plan.devices import get_profile
-from taichi_plan.errors import PlanError
-from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
+from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.record.roofline import collective_duration_s
-from taichi_plan.trace import FORMAT_VERSION, baseline_peak, write_trace
+from taichi_plan.trace.devices import get_profile
+from taichi_plan.trace.format import FORMAT_VERSION, baseline_peak, write_trace
+from taichi_plan.trace.roofline import collective_duration_s
 
 GPT2 = {"model": "gpt2", "layers": 2, "hidden": 64, "heads": 4, "vocab": 500, "seq": 128, "batch": 8}
 MLP = {"model": "mlp", "batch": 8, "hidden": 64, "layers": 2}
@@ -68,7 +68,7 @@ def ddp_plan(tmp_path_factory):
 
 
 def _trace_of(plan):
-    from taichi_plan.trace import read_trace
+    from taichi_plan.trace.format import read_trace
 
     return read_trace(plan.parent.parent / "traces" / "t")
 
@@ -122,7 +122,7 @@ def test_gradient_as_bucket_view_and_bucket_settings_are_the_layout(tmp_path):
     on a DDP wrapper."""
     import taichi_plan
     from taichi_plan.record.ddp import local_process_group, wrap_ddp
-    from taichi_plan.trace import read_trace
+    from taichi_plan.trace.format import read_trace
 
     kw = {"bucket_cap_mb": 0.01, "gradient_as_bucket_view": True}
     trace_dir = _record(tmp_path, "m", MLP, 1, **kw)
@@ -175,9 +175,9 @@ def test_partitions_replay_on_two_ranks_as_predicted(ddp_plan, tmp_path):
     of each storage (as one process does), so the attentions, which append to GPT-2's KV cache,
     and the blocks around them are not offered (a block checkpointed whole measured 1 MiB
     over its prediction on each rank when they were)."""
-    from taichi_plan.partition import module_spans
-    from taichi_plan.plan import Partition, save_plan
-    from taichi_plan.problem import build_problem
+    from taichi_plan.plan.format import Partition, save_plan
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.partition.core import module_spans
     from taichi_plan.solve.result import Decisions, make_plan
 
     trace = _trace_of(ddp_plan)
@@ -210,9 +210,9 @@ def test_modules_whole_with_their_outputs_dropped_replay_on_two_ranks(ddp_plan):
 
     from partition_replay import innermost_with_outputs, whole_output_drops
 
-    from taichi_plan.partition import as_partition
-    from taichi_plan.plan import save_plan
-    from taichi_plan.problem import build_problem
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.partition.core import as_partition
     from taichi_plan.solve.result import Decisions, make_plan
 
     p = build_problem(_trace_of(ddp_plan))

@@ -17,7 +17,7 @@ import pytest
 from synthetic import random_training_trace
 from test_ilp_exhaustive import exhaustive, optimum
 
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
 from taichi_plan.solve import ilp
 from taichi_plan.solve.bound import solve_mip
 

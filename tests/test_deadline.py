@@ -7,11 +7,11 @@ import time
 import pytest
 import torch
 
-from taichi_plan import deadline
-from taichi_plan.errors import InfeasibleBudgetError
-from taichi_plan.optimizer_groups import balanced_groups, foreach_step, groups_view
-from taichi_plan.partition import floor_bytes
-from taichi_plan.problem import build_problem
+from taichi_plan.base import deadline
+from taichi_plan.base.errors import InfeasibleBudgetError
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.optimizer.groups import balanced_groups, foreach_step, groups_view
+from taichi_plan.problem.partition.core import floor_bytes
 from taichi_plan.record.api import record
 from taichi_plan.solve import solve
 
@@ -101,7 +101,7 @@ def test_a_plan_met_while_reporting_is_written_when_time_runs_out(monkeypatch):
     out, no bound) instead of an error that says none was found. Forced here by making the
     options' phase run out of time at once."""
     import taichi_plan.solve as solve_mod
-    from taichi_plan.deadline import OutOfTime
+    from taichi_plan.base.deadline import OutOfTime
 
     torch.manual_seed(0)  # activations set the peak here (a batch of 512 through 8 layers)
     model = torch.nn.Sequential(*[m for _ in range(8) for m in (torch.nn.Linear(64, 64), torch.nn.Tanh())])

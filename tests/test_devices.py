@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.devices import PROFILES, get_profile, profiles_table
-from taichi_plan.errors import UsageError
-from taichi_plan.record.roofline import estimate_duration_s
+from taichi_plan.base.errors import UsageError
+from taichi_plan.trace.devices import PROFILES, get_profile, profiles_table
+from taichi_plan.trace.roofline import estimate_duration_s
 
 
 def test_get_profile_is_case_insensitive():

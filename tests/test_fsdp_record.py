@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 from ranks import record_cli
 
-from taichi_plan.devices import get_profile
-from taichi_plan.record.roofline import collective_duration_s
-from taichi_plan.sharding import incarnations, unit_of_ops
-from taichi_plan.trace import FORMAT_VERSION, read_trace
+from taichi_plan.trace.devices import get_profile
+from taichi_plan.trace.format import FORMAT_VERSION, read_trace
+from taichi_plan.trace.layout import incarnations, unit_of_ops
+from taichi_plan.trace.roofline import collective_duration_s
 
 TINY_GPT2 = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500",
              "--seq", "128", "--batch", "4"]
@@ -140,10 +140,10 @@ def test_rank_plan_rebuilds_only_while_parameters_are_gathered(gpt2_fsdp4, tmp_p
     parameters, and each such read finds a row of that parameter's storage live (gathered
     again for backward), never the forward row FSDP resharded. Checked on the trace's own
     tables, apart from the problem's ``held``."""
-    from taichi_plan.optimizer_plan import problem_for_plan
-    from taichi_plan.problem import build_problem, rebuildable
+    from taichi_plan.problem.core import build_problem, rebuildable
+    from taichi_plan.problem.optimizer.plan import problem_for_plan
     from taichi_plan.solve import solve
-    from taichi_plan.trace import baseline_peak
+    from taichi_plan.trace.format import baseline_peak
 
     trace, _ = gpt2_fsdp4
 
@@ -185,8 +185,8 @@ def test_rank_plan_rebuilds_only_while_parameters_are_gathered(gpt2_fsdp4, tmp_p
 
 
 def test_plan_refuses_another_layout(gpt2_fsdp4, tmp_path):
-    from taichi_plan.errors import PlanError
-    from taichi_plan.plan_check import check_plan_against_trace
+    from taichi_plan.base.errors import PlanError
+    from taichi_plan.plan.check import check_plan_against_trace
     from taichi_plan.solve import solve
 
     trace, _ = gpt2_fsdp4
@@ -203,7 +203,7 @@ def test_maxbatch_records_rank_zero_of_the_sharded_job():
     from click.testing import CliRunner
 
     from taichi_plan.cli import main
-    from taichi_plan.maxbatch import fake_recorder
+    from taichi_plan.explore.maxbatch import fake_recorder
     from taichi_plan.record.fsdp import mixed_precision
 
     sizes = dict(layers=2, hidden=64, heads=4, vocab=500, seq=128, dtype="fp32", optimizer="adamw")
@@ -234,7 +234,7 @@ def test_timeline_stacks_every_kind_of_a_sharded_trace(gpt2_fsdp4):
     """The timeline and the HTML report stack kinds in STACK_ORDER: every kind a trace can hold
     must be there, or the drawn stack of a sharded trace falls short of its total."""
     from taichi_plan.report.timeline import KIND_COLORS, STACK_ORDER
-    from taichi_plan.trace import KINDS
+    from taichi_plan.trace.format import KINDS
 
     assert set(STACK_ORDER) == set(KINDS) <= set(KIND_COLORS)
     trace, _ = gpt2_fsdp4
@@ -246,7 +246,7 @@ def test_mixed_precision_rank_trace_agrees_with_fsdp_mem_tracker(gpt2_fsdp4, tmp
     gradients reduced in fp32: torchtitan's default): the trace agrees with FSDPMemTracker by
     category, its units gather half the bytes of the fp32 recording's, and its layout says so
     (trace v16), so that a plan of it is refused on a job sharded without it."""
-    from taichi_plan.sharding import layout
+    from taichi_plan.trace.layout import layout
 
     trace, out = _record(tmp_path, [*TINY_GPT2, "--fsdp", "4", "--device-profile", "h100-80gb",
                                     "--fsdp-param-dtype", "bf16", "--fsdp-reduce-dtype", "fp32"])

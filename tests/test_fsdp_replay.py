@@ -17,8 +17,8 @@ import pytest
 from click.testing import CliRunner
 from ranks import record_cli, replay_measures_the_prediction, torchrun_losses
 
+from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import PlanError
 from tests.partition_replay import whole_output_drops
 
 TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500", "--seq", "128",
@@ -98,7 +98,7 @@ def test_real_two_rank_recording_agrees_with_the_fake_one(fsdp2_plan, tmp_path):
     peak agrees with FSDPMemTracker's on the real step and with the fake recording's (the
     plan's trace), within 5%, at the same op; the model's forward is the same op sequence (the backward differs by a
     split and a copy per reduce-scatter that FSDP2 runs on gloo, not on the fake group)."""
-    from taichi_plan.trace import baseline_peak, read_trace
+    from taichi_plan.trace.format import baseline_peak, read_trace
 
     r = subprocess.run([sys.executable, "-m", "taichi_plan", "record", *TINY, "--fsdp", "2", "--steps", "1",
                         "-o", str(tmp_path / "real")], capture_output=True, text=True, timeout=300)
@@ -136,11 +136,11 @@ def test_head_and_loss_partition_over_tokens_in_a_sharded_trace(llama_fsdp2):
     """Under FSDP2 the head's weight is the unit's gathered parameter (two rows, forward and
     backward gathering, of one storage): the token span is found all the same, and partitioned,
     the logits and their log-softmax never exist."""
-    from taichi_plan.plan import Partition
-    from taichi_plan.problem import build_problem
-    from taichi_plan.simulate import simulate_plan
-    from taichi_plan.token_span import internal, token_spans
-    from taichi_plan.trace import read_trace
+    from taichi_plan.plan.format import Partition
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.partition.token_span import internal, token_spans
+    from taichi_plan.simulate.core import simulate_plan
+    from taichi_plan.trace.format import read_trace
 
     problem = build_problem(read_trace(llama_fsdp2 / "traces" / "t"))
     (span,) = token_spans(problem)
@@ -160,10 +160,10 @@ def test_partitions_run_under_fsdp2_measured_equals_predicted(llama_fsdp2):
     (with drops and its FSDP settings); 2 gloo ranks measure exactly the predicted peak, shards
     allclose to the unplanned run's. A plan partitioning modules along the batch, inside FSDP
     units whose parameters they read, measures as predicted too."""
-    from taichi_plan.plan import Partition, save_plan
-    from taichi_plan.problem import build_problem
+    from taichi_plan.plan.format import Partition, save_plan
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.solve.result import Decisions, make_plan
-    from taichi_plan.trace import read_trace
+    from taichi_plan.trace.format import read_trace
 
     plan = llama_fsdp2 / "plans" / "h.plan.json"
     r = CliRunner().invoke(main, ["solve", str(llama_fsdp2 / "traces" / "t"), "--budget", "45%", "--method",
@@ -191,9 +191,9 @@ def test_a_sharded_recording_knows_what_the_kv_cache_holds(fsdp2_plan):
     """record --fsdp probes when the step's code lets go of each storage (trace python_refs),
     as a one-process recording does: GPT-2's attentions, which append to its KV cache, and
     the blocks around them are not offered as partitions; its MLPs are."""
-    from taichi_plan.partition import module_spans
-    from taichi_plan.problem import build_problem
-    from taichi_plan.trace import read_trace
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.partition.core import module_spans
+    from taichi_plan.trace.format import read_trace
 
     trace = read_trace(fsdp2_plan.parent.parent / "traces" / "t")
     assert "python_refs" in trace.meta
@@ -206,11 +206,11 @@ def test_norms_checkpointed_whole_with_their_outputs_dropped_run_under_fsdp2(lla
     """Every RMSNorm checkpointed whole and its output dropped (plan v10, rebuilt through the
     norm from its held input with the unit's weight gathered again in backward): 2 gloo
     ranks measure exactly the predicted peak, shards bitwise."""
-    from taichi_plan.partition import as_partition, module_spans
-    from taichi_plan.plan import save_plan
-    from taichi_plan.problem import build_problem
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.partition.core import as_partition, module_spans
     from taichi_plan.solve.result import Decisions, make_plan
-    from taichi_plan.trace import read_trace
+    from taichi_plan.trace.format import read_trace
 
     problem = build_problem(read_trace(llama_fsdp2 / "traces" / "t"))
     norms = [s for s in module_spans(problem) if s.module.endswith("layernorm") and s.over == "batch"]

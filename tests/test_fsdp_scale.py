@@ -43,9 +43,9 @@ def test_a_step_drawn_through_two_recordings_is_the_recorded_one():
     shift that is a view at batch 1 is a copy above)."""
     import numpy as np
 
-    from taichi_plan.batch_line import line_trace, same_structure
-    from taichi_plan.maxbatch import fake_recorder
-    from taichi_plan.trace import baseline_peak
+    from taichi_plan.explore.batch_line import line_trace, same_structure
+    from taichi_plan.explore.maxbatch import fake_recorder
+    from taichi_plan.trace.format import baseline_peak
 
     record = fake_recorder("llama", device_profile="h100-80gb", fsdp=4, layers=2, hidden=64, heads=4, vocab=500,
                            seq=64)

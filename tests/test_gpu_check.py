@@ -86,7 +86,7 @@ def test_heuristic_solves_without_ortools_through_the_stand_in(tmp_path):
 
 
 def test_compare_ops_finds_the_first_difference():
-    from taichi_plan.trace import Trace, frame
+    from taichi_plan.trace.format import Trace, frame
 
     def trace(names):
         n = len(names)

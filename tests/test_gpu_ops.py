@@ -11,15 +11,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from taichi_plan.devices import PROFILES
 from taichi_plan.record import gpu_ops
 from taichi_plan.record.fused_cpu import dropout_keep, register_cpu_kernels
 from taichi_plan.record.gpu_ops import GpuTarget, choose_sdpa, gpu_kernels
+from taichi_plan.trace.devices import PROFILES
 
 pytest.importorskip("transformers")
 
 from taichi_plan.record import builtin_workload, record_workload  # noqa: E402
-from taichi_plan.trace import FORMAT_VERSION, baseline_peak, read_trace, write_trace  # noqa: E402
+from taichi_plan.trace.format import FORMAT_VERSION, baseline_peak, read_trace, write_trace  # noqa: E402
 
 GPT2 = dict(layers=2, hidden=64, heads=2, vocab=256, seq=128, batch=4)
 B, H, S = GPT2["batch"], GPT2["heads"], GPT2["seq"]
@@ -235,7 +235,7 @@ def test_plan_on_a_gpu_profile_trace_is_valid_and_replays_on_cpu(traces):
     """Solved on the mapped trace, the plan is feasible in the simulator, and a CPU replay (which
     maps the same kernels again) passes the op guard, measures the predicted peak and gives
     bitwise-equal gradients."""
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.replay.measure import replay
     from taichi_plan.solve import solve
 

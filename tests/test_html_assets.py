@@ -17,10 +17,10 @@ import pytest
 from synthetic import chain_trace
 
 import taichi_plan
-from taichi_plan.plan import save_plan
+from taichi_plan.plan.format import save_plan
 from taichi_plan.report import html as html_report
 from taichi_plan.solve import solve
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 ASSETS = ("report.html", "report.css", "report.js")
 REPO = Path(taichi_plan.__file__).parent.parent
@@ -72,7 +72,7 @@ def test_wheel_carries_the_assets_and_writes_a_self_contained_page(tmp_path):
 
 
 def test_a_missing_asset_is_a_clear_error():
-    from taichi_plan.errors import UsageError
+    from taichi_plan.base.errors import UsageError
 
     with pytest.raises(UsageError, match="reinstall"):
         html_report.asset("missing.css")

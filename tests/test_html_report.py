@@ -14,16 +14,16 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace
 
+from taichi_plan.base.errors import InfeasibleBudgetError, OutputExistsError, UsageError
 from taichi_plan.cli import main
-from taichi_plan.errors import InfeasibleBudgetError, OutputExistsError, UsageError
-from taichi_plan.plan import load_plan, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import load_plan, save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.report.html import TIMELINE_POINTS, read_plan_data, write_plan_html
 from taichi_plan.report.plan_text import inspect_plan
-from taichi_plan.simulate import simulate
+from taichi_plan.simulate.core import simulate
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
-from taichi_plan.trace import baseline_live_bytes, read_trace, write_trace
+from taichi_plan.trace.format import baseline_live_bytes, read_trace, write_trace
 
 
 def _solved(tmp_path, trace, frac: float = 0.7, name: str = "t"):

@@ -14,11 +14,11 @@ from collections import Counter
 
 import pytest
 
-from taichi_plan.errors import PlanError
-from taichi_plan.partition import as_partition, module_spans
-from taichi_plan.problem import build_problem, options
+from taichi_plan.base.errors import PlanError
+from taichi_plan.problem.core import build_problem, options
+from taichi_plan.problem.partition.core import as_partition, module_spans
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.simulate import Drop, simulate_plan
+from taichi_plan.simulate.core import Drop, simulate_plan
 from taichi_plan.solve.ilp import apart_reruns, structure
 
 SIZES = {"layers": 2, "hidden": 64, "heads": 2, "seq": 32, "batch": 2, "vocab": 200}

@@ -43,11 +43,11 @@ import time
 import numpy as np
 from synthetic import random_training_trace
 
-from taichi_plan.errors import InfeasibleBudgetError, PlanError
-from taichi_plan.partition import as_partition, module_spans
-from taichi_plan.plan import Partition
-from taichi_plan.problem import Options, Problem, build_problem, options, revival_options
-from taichi_plan.simulate import Drop, simulate_plan
+from taichi_plan.base.errors import InfeasibleBudgetError, PlanError
+from taichi_plan.plan.format import Partition
+from taichi_plan.problem.core import Options, Problem, build_problem, options, revival_options
+from taichi_plan.problem.partition.core import as_partition, module_spans
+from taichi_plan.simulate.core import Drop, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.ilp import plan_ilp
 from taichi_plan.solve.result import make_plan

@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 from conftest import graph_files
 
+from taichi_plan.base.errors import TraceError, UsageError
 from taichi_plan.cli import main
-from taichi_plan.errors import TraceError, UsageError
-from taichi_plan.import_graph import import_graph
-from taichi_plan.trace import baseline_peak, read_trace, write_trace
+from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
+from taichi_plan.trace.import_graph import import_graph
 
 GRAPHS = graph_files()
 

@@ -13,16 +13,16 @@ from click.testing import CliRunner
 from conftest import graph_files
 from synthetic import chain_trace, random_training_trace
 
+from taichi_plan.base.errors import InfeasibleBudgetError, OutputExistsError, PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import InfeasibleBudgetError, OutputExistsError, PlanError
-from taichi_plan.plan import load_plan, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import load_plan, save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.report.plan_text import inspect_plan, plan_summary, render_plan_summary
 from taichi_plan.report.timeline import MAX_POINTS, downsample, timeline_data, write_timeline_png
-from taichi_plan.simulate import simulate
+from taichi_plan.simulate.core import simulate
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
-from taichi_plan.trace import KINDS, baseline_live_bytes, read_trace, write_trace
+from taichi_plan.trace.format import KINDS, baseline_live_bytes, read_trace, write_trace
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -226,7 +226,7 @@ def test_long_trace_png(tmp_path):
 
 @pytest.mark.parametrize("path", graph_files()[:2], ids=lambda p: p.stem[:20])
 def test_public_graph_plan(tmp_path, path):
-    from taichi_plan.import_graph import import_graph
+    from taichi_plan.trace.import_graph import import_graph
 
     trace, problem, plan, ppath = _solved(tmp_path, import_graph(path), frac=0.6, name="g")
     s = json.loads(inspect_plan(ppath, as_json=True))
@@ -241,7 +241,7 @@ def test_public_graph_plan(tmp_path, path):
 def test_no_decisions_and_partitions_render(chain, tmp_path):
     """A plan whose budget does not bind renders; partitions are listed from the plan alone,
     and one the trace cannot take is reported as not applying (text still exits 0)."""
-    from taichi_plan.plan import Partition
+    from taichi_plan.plan.format import Partition
 
     trace, problem, _, _ = chain
     plan = solve(trace, problem.baseline_peak[0], "heuristic", problem=problem)

@@ -10,9 +10,9 @@ from click.testing import CliRunner
 from conftest import SMALL_TRACE_PEAK, SMALL_TRACE_PEAK_BY_KIND, small_trace
 
 from taichi_plan.cli import main
-from taichi_plan.import_graph import import_graph
 from taichi_plan.report.trace_text import render_trace_summary, trace_summary
-from taichi_plan.trace import KINDS, baseline_peak, read_trace, write_trace
+from taichi_plan.trace.format import KINDS, baseline_peak, read_trace, write_trace
+from taichi_plan.trace.import_graph import import_graph
 
 
 def _check_summary(summary: dict, trace) -> None:

@@ -7,9 +7,9 @@ from conftest import small_trace
 from synthetic import chain_trace
 
 from taichi_plan.cli import main
-from taichi_plan.plan import save_plan
+from taichi_plan.plan.format import save_plan
 from taichi_plan.solve import solve
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 LONG_ARGS = {f"argument_{i}": 1000 + i for i in range(8)}  # the workload line: ~150 columns
 

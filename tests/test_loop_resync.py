@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from live_peak import LivePeak
 
 import taichi_plan
-from taichi_plan.errors import InfeasibleBudgetError, MismatchError
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import InfeasibleBudgetError, MismatchError
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import Loop, record_step
 from taichi_plan.solve import solve
 
@@ -267,7 +267,7 @@ def test_a_copy_of_a_planned_model_is_its_own_unplanned_model(tmp_path):
 def test_a_copy_runs_its_own_modules_not_the_originals_planned_forwards():
     # A module split into chunks, and a head split over tokens, have their forward replaced
     # while planned; a copy made then gets its own modules' forwards back.
-    from taichi_plan.plan import Partition
+    from taichi_plan.plan.format import Partition
     from taichi_plan.replay.partition import install_partitions
 
     x = batches(1)[0]

@@ -18,11 +18,11 @@ from bitwise import assert_trains_like
 from live_peak import LivePeak
 
 import taichi_plan
-from taichi_plan.errors import InfeasibleBudgetError, MismatchError
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import InfeasibleBudgetError, MismatchError
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import Loop, get_workload, record
 from taichi_plan.replay import recipe_ops
-from taichi_plan.simulate import Drop
+from taichi_plan.simulate.core import Drop
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import Decisions, make_plan
 
@@ -58,7 +58,7 @@ def plan_for(loop: Loop, tmp_path, frac=0.5, **build_flags):
     assert plan.recompute, "the plan drops nothing: the test would prove nothing"
     path = tmp_path / "loop.plan.json"
     taichi_plan.write_trace(trace, tmp_path / "trace")
-    from taichi_plan.plan import save_plan
+    from taichi_plan.plan.format import save_plan
 
     plan.trace["path"] = str(tmp_path / "trace")
     save_plan(plan, path)
@@ -538,8 +538,8 @@ def test_modules_whole_with_their_outputs_dropped_in_a_loop(name, tmp_path):
     the predicted one; replayed, measured == predicted to the byte. Under autocast the
     rebuild casts the weights again (``partition._recast_ops``): a module checkpointed whole
     does not keep autocast's cached casts of its weights."""
-    from taichi_plan.partition import as_partition
-    from taichi_plan.plan import save_plan
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.partition.core import as_partition
     from taichi_plan.record import record_workload
     from taichi_plan.replay.measure import replay
     from tests.partition_replay import innermost_with_outputs, whole_output_drops

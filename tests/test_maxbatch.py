@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace
 
+from taichi_plan.base.errors import UsageError
 from taichi_plan.cli import main
-from taichi_plan.errors import UsageError
-from taichi_plan.maxbatch import (
+from taichi_plan.explore.maxbatch import (
     Probe,
     fake_recorder,
     max_batch,
@@ -20,7 +20,7 @@ from taichi_plan.maxbatch import (
     render_max_batch,
     search,
 )
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
 from taichi_plan.solve import solve
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +135,7 @@ def test_a_planner_stopped_by_the_overhead_cap_is_named_with_why():
     """sqrt-n's plan on the chain costs about 12% of the step at every batch: under a 10% cap
     it is excluded above no planning's batch, and the table says so with the batch, the plan's
     peak (within budget) and its extra compute. The budget, not the cap, stops no planning."""
-    from taichi_plan.maxbatch import render_max_batch
+    from taichi_plan.explore.maxbatch import render_max_batch
 
     budget = 2000
     res = max_batch(chain_at, budget, method="heuristic", max_overhead_pct=10.0, time_limit=5, limit=1000)
@@ -238,7 +238,7 @@ def test_cli_needs_a_workload():
 def test_render_keeps_every_note_whole():
     """The notes under the table are wrapped, never cut: the capped-search footnote (longer
     than 80 columns with a five-digit limit) reads to its end."""
-    from taichi_plan.maxbatch import MAX_BATCH, render_max_batch
+    from taichi_plan.explore.maxbatch import MAX_BATCH, render_max_batch
 
     res = max_batch(lambda b: chain_trace([1] * 4, temp_bytes=1, param_bytes=1), 10**9, method="heuristic",
                     time_limit=5, limit=MAX_BATCH)
@@ -332,7 +332,7 @@ def test_a_line_through_flat_peaks_does_not_send_the_search_far_off():
     them crossed the budget at batch 10467 where 17 was the answer; the search recorded fake
     steps of 10467, 5234 and 2625. Where the peak grew much slower than the batch, no step goes
     past GUESS_REACH times the largest batch that fits."""
-    from taichi_plan.maxbatch import GUESS_REACH
+    from taichi_plan.explore.maxbatch import GUESS_REACH
 
     n, fixed = 17, 2_641_216
     seen: list[int] = []
@@ -352,8 +352,8 @@ def test_a_sharded_probe_asks_solve_not_the_recorded_settings_floor(monkeypatch)
     budget; the probe still finds solve()'s plan."""
     import numpy as np
 
-    from taichi_plan import maxbatch
-    from taichi_plan.problem import build_problem
+    from taichi_plan.explore import maxbatch
+    from taichi_plan.problem.core import build_problem
 
     trace = maxbatch.fake_recorder("llama", device_profile="h100-80gb", fsdp=2, layers=2, hidden=64, heads=4,
                                    vocab=500, seq=64)(4)
@@ -372,8 +372,8 @@ def test_offload_row_at_least_ours_and_its_answer_fits():
     their copies hide behind compute, so ours with offload fits at least ours' batch (it starts
     there), and at its answer the offload plan fits within the overhead and one batch above it
     does not."""
-    from taichi_plan.maxbatch import render_max_batch
-    from taichi_plan.offload import OffloadConfig, allow_offload
+    from taichi_plan.explore.maxbatch import render_max_batch
+    from taichi_plan.problem.offload import OffloadConfig, allow_offload
 
     budget, overhead, off = 2000, 30.0, OffloadConfig(1000.0)
     res = max_batch(chain_at, budget, method="heuristic", max_overhead_pct=overhead, time_limit=5, limit=1000,

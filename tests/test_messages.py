@@ -9,12 +9,12 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace, random_training_trace
 
+from taichi_plan.base.errors import InfeasibleBudgetError
 from taichi_plan.cli import main
-from taichi_plan.errors import InfeasibleBudgetError
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem, describe_op, forward_module
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem, describe_op, forward_module
 from taichi_plan.solve import solve
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_backward_ops_are_named_by_their_forward_module(swin):
 
 def test_infeasible_message_names_the_forward_module(swin):
     p = build_problem(swin)
-    from taichi_plan.partition import floor_bytes
+    from taichi_plan.problem.partition.core import floor_bytes
 
     floor = floor_bytes(p)
     i = int(floor.argmax())
@@ -125,8 +125,8 @@ def test_infeasible_message_names_the_forward_module(swin):
 def test_an_optimizer_step_floor_says_what_takes_it_not_reduce_the_batch():
     """The mlp's peak is its AdamW step: parameters, gradients and optimizer state make most
     of it, so "reduce the batch size" would not help; the message says what they weigh."""
-    from taichi_plan.errors import InfeasibleBudgetError
-    from taichi_plan.problem import build_problem
+    from taichi_plan.base.errors import InfeasibleBudgetError
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.solve import solve
 

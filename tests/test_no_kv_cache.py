@@ -16,10 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 from taichi_plan.cli import main
-from taichi_plan.partition import state_keepers
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import state_keepers
 from taichi_plan.solve import kv_cache_note
-from taichi_plan.trace import read_trace
+from taichi_plan.trace.format import read_trace
 
 TINY = ["--model", "llama", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "256", "--seq", "128",
         "--batch", "8"]
@@ -30,7 +30,7 @@ def recorded(tmp_path_factory):
     """The cache off through the CLI (what a user runs; replayed below), and on through the
     library, uncalibrated (only its problem is compared)."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     d = tmp_path_factory.mktemp("kv")
     r = CliRunner().invoke(main, ["record", *TINY, "--steps", "1", "--no-kv-cache", "-o", str(d / "traces" / "off")])

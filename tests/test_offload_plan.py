@@ -8,14 +8,14 @@ import pytest
 from click.testing import CliRunner
 from test_offload_sim import tiny
 
+from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import PlanError
-from taichi_plan.offload import Offload, OffloadConfig, allow_offload
-from taichi_plan.plan import FORMAT_VERSION, load_plan, peak_from_schedule, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import FORMAT_VERSION, load_plan, peak_from_schedule, save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.offload import Offload, OffloadConfig, allow_offload
 from taichi_plan.report.html import read_plan_data
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import pytest
 import torch
 from live_peak import train_entry
 
-from taichi_plan.offload import OffloadConfig
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.offload import OffloadConfig
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay import counted_ops
 from taichi_plan.solve import solve
@@ -58,9 +58,9 @@ def test_offload_plan_replays_its_schedule_bitwise(solved):
 
 
 def test_replay_command_reports_an_offload_plan(solved, tmp_path):
-    from taichi_plan.plan import save_plan
+    from taichi_plan.plan.format import save_plan
     from taichi_plan.replay.measure import replay
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     trace, plan = solved
     path = write_trace(trace, tmp_path / "traces" / "blocks")
@@ -78,7 +78,7 @@ def test_a_plan_whose_copies_do_not_fit_the_trace_is_refused(solved, tmp_path):
     import dataclasses
 
     import taichi_plan
-    from taichi_plan.errors import PlanError
+    from taichi_plan.base.errors import PlanError
 
     trace, plan = solved
     bad = dataclasses.replace(plan, offloads=[dataclasses.replace(plan.offloads[0], after=plan.offloads[0].op - 1),

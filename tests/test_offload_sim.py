@@ -1,4 +1,4 @@
-"""The simulator's offload model against schedules computed by hand (taichi_plan/offload.py)."""
+"""The simulator's offload model against schedules computed by hand (taichi_plan/problem/offload.py)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from synthetic import TraceBuilder
 
-from taichi_plan.errors import PlanError
-from taichi_plan.offload import Offload, offload_candidates
-from taichi_plan.plan import peak_from_schedule
-from taichi_plan.problem import build_problem
-from taichi_plan.simulate import Drop, build_schedule, simulate
+from taichi_plan.base.errors import PlanError
+from taichi_plan.plan.format import peak_from_schedule
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.offload import Offload, offload_candidates
+from taichi_plan.simulate.core import Drop, build_schedule, simulate
 
 
 def tiny(big_b: bool = False, backward_s: float = 1.0):

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 from test_offload_sim import tiny
 
 from taichi_plan.cli import main
-from taichi_plan.offload import OffloadConfig
-from taichi_plan.plan import load_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import load_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.offload import OffloadConfig
 from taichi_plan.solve import solve
-from taichi_plan.trace import Trace, read_trace, write_trace
+from taichi_plan.trace.format import Trace, read_trace, write_trace
 
 
 def _solve(prob, budget, method="heuristic", offload=None):

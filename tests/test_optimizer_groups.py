@@ -8,7 +8,7 @@ from collections import Counter
 import pytest
 import torch
 
-from taichi_plan.optimizer_groups import balanced_groups, foreach_step, groups_view
+from taichi_plan.problem.optimizer.groups import balanced_groups, foreach_step, groups_view
 from taichi_plan.record.api import record
 
 LAYERS = 5  # 10 parameters

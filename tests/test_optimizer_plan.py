@@ -7,21 +7,21 @@ import pytest
 import torch
 
 import taichi_plan
-from taichi_plan.errors import InfeasibleBudgetError, PlanError, UsageError
-from taichi_plan.optimizer_plan import (
+from taichi_plan.base.errors import InfeasibleBudgetError, PlanError, UsageError
+from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
+from taichi_plan.plan.format import load_plan, save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.optimizer.plan import (
     in_backward_refusal,
     optimizer_view,
     parameter_steps,
     view_problem,
 )
-from taichi_plan.partition import floor_bytes
-from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
-from taichi_plan.plan import load_plan, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.partition.core import floor_bytes
 from taichi_plan.record import Loop, get_workload, record_workload
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve import solve
-from taichi_plan.trace import baseline_live_bytes, validate, write_trace
+from taichi_plan.trace.format import baseline_live_bytes, validate, write_trace
 
 # The README's mlp shape, smaller: AdamW over 3 layers; its peak is in the optimizer step.
 MLP = dict(model="mlp", hidden=256, layers=3, batch=8)
@@ -140,7 +140,7 @@ def test_the_infeasible_message_states_the_floor_parts_and_the_option(mlp):
         assert part in msg, msg
     saved = floor - int(floor_bytes(view_problem(p, "in-backward")).max())
     assert saved > 0 and "--optimizer in-backward" in msg
-    assert taichi_plan.units.format_bytes(saved) + " less" in msg, msg
+    assert taichi_plan.base.units.format_bytes(saved) + " less" in msg, msg
     assert "reduce the batch size" not in msg
 
 
@@ -209,9 +209,9 @@ def test_a_foreach_step_runs_in_groups_bitwise_and_measured_as_predicted():
     """AdamW(foreach=True): every parameter's temporaries live at once in the recorded step;
     in groups only one group's do. The peak measured by recording the planned step equals the
     predicted one, and the parameters after 3 steps equal the plain run's bitwise."""
-    from taichi_plan.optimizer_groups import foreach_step
+    from taichi_plan.problem.optimizer.groups import foreach_step
     from taichi_plan.record.api import record
-    from taichi_plan.trace import baseline_peak
+    from taichi_plan.trace.format import baseline_peak
 
     model, batch, loss_fn, opt, _sched = _foreach_mlp()
     trace = record(model, batch, loss_fn, opt)
@@ -258,7 +258,7 @@ def test_a_foreach_step_can_be_stepped_in_backward_too():
     parameter's hook runs those ops over that parameter alone. The simulator splits the
     foreach step per parameter first, then moves each parameter's share into backward."""
     from taichi_plan.record.api import record
-    from taichi_plan.trace import baseline_peak
+    from taichi_plan.trace.format import baseline_peak
 
     model, batch, loss_fn, opt, _sched = _foreach_mlp()
     trace = record(model, batch, loss_fn, opt)
@@ -290,7 +290,7 @@ def test_the_trainer_callback_refuses_a_plan_that_steps_the_optimizer(mlp):
 
 
 def test_accumulating_with_a_plan_that_steps_in_backward_raises_instead_of_stepping_twice(mlp):
-    from taichi_plan.errors import MismatchError
+    from taichi_plan.base.errors import MismatchError
 
     plan = solve(mlp, int(view_problem(build_problem(mlp), "in-backward").baseline_peak[0]), optimizer="in-backward")
     model, batch, loss_fn, opt, _sched = _build(MLP, foreach=False)
@@ -317,7 +317,7 @@ def test_a_grad_scaler_or_unrecorded_clipping_with_a_plan_that_steps_in_backward
     before any update; clipping needs every gradient too. Stepping in backward, both would
     train otherwise, silently (the scaled gradients applied; nothing left to clip). They raise,
     the scaler before its backward, and go back to PyTorch's own functions at ``finish``."""
-    from taichi_plan.errors import MismatchError
+    from taichi_plan.base.errors import MismatchError
 
     scale, norm, value = torch.amp.GradScaler.scale, torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
     plan = solve(mlp, int(view_problem(build_problem(mlp), "in-backward").baseline_peak[0]), optimizer="in-backward")
@@ -349,7 +349,7 @@ def test_the_options_sentence_never_says_a_peak_is_itself_instead():
     backward lowered the unplanned peak by a few KB (a BART): the difference is given in bytes."""
     from types import SimpleNamespace
 
-    from taichi_plan.optimizer_plan import describe
+    from taichi_plan.problem.optimizer.plan import describe
 
     def view(before: int, after: int):
         rec = SimpleNamespace(baseline_peak=(before, 7))

@@ -19,14 +19,14 @@ import pytest
 from click.testing import CliRunner
 from conftest import small_trace
 
-import taichi_plan.atomic as atomic
+import taichi_plan.base.atomic as atomic
+from taichi_plan.base.errors import OutputError, OutputExistsError
 from taichi_plan.cli import main
 from taichi_plan.commands import COMMANDS
 from taichi_plan.commands._common import UNITS, handle_errors
-from taichi_plan.errors import OutputError, OutputExistsError
-from taichi_plan.plan import save_plan
+from taichi_plan.plan.format import save_plan
 from taichi_plan.solve import solve
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 REPO = Path(__file__).resolve().parents[1]
 GRAPH = {  # a three-node Moccasin graph: enough for import-graph
@@ -187,7 +187,7 @@ def test_replay_report_replaces_only_a_replay_report(tmp_path, plan_file, monkey
 _KILLED_WRITER = """
 import sys, time
 from pathlib import Path
-from taichi_plan.atomic import replace_dir_atomic
+from taichi_plan.base.atomic import replace_dir_atomic
 
 def build(tmp):
     (tmp / "ops.parquet").write_bytes(b"PAR1 half a table")
@@ -297,9 +297,9 @@ def test_replace_swaps_in_one_step_where_the_os_can(tmp_path, monkeypatch):
 def test_every_command_checks_its_output_before_the_work(tmp_path, plan_file, graph_file, monkeypatch):
     import taichi_plan.commands.compare as compare_cmd
     import taichi_plan.commands.solve as solve_cmd
-    import taichi_plan.import_graph as ig
     import taichi_plan.record as rec
     import taichi_plan.replay.measure as measure
+    import taichi_plan.trace.import_graph as ig
 
     for mod, name in [(rec, "record_workload"), (solve_cmd, "solve"), (compare_cmd, "compare"),
                       (measure, "replay")]:

@@ -9,14 +9,19 @@ import pytest
 import torch
 from dispatch_count import count_dispatches
 
-from taichi_plan.overhead import runtime_overhead_s
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.overhead import runtime_overhead_s
+from taichi_plan.problem.partition.regions import (
+    early_triggers,
+    needed_ops,
+    planned_regions,
+    region_ops,
+)
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.record.recorder import op_clock
-from taichi_plan.regions import early_triggers, needed_ops, planned_regions, region_ops
 from taichi_plan.replay import call_ops
 from taichi_plan.replay.runtime import IGNORED_OPS, CallPlan, PlanRuntime
-from taichi_plan.simulate import rerun_ops, simulate_plan
+from taichi_plan.simulate.core import rerun_ops, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
 
@@ -88,7 +93,7 @@ def _ops_the_runtime_sees(plan, trace, monkeypatch) -> int:
 def test_overhead_is_the_calibrated_rates_times_the_ops_they_apply_to(gpt2, monkeypatch):
     """Each calibrated term moves the prediction by exactly its rate times the ops it applies
     to, counted here independently: the ops that reach the runtime's dispatch mode in a planned
-    step of the model (those of its planned regions, taichi_plan.regions), and the re-run ops
+    step of the model (those of its planned regions, taichi_plan.problem.partition.regions), and the re-run ops
     among them (the runtime's overhead, added after the solve), and the simulator's recompute
     ops and the drops (in the simulator's extra compute, which the planners weigh)."""
     plan = solve(gpt2, int(0.9 * build_problem(gpt2).baseline_peak[0]), "heuristic", seed=0)
@@ -271,8 +276,8 @@ def test_partition_cost_is_the_calibrated_rates_times_the_ops_each_chunk_runs(gp
     """A partitioned module's cost: its recorded forward once more, ``checkpoint_op_s`` per
     forward op, and ``chunk_op_s`` per op each further chunk runs again (its forward, that
     forward's re-run in backward, its backward), the ops counted here from the trace."""
-    from taichi_plan.partition import find_span, launch_overhead_s, partition_cost
-    from taichi_plan.plan import Partition
+    from taichi_plan.plan.format import Partition
+    from taichi_plan.problem.partition.core import find_span, launch_overhead_s, partition_cost
 
     problem = build_problem(gpt2)
     module = "transformer.h.0.mlp"  # (a block appends to the KV cache: never partitioned)
@@ -305,7 +310,7 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
     whole, each runs its forward once in the forward and once more in backward; split into K,
     K times each; the call's ops still match the trace."""
     from taichi_plan import replay
-    from taichi_plan.partition import partitionable_spans
+    from taichi_plan.problem.partition.core import partitionable_spans
     from taichi_plan.replay.calibrate import _partition_probes
     from taichi_plan.replay.partition import install_partitions
 
@@ -352,7 +357,7 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
 
 
 def _token_span(problem):
-    from taichi_plan.token_span import token_spans
+    from taichi_plan.problem.partition.token_span import token_spans
 
     spans = [s for s in token_spans(problem) if s.module == "lm_head"]
     assert len(spans) == 1
@@ -366,7 +371,7 @@ def test_token_partition_cost_is_the_calibrated_rates_times_the_counted_terms(gp
     that measured no such span, or measured it before the fused pass (no ``fused`` flag: its
     backward then made the logits again), costs the launch overhead per op per chunk (the
     fused pass runs the head once)."""
-    from taichi_plan.partition import launch_overhead_s, partition_cost
+    from taichi_plan.problem.partition.core import launch_overhead_s, partition_cost
 
     problem = build_problem(gpt2)
     span = _token_span(problem)
@@ -402,9 +407,9 @@ def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2)
     never negative and whose intercept saves at most the ops it changes."""
     import dataclasses
 
-    from taichi_plan.partition import partition_cost
+    from taichi_plan.problem.partition.core import partition_cost
+    from taichi_plan.problem.partition.token_span import cost_terms
     from taichi_plan.replay.calibrate import _span_rates
-    from taichi_plan.token_span import cost_terms
 
     problem = build_problem(gpt2)
     span = _token_span(problem)
@@ -584,7 +589,7 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
     from dataclasses import replace
 
     from taichi_plan import replay
-    from taichi_plan.regions import module_calls_per_call
+    from taichi_plan.problem.partition.regions import module_calls_per_call
     from taichi_plan.replay.calibrate import _drop_probe, _own_clocked
 
     cal = gpt2.meta["runtime_overhead"]
@@ -743,7 +748,7 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
     import torch
     from torch import nn
 
-    from taichi_plan.errors import InfeasibleBudgetError
+    from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.record import record
     from taichi_plan.replay import calibrate
     from taichi_plan.replay.calibrate import _drop_probe

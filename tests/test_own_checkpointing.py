@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taichi_plan.errors import InfeasibleBudgetError
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import InfeasibleBudgetError
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.record.api import forward_in_backward
 from taichi_plan.record.recorder import Recorder
@@ -89,7 +89,7 @@ def test_modules_kept_out_by_the_kv_cache_are_named_with_the_way_out(traces):
     its keys and values to it, so no attention or block is partitioned (partition.leaves_state).
     The plan's notes and an out-of-reach budget's message name those modules and the setting
     that frees them; recorded with ``use_cache = False`` there are none."""
-    from taichi_plan.partition import state_keepers
+    from taichi_plan.problem.partition.core import state_keepers
 
     p = build_problem(traces[False])
     keeps = state_keepers(p)
@@ -114,7 +114,7 @@ def test_a_plan_of_a_step_with_its_own_checkpointing_runs_over_the_whole_call(tr
     runtime's saved-tensor hooks would be innermost there and keep what it discards. A step
     recorded with the model's own checkpointing keeps the runtime over the whole call, its hooks
     outside every checkpoint (without it, the same plan runs in regions)."""
-    from taichi_plan.regions import planned_regions
+    from taichi_plan.problem.partition.regions import planned_regions
 
     for own, trace in traces.items():
         p = build_problem(trace)

@@ -7,8 +7,13 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from taichi_plan.partition import apply_partitions, as_partition, module_spans, partitioned_live
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import (
+    apply_partitions,
+    as_partition,
+    module_spans,
+    partitioned_live,
+)
 from taichi_plan.record import get_workload, record_workload
 
 

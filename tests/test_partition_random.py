@@ -14,9 +14,12 @@ import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
 
+from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import PlanError
-from taichi_plan.partition import (
+from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
+from taichi_plan.plan.format import Partition, load_plan, save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import (
     allow_random,
     apply_partitions,
     draws_random,
@@ -24,14 +27,11 @@ from taichi_plan.partition import (
     partitionable_spans,
     random_draws,
 )
-from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
-from taichi_plan.plan import Partition, load_plan, save_plan
-from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.simulate import Drop
+from taichi_plan.simulate.core import Drop
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 from tests.kv_cache import ENTRY
 
 # A tiny GPT-2 with dropout on (transformers' defaults, 0.1): each block's mlp has one dropout,

@@ -1,4 +1,4 @@
-"""Position-wise modules split over their positions (taichi_plan/position_span.py): which
+"""Position-wise modules split over their positions (taichi_plan/problem/partition/position_span.py): which
 modules qualify is read from the trace's ops, the simulator models the chunked run event by
 event, and a replayed plan measures its predicted peak to the byte with gradients allclose,
 on two architectures (Llama: RMSNorm, SiLU-gated MLP, no dropout; GPT-2: Conv1D, NewGELU,
@@ -7,10 +7,12 @@ dropout), with batch 1 (runs of the sequence) and batch 2 (runs crossing samples
 from __future__ import annotations
 
 import pytest
+from taichi_plan.problem.partition import core as partition
 
-from taichi_plan import partition
-from taichi_plan.errors import PlanError
-from taichi_plan.partition import (
+from taichi_plan.base.errors import PlanError
+from taichi_plan.plan.format import Partition
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import (
     allow_random,
     apply_partitions,
     find_span,
@@ -18,14 +20,12 @@ from taichi_plan.partition import (
     ops_under,
     partitionable_spans,
 )
-from taichi_plan.plan import Partition
-from taichi_plan.position_span import not_position_wise, positions
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.partition.position_span import not_position_wise, positions
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.simulate import simulate_plan
+from taichi_plan.simulate.core import simulate_plan
 from taichi_plan.solve import BISECT_LOCAL_MAX_S
 from taichi_plan.solve.heuristic import plan_heuristic
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 from tests.partition_replay import assert_measured_as_predicted, replay_partitions
 
 # 48 positions: no parameter has a dimension of 48 (hidden 32, Llama's MLP 256, GPT-2's 128).
@@ -175,7 +175,7 @@ def test_under_autocast_linears_split_over_positions_as_predicted(tmp_path, mode
     qualifying as position-wise before. Split over the sequence, the first run casts and the
     others find the cast in autocast's cache, as along the batch (test_partition_exact):
     measured == predicted to the byte, gradients within the stated bf16 roundings."""
-    from taichi_plan.partition import casts_parameter
+    from taichi_plan.problem.partition.core import casts_parameter
 
     p = _autocast_traced(tmp_path, model, micro_batches)
     spans = {s.module: s for s in module_spans(p) if s.over == "sequence"}

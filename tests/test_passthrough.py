@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from partition_replay import assert_measured_as_predicted, recorded, replay_partitions
 
-from taichi_plan.partition import module_spans
-from taichi_plan.plan import Partition
+from taichi_plan.plan.format import Partition
+from taichi_plan.problem.partition.core import module_spans
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from synthetic import chain_trace
 from taichi_plan.cli import main
 from taichi_plan.commands import _common
 from taichi_plan.commands._common import Status
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 
 
 @pytest.fixture

@@ -16,16 +16,16 @@ import pytest
 import torch
 from held_models import workload
 
-from taichi_plan.errors import PlanError
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import PlanError
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import record_workload
 from taichi_plan.record.api import step_tensors
 from taichi_plan.record.pyrefs import probe_step
 from taichi_plan.replay.measure import run_and_measure
 from taichi_plan.report.trace_text import render_trace_summary, trace_summary
-from taichi_plan.simulate import Drop, simulate
+from taichi_plan.simulate.core import Drop, simulate
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import FORMAT_VERSION, read_trace, write_trace
+from taichi_plan.trace.format import FORMAT_VERSION, read_trace, write_trace
 
 
 @pytest.fixture(scope="module")

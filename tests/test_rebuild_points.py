@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
 from taichi_plan.solve.result import Decisions, make_plan
 
 
@@ -21,7 +21,7 @@ def test_a_rebuild_that_needs_several_outputs_of_one_op_runs_it_once(tmp_path):
 
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.simulate import Drop, simulate_plan
+    from taichi_plan.simulate.core import Drop, simulate_plan
 
     trace = record_workload(get_workload(entry="tiny_models:bn_cnn"), fake=False, calibrate=False)
     problem = build_problem(trace)
@@ -55,7 +55,7 @@ def _replays_early_drops_at_their_triggers(entry: str, pick) -> None:
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay import call_plans, rebuild_groups
     from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.simulate import Drop
+    from taichi_plan.simulate.core import Drop
 
     trace = record_workload(get_workload(entry=entry), fake=False, calibrate=False)
     problem = build_problem(trace)
@@ -133,7 +133,7 @@ def test_rebuilds_are_placed_where_backward_unpacks(nodes):
     Without the node starts (an older trace) the prediction is off again, as this shows."""
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.simulate import Drop
+    from taichi_plan.simulate.core import Drop
 
     trace = record_workload(get_workload(entry="tiny_models:relu_mlp"), fake=False, calibrate=False)
     assert trace.meta["backward_nodes"]
@@ -159,7 +159,7 @@ def test_a_batch_that_keeps_its_gradient_measures_as_recorded():
     peak that gradient (65,536 B) below the trace's. Now it is registered as a gradient."""
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.trace import baseline_peak
+    from taichi_plan.trace.format import baseline_peak
 
     trace = record_workload(get_workload(entry="tiny_models:leaf_batch_mlp"), fake=False, calibrate=False)
     tensors = trace.tensors
@@ -178,7 +178,7 @@ def test_a_node_that_unpacks_several_dropped_tensors_rebuilds_each_once():
     handle now stays readable while autograd holds it, as the simulator has it."""
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.simulate import Drop, simulate_plan
+    from taichi_plan.simulate.core import Drop, simulate_plan
 
     wl = get_workload(entry="tiny_models:sdpa_blocks_no_dropout")
     trace = record_workload(wl, fake=False, calibrate=False)
@@ -204,7 +204,7 @@ def _replay_drops(entry: str, pick):
     gap, replay one step planned and unplanned: (problem, drops, plan, simulation, planned, plain)."""
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import run_and_measure
-    from taichi_plan.simulate import Drop, simulate_plan
+    from taichi_plan.simulate.core import Drop, simulate_plan
 
     wl = get_workload(entry=entry)
     trace = record_workload(wl, fake=False, calibrate=False)
@@ -260,9 +260,9 @@ def test_a_rebuilt_input_dies_with_its_nodes_apply(monkeypatch):
     gradient to its shape, where the unplanned saved variable lives until the node is
     released. The simulator held it to the trace's free: measured 512 B below the prediction
     (a DistilBERT at 60%, a GELU MLP). Now the same, to the byte."""
-    from taichi_plan import simulate as simulate_module
-    from taichi_plan.plan import peak_from_schedule
-    from taichi_plan.simulate import build_schedule, simulate_plan
+    from taichi_plan.plan.format import peak_from_schedule
+    from taichi_plan.simulate.core import build_schedule, simulate_plan
+    from taichi_plan.simulate import core as simulate_module
 
     problem, drops, plan, sim, planned, plain = _replay_drops("tiny_models:gelu_mlp", _made_by("aten.gelu.default"))
     assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"] == sim.peak_bytes

@@ -9,7 +9,7 @@ pytest.importorskip("transformers")
 
 from taichi_plan.record import get_workload, record_workload  # noqa: E402
 from taichi_plan.record.api import make_step_fn  # noqa: E402
-from taichi_plan.trace import baseline_peak, read_trace, write_trace  # noqa: E402
+from taichi_plan.trace.format import baseline_peak, read_trace, write_trace  # noqa: E402
 
 TINY_GPT2 = {"layers": 2, "hidden": 128, "heads": 4, "vocab": 1000, "seq": 64, "batch": 4}
 MLP = {"hidden": 256, "layers": 3, "batch": 32}
@@ -186,7 +186,7 @@ def test_a_sparse_gradient_is_refused_by_name():
     # nn.Embedding(sparse=True) makes a sparse COO gradient, which has no storage to count.
     import torch.nn.functional as F
 
-    from taichi_plan.errors import WorkloadError
+    from taichi_plan.base.errors import WorkloadError
     from taichi_plan.record import record
 
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from taichi_plan.base.errors import OutputExistsError, UsageError, WorkloadError
 from taichi_plan.cli import main
-from taichi_plan.errors import OutputExistsError, UsageError, WorkloadError
-from taichi_plan.trace import read_trace
+from taichi_plan.trace.format import read_trace
 
 REPO = Path(__file__).resolve().parents[1]
 MLP_ARGS = ["record", "--model", "mlp", "--hidden", "64", "--layers", "2", "--batch", "8"]

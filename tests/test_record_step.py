@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taichi_plan.errors import UsageError, WorkloadError
+from taichi_plan.base.errors import UsageError, WorkloadError
 from taichi_plan.record import Loop, get_workload, record, record_step
 
 GPT2 = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=512, seq=32, batch=4)
@@ -52,8 +52,8 @@ def test_a_gradient_penalty_step_records_and_gets_an_honest_answer():
     (a WGAN-GP or R1 penalty): PyTorch's ModTracker, which labels ops with modules, aborted such
     a step ("A leaf node was passed to _will_engine_execute_node ..."); the recorder closes a
     module whose inputs are all leaves at their first gradient instead."""
-    from taichi_plan.errors import InfeasibleBudgetError
-    from taichi_plan.problem import build_problem
+    from taichi_plan.base.errors import InfeasibleBudgetError
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.solve import solve
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Planned regions (taichi_plan/regions.py): the runtime runs its dispatch mode and saved-tensor
+"""Planned regions (taichi_plan/problem/partition/regions.py): the runtime runs its dispatch mode and saved-tensor
 hooks only in the module calls where the plan drops, saves or rebuilds, not over the whole
 forward (issue 8: checking every op of a ResNet-50's forward cost a plan of 3 drops 16 ms of a
 564 ms step on a 2-core CPU, while its recomputation took 5)."""
@@ -13,11 +13,11 @@ from dispatch_count import count_dispatches
 from live_peak import end_run, step_peak
 
 import taichi_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.regions import early_triggers, needed_ops, planned_regions
 from taichi_plan.record import get_workload, record
-from taichi_plan.regions import early_triggers, needed_ops, planned_regions
 from taichi_plan.replay import call_plans
-from taichi_plan.simulate import rerun_ops, simulate_plan
+from taichi_plan.simulate.core import rerun_ops, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
 
@@ -113,8 +113,8 @@ def test_a_region_inside_a_module_checkpointed_whole_is_the_module(tmp_path):
     whole-call runtime's, within the prediction."""
     from partition_replay import recorded, whole_output_drops
 
-    from taichi_plan.partition import as_partition, module_spans
-    from taichi_plan.plan import save_plan
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.partition.core import as_partition, module_spans
     from taichi_plan.replay import runtime
     from taichi_plan.replay.measure import replay
     from taichi_plan.solve.result import Decisions, make_plan
@@ -147,17 +147,17 @@ def test_random_plans_measure_the_same_in_regions_as_over_the_whole_call(tmp_pat
 
     from partition_replay import recorded
 
-    from taichi_plan.errors import PlanError
-    from taichi_plan.partition import (
+    from taichi_plan.base.errors import PlanError
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.partition.core import (
         apply_partitions,
         as_partition,
         partitionable_spans,
         whole_outputs,
     )
-    from taichi_plan.plan import save_plan
     from taichi_plan.replay import runtime
     from taichi_plan.replay.measure import replay
-    from taichi_plan.simulate import Drop
+    from taichi_plan.simulate.core import Drop
     from taichi_plan.solve.result import Decisions, make_plan
 
     d, p = recorded(tmp_path / "t", model="bert", layers=2, hidden=64, heads=4, vocab=256, seq=32, batch=4)

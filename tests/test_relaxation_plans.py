@@ -26,9 +26,9 @@ from ortools.sat.python import cp_model
 from synthetic import many_use_graph, random_training_trace
 from test_ilp_exhaustive import MAX_PLANS, plan_options
 
-from taichi_plan.errors import PlanError
-from taichi_plan.problem import build_problem
-from taichi_plan.simulate import Drop, simulate_plan
+from taichi_plan.base.errors import PlanError
+from taichi_plan.problem.core import build_problem
+from taichi_plan.simulate.core import Drop, simulate_plan
 from taichi_plan.solve import ilp
 
 SEEDS = range(400)  # the whole check (make bench: 34 s on an idle core)

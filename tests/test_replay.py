@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from replay_cases import MODELS
 
-from taichi_plan.plan import Partition, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import Partition, save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan
 
@@ -82,12 +82,12 @@ def test_replay_of_a_model_that_is_not_deterministic_by_itself(tmp_path):
     # Two unplanned runs of it differ already: "gradients DIFFER" was a false alarm about the
     # plan. Replay runs a second unplanned run when the comparison fails, and judges the plan
     # against the spread of the two.
-    from taichi_plan.plan import save_plan
-    from taichi_plan.problem import build_problem
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.record import get_workload, record_workload
     from taichi_plan.replay.measure import replay
     from taichi_plan.solve import solve
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     trace = record_workload(get_workload(entry="tiny_models:reseeding_mlp"), fake=False)
     write_trace(trace, tmp_path / "t")
@@ -107,7 +107,7 @@ def test_memtracker_failing_on_a_step_that_runs_without_it_blames_memtracker():
     import torch
     from torch import nn
 
-    from taichi_plan.errors import WorkloadError
+    from taichi_plan.base.errors import WorkloadError
     from taichi_plan.record.loop import Loop
     from taichi_plan.replay.measure import _memtracker_peak
 
@@ -142,7 +142,7 @@ def test_memtracker_failing_on_a_step_that_runs_without_it_blames_memtracker():
 def test_running_out_of_memory_while_replaying_is_an_error_not_a_traceback():
     import torch
 
-    from taichi_plan.errors import NotEnoughMemoryError
+    from taichi_plan.base.errors import NotEnoughMemoryError
     from taichi_plan.replay.measure import _out_of_memory_said
 
     for failure in (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),

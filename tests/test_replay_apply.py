@@ -12,10 +12,10 @@ from click.testing import CliRunner
 from replay_cases import MODELS
 
 import taichi_plan
+from taichi_plan.base.errors import MismatchError, PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import MismatchError, PlanError
-from taichi_plan.plan import Partition, load_plan, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import Partition, load_plan, save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload
 from taichi_plan.replay import plan_and_trace
 from taichi_plan.replay.measure import replay
@@ -135,7 +135,7 @@ def test_a_model_whose_steps_differ_says_so_on_mismatch():
     import warnings
 
     from taichi_plan.record import record_workload
-    from taichi_plan.simulate import Drop
+    from taichi_plan.simulate.core import Drop
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from taichi_plan.errors import InfeasibleBudgetError
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import InfeasibleBudgetError
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve import solve
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 
 
 def test_partitioned_blocks_replay_within_budget(tmp_path):

@@ -9,14 +9,14 @@ import re
 import pytest
 from click.testing import CliRunner
 
+from taichi_plan.base.errors import NotEnoughMemoryError
+from taichi_plan.base.units import format_bytes
 from taichi_plan.cli import main
-from taichi_plan.errors import NotEnoughMemoryError
-from taichi_plan.plan import save_plan
+from taichi_plan.plan.format import save_plan
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay import measure
 from taichi_plan.solve import solve
-from taichi_plan.trace import read_trace, write_trace
-from taichi_plan.units import format_bytes
+from taichi_plan.trace.format import read_trace, write_trace
 
 
 def _needed(plan, trace_dir) -> int:

@@ -1,7 +1,7 @@
 """FSDP2's ``reshard_after_forward`` per unit, derived from the recorded trace (issue 10).
 
 The view of a trace recorded with every unit resharding, with some units set not to
-reshard (:func:`taichi_plan.reshard.reshard_view`), equals a recording made with that
+reshard (:func:`taichi_plan.problem.sharding.reshard.reshard_view`), equals a recording made with that
 setting, table by table: every tensor row, every access, every op, its ``module`` label in
 backward included (before the recorder told equally deep open modules apart by when they
 opened, those labels differed between two recordings of one setting: the order of a set of
@@ -17,18 +17,23 @@ import sys
 import numpy as np
 import pytest
 
-from taichi_plan.errors import PlanError
-from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
-from taichi_plan.prefetch import gatherings, setting_of, view_of_prefetch
-from taichi_plan.reshard import regather_ops, reshard_units, reshard_view, view_of_choice
-from taichi_plan.trace import read_trace
+from taichi_plan.base.errors import PlanError
+from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
+from taichi_plan.problem.sharding.prefetch import gatherings, setting_of, view_of_prefetch
+from taichi_plan.problem.sharding.reshard import (
+    regather_ops,
+    reshard_units,
+    reshard_view,
+    view_of_choice,
+)
+from taichi_plan.trace.format import read_trace
 
 # FSDP2's own default leaves the root gathered (fully_shard's reshard_after_forward=None);
 # the last block is the usual hand-set choice (backward gathers it again at once).
 SETTINGS = {"all": {}, "root+last": {"": False, "transformer.h.3": False},
             "none": {"": False, **{f"transformer.h.{k}": False for k in range(4)}},
             "prefetch": {"transformer.h.3": False}}
-# FSDP2's explicit prefetching (taichi_plan/prefetch.py), recorded with the "prefetch" setting: the
+# FSDP2's explicit prefetching (taichi_plan/problem/sharding/prefetch.py), recorded with the "prefetch" setting: the
 # root and h.1 gather the next block in forward; h.1 and h.2 do not prefetch in backward (FSDP's
 # default gathers the block before), so h.0 and h.1 gather their own; h.3 stays gathered.
 PREFETCH = {"": {"forward": ["transformer.h.0"]},
@@ -45,7 +50,7 @@ def recordings(tmp_path_factory):
     every all-gather."""
     from taichi_plan.record import get_workload
     from taichi_plan.record.fsdp import record_fsdp_workload
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     d = tmp_path_factory.mktemp("reshard")
     w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
@@ -132,8 +137,8 @@ APPLY = """
 import json, sys
 from taichi_plan.record import get_workload
 from taichi_plan.record.fsdp import fake_process_group, shard_model, live_layout, live_prefetch
-from taichi_plan.errors import PlanError
-from taichi_plan.prefetch import gatherings, setting_of, view_of_prefetch
+from taichi_plan.base.errors import PlanError
+from taichi_plan.problem.sharding.prefetch import gatherings, setting_of, view_of_prefetch
 import taichi_plan
 plan, settings = sys.argv[1], json.loads(sys.argv[2])
 w = get_workload(model="gpt2", layers=4, hidden=64, heads=4, vocab=500, seq=64, batch=1)
@@ -221,9 +226,9 @@ def test_overlap_model_counts_the_all_gathers_prefetching_hides(recordings):
     """Issued early, each forward all-gather of this step hides behind the unit before it:
     the overlapped step is shorter by exactly their cost; with every all-gather issued by its
     own unit, no collective overlaps anything."""
-    from taichi_plan.overlap import is_collective, overlapped_step_time
-    from taichi_plan.prefetch import prefetch_problem
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.sharding.overlap import is_collective, overlapped_step_time
+    from taichi_plan.problem.sharding.prefetch import prefetch_problem
 
     base = build_problem(recordings["all"])
     default = overlapped_step_time(base)
@@ -307,9 +312,9 @@ def test_reshard_and_prefetch_chosen_jointly_beat_the_sequential_screens(recordi
     last block gathered; planning every pair finds the root alone gathered, with other prefetching,
     a shorter predicted step (overlapped step plus the heuristic's recomputation, each pair planned
     and judged by the simulator). The plan takes the joint pair."""
-    from taichi_plan.prefetch import prefetch_problem
-    from taichi_plan.problem import build_problem
-    from taichi_plan.reshard import reshard_problem
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.sharding.prefetch import prefetch_problem
+    from taichi_plan.problem.sharding.reshard import reshard_problem
     from taichi_plan.solve import solve
     from taichi_plan.solve.fsdp import evaluate, screen, screen_prefetch
 

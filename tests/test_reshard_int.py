@@ -5,7 +5,7 @@ gathers them within that group.
 Recorded on the fake process group (``record --fsdp 4 --reshard-to 2``), the trace agrees with
 ``FSDPMemTracker`` by category, files the post-forward shards under a kind of their own (no plan
 frees FSDP's state), and costs each backward all-gather over its 2-rank group. The same step
-derived from a recording that reshards in full (:func:`taichi_plan.reshard.smaller_mesh_view`)
+derived from a recording that reshards in full (:func:`taichi_plan.problem.sharding.reshard.smaller_mesh_view`)
 equals that recording, table by table; the planner chooses an int where the job spans nodes;
 on 4 real gloo ranks a plan of the derived step measures its predicted peak, shards bitwise;
 a plan of one setting is refused on a model sharded with another.
@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from ranks import record_cli, replay_measures_the_prediction
 
 from taichi_plan.cli import main
-from taichi_plan.trace import read_trace
+from taichi_plan.trace.format import read_trace
 
 TINY = ["--model", "gpt2", "--layers", "2", "--hidden", "64", "--heads", "4", "--vocab", "500", "--seq", "128",
         "--batch", "4"]
@@ -45,7 +45,7 @@ def full_trace(int_trace):
 def test_view_equals_a_recording_with_that_setting(int_trace, full_trace):
     from test_reshard import _differences
 
-    from taichi_plan.reshard import smaller_mesh_view, view_of_choice
+    from taichi_plan.problem.sharding.reshard import smaller_mesh_view, view_of_choice
 
     _d, rec, _ = int_trace
     view = smaller_mesh_view(full_trace, {1: 2, 2: 2})
@@ -66,9 +66,9 @@ def test_view_equals_a_recording_under_mixed_precision():
     it; it equals a recording, with one block at 2 ranks."""
     from test_reshard import _differences
 
+    from taichi_plan.problem.sharding.reshard import smaller_mesh_view
     from taichi_plan.record import get_workload
     from taichi_plan.record.fsdp import mixed_precision, record_fsdp_workload
-    from taichi_plan.reshard import smaller_mesh_view
 
     w = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=64, batch=2)
     mp = mixed_precision("bf16", "fp32")
@@ -81,8 +81,8 @@ def test_view_equals_a_recording_under_mixed_precision():
 
 
 def test_settings_that_cannot_be_derived_are_refused(int_trace, full_trace):
-    from taichi_plan.errors import PlanError
-    from taichi_plan.reshard import smaller_mesh_view, view_of_choice
+    from taichi_plan.base.errors import PlanError
+    from taichi_plan.problem.sharding.reshard import smaller_mesh_view, view_of_choice
 
     with pytest.raises(PlanError, match="one of its factors"):
         smaller_mesh_view(full_trace, {1: 3})
@@ -107,7 +107,7 @@ def test_int_recording_agrees_with_fsdp_mem_tracker(int_trace):
 
 
 def test_post_forward_shards_are_fsdp_state_held_from_forward_to_backward(int_trace):
-    from taichi_plan.problem import FIXED_KINDS
+    from taichi_plan.problem.core import FIXED_KINDS
 
     _d, trace, _ = int_trace
     units = trace.meta["fsdp"]["units"]
@@ -124,9 +124,9 @@ def test_post_forward_shards_are_fsdp_state_held_from_forward_to_backward(int_tr
 
 
 def test_backward_all_gathers_run_over_the_smaller_group(int_trace):
-    from taichi_plan.devices import get_profile
-    from taichi_plan.record.roofline import collective_duration_s
-    from taichi_plan.sharding import unit_of_ops
+    from taichi_plan.trace.devices import get_profile
+    from taichi_plan.trace.layout import unit_of_ops
+    from taichi_plan.trace.roofline import collective_duration_s
 
     _d, trace, _ = int_trace
     ops, t, acc = trace.ops, trace.tensors, trace.accesses
@@ -171,13 +171,13 @@ def test_derived_plan_replays_on_four_gloo_ranks(int_trace, full_trace):
     the blocks with ``reshard_after_forward=2`` (FSDP2 takes an int only in ``fully_shard``; the
     root as recorded, which apply then sets), each measures the predicted peak, shards bitwise,
     with the plan's settings as the measured step ran."""
-    from taichi_plan.plan import save_plan
-    from taichi_plan.prefetch import movable, prefetch_problem
-    from taichi_plan.problem import build_problem
-    from taichi_plan.reshard import reshard_problem
-    from taichi_plan.sharding import reshard_settings
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.sharding.prefetch import movable, prefetch_problem
+    from taichi_plan.problem.sharding.reshard import reshard_problem
     from taichi_plan.solve.heuristic import plan_heuristic
     from taichi_plan.solve.result import make_plan
+    from taichi_plan.trace.layout import reshard_settings
 
     d = int_trace[0]
     base = reshard_problem(build_problem(full_trace), {0: False, 1: 2, 2: 2})
@@ -212,7 +212,7 @@ def test_apply_refuses_an_int_the_model_was_not_sharded_with():
     on a model sharded with True, by name; a bool set on an int unit is undone to the int."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from taichi_plan.errors import PlanError
+    from taichi_plan.base.errors import PlanError
     from taichi_plan.record import get_workload
     from taichi_plan.record.fsdp import (
         _group,

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from synthetic import TraceBuilder
 
-from taichi_plan.errors import PlanError
-from taichi_plan.plan import peak_from_schedule
-from taichi_plan.problem import build_problem, options, revival_options
-from taichi_plan.simulate import Drop, build_schedule, simulate
+from taichi_plan.base.errors import PlanError
+from taichi_plan.plan.format import peak_from_schedule
+from taichi_plan.problem.core import build_problem, options, revival_options
+from taichi_plan.simulate.core import Drop, build_schedule, simulate
 from taichi_plan.solve import solve
 
 GRAPHS = Path(os.environ.get("TAICHI_GRAPHS_DIR") or Path(__file__).resolve().parents[2] / "shared" / "graphs")
@@ -105,8 +105,8 @@ def test_planners_find_the_plan_that_needs_a_keep(method):
 def test_local_search_meets_moccasin_on_random_layered_n100(fraction, moccasin):
     """Moccasin's optimum (ICML 2023, C=2), as measured for issue 11; no deadline, so the
     result does not depend on the machine's load."""
-    from taichi_plan.import_graph import import_graph
     from taichi_plan.solve.local import local_search
+    from taichi_plan.trace.import_graph import import_graph
 
     p = build_problem(import_graph(GRAPHS / "random_layered_n100_w0.27_nlv0.75_ed0.2_scd0.14.json"))
     budget = int(p.baseline_peak[0] * fraction)

@@ -11,8 +11,8 @@ import torch
 from live_peak import end_run, step_peak
 
 import taichi_plan
-from taichi_plan.errors import MismatchError
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import MismatchError
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.record.api import kept_index
 from taichi_plan.solve import solve

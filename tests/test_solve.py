@@ -13,15 +13,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from synthetic import TraceBuilder, chain_trace, random_training_trace
 
+from taichi_plan.base.errors import InfeasibleBudgetError, PlanError, UsageError
 from taichi_plan.cli import main
-from taichi_plan.errors import InfeasibleBudgetError, PlanError, UsageError
-from taichi_plan.plan import load_plan, peak_from_schedule
-from taichi_plan.problem import build_problem
-from taichi_plan.simulate import Drop, simulate, simulate_plan
+from taichi_plan.plan.format import load_plan, peak_from_schedule
+from taichi_plan.problem.core import build_problem
+from taichi_plan.simulate.core import Drop, simulate, simulate_plan
 from taichi_plan.solve import methods, run_method, solve
 from taichi_plan.solve.heuristic import plan_heuristic
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import baseline_peak, write_trace
+from taichi_plan.trace.format import baseline_peak, write_trace
 
 # ---------------------------------------------------------------------------------------------
 # Golden: a 3-layer chain whose optimal plans are worked out by hand.
@@ -128,7 +128,7 @@ def test_heuristic_reaches_a_budget_whatever_the_recorded_op_times():
     left it at 19.84 MB for a 19.23 MB budget (50%), where every method gave up, at any time
     limit. Ranked by bytes alone, the sweep reaches 18.54 MB, the same peak as on an idle
     recording of that model: the heuristic keeps that plan when the cheaper order misses."""
-    from taichi_plan.trace import read_trace
+    from taichi_plan.trace.format import read_trace
 
     trace = read_trace(Path(__file__).parent / "data" / "ddp-gpt2-loaded")
     p = build_problem(trace)
@@ -213,7 +213,7 @@ def test_same_inputs_and_seed_give_the_same_plan(seed, method):
 
 
 def _public(graphs_dir, prefix):
-    from taichi_plan.import_graph import import_graph
+    from taichi_plan.trace.import_graph import import_graph
 
     (path,) = sorted(graphs_dir.glob(f"{prefix}*.json"))
     return import_graph(path)
@@ -485,7 +485,7 @@ def test_partition_savings_are_computed_once_per_problem(monkeypatch):
     """The floor and the ILP's partition options ask for the same modules' savings: each is
     computed once per problem (on a 46k-op GPT-2, computing them twice took the whole 30 s
     limit before CP-SAT could run)."""
-    from taichi_plan import partition
+    from taichi_plan.problem.partition import core as partition
 
     trace = partition_trace()
     p = build_problem(trace)

@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace, random_training_trace
 
+from taichi_plan.base.errors import InfeasibleBudgetError, PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import InfeasibleBudgetError, PlanError
-from taichi_plan.plan import FORMAT_VERSION, load_plan, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import FORMAT_VERSION, load_plan, save_plan
+from taichi_plan.problem.core import build_problem
 from taichi_plan.solve import solve
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 
 MIB = 1 << 20
 
@@ -127,7 +127,7 @@ def test_older_plans_are_read_and_say_they_have_no_reserved_peak(tmp_path):
 
 
 def test_allocator_settings_parse_and_reach_the_plan(tmp_path, monkeypatch):
-    from taichi_plan.allocator import AllocatorConfig, replay_schedule
+    from taichi_plan.simulate.allocator import AllocatorConfig, replay_schedule
 
     assert AllocatorConfig.parse("expandable_segments:True") == AllocatorConfig(expandable_segments=True)
     assert AllocatorConfig.parse(" max_split_size_mb:128 ").max_split_size_bytes == 128 * MIB

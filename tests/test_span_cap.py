@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 
 import pytest
+from taichi_plan.problem.partition import core as partition
 
-from taichi_plan import partition
-from taichi_plan.partition import _capped_by_class, module_class, module_spans
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import _capped_by_class, module_class, module_spans
 from taichi_plan.record import get_workload, record_workload
 
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.partition import as_partition, module_spans
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import as_partition, module_spans
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 
 BLOCK = "swin.encoder.layers.0.blocks.0"
 

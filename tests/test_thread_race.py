@@ -10,7 +10,7 @@ import torch
 
 from taichi_plan.record.recorder import Recorder
 from taichi_plan.replay.distributed import _raced
-from taichi_plan.trace import baseline_peak
+from taichi_plan.trace.format import baseline_peak
 
 
 def _step(drop_on_thread: bool):

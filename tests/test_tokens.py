@@ -17,18 +17,18 @@ import torch.nn.functional as F
 from live_peak import LivePeak
 
 import taichi_plan
-from taichi_plan.errors import MismatchError, PlanError
-from taichi_plan.partition import floor_bytes
-from taichi_plan.plan import FORMAT_VERSION as PLAN_VERSION
-from taichi_plan.plan import Partition, load_plan, save_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.base.errors import MismatchError, PlanError
+from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
+from taichi_plan.plan.format import Partition, load_plan, save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import floor_bytes
+from taichi_plan.problem.partition.token_span import token_spans
 from taichi_plan.record import get_workload, record, record_workload
 from taichi_plan.replay.chunked_loss import LazyLogits, chunked_cross_entropy
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import Decisions, make_plan
-from taichi_plan.token_span import token_spans
-from taichi_plan.trace import write_trace
+from taichi_plan.trace.format import write_trace
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 TINY = dict(layers=1, hidden=64, heads=2, vocab=512, seq=32, batch=4)
@@ -379,7 +379,7 @@ def test_a_call_that_only_splits_its_head_runs_without_the_dispatch_mode(tmp_pat
     call checked (the lazy logits and the chunked loss run through the head's wrapped forward):
     the call runs without the runtime's dispatch mode, which cost a 4-layer GPT-2 or Llama about
     8 ms a step, and the plan predicts no checking for it; its peak is still the predicted one."""
-    from taichi_plan.overhead import runtime_overhead_s
+    from taichi_plan.problem.partition.overhead import runtime_overhead_s
     from taichi_plan.replay.runtime import PlanRuntime
 
     model, batch, opt = _decoder()

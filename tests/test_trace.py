@@ -15,9 +15,9 @@ from conftest import small_trace
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from taichi_plan.base.errors import OutputExistsError, TraceError
 from taichi_plan.cli import main
-from taichi_plan.errors import OutputExistsError, TraceError
-from taichi_plan.trace import (
+from taichi_plan.trace.format import (
     COST_SOURCES,
     KINDS,
     PHASES,
@@ -303,8 +303,8 @@ def test_write_refuses_invalid_trace_and_leaves_nothing(tmp_path):
 
 
 def test_write_failure_midway_leaves_no_temp_dir(tmp_path, monkeypatch):
-    import taichi_plan.trace as trace_mod
-    from taichi_plan.errors import OutputError
+    import taichi_plan.trace.format as trace_mod
+    from taichi_plan.base.errors import OutputError
 
     def boom(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -11,9 +11,9 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace
 
+from taichi_plan.base.errors import TraceError
 from taichi_plan.cli import main
-from taichi_plan.errors import TraceError
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 
 @pytest.fixture

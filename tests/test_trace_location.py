@@ -10,12 +10,12 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace
 
+from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import PlanError
-from taichi_plan.plan import FORMAT_VERSION, load_plan
+from taichi_plan.plan.format import FORMAT_VERSION, load_plan
 from taichi_plan.replay import plan_and_trace
 from taichi_plan.report.plan_text import inspect_plan, locate_trace
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_format_v1_plans_are_still_read(project, monkeypatch):
 def test_resaved_plan_keeps_pointing_at_its_trace(project, tmp_path):
     """A plan loaded and saved elsewhere (after plan and traces moved together) still finds
     the trace; a plan written without a destination records absolute paths."""
-    from taichi_plan.plan import save_plan
+    from taichi_plan.plan.format import save_plan
 
     moved = tmp_path / "moved"
     shutil.move(str(project), moved)

@@ -25,7 +25,7 @@ from bitwise import assert_bitwise  # noqa: E402
 from live_peak import LivePeak  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from taichi_plan.errors import PlanError, UsageError  # noqa: E402
+from taichi_plan.base.errors import PlanError, UsageError  # noqa: E402
 from taichi_plan.integrations.hf import PlanCallback, record_trainer  # noqa: E402
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
@@ -113,8 +113,8 @@ def test_trainer_trains_planned_bitwise_within_budget(planned_example):
 
 
 def test_the_trace_is_the_step_the_trainer_runs(planned_example):
-    from taichi_plan.plan import load_plan  # noqa: F401  (the plan loads)
-    from taichi_plan.trace import read_trace
+    from taichi_plan.plan.format import load_plan  # noqa: F401  (the plan loads)
+    from taichi_plan.trace.format import read_trace
 
     out, plan, _ = planned_example
     trace = read_trace(out / "trace")
@@ -155,11 +155,11 @@ def test_blocks_checkpointed_whole_measure_as_predicted_with_the_kv_cache_on(pla
     ``compute_loss`` lets go of the model's outputs, and with them the cache, before backward
     (so ``partition.leaves_state``, reading the probe's ``python_refs``, offers the blocks). A block and an attention checkpointed whole (one chunk each)
     measure their predicted peak over the Trainer's step, and train bitwise."""
-    from taichi_plan.partition import as_partition, module_spans
-    from taichi_plan.plan import save_plan
-    from taichi_plan.problem import build_problem
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.core import build_problem
+    from taichi_plan.problem.partition.core import as_partition, module_spans
     from taichi_plan.solve.result import Decisions, make_plan
-    from taichi_plan.trace import read_trace
+    from taichi_plan.trace.format import read_trace
 
     out, _, _ = planned_example
     p = build_problem(read_trace(out / "trace"))
@@ -202,10 +202,10 @@ def test_a_bf16_trainer_splits_under_autocast_as_predicted(tmp_path):
     this budget had no plan). Trained with the plan, the last step's peak is the predicted one
     (to 16 bytes here; live_peak.py counts independently of the recorder and the simulator), and
     no container (``transformer.h``, a ModuleList the Trainer never calls) is partitioned."""
-    from taichi_plan.plan import save_plan
-    from taichi_plan.problem import build_problem
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.problem.core import build_problem
     from taichi_plan.solve import solve
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     trace = record_trainer(_bf16_trainer(tmp_path, 3, 1), steps=2, warmup=1)
     assert trace.meta["loop"]["autocast"] == "bf16" and "python_refs" in trace.meta

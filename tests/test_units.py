@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.errors import BudgetError
-from taichi_plan.units import format_bytes, parse_budget
+from taichi_plan.base.errors import BudgetError
+from taichi_plan.base.units import format_bytes, parse_budget
 
 
 @pytest.mark.parametrize(
@@ -107,7 +107,7 @@ def test_cli_budget_hint(tmp_path):
     from synthetic import chain_trace
 
     from taichi_plan.cli import main
-    from taichi_plan.trace import write_trace
+    from taichi_plan.trace.format import write_trace
 
     path = write_trace(chain_trace([10**6] * 4), tmp_path / "chain")
     for text, hint in (("0.6", "60%"), ("60", "60%")):

@@ -13,7 +13,7 @@ import torch
 from live_peak import step_peak
 
 import taichi_plan
-from taichi_plan.problem import build_problem
+from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload, record
 from taichi_plan.solve import solve
 

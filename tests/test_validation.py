@@ -10,13 +10,13 @@ import pytest
 from click.testing import CliRunner
 from synthetic import chain_trace
 
+from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
-from taichi_plan.errors import PlanError
-from taichi_plan.plan import load_plan, save_plan
+from taichi_plan.plan.format import load_plan, save_plan
 from taichi_plan.replay import plan_and_trace
 from taichi_plan.report.plan_text import inspect_plan
 from taichi_plan.solve import solve
-from taichi_plan.trace import read_trace, write_trace
+from taichi_plan.trace.format import read_trace, write_trace
 
 
 @pytest.fixture
@@ -26,7 +26,7 @@ def solved(tmp_path):
     (tmp_path / "traces").mkdir()
     tdir = write_trace(trace, tmp_path / "traces" / "chain")
     trace = read_trace(tdir)
-    from taichi_plan.problem import build_problem
+    from taichi_plan.problem.core import build_problem
 
     budget = int(0.7 * build_problem(trace).baseline_peak[0])
     plan = solve(trace, budget, "heuristic", time_limit=2)

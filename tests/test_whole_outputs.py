@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import pytest
 
-from taichi_plan.errors import PlanError
-from taichi_plan.partition import (
+from taichi_plan.base.errors import PlanError
+from taichi_plan.plan.format import save_plan
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition.core import (
     apply_partitions,
     as_partition,
     internal_tensors,
     module_spans,
     whole_outputs,
 )
-from taichi_plan.plan import save_plan
-from taichi_plan.problem import build_problem
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay.measure import replay
-from taichi_plan.simulate import Drop, simulate_plan
+from taichi_plan.simulate.core import Drop, simulate_plan
 from taichi_plan.solve.heuristic import plan_heuristic
 from taichi_plan.solve.result import Decisions, make_plan
 from tests.partition_replay import innermost_with_outputs, recorded, whole_output_drops

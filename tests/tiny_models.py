@@ -742,7 +742,7 @@ def borrowed_module_blocks(batch: int = 1024, **_):
     """Residual blocks that each call a module registered elsewhere in the model (one GELU on the
     model itself, passed to every block, as models that share an activation or a norm do), with
     dropout inside: the GELU's ops run inside each block's call but are filed under the GELU, not
-    the block. A plan's planned regions (taichi_plan.regions) must still hold them where they
+    the block. A plan's planned regions (taichi_plan.problem.partition.regions) must still hold them where they
     read what the block drops."""
     import torch
     from torch import nn

@@ -12,7 +12,7 @@ import time
 
 import click
 
-from ..errors import OutputError, TaichiError
+from ..base.errors import OutputError, TaichiError
 
 UNITS = ["GB", "GiB", "MB", "MiB", "auto"]  # byte units every --units flag offers
 
@@ -199,7 +199,7 @@ class Status:
         self._show()
 
     def step(self, done: float, total: float, message: str) -> None:
-        """``progress(done, total, message)``, as :func:`taichi_plan.compare.compare` calls it."""
+        """``progress(done, total, message)``, as :func:`taichi_plan.explore.compare.compare` calls it."""
         self.update(message, done, total)
 
     __call__ = update
@@ -221,10 +221,10 @@ def offload_options(fn):
 
 
 def offload_config(trace, offload: bool, host_budget: str | None, host_link: float | None):
-    """The :class:`~taichi_plan.offload.OffloadConfig` the flags ask for, or None without ``--offload``."""
-    from ..errors import UsageError
-    from ..offload import OffloadConfig, host_link_of
-    from ..units import parse_budget
+    """The :class:`~taichi_plan.problem.offload.OffloadConfig` the flags ask for, or None without ``--offload``."""
+    from ..base.errors import UsageError
+    from ..base.units import parse_budget
+    from ..problem.offload import OffloadConfig, host_link_of
 
     if not offload:
         if host_budget is not None or host_link is not None:

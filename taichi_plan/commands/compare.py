@@ -8,12 +8,18 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output, is_png
-from ..compare import DEFAULT_TIME_LIMIT, check_methods, compare, parse_sweep, render_compare
-from ..errors import UsageError
-from ..problem import build_problem
-from ..trace import read_trace
-from ..units import parse_budget
+from ..base.atomic import check_output, is_png
+from ..base.errors import UsageError
+from ..base.units import parse_budget
+from ..explore.compare import (
+    DEFAULT_TIME_LIMIT,
+    check_methods,
+    compare,
+    parse_sweep,
+    render_compare,
+)
+from ..problem.core import build_problem
+from ..trace.format import read_trace
 from ._common import UNITS, Status, handle_errors, units_option
 
 

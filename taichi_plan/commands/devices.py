@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from ..devices import PROFILES, profiles_json, profiles_table
+from ..trace.devices import PROFILES, profiles_json, profiles_table
 from ._common import handle_errors
 
 

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from ..import_graph import import_graph
-from ..trace import baseline_peak, check_trace_output, write_trace
-from ..units import format_bytes
+from ..base.units import format_bytes
+from ..trace.format import baseline_peak, check_trace_output, write_trace
+from ..trace.import_graph import import_graph
 from ._common import handle_errors
 
 DEFAULT_DIR = Path("traces")

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output, is_html, is_png
-from ..errors import UsageError
+from ..base.atomic import check_output, is_html, is_png
+from ..base.errors import UsageError
 from ..report.trace_text import render_trace_summary, trace_summary
-from ..trace import read_trace
+from ..trace.format import read_trace
 from ._common import handle_errors, units_option
 
 

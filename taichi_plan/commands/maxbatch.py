@@ -6,9 +6,9 @@ import json
 
 import click
 
-from ..devices import get_profile
-from ..errors import BudgetError
-from ..maxbatch import (
+from ..base.errors import BudgetError
+from ..base.units import parse_budget
+from ..explore.maxbatch import (
     DEFAULT_TIME_LIMIT,
     MAX_BATCH,
     fake_recorder,
@@ -16,7 +16,7 @@ from ..maxbatch import (
     parse_overhead,
     render_max_batch,
 )
-from ..units import parse_budget
+from ..trace.devices import get_profile
 from ._common import Status, handle_errors, offload_options, size_options, units_option
 
 DEFAULT_PROFILE = "a100-40gb"  # the recorder's default for fake runs
@@ -64,7 +64,7 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
     --max-overhead: for our planner, for no planning, sqrt(n) checkpointing, checkpointing every
     block and DTR (offline); a planner stopped by the overhead cap rather than the budget is
     named under the table, with its plan's extra compute."""
-    from ..errors import UsageError
+    from ..base.errors import UsageError
 
     profile = get_profile(device_profile)
     if budget is None:
@@ -117,9 +117,9 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
 
 def _offload(profile, offload: bool, host_budget: str | None, host_link: float | None, fsdp: int | None):
     """The offload setting the flags ask for (``--host-link``, else the profile's host link)."""
-    from ..errors import UsageError
-    from ..offload import OffloadConfig
-    from ..units import parse_budget
+    from ..base.errors import UsageError
+    from ..base.units import parse_budget
+    from ..problem.offload import OffloadConfig
 
     if not offload:
         if host_budget is not None or host_link is not None:

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import click
 
-from ..devices import get_profile
-from ..trace import check_trace_output
-from ..units import format_bytes
+from ..base.units import format_bytes
+from ..trace.devices import get_profile
+from ..trace.format import check_trace_output
 from ._common import Status, handle_errors, size_options
 
 
@@ -77,9 +77,9 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
             fsdp, no_reshard_after_forward, reshard_to, fsdp_param_dtype, fsdp_reduce_dtype, replicas, ddp, bucket_cap_mb,
             gradient_as_bucket_view, compile_backend, output, force) -> None:
     """Record one training step (forward, backward, optimizer) into a trace directory."""
-    from ..errors import UsageError
+    from ..base.errors import UsageError
     from ..record import Loop, get_workload, record_workload
-    from ..trace import baseline_peak, data_sized_note, write_trace
+    from ..trace.format import baseline_peak, data_sized_note, write_trace
 
     if device_profile is not None:
         get_profile(device_profile)

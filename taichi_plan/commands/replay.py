@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from ..atomic import check_output, write_json_atomic
-from ..units import format_bytes, format_cost
+from ..base.atomic import check_output, write_json_atomic
+from ..base.units import format_bytes, format_cost
 from ._common import Status, handle_errors
 
 

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import click
 
-from ..allocator import AllocatorConfig
-from ..optimizer_plan import CHOICES
-from ..plan import check_plan_output, save_plan
-from ..problem import build_problem
+from ..base.units import format_bytes, format_cost, parse_budget
+from ..plan.format import check_plan_output, save_plan
+from ..problem.core import build_problem
+from ..problem.optimizer.plan import CHOICES
+from ..simulate.allocator import AllocatorConfig
 from ..solve import MIN_TIME_LIMIT_S, PREFETCH_CHOICES, RESHARD_CHOICES, methods, solve
-from ..trace import read_trace
-from ..units import format_bytes, format_cost, parse_budget
+from ..trace.format import read_trace
 from ._common import Status, handle_errors, offload_config, offload_options, units_option
 
 DEFAULT_DIR = Path("plans")
@@ -146,14 +146,14 @@ def command(trace_dir, budget, method, budget_on, alloc_conf, time_limit, work_l
     """Solve TRACE into a rematerialization plan whose simulated peak fits the budget."""
     started = command_started()
     if method not in methods():
-        from ..errors import UsageError
+        from ..base.errors import UsageError
 
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
     try:
         allocator = (AllocatorConfig.parse(alloc_conf) if alloc_conf is not None
                      else AllocatorConfig.parse(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), strict=False))
     except ValueError as e:
-        from ..errors import UsageError
+        from ..base.errors import UsageError
 
         where = "--alloc-conf" if alloc_conf is not None else "PYTORCH_CUDA_ALLOC_CONF"
         raise UsageError(f"{where}: {e}.") from e

@@ -11,7 +11,7 @@ unplanned compiled run. The model object is the user's own, re-pointed in place;
 
 from __future__ import annotations
 
-from ..errors import PlanError
+from ..base.errors import PlanError
 from .graphs import (
     compiled_kind,
     eager_module,

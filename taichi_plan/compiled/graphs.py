@@ -21,7 +21,7 @@ import re
 import threading
 from collections.abc import Callable
 
-from ..errors import PlanError
+from ..base.errors import PlanError
 
 BACKENDS = ("aot_eager", "inductor")
 LOWERED_KEY = "taichi_plan_lowered"  # a recorded graph's meta: node name -> what inductor made of it

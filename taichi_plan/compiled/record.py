@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 import warnings
 
-from ..errors import WorkloadError
+from ..base.errors import WorkloadError
 from ..record.recorder import Recorder
 from .fusion import NO_BUFFER
 from .graphs import (
@@ -332,7 +332,7 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
                     steps: int = 2, warmup: int = 1, loop=None, args: dict | None = None, inputs=None,
                     device_profile: str | None = None, progress=None):
     """Record one training step of ``model`` as ``torch.compile`` runs it (``model`` compiled, or
-    eager with ``backend`` given): a :class:`~taichi_plan.trace.Trace` whose ``meta.compiled``
+    eager with ``backend`` given): a :class:`~taichi_plan.trace.format.Trace` whose ``meta.compiled``
     says which graphs and nodes its ops are, for :func:`taichi_plan.apply` on the compiled model.
     ``warmup`` steps compile; then ``steps`` recorded steps (the weights change) must match.
     ``device_profile``: metadata only, as for any real recording."""

@@ -28,8 +28,8 @@ except ImportError as e:  # transformers' Trainer imports accelerate
     raise ImportError(f"taichi_plan.integrations.hf needs transformers and accelerate ({e}): "
                       "pip install 'taichi-plan[hf]'.") from e
 
-from ..errors import PlanError, UsageError, WorkloadError
-from ..plan import Plan
+from ..base.errors import PlanError, UsageError, WorkloadError
+from ..plan.format import Plan
 from ..record.api import (
     StepRecording,
     add_python_refs,
@@ -42,7 +42,7 @@ from ..record.api import (
 from ..record.loop import Loop
 from ..record.recorder import StepRecord
 from ..record.workloads import torch_optimizer
-from ..trace import Trace
+from ..trace.format import Trace
 
 TRAINER_STEP_DEFINITION = (
     "one optimizer step of transformers.Trainer.train(), recorded from on_step_begin to on_optimizer_step: "
@@ -186,7 +186,7 @@ def record_trainer(trainer: Trainer, *, steps: int = 2, warmup: int = 1, name: s
 
 
 class PlanCallback(TrainerCallback):
-    """Train with ``plan`` (a plan file or :class:`~taichi_plan.plan.Plan`): add it to a
+    """Train with ``plan`` (a plan file or :class:`~taichi_plan.plan.format.Plan`): add it to a
     ``Trainer`` (``callbacks=[PlanCallback(plan)]`` or ``trainer.add_callback``).
 
     The plan and its trace are loaded and checked here, before training starts; ``trace``
@@ -198,7 +198,7 @@ class PlanCallback(TrainerCallback):
     """
 
     def __init__(self, plan: Plan | str, *, on_mismatch: str = "raise", trace: Trace | str | None = None):
-        from ..optimizer_plan import plan_mode
+        from ..problem.optimizer.plan import plan_mode
         from ..replay import plan_and_trace
 
         if on_mismatch not in ("raise", "warn"):

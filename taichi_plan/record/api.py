@@ -1,4 +1,4 @@
-"""Record a workload's training step into a :class:`~taichi_plan.trace.Trace`.
+"""Record a workload's training step into a :class:`~taichi_plan.trace.format.Trace`.
 
 ``record_workload`` builds the workload (inside a ``FakeTensorMode`` for ``fake=True``), runs
 ``warmup`` unrecorded steps so gradients' and optimizer state's shapes settle and the state
@@ -17,9 +17,9 @@ import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 
-from ..devices import DeviceProfile, get_profile
-from ..errors import TaichiError, UsageError, WorkloadError
-from ..trace import Trace, frame, op_signature
+from ..base.errors import TaichiError, UsageError, WorkloadError
+from ..trace.devices import DeviceProfile, get_profile
+from ..trace.format import Trace, frame, op_signature
 from .loop import AUTOCAST_DTYPES, Loop
 from .pyrefs import probe_step, release_points
 from .recorder import Recorder, StepRecord

@@ -31,9 +31,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
-from ..devices import get_profile
-from ..errors import UsageError
-from ..trace import Trace
+from ..base.errors import UsageError
+from ..trace.devices import get_profile
+from ..trace.format import Trace
 from .api import (
     DEFAULT_FAKE_PROFILE,
     STEP_DEFINITION,
@@ -110,9 +110,9 @@ def settings(ddp) -> dict:
 
 
 def live_layout(model) -> dict | None:
-    """:func:`taichi_plan.sharding.layout` of a live DDP wrapper (its process group's size and
+    """:func:`taichi_plan.trace.layout.layout` of a live DDP wrapper (its process group's size and
     its settings); None for any other model."""
-    from ..sharding import layout
+    from ..trace.layout import layout
 
     if not is_ddp(model):
         return None
@@ -150,7 +150,7 @@ def cost_allreduces(trace: Trace, profile, world_size: int) -> None:
     """Cost each all-reduce of ``trace`` as a ring over ``world_size`` ranks on ``profile``'s
     interconnect (in place; ``cost_source`` ``estimated``): a 1-rank recording's own call moves
     nothing."""
-    from .roofline import collective_duration_s
+    from ..trace.roofline import collective_duration_s
 
     ops, acc = trace.ops, trace.accesses
     nbytes = dict(zip(trace.tensors["tensor_id"].tolist(), trace.tensors["nbytes"].tolist(), strict=True))

@@ -30,9 +30,9 @@ from collections.abc import Callable
 from copy import deepcopy
 from pathlib import Path
 
-from ..devices import get_profile
-from ..errors import UsageError
-from ..trace import Trace
+from ..base.errors import UsageError
+from ..trace.devices import get_profile
+from ..trace.format import Trace
 from .api import (
     DEFAULT_FAKE_PROFILE,
     STEP_DEFINITION,
@@ -248,7 +248,7 @@ def set_reshard(model, settings: dict[str, bool]) -> Callable[[], None]:
     that value: that pins it (FSDP2's default, ``reshard_after_forward=None``, would otherwise
     turn the root's off at its lazy init, after ``apply``). Returns a function that restores
     the previous values."""
-    from ..errors import PlanError
+    from ..base.errors import PlanError
 
     changed = []
     for fqn, m in fsdp_units(model):
@@ -336,9 +336,9 @@ def _reshard_of(group) -> Reshard:
 
 
 def live_layout(model) -> dict | None:
-    """:func:`taichi_plan.sharding.layout` of a live model: None when it is not sharded with
+    """:func:`taichi_plan.trace.layout.layout` of a live model: None when it is not sharded with
     FSDP2, else its world size, mesh and units."""
-    from ..sharding import layout
+    from ..trace.layout import layout
 
     units = fsdp_units(model)
     if not units:
@@ -673,7 +673,7 @@ def _record_real(workload: Workload, world_size: int, *, device_profile, steps, 
     import tempfile
 
     from ..replay.distributed import spawn_ranks
-    from ..trace import read_trace
+    from ..trace.format import read_trace
 
     if workload.kind not in ("builtin", "entry"):
         raise UsageError("A real sharded recording rebuilds the workload in each rank's process: only a built-in "
@@ -697,7 +697,7 @@ def _record_real(workload: Workload, world_size: int, *, device_profile, steps, 
 def trace_by_tracker_category(trace: Trace) -> tuple[int, int, dict[str, int]]:
     """The trace's baseline peak, its op, and the live bytes there per :data:`TRACKER_KINDS`
     category: what to hold against ``meta.fsdp.mem_tracker``."""
-    from ..trace import baseline_live_bytes, baseline_peak
+    from ..trace.format import baseline_live_bytes, baseline_peak
 
     peak, at = baseline_peak(trace)
     live = baseline_live_bytes(trace, by_kind=True)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from ..devices import DeviceProfile
+from ..trace.devices import DeviceProfile
 from .fused_cpu import register_cpu_kernels
 
 _aten = torch.ops.aten

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from ..errors import UsageError
+from ..base.errors import UsageError
 
 AUTOCAST_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 

@@ -55,7 +55,7 @@ How each column is decided:
 - Collectives (``c10d.*``, ``_c10d_functional.*``) and FSDP's own ops (``fsdp.*``) are never
   ``recomputable`` (a rank cannot re-run a collective alone); a fake run costs a collective
   as a ring over ``world_size`` devices on the profile's interconnect
-  (:func:`~taichi_plan.record.roofline.collective_duration_s`).
+  (:func:`~taichi_plan.trace.roofline.collective_duration_s`).
 """
 
 from __future__ import annotations
@@ -78,8 +78,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
-from ..devices import DeviceProfile
-from .roofline import collective_duration_s, collective_kind, dtype_key, estimate_duration_s
+from ..trace.devices import DeviceProfile
+from ..trace.roofline import collective_duration_s, collective_kind, dtype_key, estimate_duration_s
 
 _aten = torch.ops.aten
 # CPU SDPA kernels have the same (q, k, v, ...) / (grad_out, q, k, v, ...) layout as the CUDA ones.
@@ -150,7 +150,7 @@ def _storage(x, op: str):
     try:
         return x.untyped_storage()
     except (NotImplementedError, RuntimeError) as e:
-        from ..errors import WorkloadError
+        from ..base.errors import WorkloadError
 
         raise WorkloadError(
             f"The step uses a {str(x.layout).replace('torch.', '')} tensor (in {op}), which has no single storage "
@@ -580,7 +580,7 @@ class Recorder(TorchDispatchMode):
                 if tid is not None:
                     tids.add(tid)
         # [first op, argument tensor ids, the op after its last] (v15: the end, where planned
-        # regions end: taichi_plan.regions)
+        # regions end: taichi_plan.problem.partition.regions)
         rec.module_args.setdefault(name, []).append([start, sorted(tids), self._n])
 
     def _patch_resize(self) -> None:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..errors import PlanError
-from ..plan import Plan, load_plan
+from ..base.errors import PlanError
+from ..plan.format import Plan, load_plan
 
 # Ops of a caller's own code after a module call that a live forward may skip with it
 # (module_calls): the residual add of ``x = x + layer(x)``, the next layer's layerdrop draw.
@@ -20,7 +20,7 @@ SKIP_GLUE = 4
 
 def model_calls(trace) -> list[dict]:
     """The grad-enabled model calls of the trace's step (``meta.model_calls``), in order."""
-    from ..problem import grad_model_calls
+    from ..problem.core import grad_model_calls
 
     calls = grad_model_calls(trace.meta)
     if calls is None:
@@ -31,8 +31,8 @@ def model_calls(trace) -> list[dict]:
 
 def counted_ops(trace) -> list[bool]:
     """Per op id: whether the runtime counts it (not in ``IGNORED_OPS``, not run by FSDP's
-    own machinery: :func:`taichi_plan.sharding.fsdp_internal_ops`)."""
-    from ..sharding import fsdp_internal_ops
+    own machinery: :func:`taichi_plan.trace.layout.fsdp_internal_ops`)."""
+    from ..trace.layout import fsdp_internal_ops
     from .runtime import IGNORED_OPS
 
     names = trace.ops["op"].tolist()
@@ -52,7 +52,7 @@ def _counted_index(counted: list[bool]) -> list[int]:
 def call_plans(plan: Plan, trace, problem=None) -> list:
     """The :class:`~taichi_plan.replay.runtime.CallPlan` of each grad-enabled model call
     (``problem``: the trace's, when the caller has it built already)."""
-    from ..optimizer_plan import problem_for_plan
+    from ..problem.optimizer.plan import problem_for_plan
     from .runtime import CallPlan
 
     problem = problem_for_plan(plan, trace, problem)
@@ -160,7 +160,7 @@ def _offload_tables(plan: Plan, problem, ncalls: int, locate, pos: dict) -> tupl
     copies to host by the op after which they are made (in the simulator's order: its copy
     stream is first in first out), and the saved tensors whose last unpack issues copies back at
     the plan's prefetch points (a copy issued at its own tensor's unpack needs none)."""
-    from ..offload import trigger_tensor
+    from ..problem.offload import trigger_tensor
 
     made: list[dict] = [{} for _ in range(ncalls)]
     out: list[dict] = [{} for _ in range(ncalls)]
@@ -205,20 +205,25 @@ def _entries(starts: dict, uncounted: list[str]) -> tuple:
 
 def _call_regions(plan: Plan, trace, simulated, rerun: set[int], counted: list[bool],
                   before: list[int]) -> dict[int, dict | None]:
-    """Per grad-enabled model call: its planned regions (:mod:`taichi_plan.regions`) as the
+    """Per grad-enabled model call: its planned regions (:mod:`taichi_plan.problem.partition.regions`) as the
     runtime enters them, module name -> {its k-th call in the model call: (first, last)
     counted op from the call's first op}; None where the runtime runs over the whole call.
     Calls with nothing to see (no drop, no rebuild) are left out: no mode runs there.
     ``simulated``: :func:`_simulated`; ``rerun``: :func:`recipe_ops`."""
-    from ..regions import checkpointed_modules, early_triggers, needed_ops, planned_regions
+    from ..problem.partition.regions import (
+        checkpointed_modules,
+        early_triggers,
+        needed_ops,
+        planned_regions,
+    )
 
     if simulated is None:
         return {}
     drops, sim, parted = simulated
     triggers = dict(early_triggers(parted, sim))
     if sim.offload is not None:  # offloads: their storages are seen as a drop's, their copies back issued at triggers
-        from ..offload import trigger_tensor
-        from ..simulate import Drop
+        from ..problem.offload import trigger_tensor
+        from ..simulate.core import Drop
 
         drops = [*drops, *(Drop(tm.tensor, tm.after, tm.before) for tm in sim.offload.timings)]
         for tm in sim.offload.timings:
@@ -323,7 +328,7 @@ def call_ops(trace, pos: dict | None = None) -> list[list]:
 
 def token_partitions(plan: Plan, problem) -> list[tuple[str, int, tuple[int, ...]]]:
     """(head module, chunks, forward op ids of its span) of each partition over tokens."""
-    from ..partition import find_span
+    from ..problem.partition.core import find_span
 
     out = []
     for p in plan.partitions:
@@ -347,7 +352,7 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
     docs/planner.md) needs another moment: the last unpack of a saved tensor that the group's
     node reads for the last time (its *trigger*), while that tensor is still alive. A group with no such tensor is left to its members' unpack (then its gone inputs
     are re-made from recipes where they have them)."""
-    from ..optimizer_plan import problem_for_plan
+    from ..problem.optimizer.plan import problem_for_plan
 
     simulated = _simulated(plan, problem_for_plan(plan, trace, problem))
     return _groups(*simulated[1:]) if simulated is not None else ({}, {})
@@ -356,7 +361,7 @@ def rebuild_groups(plan: Plan, trace, problem=None) -> tuple[dict[int, int], dic
 def _simulated(plan: Plan, problem) -> tuple | None:
     """(drops, simulation, problem with the partitions applied) of ``plan``'s drops on
     ``problem`` (the plan's view of its trace); None when it drops nothing."""
-    from ..simulate import simulate_plan
+    from ..simulate.core import simulate_plan
     from ..solve.result import drops_from_plan, offloads_from_plan, plan_problem
 
     drops = drops_from_plan(problem, plan)
@@ -371,7 +376,7 @@ def _simulated(plan: Plan, problem) -> tuple | None:
 
 def _groups(sim, parted) -> tuple[dict[int, int], dict[int, int]]:
     """:func:`rebuild_groups` of a simulated plan."""
-    from ..regions import early_triggers
+    from ..problem.partition.regions import early_triggers
 
     triggers = {int(parted.tensor_id[u]): r for u, r in early_triggers(parted, sim).items()}
     return {int(parted.tensor_id[t]): int(r) for t, r in sim.remat_at.items()}, triggers
@@ -385,9 +390,9 @@ def _whole_partitions(plan: Plan) -> list:
 def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     """Op ids whose recipes a rebuild may need: every op the simulator re-runs for this plan,
     and the rebuild ops of every dropped tensor."""
-    from ..optimizer_plan import problem_for_plan
-    from ..partition import apply_partitions
-    from ..simulate import rerun_ops
+    from ..problem.optimizer.plan import problem_for_plan
+    from ..problem.partition.core import apply_partitions
+    from ..simulate.core import rerun_ops
     from ..solve.result import drops_from_plan
 
     problem = problem_for_plan(plan, trace, problem)
@@ -437,8 +442,8 @@ def partition_spans(plan: Plan, trace, problem=None) -> list[tuple[str, tuple[in
     parts = [p for p in plan.partitions if p.over in ("batch", "sequence")]
     if not parts:
         return []
-    from ..optimizer_plan import problem_for_plan
-    from ..partition import occurrence_spans, partitionable_spans
+    from ..problem.optimizer.plan import problem_for_plan
+    from ..problem.partition.core import occurrence_spans, partitionable_spans
 
     spans = {s.module: [o.fwd for o in occurrence_spans(s)]
              for s in partitionable_spans(problem_for_plan(plan, trace, problem)) if s.over in ("batch", "sequence")}
@@ -497,7 +502,7 @@ def apply(model, plan: Plan | str | Path, on_mismatch: str = "raise", optimizer=
     recorded with ``--micro-batches``); calls under ``no_grad``/``inference_mode`` or in eval mode
     run untouched. In a planned call, dropped activations are not saved for backward and are
     rebuilt when backward needs them; inputs, ops and sizes are checked against the trace, and a
-    mismatch raises :class:`~taichi_plan.errors.MismatchError` naming what differs (with
+    mismatch raises :class:`~taichi_plan.base.errors.MismatchError` naming what differs (with
     ``on_mismatch="warn"``: warns and runs that call unplanned). Nothing stays installed after
     a call, and the next call tries the plan again. Pass ``optimizer`` so that a step boundary
     is known (a step that calls the model another number of times than the recorded loop is
@@ -570,7 +575,7 @@ def apply_sharding(model, plan: Plan, where: str):
     import sys
 
     from ..record import ddp
-    from ..sharding import check_layout
+    from ..trace.layout import check_layout
 
     want = plan.trace.get("layout")
     if ddp.is_ddp(model):
@@ -579,7 +584,7 @@ def apply_sharding(model, plan: Plan, where: str):
     if want is None and "torch.distributed.fsdp" not in sys.modules:
         return lambda: None  # an unsharded plan, and nothing in this process can have sharded the model
     from ..record.fsdp import fsdp_units, live_layout, set_prefetch, set_reshard
-    from ..sharding import planned_layout
+    from ..trace.layout import planned_layout
 
     live = live_layout(model)
     if live is None or not _sharded_as(live, planned_layout(want, plan.reshard), want):

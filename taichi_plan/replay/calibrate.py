@@ -74,9 +74,9 @@ REGION_VARIANTS = ("drops", "kept", "kept_whole", "plain", "hooks_whole")
 def _span_terms() -> dict:
     """Per span kind (a span's ``over``) other than the batch: the function giving a span's
     (recorded seconds of the ops its chunks run again, its forward and backward ops), the two
-    quantities its cost scales (:func:`taichi_plan.overhead.span_cost`). A new kind of span
+    quantities its cost scales (:func:`taichi_plan.problem.partition.overhead.span_cost`). A new kind of span
     is calibrated by adding its own here."""
-    from .. import token_span
+    from ..problem.partition import token_span
 
     return {"tokens": token_span.cost_terms}
 
@@ -85,7 +85,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
                      budget_s: float | None = None) -> dict | None:
     """``check_op_s`` and ``recipe_op_s`` measured on ``model``'s first grad-enabled call as the
     trace recorded it (in the recorded loop's autocast), with ``ops`` (the call's ops in the
-    trace: the per-op terms are per op of the call, as :mod:`taichi_plan.overhead` charges them)
+    trace: the per-op terms are per op of the call, as :mod:`taichi_plan.problem.partition.overhead` charges them)
     and ``repeats`` (repetitions run); None when the trace has no model call to measure on, or
     the model's call is not the recorded one (then the microbenchmark's terms stay).
     ``repeats``/``budget_s`` default to :data:`REPEATS`/:data:`BUDGET_S`, read at call time (the
@@ -95,7 +95,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     repeats = REPEATS if repeats is None else repeats
     budget_s = BUDGET_S if budget_s is None else budget_s
 
-    from ..problem import grad_model_calls
+    from ..problem.core import grad_model_calls
     from ..record.api import call_model
     from ..record.loop import AUTOCAST_DTYPES, Loop
     from ..record.recorder import op_clock
@@ -117,7 +117,7 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     # variants (the third element) whose own seconds give the per-op terms
     variants = {"check": (probe, []), "check_own": (probe, [], True),
                 "recipe": (replace(probe, recipe_ops=None), [], True)}
-    from ..problem import build_problem
+    from ..problem.core import build_problem
 
     built = build_problem(trace)  # one problem for the partition and span probes (caches shared)
     chunked = _partition_probes(trace, call, model, built)
@@ -413,7 +413,7 @@ def _drop_probe(trace, call: dict):
     so it is the same plan before and after calibration measures them."""
     from dataclasses import replace as _replace
 
-    from ..problem import build_problem
+    from ..problem.core import build_problem
     from ..solve import solve
     from ..solve.result import drops_from_plan
     from . import call_plans
@@ -542,10 +542,10 @@ def _drop_rate(probe, measured_s: float, rates: dict) -> dict:
     2026-12-01 it was the difference of whole forwards and backwards, whose noise read 0-870 us
     per drop) beyond what the rebuild terms of ``rates`` predict for the drops (their
     re-run ops at their measured time ratios, ``rebuild_op_s`` each:
-    :func:`taichi_plan.overhead.rebuild_seconds`); not below 0. ``drop_probe`` says what
+    :func:`taichi_plan.problem.partition.overhead.rebuild_seconds`); not below 0. ``drop_probe`` says what
     it was measured on."""
-    from ..overhead import rebuild_seconds
-    from ..simulate import simulate_plan
+    from ..problem.partition.overhead import rebuild_seconds
+    from ..simulate.core import simulate_plan
 
     problem, drops, _cp = probe
     sim, _parted = simulate_plan(problem, drops)
@@ -690,10 +690,10 @@ def _partition_probes(trace, call: dict, model, problem=None):
     when the call has no such module."""
     import torch
 
-    from ..errors import PlanError
-    from ..partition import as_partition, partitionable_spans
-    from ..plan import Plan
-    from ..problem import build_problem
+    from ..base.errors import PlanError
+    from ..plan.format import Plan
+    from ..problem.core import build_problem
+    from ..problem.partition.core import as_partition, partitionable_spans
     from . import call_plans, counted_ops
 
     problem = problem if problem is not None else build_problem(trace)
@@ -733,10 +733,10 @@ def _span_probes(trace, call: dict, problem=None) -> dict:
     k1 and the most up to :data:`SPAN_PROBE_MOST` k2 (kinds with one choice left out)."""
     from dataclasses import replace as _replace
 
-    from ..errors import PlanError
-    from ..partition import as_partition, partitionable_spans
-    from ..plan import Plan
-    from ..problem import build_problem
+    from ..base.errors import PlanError
+    from ..plan.format import Plan
+    from ..problem.core import build_problem
+    from ..problem.partition.core import as_partition, partitionable_spans
     from . import call_plans
 
     terms = _span_terms()
@@ -769,7 +769,7 @@ def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, ...], extra_s: li
     """What splitting a span of ``kind`` costs, from the span's own extra seconds split into
     each of ``ks`` chunks (``extra_s``, each against the call with every op checked:
     :class:`_SpanClock`). ``chunks`` and ``extra_s`` are the measured points, which
-    :func:`taichi_plan.overhead.span_cost` takes as they are for the probed span (``module``):
+    :func:`taichi_plan.problem.partition.overhead.span_cost` takes as they are for the probed span (``module``):
     the cost is not linear in the chunks, smaller chunks running from the caches (a 4-layer
     Llama's head split in 4 measured cheaper than in 2), and may be below 0 (a head over
     tokens runs one fused pass, faster than the span unsplit on a CPU). For other spans of the
@@ -792,7 +792,7 @@ def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, ...], extra_s: li
 
 
 def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
-    """The two per-op terms of a partition's cost (:func:`taichi_plan.partition.partition_cost`)
+    """The two per-op terms of a partition's cost (:func:`taichi_plan.problem.partition.core.partition_cost`)
     from the step's extra seconds with ``spans`` checkpointed whole (``whole_s``, against the
     call with every op checked) and split into ``k_most`` chunks (``more_s``, against whole):
     ``checkpoint_op_s``, per forward op of a span, what checkpointing it whole costs beyond

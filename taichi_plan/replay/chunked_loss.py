@@ -37,7 +37,7 @@ less where the unsplit ones' ``[N, V]`` buffers are fresh pages (docs/benchmarks
 second backward through a retained graph, and a per-row loss (``none``, whose gradient needs
 each row's incoming gradient), compute the gradients in backward instead: per chunk the
 logits again, ``softmax``, the one-hot subtracted in place, rows scaled, as above (two
-``[rows/k, V]`` buffers). ``taichi_plan.token_span`` models exactly that for the planner.
+``[rows/k, V]`` buffers). ``taichi_plan.problem.partition.token_span`` models exactly that for the planner.
 """
 
 from __future__ import annotations
@@ -331,7 +331,7 @@ class LazyLogits(_Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from ..errors import MismatchError
+        from ..base.errors import MismatchError
 
         raise MismatchError(f"{func} reached the lazy logits below autograd, where they cannot be computed "
                             "with gradients. Compute the loss with F.cross_entropy / F.nll_loss on the logits, "
@@ -489,7 +489,7 @@ _HANDLERS = {
 def install_token_heads(model, heads: dict[str, int], rt) -> callable:
     """Make each planned head (module FQN -> chunks) return :class:`LazyLogits` in the calls
     ``rt`` runs planned; returns a function that undoes it."""
-    from ..errors import PlanError
+    from ..base.errors import PlanError
     from .partition import wrap_forward
 
     undo = []

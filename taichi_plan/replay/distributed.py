@@ -27,8 +27,8 @@ import socket
 import tempfile
 from pathlib import Path
 
-from ..errors import PlanError, TaichiError
-from ..plan import Plan
+from ..base.errors import PlanError, TaichiError
+from ..plan.format import Plan
 
 
 def free_port() -> int:
@@ -168,7 +168,7 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
         shard_model,
     )
     from ..record.recorder import Recorder, local_tensor
-    from ..trace import baseline_peak
+    from ..trace.format import baseline_peak
     from . import apply_sharding, install, runtime_for
     from .partition import install_partitions
 
@@ -284,7 +284,7 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
     import torch.distributed as dist
 
     from ..record.fsdp import mesh_replicas
-    from ..trace import read_trace
+    from ..trace.format import read_trace
     from . import plan_and_trace
     from .measure import autocast_rounding, compare_training, workload_of
 
@@ -373,10 +373,10 @@ def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, 
     import torch
     import torch.distributed as dist
 
-    from ..devices import get_profile
     from ..record import Loop, get_workload
     from ..record import fsdp as fsdp_record
-    from ..trace import write_trace
+    from ..trace.devices import get_profile
+    from ..trace.format import write_trace
 
     result: dict = {"rank": rank}
     try:

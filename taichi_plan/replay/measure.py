@@ -43,10 +43,10 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import MismatchError, NotEnoughMemoryError, PlanError
-from ..optimizer_plan import plan_mode
-from ..plan import Plan
-from ..units import format_bytes
+from ..base.errors import MismatchError, NotEnoughMemoryError, PlanError
+from ..base.units import format_bytes
+from ..plan.format import Plan
+from ..problem.optimizer.plan import plan_mode
 
 STAT_FACTOR = 2.0  # per-chunk dropout: planned-vs-unplanned distance <= this x reseeded-vs-unplanned
 
@@ -143,7 +143,7 @@ def move_workload(model, batch, loss_fn, optimizer, device: str):
     import torch
     from torch.utils._pytree import tree_map
 
-    from ..errors import WorkloadError
+    from ..base.errors import WorkloadError
 
     if any(optimizer.state.values()):
         raise WorkloadError("move_workload: the optimizer already has state; move the workload before its first step.")
@@ -343,7 +343,7 @@ class MeasuredRun:
         the parameters and gradients after the recorded step (what replay compares)."""
         from ..record.api import late_tensors, registered_tensors, step_to_trace
         from ..record.recorder import Recorder
-        from ..trace import baseline_peak
+        from ..trace.format import baseline_peak
 
         model, optimizer = self.model, self.optimizer
         self.say(f"{self.what}: measuring a step")
@@ -483,7 +483,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     """Measure ``plan`` on its workload; returns the report (what ``taichi-plan replay`` prints).
     ``trace``: the plan's trace (a directory or Trace) when it is not where the plan says.
 
-    Raises :class:`~taichi_plan.errors.NotEnoughMemoryError` before building anything when the
+    Raises :class:`~taichi_plan.base.errors.NotEnoughMemoryError` before building anything when the
     larger predicted peak exceeds this machine's memory, unless ``force``. ``progress(message)``
     is called as the runs go."""
 

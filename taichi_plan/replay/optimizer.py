@@ -3,7 +3,7 @@
 ``in-backward``: a ``register_post_accumulate_grad_hook`` on every parameter the optimizer
 updates steps that parameter alone as soon as its gradient is complete, then sets its
 ``.grad`` to None, so the full set of gradients never exists (what the simulator models,
-:mod:`taichi_plan.optimizer_plan`). The update is the user's own optimizer's: its step
+:mod:`taichi_plan.problem.optimizer.plan`). The update is the user's own optimizer's: its step
 function runs with the optimizer's parameter groups narrowed to that one parameter (the
 group's hyperparameters, its current learning rate included, and the parameter's state are
 the optimizer's own), without the optimizer's step hooks. The user's ``optimizer.step()``
@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import MismatchError, PlanError
-from ..optimizer_plan import plan_mode
+from ..base.errors import MismatchError, PlanError
+from ..problem.optimizer.plan import plan_mode
 
 
 def install_optimizer(plan, optimizer) -> list:

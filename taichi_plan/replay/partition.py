@@ -19,7 +19,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
-from ..errors import PlanError
+from ..base.errors import PlanError
 
 
 class PlannedForward:
@@ -137,7 +137,7 @@ def _chunked(forward, chunks: int, rt, name: str):
 
 
 def _over_positions(forward, chunks: int, rt, name: str):
-    """A position-wise module (taichi_plan/position_span.py) on ``chunks`` runs of its
+    """A position-wise module (taichi_plan/problem/partition/position_span.py) on ``chunks`` runs of its
     positions: each tensor argument that starts with the first one's ``(batch, seq)`` is
     viewed as ``[1, batch * seq, ...]`` and ``split`` along dim 1; each run goes through the
     module checkpointed; the outputs' runs are joined by one ``cat`` and viewed back as

@@ -30,7 +30,7 @@ Frames are independent: two forwards before one backward, gradient accumulation,
 pass in between each keep their own. A frame lives as long as autograd holds its handles.
 
 A mismatch (another op, size or input shape) stops the plan for that call only: with
-``on_mismatch="raise"`` the forward raises :class:`~taichi_plan.errors.MismatchError`; with
+``on_mismatch="raise"`` the forward raises :class:`~taichi_plan.base.errors.MismatchError`; with
 ``"warn"`` the tensors already dropped are rebuilt at once and the call finishes unplanned.
 Either way the mode and hooks are removed when the call ends, and the next call tries again.
 
@@ -56,7 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from ..errors import MismatchError
+from ..base.errors import MismatchError
 from ..record.recorder import draws_random
 from .copies import to_device, to_host, wait_ready
 
@@ -177,7 +177,7 @@ class CallPlan:
     # The autocast the recorded call ran under (trace v13: "bf16", "fp16", None); "unknown" for
     # older traces, which are not checked (_autocast_problem).
     autocast: str | None = "unknown"
-    # Planned regions (taichi_plan.regions): module name -> {its k-th call in this model call:
+    # Planned regions (taichi_plan.problem.partition.regions): module name -> {its k-th call in this model call:
     # (first, last) counted op}. Where whole_call is False, the mode and saved-tensor hooks run
     # inside these module calls only (entered when the module is called, the op count set to
     # the call's recorded first op); elsewhere the forward runs with nothing of the runtime.
@@ -670,7 +670,7 @@ class PlanRuntime(TorchDispatchMode):
         want, n = self.state_bytes
         if live <= want:
             return
-        from ..units import format_bytes
+        from ..base.units import format_bytes
 
         self._mismatch(
             f"The optimizer ({type(optimizer).__name__}) holds {format_bytes(live)} of state in {count} tensors, "
@@ -1156,7 +1156,7 @@ class PlanRuntime(TorchDispatchMode):
         frame.region = (None, None, at, len(frame.call.ops) - 1, self._mode_on(frame))
 
     def _enter_region(self, frame: Frame, module, name: str, span: tuple[int, int]) -> None:
-        """A planned region's module call starts (:mod:`taichi_plan.regions`): the op count
+        """A planned region's module call starts (:mod:`taichi_plan.problem.partition.regions`): the op count
         moves to its recorded first op, and the mode and the saved-tensor hooks come on until
         it returns (:meth:`_left`)."""
         first, last = span
@@ -1735,7 +1735,7 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
         # hooks, the RNG state it stashes, the re-run's bookkeeping): once per checkpointed chunk.
         "checkpoint_call_s": max((min(ckpt[0]) - min(ckpt[1])) / calls, 0.0),
         # What the module hooks of a planned call cost per module call (trace v15): a call the
-        # plan drops or partitions in has them over its whole forward (taichi_plan.regions).
+        # plan drops or partitions in has them over its whole forward (taichi_plan.problem.partition.regions).
         "module_call_s": max((min(hooks[0]) - min(hooks[1])) / modules, 0.0),
         "ops": n,
         "repeats": repeats,

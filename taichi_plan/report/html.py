@@ -27,12 +27,12 @@ from string import Template
 import numpy as np
 
 from .. import __version__
-from ..atomic import check_output, write_text_atomic
-from ..errors import PlanError, UsageError
-from ..optimizer_plan import problem_for_plan
-from ..plan import Plan, load_plan
-from ..problem import Problem
-from ..units import format_bytes, format_cost
+from ..base.atomic import check_output, write_text_atomic
+from ..base.errors import PlanError, UsageError
+from ..base.units import format_bytes, format_cost
+from ..plan.format import Plan, load_plan
+from ..problem.core import Problem
+from ..problem.optimizer.plan import problem_for_plan
 from .plan_text import _where
 from .timeline import KIND_COLORS, KIND_LABELS, PHASE_COLORS, STACK_ORDER, downsample
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from ..atomic import check_output, write_with_atomic
-from ..errors import UsageError
-from ..units import unit_scale
+from ..base.atomic import check_output, write_with_atomic
+from ..base.errors import UsageError
+from ..base.units import unit_scale
 
 # Ours drawn solid and on top; baselines dashed.
 METHOD_STYLE = {

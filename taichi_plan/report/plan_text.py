@@ -17,14 +17,14 @@ import os
 from collections import defaultdict
 from pathlib import Path
 
-from ..errors import PlanError, TraceError, UsageError
-from ..optimizer_plan import problem_for_plan
-from ..plan import Plan, load_plan, peak_from_schedule
-from ..plan_check import check_plan_against_trace
-from ..problem import Problem
-from ..simulate import SimResult
-from ..trace import Trace, read_trace
-from ..units import format_bytes
+from ..base.errors import PlanError, TraceError, UsageError
+from ..base.units import format_bytes
+from ..plan.check import check_plan_against_trace
+from ..plan.format import Plan, load_plan, peak_from_schedule
+from ..problem.core import Problem
+from ..problem.optimizer.plan import problem_for_plan
+from ..simulate.core import SimResult
+from ..trace.format import Trace, read_trace
 from .trace_text import _cost, _cut, terminal_width, wrap_lines
 from .verdict import resimulate
 
@@ -130,7 +130,7 @@ def _partition_costs(problem: Problem, plan: Plan, total: float) -> dict[str, fl
     if not plan.partitions or total == 0:
         return out
     try:
-        from ..partition import find_span, partition_cost
+        from ..problem.partition.core import find_span, partition_cost
 
         for part in plan.partitions:
             span = find_span(problem, part)
@@ -506,7 +506,7 @@ def inspect_plan(path: str | Path, as_json: bool = False, units: str | None = No
     """What ``taichi-plan inspect PLAN.plan.json`` prints; with ``png`` also writes the
     timeline there (refusing an existing file unless ``force``) and says so. ``width``:
     columns of the text (default: the terminal's, 80 off a terminal)."""
-    from ..atomic import check_output
+    from ..base.atomic import check_output
 
     if png is not None:
         check_output(png, force, what="PNG file")

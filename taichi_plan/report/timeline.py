@@ -14,11 +14,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..atomic import check_output, write_with_atomic
-from ..plan import Plan
-from ..problem import Problem
-from ..trace import KINDS, PHASES, baseline_live_bytes
-from ..units import unit_scale
+from ..base.atomic import check_output, write_with_atomic
+from ..base.units import unit_scale
+from ..plan.format import Plan
+from ..problem.core import Problem
+from ..trace.format import KINDS, PHASES, baseline_live_bytes
 from .verdict import resimulate
 
 MAX_POINTS = 5000  # longer traces are downsampled

@@ -9,7 +9,8 @@ import textwrap
 
 import numpy as np
 
-from ..trace import (
+from ..base.units import format_bytes
+from ..trace.format import (
     KINDS,
     PHASES,
     Trace,
@@ -18,7 +19,6 @@ from ..trace import (
     data_sized_note,
     rerun_where,
 )
-from ..units import format_bytes
 
 TOP_TENSORS = 10
 WIDTH = 80  # text width when stdout is not a terminal and COLUMNS is unset

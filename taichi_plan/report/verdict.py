@@ -4,10 +4,10 @@ and the HTML report, one floor below all three so none imports another for it.""
 
 from __future__ import annotations
 
-from ..errors import PlanError
-from ..plan import Plan
-from ..problem import Problem
-from ..simulate import SimResult, simulate_plan
+from ..base.errors import PlanError
+from ..plan.format import Plan
+from ..problem.core import Problem
+from ..simulate.core import SimResult, simulate_plan
 from ..solve.result import drops_from_plan, offloads_from_plan, plan_problem
 
 

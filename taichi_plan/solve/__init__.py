@@ -1,7 +1,7 @@
 """Planners: ours (``auto``, ``ilp``, ``heuristic``) and the baselines, one entry point.
 
 Every planner returns :class:`~taichi_plan.solve.result.Decisions`; :func:`solve` turns
-them into a :class:`~taichi_plan.plan.Plan` judged by the simulator.
+them into a :class:`~taichi_plan.plan.format.Plan` judged by the simulator.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..allocator import AllocatorConfig
-from ..deadline import OutOfTime, check, lifted, until
-from ..errors import InfeasibleBudgetError, UsageError
-from ..optimizer_plan import (
+from ..base.deadline import OutOfTime, check, lifted, until
+from ..base.errors import InfeasibleBudgetError, UsageError
+from ..base.units import format_bytes
+from ..plan.format import Plan
+from ..problem.core import Problem, build_problem, describe_op, min_live_bytes
+from ..problem.optimizer.plan import (
     OPTION_ORDER,
     WORDS,
     check_choice,
@@ -27,14 +29,12 @@ from ..optimizer_plan import (
     refusal,
     view_problem,
 )
-from ..partition import allow_random, floor_bytes, state_keepers
-from ..plan import Plan
-from ..prefetch import movable
-from ..problem import Problem, build_problem, describe_op, min_live_bytes
-from ..reshard import reshard_units
-from ..simulate import simulate_plan
-from ..trace import Trace, data_sized_note, own_checkpointing
-from ..units import format_bytes
+from ..problem.partition.core import allow_random, floor_bytes, state_keepers
+from ..problem.sharding.prefetch import movable
+from ..problem.sharding.reshard import reshard_units
+from ..simulate.allocator import AllocatorConfig
+from ..simulate.core import simulate_plan
+from ..trace.format import Trace, data_sized_note, own_checkpointing
 from .fsdp import solve_with_fsdp
 from .heuristic import best_by_simulator, plan_heuristic
 from .ilp import plan_ilp
@@ -42,7 +42,7 @@ from .result import Decisions, make_plan
 
 OURS = ("auto", "ilp", "heuristic")
 RESHARD_CHOICES = ("auto", "as-recorded")  # FSDP units' reshard_after_forward (taichi_plan/solve/fsdp.py)
-PREFETCH_CHOICES = ("auto", "as-recorded")  # FSDP2's prefetching (taichi_plan/prefetch.py, solve/fsdp.py)
+PREFETCH_CHOICES = ("auto", "as-recorded")  # FSDP2's prefetching (taichi_plan/problem/sharding/prefetch.py, solve/fsdp.py)
 
 
 def baseline_table() -> dict[str, Callable]:
@@ -112,7 +112,7 @@ def _with_offload(problem: Problem, budget_bytes: int, method: str, *, time_limi
     offloads; ``auto`` and ``ilp`` also run the drop-only search in half the time and keep the
     better plan by the simulator. The ILP does not model copies, so its bound holds for plans
     without offload only: none is claimed, unless no tensor can be offloaded at all."""
-    from ..offload import allow_offload
+    from ..problem.offload import allow_offload
     from .offload_plan import lone_timings, plan_offload
 
     t0 = time.perf_counter()
@@ -173,11 +173,11 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
           offload=None) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
 
-    ``offload`` (an :class:`~taichi_plan.offload.OffloadConfig`, None by default): our planners
+    ``offload`` (an :class:`~taichi_plan.problem.offload.OffloadConfig`, None by default): our planners
     may also offload saved activations to host memory (:mod:`.offload_plan`), on its host link
     and within its host budget; baselines never offload.
 
-    ``optimizer`` (:mod:`taichi_plan.optimizer_plan`): ``as-recorded`` plans activations only;
+    ``optimizer`` (:mod:`taichi_plan.problem.optimizer.plan`): ``as-recorded`` plans activations only;
     ``in-backward`` / ``groups`` plan the step as that option runs it; ``auto`` (default) keeps
     the recorded step whenever a plan fits with it, and otherwise takes the options the trace's
     loop allows (the plan says which, ``Plan.optimizer``). ``problem`` is the recorded trace's.
@@ -197,11 +197,11 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     ``reshard`` (sharded traces, :mod:`taichi_plan.solve.fsdp`): ``auto`` (default) lets our
     planners choose which FSDP units stop resharding after forward; ``as-recorded`` keeps every
     unit as recorded. Baselines keep the recorded setting. ``prefetch``, likewise, for FSDP2's
-    prefetching (which all-gathers are issued early, :mod:`taichi_plan.prefetch`).
+    prefetching (which all-gathers are issued early, :mod:`taichi_plan.problem.sharding.prefetch`).
 
     ``partition_random``: the planners may partition modules that draw random numbers
     (dropout); their chunks then draw their own, which changes training statistically, and
-    the plan records it (:mod:`taichi_plan.partition`). Off, nothing random is partitioned.
+    the plan records it (:mod:`taichi_plan.problem.partition.core`). Off, nothing random is partitioned.
     """
     _check_limits(time_limit, work_limit)
     if on == "reserved":
@@ -225,7 +225,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
     failed: list[InfeasibleBudgetError] = []
     try:
         # Phases without a limit of their own (an optimizer option's view of the step, its
-        # problem and floor) check this deadline (taichi_plan/deadline.py); the search, bounded
+        # problem and floor) check this deadline (taichi_plan/base/deadline.py); the search, bounded
         # by its own limit, does not (a plan it holds is never lost to a check).
         with until(t0 + time_limit * (1 - REPORT_SHARE)):
             return _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator,
@@ -273,7 +273,7 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
         prob = allow_random(view_problem(problem, mode, choose_groups(problem, budget_bytes) if mode == "groups"
                                          else None), partition_random)
         if offload is not None:
-            from ..offload import allow_offload
+            from ..problem.offload import allow_offload
 
             prob = allow_offload(prob, offload)
         if budget_bytes < int(floor_bytes(prob).max()) and budget_bytes < prob.baseline_peak[0] and not is_last():

@@ -23,9 +23,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..problem import Problem
-from ..simulate import Drop, simulate, unexecutable
-from ..units import format_bytes
+from ..base.units import format_bytes
+from ..problem.core import Problem
+from ..simulate.core import Drop, simulate, unexecutable
 from .result import Decisions
 
 DESCRIPTIONS = {
@@ -257,7 +257,7 @@ def _rebuild_together(problem: Problem, drops: list[Drop], region: list[int]) ->
 def executable(problem: Problem, drops: list[Drop]) -> tuple[list[Drop], set[int]]:
     """Remove the drops whose rebuild would need a gone, non-rebuildable tensor.
 
-    Mirrors :func:`taichi_plan.simulate._closure`; removing a drop only makes tensors more
+    Mirrors :func:`taichi_plan.simulate.core._closure`; removing a drop only makes tensors more
     available, so repeating until no failure is left converges.
     """
     removed: set[int] = set()

@@ -4,7 +4,7 @@ A unit that does not reshard after forward keeps its gathered parameters from th
 forward to its backward (memory), and skips its backward all-gather and copy-out (time on the
 interconnect); one that reshards to a smaller mesh of K ranks keeps 1/K of them and gathers
 them in backward within that group (on a node's links where the job spans nodes).
-:mod:`taichi_plan.reshard` derives both steps from the recorded one. Here the planner picks
+:mod:`taichi_plan.problem.sharding.reshard` derives both steps from the recorded one. Here the planner picks
 the setting: it orders those changes by what each costs where the budget binds (the bytes
 held longer times the ops, in that interval, at which the unplanned step is over the budget),
 per second of gathering saved, and screens prefixes of that order (the recorded setting first;
@@ -13,7 +13,7 @@ predicted step time, i.e. the step's compute and communication plus the plan's e
 compute, of the cheapest plan that fits the budget picks the setting. The chosen method
 (CP-SAT for ``auto``) then plans that setting.
 
-Prefetching (:mod:`taichi_plan.prefetch`) is screened next, on the chosen reshard setting: from
+Prefetching (:mod:`taichi_plan.problem.sharding.prefetch`) is screened next, on the chosen reshard setting: from
 the leanest setting (every all-gather issued by its own unit, FSDP's backward default off), the
 gatherings a plan may issue early are ordered by what holding their all-gather buffer early
 costs where the budget binds (its bytes times the ops, over the interval it is held longer, at
@@ -29,7 +29,7 @@ worse than the sequential one and is better where a reshard setting that lost wi
 default prefetching wins with another (``tests/test_reshard.py`` shows one on a recorded trace).
 
 Predicted step time, here, is the step's time with collectives overlapping compute
-(:func:`taichi_plan.overlap.overlapped_step_time`) plus the plan's recomputation.
+(:func:`taichi_plan.problem.sharding.overlap.overlapped_step_time`) plus the plan's recomputation.
 
 The search is over settings, outside the activation model (a setting changes the op sequence,
 which the ILP indexes): the setting is chosen by the heuristic's plans, the activations of the
@@ -43,12 +43,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from ..errors import InfeasibleBudgetError
-from ..overlap import is_collective, overlapped_step_time
-from ..plan import Plan
-from ..prefetch import PHASES, movable, prefetch_problem, setting_of
-from ..problem import Problem
-from ..reshard import (
+from ..base.errors import InfeasibleBudgetError
+from ..base.units import format_bytes, format_cost
+from ..plan.format import Plan
+from ..problem.core import Problem
+from ..problem.sharding.overlap import is_collective, overlapped_step_time
+from ..problem.sharding.prefetch import PHASES, movable, prefetch_problem, setting_of
+from ..problem.sharding.reshard import (
     held_bytes,
     regather_cost,
     reshard_problem,
@@ -56,8 +57,7 @@ from ..reshard import (
     smaller_mesh_factors,
     smaller_mesh_saving,
 )
-from ..simulate import simulate_plan
-from ..units import format_bytes, format_cost
+from ..simulate.core import simulate_plan
 from .heuristic import plan_heuristic
 
 SCREEN_SHARE = 1 / 3  # of the time left, for screening the settings with the heuristic (reshard, then prefetch)
@@ -103,8 +103,8 @@ def smaller_mesh_choice(problem: Problem) -> dict[int, int]:
     largest factor of the shard group (strictly between 1 and it) whose ranks share a node, so
     that the backward all-gather runs on the node's links (else the least factor). Not the root
     (backward gathers it first anyway), and none on a trace of measured op times: the steps
-    :func:`taichi_plan.reshard.smaller_mesh_view` does not derive."""
-    from ..devices import get_profile
+    :func:`taichi_plan.problem.sharding.reshard.smaller_mesh_view` does not derive."""
+    from ..trace.devices import get_profile
 
     meta = problem.trace.meta
     factors = smaller_mesh_factors(meta)

@@ -15,8 +15,10 @@ import time
 
 import numpy as np
 
-from ..errors import PlanError
-from ..partition import (
+from ..base.errors import PlanError
+from ..plan.format import Partition
+from ..problem.core import Options, Problem, gap_bytes, options, rebuild_closure
+from ..problem.partition.core import (
     _under,
     apply_partitions,
     as_partition,
@@ -26,9 +28,7 @@ from ..partition import (
     partition_savings,
     whole_outputs,
 )
-from ..plan import Partition
-from ..problem import Options, Problem, gap_bytes, options, rebuild_closure
-from ..simulate import Drop, SimResult, simulate, simulate_plan
+from ..simulate.core import Drop, SimResult, simulate, simulate_plan
 from .result import Decisions, host_fits, simulate_plan_of
 
 MAX_ROUNDS = 30

@@ -39,19 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..errors import PlanError
-from ..partition import (
-    Span,
-    apply_partitions,
-    as_partition,
-    blocked_tensors,
-    module_spans,
-    partition_cost,
-    partition_savings,
-    span_key,
-    span_tensors,
-)
-from ..problem import (
+from ..base.errors import PlanError
+from ..problem.core import (
     Options,
     Problem,
     coverage_delta,
@@ -63,7 +52,18 @@ from ..problem import (
     revivable,
     revival_options,
 )
-from ..simulate import Drop, SimResult, is_revival, rebuild_overhead, simulate_plan
+from ..problem.partition.core import (
+    Span,
+    apply_partitions,
+    as_partition,
+    blocked_tensors,
+    module_spans,
+    partition_cost,
+    partition_savings,
+    span_key,
+    span_tensors,
+)
+from ..simulate.core import Drop, SimResult, is_revival, rebuild_overhead, simulate_plan
 from .bound import BoundLog, relaxation_bound
 from .heuristic import plan_remat, sim_over
 from .result import Decisions

@@ -29,9 +29,9 @@ import time
 
 import numpy as np
 
-from ..errors import PlanError
-from ..problem import Options, Problem, rebuild_inputs, revivable
-from ..simulate import Drop, SimResult, rebuild_overhead, simulate
+from ..base.errors import PlanError
+from ..problem.core import Options, Problem, rebuild_inputs, revivable
+from ..simulate.core import Drop, SimResult, rebuild_overhead, simulate
 from .heuristic import rebuild_cost, sim_over
 
 TRIALS = 48  # best-estimated moves simulated per step

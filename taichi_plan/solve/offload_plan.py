@@ -1,7 +1,7 @@
 """The heuristic with offload as a third choice (``solve --offload``; no torch).
 
 Where ``problem.offload`` allows it, a saved activation may be kept, dropped or offloaded
-(:mod:`taichi_plan.offload`). An offload costs nothing where its copies hide behind compute,
+(:mod:`taichi_plan.problem.offload`). An offload costs nothing where its copies hide behind compute,
 and its stall where they do not; a drop costs its rebuild. The planner:
 
 1. times each candidate's copies alone on the host link (the stall-free schedule of that one
@@ -37,11 +37,11 @@ import time
 
 import numpy as np
 
-from ..errors import PlanError
-from ..offload import Offload, offload_candidates, schedule_offloads
-from ..partition import apply_partitions
-from ..problem import Problem, rebuild_closure
-from ..simulate import simulate
+from ..base.errors import PlanError
+from ..problem.core import Problem, rebuild_closure
+from ..problem.offload import Offload, offload_candidates, schedule_offloads
+from ..problem.partition.core import apply_partitions
+from ..simulate.core import simulate
 from .heuristic import best_by_simulator, plan_heuristic, plan_remat
 from .result import Decisions
 
@@ -69,7 +69,7 @@ def _choose(problem: Problem, budget_bytes: int, lone: list, banned: set[int]) -
     only if it frees memory where the step, with those kept before it, is still over budget
     and, with them, every copy still frees device memory, no copy back stalls the step and the
     host budget holds (the copies share one link per direction: what
-    one more copy does is timed with all of them, :func:`~taichi_plan.offload.schedule_offloads`)."""
+    one more copy does is timed with all of them, :func:`~taichi_plan.problem.offload.schedule_offloads`)."""
     rows = [x for x in lone if x[0].tensor not in banned]
     if not rows:
         return []
@@ -103,7 +103,7 @@ def _choose(problem: Problem, budget_bytes: int, lone: list, banned: set[int]) -
 
 def _blocked(problem: Problem, offloads: list[Offload]) -> set[int]:
     """Tensors a drop may not take beside ``offloads``: those whose rebuild (its ops and the
-    inputs it certainly re-makes, :func:`~taichi_plan.problem.rebuild_closure`) or whose
+    inputs it certainly re-makes, :func:`~taichi_plan.problem.core.rebuild_closure`) or whose
     candidate inputs read an offloaded one (the simulator refuses a group that reads a tensor
     while it is on the host)."""
     away = {o.tensor for o in offloads}

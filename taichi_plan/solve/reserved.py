@@ -2,7 +2,7 @@
 
 The planners meet a budget on the bytes the simulator counts (allocated tensor bytes); a GPU
 runs out of memory on the bytes the caching allocator reserves, which the allocator model
-(:mod:`taichi_plan.allocator`) predicts for every plan. To meet a reserved budget ``B``: solve
+(:mod:`taichi_plan.simulate.allocator`) predicts for every plan. To meet a reserved budget ``B``: solve
 for ``B`` allocated; while the plan's reserved peak ``R`` exceeds ``B``, lower the allocated
 target by the excess ``R - B`` and solve again, until the reserved peak fits, the target cannot
 be met at all, or the rounds run out. Every plan is still judged by the simulator and the
@@ -14,9 +14,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from ..errors import InfeasibleBudgetError
-from ..plan import Plan
-from ..units import format_bytes
+from ..base.errors import InfeasibleBudgetError
+from ..base.units import format_bytes
+from ..plan.format import Plan
 
 MAX_ROUNDS = 8
 

@@ -1,4 +1,4 @@
-"""Turn a planner's decisions into a :class:`~taichi_plan.plan.Plan`, judged by the simulator.
+"""Turn a planner's decisions into a :class:`~taichi_plan.plan.format.Plan`, judged by the simulator.
 
 No planner reports its own peak or cost: :func:`make_plan` simulates the decisions and
 fills ``predicted`` from the simulator, writes each decision's ``why`` and the schedule.
@@ -10,20 +10,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..allocator import AllocatorConfig, AllocatorResult, replay_schedule
-from ..offload import Offload, OffloadTiming
-from ..optimizer_plan import describe as describe_optimizer
-from ..optimizer_plan import recorded_problem, recorded_trace
-from ..overhead import runtime_overhead_s
-from ..partition import find_span, partition_cost, partition_savings, random_draws
-from ..plan import Offloaded, Partition, Plan, Recompute
-from ..prefetch import describe as describe_prefetch
-from ..problem import Problem
-from ..regions import checkpointed_modules, early_triggers, needed_ops, region_ops
-from ..reshard import describe as describe_reshard
-from ..sharding import layout
-from ..simulate import Drop, SimResult, build_schedule, is_revival, rerun_ops, simulate_plan
-from ..units import format_bytes, format_cost
+from ..base.units import format_bytes, format_cost
+from ..plan.format import Offloaded, Partition, Plan, Recompute
+from ..problem.core import Problem
+from ..problem.offload import Offload, OffloadTiming
+from ..problem.optimizer.plan import describe as describe_optimizer
+from ..problem.optimizer.plan import recorded_problem, recorded_trace
+from ..problem.partition.core import find_span, partition_cost, partition_savings, random_draws
+from ..problem.partition.overhead import runtime_overhead_s
+from ..problem.partition.regions import checkpointed_modules, early_triggers, needed_ops, region_ops
+from ..problem.sharding.prefetch import describe as describe_prefetch
+from ..problem.sharding.reshard import describe as describe_reshard
+from ..simulate.allocator import AllocatorConfig, AllocatorResult, replay_schedule
+from ..simulate.core import Drop, SimResult, build_schedule, is_revival, rerun_ops, simulate_plan
+from ..trace.layout import layout
 
 
 @dataclass
@@ -123,13 +123,13 @@ def make_plan(problem: Problem, budget_bytes: int | None, method: str, dec: Deci
             "cost_unit": unit,
             "recompute_ops": sim.recompute_ops,
             "partition_compute": sim.partition_cost,
-            # The allocator model's verdict (taichi_plan/allocator.py): what a CUDA step reserves.
+            # The allocator model's verdict (taichi_plan/simulate/allocator.py): what a CUDA step reserves.
             "baseline_reserved_peak_bytes": base_al.reserved_peak_bytes,
             "planned_reserved_peak_bytes": planned_al.reserved_peak_bytes,
             "allocator": {"model": "cuda-caching", "baseline_allocated_peak_bytes": base_al.allocated_peak_bytes,
                           "planned_allocated_peak_bytes": planned_al.allocated_peak_bytes,
                           "planned_segments": planned_al.segments, **planned_al.config.to_dict()},
-            # The replay runtime's own bookkeeping (taichi_plan.overhead), and the two together:
+            # The replay runtime's own bookkeeping (taichi_plan.problem.partition.overhead), and the two together:
             # what the step is predicted to take longer.
             "runtime_overhead": overhead,
             "extra_time": None if overhead is None else sim.extra_cost + overhead,
@@ -265,7 +265,7 @@ def offloads_from_plan(problem: Problem, plan: Plan) -> list[Offload]:
 def plan_problem(problem: Problem, plan: Plan) -> Problem:
     """``problem`` with the plan's offload setting (v14 ``decisions.offload``), so that it
     simulates as the plan was solved."""
-    from ..offload import OffloadConfig, allow_offload
+    from ..problem.offload import OffloadConfig, allow_offload
 
     off = getattr(plan, "offload", None)
     if off is None:
