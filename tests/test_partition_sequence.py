@@ -7,11 +7,11 @@ dropout), with batch 1 (runs of the sequence) and batch 2 (runs crossing samples
 from __future__ import annotations
 
 import pytest
-from taichi_plan.problem.partition import core as partition
 
 from taichi_plan.base.errors import PlanError
 from taichi_plan.plan.format import Partition
 from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.partition import core as partition
 from taichi_plan.problem.partition.core import (
     allow_random,
     apply_partitions,

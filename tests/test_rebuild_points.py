@@ -261,8 +261,8 @@ def test_a_rebuilt_input_dies_with_its_nodes_apply(monkeypatch):
     released. The simulator held it to the trace's free: measured 512 B below the prediction
     (a DistilBERT at 60%, a GELU MLP). Now the same, to the byte."""
     from taichi_plan.plan.format import peak_from_schedule
-    from taichi_plan.simulate.core import build_schedule, simulate_plan
     from taichi_plan.simulate import core as simulate_module
+    from taichi_plan.simulate.core import build_schedule, simulate_plan
 
     problem, drops, plan, sim, planned, plain = _replay_drops("tiny_models:gelu_mlp", _made_by("aten.gelu.default"))
     assert planned["peak_bytes"] == plan.predicted["planned_peak_bytes"] == sim.peak_bytes
