@@ -28,8 +28,8 @@ def finish(model) -> None:
 
 def reshard_settings(plan) -> dict:
     """Each FSDP unit's ``reshard_after_forward`` as ``plan`` runs the job (FQN -> True, False
-    or an int), to pass to its ``fully_shard``; see :func:`taichi_plan.trace.layout.reshard_settings`."""
-    from .trace.layout import reshard_settings as _settings
+    or an int), to pass to its ``fully_shard``; see :func:`taichi_plan.plan.format.reshard_settings`."""
+    from .plan.format import reshard_settings as _settings
 
     return _settings(plan)
 

@@ -186,7 +186,7 @@ def test_rank_plan_rebuilds_only_while_parameters_are_gathered(gpt2_fsdp4, tmp_p
 
 def test_plan_refuses_another_layout(gpt2_fsdp4, tmp_path):
     from taichi_plan.base.errors import PlanError
-    from taichi_plan.plan.check import check_plan_against_trace
+    from taichi_plan.problem.fit import check_plan_against_trace
     from taichi_plan.solve import solve
 
     trace, _ = gpt2_fsdp4

@@ -171,13 +171,12 @@ def test_derived_plan_replays_on_four_gloo_ranks(int_trace, full_trace):
     the blocks with ``reshard_after_forward=2`` (FSDP2 takes an int only in ``fully_shard``; the
     root as recorded, which apply then sets), each measures the predicted peak, shards bitwise,
     with the plan's settings as the measured step ran."""
-    from taichi_plan.plan.format import save_plan
+    from taichi_plan.plan.format import reshard_settings, save_plan
     from taichi_plan.problem.core import build_problem
     from taichi_plan.problem.sharding.prefetch import movable, prefetch_problem
     from taichi_plan.problem.sharding.reshard import reshard_problem
     from taichi_plan.solve.heuristic import plan_heuristic
     from taichi_plan.solve.result import make_plan
-    from taichi_plan.trace.layout import reshard_settings
 
     d = int_trace[0]
     base = reshard_problem(build_problem(full_trace), {0: False, 1: 2, 2: 2})

@@ -1,5 +1,5 @@
-"""Checks that a plan file is whole and sane (``check_plan_json``) and that it fits the trace
-it names (``check_plan_against_trace``). No torch, no simulator.
+"""Checks that a plan file is whole and sane (``check_plan_json``); whether it fits the trace it
+names is :func:`taichi_plan.problem.fit.check_plan_against_trace`. No torch, no simulator.
 
 Every problem is a :class:`~taichi_plan.base.errors.PlanError` whose message names the field,
 what it holds, what it must hold and what to do. ``load_plan`` runs the first check; the
@@ -12,8 +12,6 @@ from __future__ import annotations
 import math
 
 from ..base.errors import PlanError
-from ..problem.optimizer.groups import COPY_ID_BASE
-from ..trace.layout import check_layout, layout
 
 STATUSES = ("optimal", "feasible", "infeasible", "not_solved")
 COST_UNITS = ("s", "units")
@@ -27,6 +25,7 @@ RANDOM_DRAWS = ("as-unpartitioned", "per-chunk")
 # Schedule ids of a partition's concatenation transients (partition.py makes them from
 # -10**12 down): no trace tensor stands behind them.
 PARTITION_TRANSIENT_IDS_FROM = -(10**12)
+COPY_ID_BASE = -4 * 10**12  # tensor ids of an optimizer group's own copy of a tensor shared by all groups
 _REMEDY = ("The file was edited or damaged: restore it, or solve the trace again with "
            "`taichi-plan solve TRACE --budget ...`.")
 
@@ -323,62 +322,3 @@ def _check_schedule(sched, where: str, n: int, kinds: tuple = EVENT_KINDS) -> No
                     raise PlanError(
                         f"{where}: {f} names {what} tensor {tid!r}, which schedule.nbytes does not list, "
                         f"so the schedule names a tensor that does not exist. {_REMEDY}")
-
-
-def check_plan_against_trace(plan, trace, where: str = "The plan") -> None:
-    """The plan's tensor ids, op ids and modules exist in ``trace`` and agree with it
-    (``plan`` is a :class:`~taichi_plan.plan.format.Plan`, ``trace`` a :class:`~taichi_plan.trace.format.Trace`)."""
-    at = f" {trace.path}" if trace.path is not None else ""
-    other = (f"The plan does not fit the trace at{at or ' hand'}: solve that trace again, or give the trace "
-             "the plan was solved for.")
-    n = len(trace.ops)
-    if plan.trace.get("num_ops") != n:
-        raise PlanError(f"{where}: field `trace.num_ops` is {plan.trace.get('num_ops')!r}, but the trace{at} "
-                        f"has {n} ops. {other}")
-    recorded = trace
-    if getattr(plan, "reshard", None):  # v5: ids are the step's with those units not resharding
-        from ..problem.sharding.reshard import view_of_choice
-
-        trace = view_of_choice(trace, {u["module"]: u["reshard_after_forward"] for u in plan.reshard["units"]})
-    if getattr(plan, "prefetch", None):  # v6: ids are the step's with those all-gathers issued so
-        from ..problem.sharding.prefetch import view_of_prefetch
-
-        trace = view_of_prefetch(trace, {ph: plan.prefetch[ph] for ph in ("forward", "backward")})
-    tids = trace.tensors["tensor_id"].tolist()
-    producer = dict(zip(tids, trace.tensors["producer_op"].tolist(), strict=True))
-    names = trace.ops["op"].tolist()
-    for i, r in enumerate(plan.recompute):
-        f = f"decisions.recompute[{i}]"
-        if r.tensor not in producer:
-            raise PlanError(f"{where}: {f} drops tensor {r.tensor}, which the trace{at} does not have. {other}")
-        if producer[r.tensor] != r.op:
-            raise PlanError(f"{where}: {f} says tensor {r.tensor} is made by op {r.op}, but in the trace{at} "
-                            f"op {producer[r.tensor]} makes it. {other}")
-        if names[r.op] != r.op_name:
-            raise PlanError(f"{where}: {f} names op {r.op} {r.op_name!r}, but in the trace{at} it is "
-                            f"{names[r.op]!r}. {other}")
-    for i, o in enumerate(getattr(plan, "offloads", ())):
-        f = f"decisions.offload.tensors[{i}]"
-        if o.tensor not in producer:
-            raise PlanError(f"{where}: {f} offloads tensor {o.tensor}, which the trace{at} does not have. {other}")
-        if producer[o.tensor] != o.op or names[o.op] != o.op_name:
-            raise PlanError(f"{where}: {f} says tensor {o.tensor} is made by op {o.op} {o.op_name!r}, but in the "
-                            f"trace{at} op {producer[o.tensor]} {names[producer[o.tensor]]!r} makes it. {other}")
-    check_layout(plan.trace.get("layout"), layout(recorded.meta), where)
-    modules = set(trace.ops["module"].tolist())
-    for i, q in enumerate(plan.partitions):
-        if not any(m == q.module or m.startswith(q.module + ".") for m in modules):
-            raise PlanError(f"{where}: decisions.partitions[{i}] partitions module {q.module!r}, which no op "
-                            f"of the trace{at} runs in. {other}")
-    if plan.schedule:
-        known = set(tids)
-        for k in plan.schedule["nbytes"]:
-            tid = int(k)
-            if plan.partitions and tid <= PARTITION_TRANSIENT_IDS_FROM:
-                continue
-            if getattr(plan, "optimizer", None) and tid <= COPY_ID_BASE:
-                continue  # a group's own copy of a tensor the optimizer step makes once per group
-            base = tid if tid >= 0 else -1 - tid
-            if base not in known:
-                raise PlanError(f"{where}: schedule.nbytes lists tensor {tid}, which the trace{at} does not "
-                                f"have{' (a partitioned copy of ' + str(base) + ')' if tid < 0 else ''}. {other}")

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from ..base.atomic import check_output, write_json_atomic
 from ..base.errors import PlanError
+from ..trace.layout import planned_layout
 from .check import STATUSES, check_plan_json
 
 FORMAT_VERSION = 14
@@ -266,3 +267,16 @@ def peak_from_schedule(schedule: dict) -> tuple[int, int]:
             peak, where = live, i
         live -= sum(nb[t] for t in frees)
     return peak, where
+
+
+def reshard_settings(plan) -> dict:
+    """Each FSDP unit's ``reshard_after_forward`` as a plan (a path or Plan) runs the job:
+    FQN (``""`` the root) -> True, False, or an int; empty for a plan of one process or of DDP.
+    Pass each to the unit's ``fully_shard``: FSDP2 takes an int (reshard to a smaller mesh after
+    forward, ``decisions.reshard_after_forward``, plan v13) only there, and ``apply`` refuses a
+    model sharded otherwise; the bools it sets itself."""
+    p = plan if isinstance(plan, Plan) else load_plan(plan)
+    lay = planned_layout(p.trace.get("layout"), p.reshard)
+    if lay is None or lay.get("ddp") is not None:
+        return {}
+    return {m: r for m, r in lay["units"]}

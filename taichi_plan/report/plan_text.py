@@ -19,9 +19,9 @@ from pathlib import Path
 
 from ..base.errors import PlanError, TraceError, UsageError
 from ..base.units import format_bytes
-from ..plan.check import check_plan_against_trace
 from ..plan.format import Plan, load_plan, peak_from_schedule
 from ..problem.core import Problem
+from ..problem.fit import check_plan_against_trace
 from ..problem.optimizer.plan import problem_for_plan
 from ..simulate.core import SimResult
 from ..trace.format import Trace, read_trace

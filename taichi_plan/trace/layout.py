@@ -137,21 +137,6 @@ def incarnations(meta: dict) -> list[list[int]]:
     return [list(map(int, rows)) for rows in (f or {}).get("incarnations", [])]
 
 
-def reshard_settings(plan) -> dict:
-    """Each FSDP unit's ``reshard_after_forward`` as a plan (a path or Plan) runs the job:
-    FQN (``""`` the root) -> True, False, or an int; empty for a plan of one process or of DDP.
-    Pass each to the unit's ``fully_shard``: FSDP2 takes an int (reshard to a smaller mesh after
-    forward, ``decisions.reshard_after_forward``, plan v13) only there, and ``apply`` refuses a
-    model sharded otherwise; the bools it sets itself."""
-    from ..plan.format import Plan, load_plan
-
-    p = plan if isinstance(plan, Plan) else load_plan(plan)
-    lay = planned_layout(p.trace.get("layout"), p.reshard)
-    if lay is None or lay.get("ddp") is not None:
-        return {}
-    return {m: r for m, r in lay["units"]}
-
-
 def planned_layout(recorded: dict | None, reshard: dict | None) -> dict | None:
     """The layout a plan runs the job in: the recorded one (``trace.layout``) with each unit's
     ``reshard_after_forward`` as the plan sets it (``decisions.reshard_after_forward``, v5)."""
