@@ -14,7 +14,7 @@ TIME_LIMIT = 30.0
 def run(time_limit: float = TIME_LIMIT, fractions=FRACTIONS, workloads=None, say=None) -> list[dict]:
     """One row per (trace, budget, bound phase on/off)."""
     import taichi_plan.solve as solve_mod
-    from benchmarks.run import RECORDED
+    from benchmarks.common import RECORDED
     from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.problem.core import build_problem
     from taichi_plan.record import get_workload, record_workload

@@ -40,7 +40,7 @@ def block_ops(trace, blocks: list[str]) -> dict[str, list[int]]:
     """Per block: the op ids of its forward in the first grad-enabled model call, counted ops
     only, in order (what a selective-checkpoint policy of that block is called on)."""
     from taichi_plan.problem.core import grad_model_calls
-    from taichi_plan.replay import counted_ops
+    from taichi_plan.runtime.calls import counted_ops
 
     call = grad_model_calls(trace.meta)[0]
     counted = counted_ops(trace)
@@ -100,7 +100,7 @@ def sac_workload(workload, trace, plan, mismatches: list[str]):
     returns it and the number of the plan's drops outside every block."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    from benchmarks.bench_replay import _no_cache, find_blocks
+    from benchmarks.bench_replay import find_blocks, without_cache
 
     model0, *_ = workload.build(False)
     blocks = find_blocks(model0)
@@ -130,7 +130,7 @@ def sac_workload(workload, trace, plan, mismatches: list[str]):
             forward = module.forward
 
             def checkpointed(*args, _forward=forward, _ops=by_block[b], **kwargs):
-                args, kwargs = _no_cache(args, kwargs)
+                args, kwargs = without_cache(args, kwargs)
                 ctx = functools.partial(create_selective_checkpoint_contexts,
                                         plan_policy(_ops, names, saved - dropped - mutated, mismatches))
                 return checkpoint(_forward, *args, use_reentrant=False, context_fn=ctx, **kwargs)
@@ -148,8 +148,8 @@ def main(models: list[str], reps: int, frac: float) -> None:
     from benchmarks.bench_replay import MODELS
     from taichi_plan.plan.format import save_plan
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay import plan_and_trace
     from taichi_plan.replay.measure import MeasuredRun
+    from taichi_plan.runtime.calls import plan_and_trace
     from taichi_plan.solve import solve
     from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
 

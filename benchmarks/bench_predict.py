@@ -33,7 +33,7 @@ def _minflt() -> int:
 
 def phased(run) -> dict:
     """One step of a MeasuredRun, its phases timed in CPU time."""
-    from taichi_plan.record.api import call_model
+    from taichi_plan.torch_common.step import call_model
 
     run.optimizer.zero_grad(set_to_none=run.loop.set_to_none)
     if run.rt is not None:
@@ -67,7 +67,7 @@ def partition_plans(trace, chunks=(1, 2, 4)) -> dict:
         partitionable_spans,
         random_draws,
     )
-    from taichi_plan.replay import counted_ops
+    from taichi_plan.runtime.calls import counted_ops
     from taichi_plan.solve.result import Decisions, make_plan
 
     problem = allow_random(build_problem(trace), True)
@@ -92,12 +92,12 @@ def main(models: list[str], reps: int, partitions: bool = False) -> list[dict]:
     import torch
     import transformers  # noqa: F401  (import cost is nobody's)
 
-    import taichi_plan.replay.runtime as runtime
+    import taichi_plan.runtime.mode as runtime
     from benchmarks.bench_replay import MODELS
     from taichi_plan.plan.format import save_plan
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay import plan_and_trace
     from taichi_plan.replay.measure import MeasuredRun
+    from taichi_plan.runtime.calls import plan_and_trace
     from taichi_plan.solve import solve
     from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
 

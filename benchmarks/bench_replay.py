@@ -133,7 +133,7 @@ def matmul_policy(ctx, func, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def _no_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+def without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """What ``transformers``' own gradient checkpointing does (``GradientCheckpointingLayer``):
     no KV cache inside a checkpointed block (``use_cache=False``, any ``Cache`` argument, given by
     position or by name, ``None``), or the recompute would update the cache a second time."""
@@ -168,7 +168,7 @@ def wrap_blocks(model, method: str, select: str | None = None) -> list[str]:
         forward = module.forward  # the bound original
 
         def checkpointed(*args, _forward=forward, **kwargs):
-            args, kwargs = _no_cache(args, kwargs)
+            args, kwargs = without_cache(args, kwargs)
             return checkpoint(_forward, *args, use_reentrant=False, **extra, **kwargs)
 
         module.forward = checkpointed
@@ -287,7 +287,7 @@ def solve_and_save(trace, budget: int, tmp: Path, tag: str, time_limit: float):
     Returns (plan, trace, info); plan is None when the budget is infeasible."""
     from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.plan.format import save_plan
-    from taichi_plan.replay import plan_and_trace
+    from taichi_plan.runtime.calls import plan_and_trace
     from taichi_plan.solve import solve
 
     t0 = time.perf_counter()
@@ -569,7 +569,7 @@ def _run_isolated(label: str, spec: BenchModel, reps: int, time_limit: float, th
 
 def _machine() -> str:
     try:
-        from benchmarks.run import machine
+        from benchmarks.common import machine
 
         return machine()
     except Exception:  # noqa: BLE001  (the run helper may be mid-edit; versions still help)

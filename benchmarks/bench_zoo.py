@@ -178,7 +178,7 @@ def _check_kind(check: str) -> str:
 
 def run(archs=None, fractions=FRACTIONS, looped=LOOPED, progress=lambda msg: None) -> dict:
     """Every architecture at each fraction, then the looped ones at the first; one thread."""
-    from taichi_plan.record.loop import Loop
+    from taichi_plan.torch_common.loop import Loop
 
     old = torch.get_num_threads()
     torch.set_num_threads(1)

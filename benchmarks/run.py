@@ -7,10 +7,7 @@ solver's proven lower bound. Nothing here is part of ``make test``.
 
 from __future__ import annotations
 
-import datetime as dt
 import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,42 +27,19 @@ from benchmarks import (
     bench_zoo,
     gpu_check,
 )
+from benchmarks.common import RECORDED, machine
 from taichi_plan.base.atomic import write_text_atomic
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 REPLAY_JSON = OUT.with_name("bench_replay.json")
 TIME_LIMIT = float(os.environ.get("BENCH_TIME_LIMIT", "30"))
 
-RECORDED = [  # (label, model, flags) recorded with --fake on the a100-40gb profile
-    ("GPT-2 small b8 s1024", "gpt2", {"batch": 8, "seq": 1024}),
-    ("BERT-base b8 s512", "bert", {"batch": 8, "seq": 512}),
-    ("Llama 8L h1024 b4 s1024", "llama", {}),
-    ("ResNet-50 b32 224", "resnet50", {"batch": 32}),
-    ("ViT-base b32 224", "vit", {"batch": 32}),
-]
 RECORDED_TIME_LIMIT = float(os.environ.get("BENCH_RECORDED_TIME_LIMIT", "20"))
 SIZES = [  # solve time against trace size: GPT-2 configs of growing depth (fake)
     ("GPT-2 2 layers", {"batch": 8, "seq": 512, "layers": 2}),
     ("GPT-2 XL 48 layers", {"batch": 8, "seq": 1024, "layers": 48, "hidden": 1600, "heads": 25}),
     ("GPT-2 320 layers h256", {"batch": 8, "seq": 256, "layers": 320, "hidden": 256, "heads": 4}),
 ]
-
-
-def machine() -> str:
-    import ortools
-    import torch
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    return (f"{dt.date.today().isoformat()}, commit {commit or '?'}, {os.cpu_count()} cores ({cpu}), "
-            f"Python {platform.python_version()}, torch {torch.__version__}, OR-Tools {ortools.__version__}")
 
 
 def fmt(x, p=4):

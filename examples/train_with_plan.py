@@ -19,7 +19,7 @@ import torch
 
 import taichi_plan
 from taichi_plan.record import get_workload
-from taichi_plan.replay import plan_and_trace
+from taichi_plan.runtime.calls import plan_and_trace
 
 
 def main(argv: list[str] | None = None) -> list[float]:

@@ -37,9 +37,9 @@ def reshard_settings(plan) -> dict:
 def chunked_cross_entropy(hidden, head, labels, chunks: int = 8, **kwargs):
     """``F.cross_entropy(head(hidden).reshape(-1, V), labels.reshape(-1))`` computed ``chunks``
     rows of tokens at a time, so the full logits and their gradient never exist; for code that
-    computes its own loss. See :func:`taichi_plan.replay.chunked_loss.chunked_cross_entropy`.
+    computes its own loss. See :func:`taichi_plan.runtime.chunked_loss.chunked_cross_entropy`.
     Imports torch."""
-    from .replay.chunked_loss import chunked_cross_entropy as _chunked
+    from .runtime.chunked_loss import chunked_cross_entropy as _chunked
 
     return _chunked(hidden, head, labels, chunks, **kwargs)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from taichi_plan.replay.runtime import PlanRuntime
+from taichi_plan.runtime.mode import PlanRuntime
 
 
 def count_dispatches(monkeypatch) -> list:

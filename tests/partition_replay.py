@@ -23,11 +23,11 @@ def recorded(directory, **sizes):
 def innermost_with_outputs(p):
     """The innermost modules (along the batch) that may be checkpointed whole and have outputs
     a plan may then drop (``partition.whole_outputs``), as the trace finds them."""
-    from taichi_plan.problem.partition.core import _under, module_spans, whole_outputs
+    from taichi_plan.problem.partition.core import is_under, module_spans, whole_outputs
 
     spans = module_spans(p)
     return [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
-            and not any(o is not s and _under(o.module, s.module) for o in spans)]
+            and not any(o is not s and is_under(o.module, s.module) for o in spans)]
 
 
 def whole_output_drops(p, spans, every=True):

@@ -14,7 +14,7 @@ from pathlib import Path
 from click.testing import CliRunner
 
 from taichi_plan.cli import main
-from taichi_plan.replay.distributed import free_port
+from taichi_plan.torch_common.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 

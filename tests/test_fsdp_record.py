@@ -204,7 +204,7 @@ def test_maxbatch_records_rank_zero_of_the_sharded_job():
 
     from taichi_plan.cli import main
     from taichi_plan.explore.maxbatch import fake_recorder
-    from taichi_plan.record.fsdp import mixed_precision
+    from taichi_plan.torch_common.fsdp import mixed_precision
 
     sizes = dict(layers=2, hidden=64, heads=4, vocab=500, seq=128, dtype="fp32", optimizer="adamw")
     sharded = fake_recorder("gpt2", fsdp=4, **sizes)(2)

@@ -50,10 +50,11 @@ def test_ranks_take_the_callers_environment_of_the_moment(fsdp2_plan, monkeypatc
     takes the caller's as it is at the call (multiprocessing already gives it the caller's
     directory and sys.path), as a new process would: gloo set to a network interface that does
     not exist after the server is up makes the ranks fail, with gloo's own words."""
-    from taichi_plan.replay.distributed import replay_sharded, spawn_ranks
+    from taichi_plan.replay.distributed import replay_sharded
+    from taichi_plan.torch_common.processes import spawn_ranks
 
     with pytest.raises(PlanError):  # the server is up (started here, or by an earlier test)
-        spawn_ranks(2, "replay_rank", {"no_such_argument": 1}, timeout_s=120)
+        spawn_ranks(2, "taichi_plan.replay.distributed:replay_rank", {"no_such_argument": 1}, timeout_s=120)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "no_such_if0")
     with pytest.raises(PlanError, match="no_such_if0"):
         replay_sharded(fsdp2_plan, 2, steps=1)
@@ -72,10 +73,10 @@ def test_a_rank_that_dies_is_reported_with_its_output():
     """A rank that fails before it reports (here: a job its function cannot take) ends the run
     with a sentence naming the rank and the last lines it printed (each rank's output goes to
     a log beside the job: the ranks are forked by a forkserver, not piped)."""
-    from taichi_plan.replay.distributed import spawn_ranks
+    from taichi_plan.torch_common.processes import spawn_ranks
 
     with pytest.raises(PlanError, match=r"(?s)Rank \d of the 2-rank run exited with code 1 before reporting.*TypeError"):
-        spawn_ranks(2, "replay_rank", {"no_such_argument": 1}, timeout_s=120)
+        spawn_ranks(2, "taichi_plan.replay.distributed:replay_rank", {"no_such_argument": 1}, timeout_s=120)
 
 
 def test_sharded_plan_refused_where_the_layout_differs(fsdp2_plan):

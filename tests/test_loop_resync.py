@@ -268,7 +268,7 @@ def test_a_copy_runs_its_own_modules_not_the_originals_planned_forwards():
     # A module split into chunks, and a head split over tokens, have their forward replaced
     # while planned; a copy made then gets its own modules' forwards back.
     from taichi_plan.plan.format import Partition
-    from taichi_plan.replay.partition import install_partitions
+    from taichi_plan.runtime.partition import install_partitions
 
     x = batches(1)[0]
     model = mlp(0, layers=3)

@@ -21,7 +21,7 @@ import taichi_plan
 from taichi_plan.base.errors import InfeasibleBudgetError, MismatchError
 from taichi_plan.problem.core import build_problem
 from taichi_plan.record import Loop, get_workload, record
-from taichi_plan.replay import recipe_ops
+from taichi_plan.runtime.calls import recipe_ops
 from taichi_plan.simulate.core import Drop
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import Decisions, make_plan

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taichi_plan.problem.partition.core import _under, ops_under
+from taichi_plan.problem.partition.core import is_under, ops_under
 
 
 def test_ops_under_equals_prefix_matching_of_every_op():
@@ -14,7 +14,7 @@ def test_ops_under_equals_prefix_matching_of_every_op():
     fqns = {".".join(n.split(".")[:i]) for n in names if n for i in range(1, len(n.split(".")) + 1)}
     assert set(got) == fqns
     for m in fqns:
-        want = np.array([i for i, x in enumerate(names) if _under(x, m)])
+        want = np.array([i for i, x in enumerate(names) if is_under(x, m)])
         assert got[m].tolist() == want.tolist(), m
     # FQNs are matched by prefix + ".", never as substrings
     assert got["a"].tolist() == [1, 2, 3, 5, 6, 8, 10, 11]  # not "ab"

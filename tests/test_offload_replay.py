@@ -10,7 +10,7 @@ from live_peak import train_entry
 from taichi_plan.problem.core import build_problem
 from taichi_plan.problem.offload import OffloadConfig
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.replay import counted_ops
+from taichi_plan.runtime.calls import counted_ops
 from taichi_plan.solve import solve
 
 ENTRY = "tiny_models:sdpa_blocks"  # two attention blocks with dropout (random ops replayed too)

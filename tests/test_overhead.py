@@ -18,12 +18,12 @@ from taichi_plan.problem.partition.regions import (
     region_ops,
 )
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.record.recorder import op_clock
-from taichi_plan.replay import call_ops
-from taichi_plan.replay.runtime import IGNORED_OPS, CallPlan, PlanRuntime
+from taichi_plan.runtime.calls import call_ops
+from taichi_plan.runtime.mode import CallPlan, PlanRuntime
 from taichi_plan.simulate.core import rerun_ops, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
+from taichi_plan.torch_common.ops import IGNORED_OPS, op_clock
 
 GPT2 = dict(model="gpt2", layers=2, hidden=64, heads=2, vocab=256, seq=64, batch=4)
 
@@ -222,7 +222,7 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
     """What ``rebuild_op_s`` is measured on: every storage of the call rebuilt from its recipe
     after the backward (its inputs gone), each op re-run exactly once (inputs held until their
     last reader), values as the forward's."""
-    from taichi_plan.replay.calibrate import _rebuild_all
+    from taichi_plan.runtime.calibrate import _rebuild_all
 
     model, batch, _loss_fn, _opt = get_workload(**GPT2).build(False)
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
@@ -309,10 +309,10 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
     (never a container such as a ModuleList, which is never called), disjoint; checkpointed
     whole, each runs its forward once in the forward and once more in backward; split into K,
     K times each; the call's ops still match the trace."""
-    from taichi_plan import replay
     from taichi_plan.problem.partition.core import partitionable_spans
-    from taichi_plan.replay.calibrate import _partition_probes
-    from taichi_plan.replay.partition import install_partitions
+    from taichi_plan.runtime.calibrate import _partition_probes
+    from taichi_plan.runtime.install import install
+    from taichi_plan.runtime.partition import install_partitions
 
     cal = gpt2.meta["runtime_overhead"]
     assert cal["checkpoint_op_s"] >= 0 and cal["chunk_op_s"] >= 0
@@ -340,7 +340,7 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
 
             sub.forward = counted
         rt = PlanRuntime([cp])
-        handles = replay.install(model, rt)
+        handles = install(model, rt)
         undo = install_partitions(model, parts, rt)
         try:
             out = model(**batch)
@@ -409,7 +409,7 @@ def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2)
 
     from taichi_plan.problem.partition.core import partition_cost
     from taichi_plan.problem.partition.token_span import cost_terms
-    from taichi_plan.replay.calibrate import _span_rates
+    from taichi_plan.runtime.calibrate import _span_rates
 
     problem = build_problem(gpt2)
     span = _token_span(problem)
@@ -439,7 +439,7 @@ def test_the_span_clock_times_the_head_and_loss_stretches_only():
     to the end of the loss, and from the start of the backward to the head input's gradient."""
     import torch
 
-    from taichi_plan.replay.calibrate import _SpanClock
+    from taichi_plan.runtime.calibrate import _SpanClock
 
     ticks = iter(range(1, 100))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -461,10 +461,10 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
     """A real recording times the model's own head + loss split into each of its chunk choices
     up to 32 over tokens: each probe runs the head's logits chunk by chunk (k chunks in forward,
     with the gradients; none again in backward), with the call's ops still matching the trace."""
-    from taichi_plan import replay
-    from taichi_plan.replay import chunked_loss
-    from taichi_plan.replay.calibrate import _span_probes
-    from taichi_plan.replay.partition import install_partitions
+    from taichi_plan.runtime import chunked_loss
+    from taichi_plan.runtime.calibrate import _span_probes
+    from taichi_plan.runtime.install import install
+    from taichi_plan.runtime.partition import install_partitions
 
     cal = gpt2.meta["runtime_overhead"]["span_costs"]["tokens"]
     assert cal["module"] == "lm_head" and cal["chunks"] == [2, 4, 8, 16, 32] and len(cal["extra_s"]) == 5
@@ -486,7 +486,7 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
         assert cp.tokens == {"lm_head": k} and cp.probe
         logits_runs[0] = 0
         rt = PlanRuntime([cp])
-        handles = replay.install(model, rt)
+        handles = install(model, rt)
         undo = install_partitions(model, parts, rt)
         try:
             out = model(**batch)
@@ -505,7 +505,7 @@ def test_per_op_terms_are_never_below_the_bookkeeping_alone():
     """Noise in a model's forward (a loaded machine, a model of large ops) may make a
     measured per-op term fall below what one-element additions time: the term is raised to
     it, and keeping a recipe never costs less than checking; the measured values are kept."""
-    from taichi_plan.replay.calibrate import floored
+    from taichi_plan.runtime.calibrate import floored
 
     micro = {"check_op_s": 5e-6, "recipe_op_s": 8e-6, "rebuild_op_s": 3e-6}
     low = floored({"check_op_s": 1e-6, "recipe_op_s": -2e-6, "rebuild_op_s": -1e-6, "ops": 10}, micro)
@@ -522,7 +522,7 @@ def test_every_variant_is_warmed_up_once_before_the_timed_rounds(monkeypatch):
     run of a probe counts: its one-time costs are paid), then ``repeats`` timed runs of each,
     each round starting one variant later; without the warm-up (the test suite), the rounds
     only; the rounds stop before one that would pass the budget."""
-    from taichi_plan.replay import calibrate
+    from taichi_plan.runtime import calibrate
 
     def rounds(repeats=3, budget=1e9, ran=None, warm_up=True):
         monkeypatch.setattr(calibrate, "WARM_UP", warm_up)
@@ -552,8 +552,8 @@ def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
     runs it (each drop packed as a handle in forward, rebuilt in backward, the call's ops
     matching the trace), and charges each drop what the step took beyond the simulator and
     the other terms: ``modelled + drops x drop_s == measured`` whenever that is above 0."""
-    from taichi_plan import replay
-    from taichi_plan.replay.calibrate import _drop_probe, _drop_rate
+    from taichi_plan.runtime.calibrate import _drop_probe, _drop_rate
+    from taichi_plan.runtime.install import install
 
     cal = gpt2.meta["runtime_overhead"]
     assert cal["drop_s"] >= 0 and cal["drop_probe"]["drops"] > 0
@@ -564,7 +564,7 @@ def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
     assert all(call["start"] <= int(problem.producer[d.tensor]) <= call["end"] for d in drops)
     model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
     rt = PlanRuntime([cp])
-    handles = replay.install(model, rt)
+    handles = install(model, rt)
     try:
         out = model(**batch)
         assert rt.dropped_storages == len(drops) and rt.recompute_ops == 0
@@ -588,9 +588,9 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
     module call of the model call and every planned region of the probe."""
     from dataclasses import replace
 
-    from taichi_plan import replay
     from taichi_plan.problem.partition.regions import module_calls_per_call
-    from taichi_plan.replay.calibrate import _drop_probe, _own_clocked
+    from taichi_plan.runtime.calibrate import _drop_probe, _own_clocked
+    from taichi_plan.runtime.install import install
 
     cal = gpt2.meta["runtime_overhead"]
     assert cal["module_call_s"] > 0 and cal["region_s"] >= 0
@@ -606,7 +606,7 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
     for name, plan in (("hooks", replace(cp, drops={}, group_of={}, triggers={}, regions={}, probe=True)),
                        ("kept", replace(cp, drops={}, group_of={}, probe=True))):
         rt = _own_clocked()([plan])
-        handles = replay.install(model, rt)
+        handles = install(model, rt)
         try:
             model(**batch)
         finally:
@@ -622,7 +622,7 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
 
 
 def test_hook_rates():
-    from taichi_plan.replay.calibrate import _hook_rates
+    from taichi_plan.runtime.calibrate import _hook_rates
 
     hooks = [(0, 0, 0, 0, 50 * 10e-6, 50, 0)] * 3
     kept = [(0, 0, 0, 0, 50 * 10e-6 + 4 * 20e-6, 50, 4)] * 3
@@ -638,7 +638,7 @@ def test_module_calls_cost_what_the_hooks_cost_them_whole():
     """Trace v20: ``module_call_s`` is what the module hooks alone cost the forward and backward
     per module call, unclocked, against the call plain (paired per repetition, median), not
     their own seconds; never below those; from 5 repetitions."""
-    from taichi_plan.replay.calibrate import REGION_MIN_REPEATS, _hook_rates
+    from taichi_plan.runtime.calibrate import REGION_MIN_REPEATS, _hook_rates
 
     hooks = [(0, 0, 0, 0, 50 * 10e-6, 50, 0)] * 5  # own: 10 us per call
     plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3), (0.100, 0.3), (0.100, 0.3)]
@@ -661,7 +661,7 @@ def test_region_outside():
     """Trace v19: what the regions cost the forward beyond the runtime's own seconds, per op of
     the probe's regions (the unclocked run against plain, forward seconds paired per repetition,
     minus the clocked run's handler and hook seconds); not below 0; nothing without the runs."""
-    from taichi_plan.replay.calibrate import _region_outside
+    from taichi_plan.runtime.calibrate import _region_outside
 
     kept = [(0, 0, 3e-3, 0, 1e-3, 50, 10)] * 5  # own: 3 ms in the handler, 1 ms in the hooks
     plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3), (0.100, 0.3), (0.100, 0.3)]
@@ -721,7 +721,7 @@ def test_region_variants_are_topped_up_to_the_repetitions_their_term_needs():
     """The budget's rounds run every variant; the region variants then run alone, interleaved,
     until each has ``least`` repetitions (a model whose rounds fit 4 times in the budget would
     otherwise charge no ``region_op_s``); nothing runs where they have that many."""
-    from taichi_plan.replay import calibrate
+    from taichi_plan.runtime import calibrate
 
     runs = []
 
@@ -750,8 +750,8 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
 
     from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.record import record
-    from taichi_plan.replay import calibrate
-    from taichi_plan.replay.calibrate import _drop_probe
+    from taichi_plan.runtime import calibrate
+    from taichi_plan.runtime.calibrate import _drop_probe
 
     class Top(nn.Module):
         def __init__(self):
@@ -778,7 +778,7 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
     # what the heuristic alone would have run: a drop made at the top level, over the whole call
     from dataclasses import replace
 
-    from taichi_plan.replay import call_plans
+    from taichi_plan.runtime.calls import call_plans
     from taichi_plan.solve import solve
 
     bare = replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})

@@ -68,7 +68,7 @@ def test_under_autocast_linears_split_and_replay_as_predicted(tmp_path, micro_ba
     whole, with gradient accumulation or not: measured == predicted to the byte; gradients
     within the stated bf16 tolerance (not allclose at float32's: the sums round in bf16)."""
     from taichi_plan.problem.partition.core import casts_parameter
-    from taichi_plan.record.loop import Loop
+    from taichi_plan.torch_common.loop import Loop
 
     # the README's tiny-gpt2-accum shape: its peak is in a backward where the casts matter
     accum = dict(SIZES, hidden=128, heads=4, vocab=1000, seq=64)

@@ -156,7 +156,7 @@ def test_the_planner_reaches_as_low_with_sequence_partitions(llama_b1, monkeypat
 
 
 def _autocast_traced(tmp_path, model: str, micro_batches: int):
-    from taichi_plan.record.loop import Loop
+    from taichi_plan.torch_common.loop import Loop
 
     trace = record_workload(get_workload(model=model, seq=48, batch=1, **TINY), fake=False,
                             loop=Loop(autocast="bf16", micro_batches=micro_batches), calibrate=False)

@@ -53,8 +53,8 @@ def _replays_early_drops_at_their_triggers(entry: str, pick) -> None:
     recording of ``entry``; the plan needs a trigger, and replays bitwise, re-running the
     predicted ops, at its predicted peak."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay import call_plans, rebuild_groups
     from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.runtime.calls import call_plans, rebuild_groups
     from taichi_plan.simulate.core import Drop
 
     trace = record_workload(get_workload(entry=entry), fake=False, calibrate=False)

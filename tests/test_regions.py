@@ -16,7 +16,7 @@ import taichi_plan
 from taichi_plan.problem.core import build_problem
 from taichi_plan.problem.partition.regions import early_triggers, needed_ops, planned_regions
 from taichi_plan.record import get_workload, record
-from taichi_plan.replay import call_plans
+from taichi_plan.runtime.calls import call_plans
 from taichi_plan.simulate.core import rerun_ops, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan
@@ -115,8 +115,8 @@ def test_a_region_inside_a_module_checkpointed_whole_is_the_module(tmp_path):
 
     from taichi_plan.plan.format import save_plan
     from taichi_plan.problem.partition.core import as_partition, module_spans
-    from taichi_plan.replay import runtime
     from taichi_plan.replay.measure import replay
+    from taichi_plan.runtime import mode as runtime
     from taichi_plan.solve.result import Decisions, make_plan
 
     d, p = recorded(tmp_path / "t", entry="tiny_models:chained_blocks")
@@ -155,8 +155,8 @@ def test_random_plans_measure_the_same_in_regions_as_over_the_whole_call(tmp_pat
         partitionable_spans,
         whole_outputs,
     )
-    from taichi_plan.replay import runtime
     from taichi_plan.replay.measure import replay
+    from taichi_plan.runtime import mode as runtime
     from taichi_plan.simulate.core import Drop
     from taichi_plan.solve.result import Decisions, make_plan
 

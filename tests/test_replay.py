@@ -108,8 +108,8 @@ def test_memtracker_failing_on_a_step_that_runs_without_it_blames_memtracker():
     from torch import nn
 
     from taichi_plan.base.errors import WorkloadError
-    from taichi_plan.record.loop import Loop
     from taichi_plan.replay.measure import _memtracker_peak
+    from taichi_plan.torch_common.loop import Loop
 
     class Net(nn.Module):
         def __init__(self):

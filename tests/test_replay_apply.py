@@ -17,8 +17,8 @@ from taichi_plan.cli import main
 from taichi_plan.plan.format import Partition, load_plan, save_plan
 from taichi_plan.problem.core import build_problem
 from taichi_plan.record import get_workload
-from taichi_plan.replay import plan_and_trace
 from taichi_plan.replay.measure import replay
+from taichi_plan.runtime.calls import plan_and_trace
 from taichi_plan.solve.result import Decisions, make_plan
 
 

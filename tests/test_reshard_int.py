@@ -68,7 +68,8 @@ def test_view_equals_a_recording_under_mixed_precision():
 
     from taichi_plan.problem.sharding.reshard import smaller_mesh_view
     from taichi_plan.record import get_workload
-    from taichi_plan.record.fsdp import mixed_precision, record_fsdp_workload
+    from taichi_plan.record.fsdp import record_fsdp_workload
+    from taichi_plan.torch_common.fsdp import mixed_precision
 
     w = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=64, batch=2)
     mp = mixed_precision("bf16", "fp32")
@@ -213,13 +214,8 @@ def test_apply_refuses_an_int_the_model_was_not_sharded_with():
 
     from taichi_plan.base.errors import PlanError
     from taichi_plan.record import get_workload
-    from taichi_plan.record.fsdp import (
-        _group,
-        _reshard_of,
-        fake_process_group,
-        set_reshard,
-        shard_model,
-    )
+    from taichi_plan.record.fsdp import fake_process_group, shard_model
+    from taichi_plan.torch_common.fsdp import param_group, reshard_of, set_reshard
 
     w = get_workload(model="gpt2", layers=2, hidden=64, heads=4, vocab=500, seq=16, batch=1)
     with fake_process_group(4) as mesh, FakeTensorMode():
@@ -228,11 +224,11 @@ def test_apply_refuses_an_int_the_model_was_not_sharded_with():
         with pytest.raises(PlanError, match=r"transformer.h.0 to 2 ranks.*reshard_after_forward=2"):
             set_reshard(model, {"transformer.h.0": 2})
         set_reshard(model, {"transformer.h.1": 2})()  # as sharded: accepted
-        h1 = _group(model.transformer.h[1])
+        h1 = param_group(model.transformer.h[1])
         undo = set_reshard(model, {"transformer.h.1": False})
-        assert _reshard_of(h1) is False
+        assert reshard_of(h1) is False
         undo()
-        assert _reshard_of(h1) == 2
+        assert reshard_of(h1) == 2
 
 
 def test_a_model_is_accepted_with_bools_as_recorded_or_planned_and_ints_as_planned():

@@ -1,4 +1,4 @@
-"""The runtime's own flattening of an op's arguments and results (taichi_plan/replay/runtime.py:
+"""The runtime's own flattening of an op's arguments and results (taichi_plan/runtime/mode.py:
 ``_flatten``, ``_unflatten``, ``_out_leaves``) gives back what pytree's does, for the shapes aten
 ops take and for the ones it hands to pytree (nested lists, dicts, tuple subclasses)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from taichi_plan.replay.runtime import _FlatSpec, _flatten, _out_leaves, _unflatten
+from taichi_plan.runtime.mode import _FlatSpec, _flatten, _out_leaves, _unflatten
 
 T = torch.ones(2)
 

@@ -24,8 +24,8 @@ from taichi_plan.problem.core import build_problem
 from taichi_plan.problem.partition.core import floor_bytes
 from taichi_plan.problem.partition.token_span import token_spans
 from taichi_plan.record import get_workload, record, record_workload
-from taichi_plan.replay.chunked_loss import LazyLogits, chunked_cross_entropy
 from taichi_plan.replay.measure import replay
+from taichi_plan.runtime.chunked_loss import LazyLogits, chunked_cross_entropy
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace.format import write_trace
@@ -85,7 +85,7 @@ def test_the_fused_pass_computes_the_gradients_once_and_survives_the_loops_aroun
     makes no logits); the incoming gradient scales them (a loss divided for accumulation, a
     second loss added); a second backward through a retained graph makes them again and
     gives the same; under no_grad no gradient is computed."""
-    from taichi_plan.replay import chunked_loss
+    from taichi_plan.runtime import chunked_loss
 
     torch.manual_seed(0)
     h = torch.randn(2, 9, 16, requires_grad=True)
@@ -380,7 +380,7 @@ def test_a_call_that_only_splits_its_head_runs_without_the_dispatch_mode(tmp_pat
     the call runs without the runtime's dispatch mode, which cost a 4-layer GPT-2 or Llama about
     8 ms a step, and the plan predicts no checking for it; its peak is still the predicted one."""
     from taichi_plan.problem.partition.overhead import runtime_overhead_s
-    from taichi_plan.replay.runtime import PlanRuntime
+    from taichi_plan.runtime.mode import PlanRuntime
 
     model, batch, opt = _decoder()
     trace = record(model, batch, _shifted_loss, opt)

@@ -13,8 +13,8 @@ from synthetic import chain_trace
 from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
 from taichi_plan.plan.format import load_plan, save_plan
-from taichi_plan.replay import plan_and_trace
 from taichi_plan.report.plan_text import inspect_plan
+from taichi_plan.runtime.calls import plan_and_trace
 from taichi_plan.solve import solve
 from taichi_plan.trace.format import read_trace, write_trace
 

@@ -79,7 +79,7 @@ def command(model_name, entry, seq, image_size, layers, hidden, heads, vocab, dt
         raise UsageError(f"--time-limit must be a positive number of seconds, not {time_limit!r}.")
     if limit < 1:
         raise UsageError(f"--limit must be a positive batch size, got {limit}.")
-    from ..record.fsdp import mixed_precision
+    from ..torch_common.fsdp import mixed_precision
 
     off = _offload(profile, offload, host_budget, host_link, fsdp)
 

@@ -97,13 +97,13 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
         raise UsageError("--no-reshard-after-forward and --reshard-to K are two settings of reshard_after_forward: "
                          "give one of them.")
     if reshard_to is not None:
-        from ..record.fsdp import reshard_setting
+        from ..torch_common.fsdp import reshard_setting
 
         reshard_setting(reshard_to, fsdp // (replicas or 1), "--reshard-to")
     if replicas is not None and fsdp is None:
         raise UsageError("--hsdp R shards over a 2-D mesh of R replicas: add --fsdp N (N ranks in all).")
     if replicas is not None and fsdp is not None:
-        from ..record.fsdp import check_replicas
+        from ..torch_common.fsdp import check_replicas
 
         check_replicas(fsdp, replicas)
     if (fsdp_param_dtype or fsdp_reduce_dtype) and fsdp is None:
@@ -125,7 +125,8 @@ def command(model_name, entry, batch, seq, image_size, layers, hidden, heads, vo
 
     with Status('recording') as status:
         if fsdp is not None:
-            from ..record.fsdp import mixed_precision, record_fsdp_workload
+            from ..record.fsdp import record_fsdp_workload
+            from ..torch_common.fsdp import mixed_precision
 
             trace = record_fsdp_workload(workload, fsdp, fake=fake, device_profile=device_profile, steps=steps, loop=loop,
                                          reshard_after_forward=(reshard_to if reshard_to is not None

@@ -343,7 +343,7 @@ def record_compiled(model, batch, loss_fn, optimizer, *, backend: str | None = N
         run_and_record,
         trace_from_records,
     )
-    from ..record.loop import Loop
+    from ..torch_common.loop import Loop
 
     check_counts(steps, warmup)
     backend = backend_of(model, backend) if compiled_kind(model) else (backend or "inductor")

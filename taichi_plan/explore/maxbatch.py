@@ -140,7 +140,7 @@ def fake_recorder(model: str | None = None, entry: str | None = None, *, device_
     if fsdp is None and (replicas != 1 or mixed_precision):
         raise UsageError("--hsdp and --fsdp-param-dtype/--fsdp-reduce-dtype describe an FSDP2 job: add --fsdp N.")
     if fsdp is not None:
-        from ..record.fsdp import check_replicas
+        from ..torch_common.fsdp import check_replicas
 
         check_replicas(fsdp, replicas)
     probe = get_workload(model=model, entry=entry, batch=1, **sizes)  # bad flags fail here, before any search

@@ -39,9 +39,9 @@ from ..record.api import (
     step_tensors,
     trace_from_records,
 )
-from ..record.loop import Loop
 from ..record.recorder import StepRecord
 from ..record.workloads import torch_optimizer
+from ..torch_common.loop import Loop
 from ..trace.format import Trace
 
 TRAINER_STEP_DEFINITION = (
@@ -199,7 +199,7 @@ class PlanCallback(TrainerCallback):
 
     def __init__(self, plan: Plan | str, *, on_mismatch: str = "raise", trace: Trace | str | None = None):
         from ..problem.optimizer.plan import plan_mode
-        from ..replay import plan_and_trace
+        from ..runtime.calls import plan_and_trace
 
         if on_mismatch not in ("raise", "warn"):
             raise PlanError(f"on_mismatch must be 'raise' or 'warn', not {on_mismatch!r}.")

@@ -6,7 +6,7 @@ Imports torch lazily (through its submodules): ``import taichi_plan.record`` is 
 
 from __future__ import annotations
 
-from .loop import Loop
+from ..torch_common.loop import Loop
 from .workloads import MODELS, Workload, builtin_workload, entry_workload, get_workload, load_entry
 
 __all__ = [

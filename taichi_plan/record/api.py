@@ -18,9 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..base.errors import TaichiError, UsageError, WorkloadError
+from ..torch_common.loop import AUTOCAST_DTYPES, Loop
+from ..torch_common.step import call_model, optimizer_state, tensors_in
 from ..trace.devices import DeviceProfile, get_profile
 from ..trace.format import Trace, frame, op_signature
-from .loop import AUTOCAST_DTYPES, Loop
 from .pyrefs import probe_step, release_points
 from .recorder import Recorder, StepRecord
 from .workloads import Workload, check_parts, torch_optimizer
@@ -34,17 +35,6 @@ CALLER_STEP_DEFINITION = (
     "zero_grad before the step (outside it); the step is the caller's step_fn() (record_step): its forwards, "
     "backwards and optimizer.step(), with the loop's shape as the caller declared it in meta.loop"
 )
-
-
-
-def call_model(model, batch):
-    import torch
-
-    if isinstance(batch, torch.Tensor):
-        return model(batch)
-    if isinstance(batch, dict):
-        return model(**batch)
-    return model(*batch)
 
 
 def make_step_fn(model, batch, loss_fn, optimizer, where: str = "workload", loop: Loop | None = None
@@ -128,18 +118,6 @@ def _raised_in_step(e: Exception, where: str) -> Exception:
 _PACKAGE = Path(__file__).resolve().parents[1]
 
 
-def _tensors(obj) -> list:
-    import torch
-    from torch.utils._pytree import tree_leaves
-
-    return [t for t in tree_leaves(obj) if isinstance(t, torch.Tensor)]
-
-
-def optimizer_state(optimizer) -> list:
-    """Every tensor in ``optimizer``'s state (what a trace counts as ``optimizer_state``)."""
-    return [v for state in optimizer.state.values() for v in _tensors(list(state.values()))]
-
-
 def step_tensors(model, optimizer, inputs=()) -> list[tuple[str, list]]:
     """The tensors a step starts with, by kind, for :meth:`Recorder.begin_step`: the model's
     parameters, buffers and gradients, the optimizer's state, and every tensor in ``inputs``
@@ -149,7 +127,7 @@ def step_tensors(model, optimizer, inputs=()) -> list[tuple[str, list]]:
     op that first touched it whenever the recorder had not seen it before (replay's measured
     step), and the measured peak came out that gradient below the trace's."""
     params = list(model.parameters())
-    ins = _tensors(inputs)
+    ins = tensors_in(inputs)
     return [
         ("parameter", params),
         ("buffer", list(model.buffers())),
@@ -326,7 +304,7 @@ def record_workload(
     torch's own kernels.
 
     ``calibrate``: a real recording then measures the replay runtime's cost per op on the
-    model's own forward (:func:`taichi_plan.replay.calibrate.measure_on_model`, a few seconds
+    model's own forward (:func:`taichi_plan.runtime.calibrate.measure_on_model`, a few seconds
     at most), into ``meta.runtime_overhead``; False keeps the microbenchmark's.
     """
     check_counts(steps, warmup)
@@ -360,10 +338,10 @@ def record_workload(
             "dtype": workload.dtype,
             "step_definition": STEP_DEFINITION,
         })
-        # The runtime's per-op cost on this model's own ops (replay/calibrate.py), on a model this
+        # The runtime's per-op cost on this model's own ops (runtime/calibrate.py), on a model this
         # recording built (record() of a user's live objects leaves them alone).
         if not fake and calibrate and workload.kind != "python":
-            from ..replay.calibrate import measure_on_model
+            from ..runtime.calibrate import measure_on_model
 
             say("measuring the replay runtime's cost per op")
             measured = measure_on_model(model, batch, loss_fn, trace)
@@ -381,7 +359,7 @@ def trace_from_records(records: list[StepRecord], *, warmup: int, fake: bool, lo
     ``dtype``, ``step_definition``), and what the replay runtime costs per op here (``runtime_overhead``)."""
     import torch
 
-    from ..replay.runtime import calibrate_overhead
+    from ..runtime.mode import calibrate_overhead
 
     step_indices = list(range(warmup, warmup + len(records)))
     signatures = [op_signature(r.ops["op"], r.shapes) for r in records]

@@ -32,6 +32,7 @@ import contextlib
 from collections.abc import Callable
 
 from ..base.errors import UsageError
+from ..torch_common.loop import Loop
 from ..trace.devices import get_profile
 from ..trace.format import Trace
 from .api import (
@@ -45,7 +46,6 @@ from .api import (
     step_tensors,
     trace_from_records,
 )
-from .loop import Loop
 from .workloads import Workload
 
 BUCKET_KIND = "ddp_bucket"
@@ -58,7 +58,7 @@ def local_process_group():
     """A real 1-rank gloo process group on a free loopback port, destroyed on exit."""
     import torch.distributed as dist
 
-    from ..replay.distributed import free_port
+    from ..torch_common.processes import free_port
 
     if dist.is_initialized():
         raise UsageError("A torch.distributed process group is already initialized in this process; a DDP "

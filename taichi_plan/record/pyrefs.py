@@ -119,7 +119,7 @@ def release_points(main: StepRecord, probe: StepRecord, probe_free: list[int], p
     keeps nothing, ``-1`` when it is still held when backward starts; ``segments`` and
     ``segments_known``, forward segments in the step and mapped; ``unknown_segments``, the first
     op of each segment that was not (its ops differ from the probe's)."""
-    from ..replay.runtime import IGNORED_OPS
+    from ..torch_common.ops import IGNORED_OPS
 
     names, phases = main.ops["op"], main.ops["phase"]
     p_names = probe.ops["op"][:probe_ops]

@@ -65,7 +65,6 @@ import gc
 import os
 import sys
 import threading
-import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
@@ -78,6 +77,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
+from ..torch_common.ops import draws_random, op_clock
+from ..torch_common.step import autocast_of, input_signature
 from ..trace.devices import DeviceProfile
 from ..trace.roofline import collective_duration_s, collective_kind, dtype_key, estimate_duration_s
 
@@ -120,29 +121,6 @@ class _OpInfo:
     no_recompute: bool = False
     seeded: bool = False  # tagged ``nondeterministic_seeded``: may draw from the RNG (see draws_random)
     sized_by_data: bool = False  # tagged ``dynamic_output_shape``: its outputs' sizes may depend on values
-
-
-def input_signature(args, kwargs) -> list[list]:
-    """The tensor inputs of a model call: ``[name, shape, dtype]`` for each tensor of rank >= 1,
-    named by position (``args[0]``) or keyword (``input_ids``), nested items by index."""
-    out = []
-
-    def walk(name, x):
-        if isinstance(x, _Tensor):
-            if x.dim() >= 1:
-                out.append([name, list(x.shape), str(x.dtype).replace("torch.", "")])
-        elif isinstance(x, (list, tuple)):
-            for i, y in enumerate(x):
-                walk(f"{name}[{i}]", y)
-        elif isinstance(x, dict):
-            for k, y in x.items():
-                walk(f"{name}[{k!r}]", y)
-
-    for i, a in enumerate(args):
-        walk(f"args[{i}]", a)
-    for k, v in kwargs.items():
-        walk(k, v)
-    return out
 
 
 def _storage(x, op: str):
@@ -198,35 +176,6 @@ def sizes_by_data(func, args) -> bool:
 
 
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
-# Arguments that, at these values, make a seeded op draw nothing: SDPA's ``dropout_p`` (every
-# attention kernel is tagged seeded), dropout's ``p``, ``native_dropout``'s ``train``.
-_NO_DRAW_ARGS = ("dropout_p", "p", "train")
-
-
-def draws_random(func, args, kwargs) -> bool:
-    """Does this call of a ``nondeterministic_seeded`` op draw random numbers? Decided from the
-    call, not only the schema: SDPA with ``dropout_p=0``, dropout with ``p=0`` or ``train=False``
-    draw nothing; everything else tagged seeded (``rand``, ``randn_like``, ``bernoulli_``,
-    ``native_dropout``, SDPA with ``dropout_p > 0``...) does."""
-    schema = getattr(func, "_schema", None)
-    if schema is None:
-        return True
-    for i, a in enumerate(schema.arguments):
-        if a.name not in _NO_DRAW_ARGS:
-            continue
-        if not a.kwarg_only and i < len(args):
-            value = args[i]
-        elif a.name in kwargs:
-            value = kwargs[a.name]
-        elif a.has_default_value():
-            value = a.default_value
-        else:
-            continue
-        if a.name == "train" and value is False:
-            return False
-        if a.name != "train" and isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-            return False
-    return True
 
 
 @dataclass
@@ -288,14 +237,6 @@ def _in_checkpoint() -> bool:
     return False
 
 
-def op_clock():
-    """The clock real recordings time ops with: ``time.thread_time`` when torch runs one
-    intra-op thread (every CPU kernel then runs on the calling thread, so its CPU time is the
-    op's, without the time a loaded machine makes the thread wait), else ``time.perf_counter``
-    (several threads share a kernel: its wall time)."""
-    return time.thread_time if torch.get_num_threads() == 1 else time.perf_counter
-
-
 def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
     """``register_multi_grad_hook`` as ModTracker calls it (on a module's inputs, to close the
     module in backward), safe under ``torch.autograd.grad``. In its ``"all"`` mode the first
@@ -320,18 +261,6 @@ def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
 # called inside another of its class: transformers' Func around apply_rotary_pos_emb and
 # rotate_half. Harmless to the recorder, which files such ops itself (Recorder._module).
 HIERARCHY_WARNING = "The module hierarchy tracking maybe be messed up"
-
-
-def autocast_of(model) -> str | None:
-    """The autocast a call of ``model`` runs under (trace v13 ``meta.model_calls[].autocast``):
-    ``"bf16"``/``"fp16"`` (or the dtype's name), None without. Read on its parameters' device."""
-    from .loop import AUTOCAST_DTYPES
-
-    device = next((p.device.type for p in model.parameters()), "cpu")
-    if not torch.is_autocast_enabled(device):
-        return None
-    name = str(torch.get_autocast_dtype(device)).split(".")[-1]
-    return next((k for k, v in AUTOCAST_DTYPES.items() if v == name), name)
 
 
 class _ModuleTracker(ModTracker):

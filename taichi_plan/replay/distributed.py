@@ -20,137 +20,12 @@ need a trace per rank).
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import socket
-import tempfile
 from pathlib import Path
 
 from ..base.errors import PlanError, TaichiError
 from ..plan.format import Plan
-
-
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-# Imported once by the process that starts every rank (multiprocessing's forkserver), so that
-# a rank starts as a fork of an interpreter that has them already: about 5 s of imports per
-# rank otherwise (torch.distributed, transformers' model index), paid by every run.
-PRELOAD = ["taichi_plan.replay.distributed", "taichi_plan.replay.measure", "taichi_plan.record.fsdp",
-           "taichi_plan.record.ddp", "torch.distributed.fsdp", "transformers.models", "transformers.modeling_utils"]
-
-
-@functools.cache
-def _rank_context():
-    """The start method of the ranks: multiprocessing's ``forkserver``, with :data:`PRELOAD`
-    (the server is started from this process's state only once, then forks each rank from
-    its own single-threaded interpreter: no thread or lock of this process is inherited)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def _rank_process(job: str, rank: int, threads: int, env: dict) -> None:
-    """A rank's process: the caller's environment as it is now (the forkserver kept the one
-    of its start; multiprocessing itself gives each child the caller's directory and
-    ``sys.path``), its output to ``rank<r>.log`` beside the job, ``threads`` torch threads
-    (``OMP_NUM_THREADS`` of the caller, as a fresh process would have), then the job."""
-    import torch
-
-    os.environ.clear()
-    os.environ.update(env)
-    fd = os.open(Path(job).parent / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    torch.set_num_threads(threads)
-    _main([job, str(rank)])
-
-
-def spawn_ranks(nproc: int, target: str, spec: dict, timeout_s: float = 600.0) -> list[dict]:
-    """Start ``nproc`` processes (one per rank, as torchrun would, joined on a free loopback
-    port; forked by multiprocessing's forkserver, :func:`_rank_context`) that each run the
-    function ``target`` (a name in this module) with ``(rank, nproc, port, out_dir, **spec)``;
-    each writes ``out_dir/rank<r>.json``. Returns those, by rank. A rank that fails or
-    outlives ``timeout_s`` ends the others; its error is raised here."""
-    import time
-
-    port = free_port()
-    threads = int(os.environ.get("OMP_NUM_THREADS", "1") or 1)
-    with tempfile.TemporaryDirectory(prefix="taichi-ranks-") as out_dir:
-        job = Path(out_dir) / "job.json"
-        job.write_text(json.dumps({"target": target, "nproc": nproc, "port": port, "spec": spec}))
-        ctx = _rank_context()
-        env = dict(os.environ)
-        procs = [ctx.Process(target=_rank_process, args=(str(job), r, threads, env), daemon=True)
-                 for r in range(nproc)]
-        deadline = time.monotonic() + timeout_s
-        try:
-            for p in procs:
-                p.start()
-            while any(p.is_alive() for p in procs):
-                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.05)
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                if p.pid is not None:  # (started)
-                    p.join()
-        out = []
-        for r, p in enumerate(procs):
-            f = Path(out_dir) / f"rank{r}.json"
-            if not f.exists():
-                why = "timed out" if p.exitcode in (None, -9) else f"exited with code {p.exitcode}"
-                log = Path(out_dir) / f"rank{r}.log"
-                tail = "\n".join(log.read_text(errors="replace").strip().splitlines()[-15:]) if log.exists() else ""
-                raise PlanError(f"Rank {r} of the {nproc}-rank run {why} before reporting. Its last output:\n{tail}")
-            out.append(json.loads(f.read_text()))
-        errors = [o["error"] for o in out if o.get("error")]
-        if errors:
-            raise PlanError(errors[0])
-        return out
-
-
-def hide_fsdp_internals(model, rt) -> list:
-    """While an FSDP unit's own machinery runs (its param group's unshard, wait, reshard,
-    pre/post-forward), the runtime ``rt`` counts no op: the trace leaves the same ops out
-    (:func:`taichi_plan.replay.counted_ops`), so that FSDP's first-step allocations or another
-    prefetch order do not shift the plan's op ordinals. Returns handles to remove."""
-    from ..record.fsdp import fsdp_units, patch_group_methods
-
-    if not fsdp_units(model):
-        return []
-
-    def wrap(_unit, _group, _name, orig):
-        def inner(*args, **kwargs):
-            rt.hidden += 1
-            try:
-                return orig(*args, **kwargs)
-            finally:
-                rt.hidden -= 1
-
-        return inner
-
-    return [patch_group_methods(model, wrap)]
-
-
-def init_gloo(rank: int, nproc: int, port: int, replicas: int = 1):
-    """Join the gloo process group on loopback; returns the CPU device mesh (1-D, or HSDP's 2-D
-    of ``replicas`` rows: :func:`taichi_plan.record.fsdp.device_mesh`)."""
-    import torch.distributed as dist
-
-    from ..record.fsdp import device_mesh
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nproc)
-    return device_mesh(nproc, replicas)
+from ..torch_common.processes import init_gloo, spawn_ranks
 
 
 def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int, steps: int) -> dict:
@@ -160,17 +35,14 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
 
     from ..record import ddp as ddp_record
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
-    from ..record.fsdp import (
-        live_layout,
-        live_prefetch,
-        rebuild_optimizer,
-        recorded_mixed_precision,
-        shard_model,
-    )
+    from ..record.fsdp import rebuild_optimizer, shard_model
     from ..record.recorder import Recorder, local_tensor
+    from ..runtime.calls import runtime_for
+    from ..runtime.install import install
+    from ..runtime.partition import install_partitions
+    from ..torch_common.fsdp import live_layout, live_prefetch, recorded_mixed_precision
     from ..trace.format import baseline_peak
-    from . import apply_sharding, install, runtime_for
-    from .partition import install_partitions
+    from . import apply_sharding
 
     ddp = trace.meta.get("ddp")
     torch.manual_seed(seed)
@@ -283,9 +155,9 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
                  steps: int, seed: int) -> None:
     import torch.distributed as dist
 
-    from ..record.fsdp import mesh_replicas
+    from ..runtime.calls import plan_and_trace
+    from ..torch_common.fsdp import mesh_replicas
     from ..trace.format import read_trace
-    from . import plan_and_trace
     from .measure import autocast_rounding, compare_training, workload_of
 
     out: dict = {"rank": rank}
@@ -323,7 +195,7 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
     """Replay a plan of a sharded trace on ``nproc`` gloo ranks here; returns the report:
     per rank the measured peak against the predicted one and whether gradient and parameter
     shards equal the unplanned run's bitwise."""
-    from . import plan_and_trace
+    from ..runtime.calls import plan_and_trace
 
     plan, tr = plan_and_trace(plan, trace)
     lay = plan.trace.get("layout")
@@ -339,7 +211,7 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
         raise PlanError(f"--steps must be at least 1, got {steps}.")
     if plan.source is None:
         raise PlanError("replay_sharded needs a plan saved to a file (each rank loads it).")
-    ranks = spawn_ranks(nproc, "replay_rank", {"plan_path": str(plan.source), "trace_path": str(tr.path),
+    ranks = spawn_ranks(nproc, "taichi_plan.replay.distributed:replay_rank", {"plan_path": str(plan.source), "trace_path": str(tr.path),
                                                 "steps": steps, "seed": seed})
     pred = plan.predicted["planned_peak_bytes"]
     measured = max(r["measured_peak_bytes"] for r in ranks)
@@ -365,44 +237,3 @@ def replay_sharded(plan: Plan | str | Path, nproc: int, steps: int = 2, seed: in
     }
 
 
-def record_rank(rank: int, nproc: int, port: int, out_dir: str, workload: dict, device_profile, steps: int,
-                warmup: int, loop: dict, reshard_after_forward, check_tracker: bool, out: str,
-                mixed_precision: dict | None = None, replicas: int = 1) -> None:
-    """One rank of a real sharded recording (:func:`taichi_plan.record.fsdp.record_fsdp_workload`
-    with ``fake=False``): rank 0 records and writes the trace to ``out``."""
-    import torch
-    import torch.distributed as dist
-
-    from ..record import Loop, get_workload
-    from ..record import fsdp as fsdp_record
-    from ..trace.devices import get_profile
-    from ..trace.format import write_trace
-
-    result: dict = {"rank": rank}
-    try:
-        mesh = init_gloo(rank, nproc, port, replicas)
-        try:
-            kw = dict(workload["args"])
-            wl = (get_workload(model=workload["name"], **kw) if workload["kind"] == "builtin"
-                  else get_workload(entry=workload["name"], **kw))
-            torch.manual_seed(0)
-            trace = fsdp_record.record_rank(
-                wl, mesh, nproc, backend="gloo", profile=None, steps=steps, warmup=warmup, loop=Loop(**loop),
-                reshard_after_forward=reshard_after_forward, check_tracker=check_tracker, record=rank == 0,
-                mixed_precision=mixed_precision)
-            if trace is not None:
-                trace.meta["device_profile"] = get_profile(device_profile).name if device_profile else None
-                write_trace(trace, out)
-        finally:
-            dist.destroy_process_group()
-    except TaichiError as e:
-        result["error"] = f"rank {rank}: {e}"
-    (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
-
-
-def _main(argv: list[str]) -> None:
-    """One rank of :func:`spawn_ranks`: ``argv`` is the job file and the rank."""
-    job = json.loads(Path(argv[0]).read_text())
-    rank = int(argv[1])
-    fn = {"replay_rank": replay_rank, "record_rank": record_rank}[job["target"]]
-    fn(rank, job["nproc"], job["port"], str(Path(argv[0]).parent), **job["spec"])

@@ -265,9 +265,10 @@ class MeasuredRun:
         import torch
 
         from ..record.api import Loop, make_step_fn
-        from . import install, runtime_for
-        from .optimizer import install_optimizer
-        from .partition import install_partitions
+        from ..runtime.calls import runtime_for
+        from ..runtime.install import install
+        from ..runtime.optimizer import install_optimizer
+        from ..runtime.partition import install_partitions
 
         self.device, self.say, self.what = device, say, what
         seed_everything(seed)
@@ -487,7 +488,7 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
     larger predicted peak exceeds this machine's memory, unless ``force``. ``progress(message)``
     is called as the runs go."""
 
-    from . import plan_and_trace
+    from ..runtime.calls import plan_and_trace
 
     if steps < 1:
         raise PlanError(f"--steps must be at least 1, got {steps}.")
@@ -609,7 +610,7 @@ def autocast_rounding(plan: Plan, trace) -> tuple[str, int] | None:
     FSDP2 MixedPrecisionPolicy gathers its parameters in that dtype (trace v16)."""
     if trace is None:
         return None
-    from ..record.fsdp import recorded_mixed_precision
+    from ..torch_common.fsdp import recorded_mixed_precision
 
     dtype = (trace.meta.get("loop") or {}).get("autocast")
     most = max((p.chunks for p in plan.partitions if p.over != "tokens"), default=1)

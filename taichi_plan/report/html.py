@@ -33,7 +33,7 @@ from ..base.units import format_bytes, format_cost
 from ..plan.format import Plan, load_plan
 from ..problem.core import Problem
 from ..problem.optimizer.plan import problem_for_plan
-from .plan_text import _where
+from .plan_text import peak_where
 from .timeline import KIND_COLORS, KIND_LABELS, PHASE_COLORS, STACK_ORDER, downsample
 
 TIMELINE_POINTS = 2000  # at most this many buckets of ops in the timeline
@@ -241,8 +241,8 @@ def _header(s: dict, units: str) -> str:
     wall = f"{sv['wall_s']:.2f} s" if sv.get("wall_s") is not None else "-"
     cards = [
         ("Budget", size(budget), budget_pct + (f"{budget:,} bytes" if budget is not None else "no budget")),
-        ("Baseline peak", size(b["nbytes"]), _where(b) or "unplanned step"),
-        ("Planned peak", size(p["nbytes"]), pct + _where(p)),
+        ("Baseline peak", size(b["nbytes"]), peak_where(b) or "unplanned step"),
+        ("Planned peak", size(p["nbytes"]), pct + peak_where(p)),
         _reserved_card(s.get("reserved_peak") or {}, s.get("format_version"), size),
         ("Extra compute", xp + " of the step",
          f"{cost(x['cost'])} of the step's {cost(x['step'])}; {x['ops_rerun']} ops re-run, "

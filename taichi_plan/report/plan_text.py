@@ -25,7 +25,7 @@ from ..problem.fit import check_plan_against_trace
 from ..problem.optimizer.plan import problem_for_plan
 from ..simulate.core import SimResult
 from ..trace.format import Trace, read_trace
-from .trace_text import _cost, _cut, terminal_width, wrap_lines
+from .trace_text import cut_cell, format_cost_cell, terminal_width, wrap_lines
 from .verdict import resimulate
 
 TOP_DECISIONS = 10
@@ -311,7 +311,7 @@ def reserved_summary(plan: Plan) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 
-def _where(p: dict) -> str:
+def peak_where(p: dict) -> str:
     """Where a peak happens, in words (shared by the text and HTML reports)."""
     if p.get("op_id") is None or p["op_id"] < 0:
         return ""
@@ -344,7 +344,7 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
     cu = x["unit"] or "s"
 
     def cost(v) -> str:
-        return "-" if v is None else _cost(float(v), cu)
+        return "-" if v is None else format_cost_cell(float(v), cu)
 
     lines = wrap(f"Plan for {t['name'] or '-'}", "")
     if s.get("plan_path"):
@@ -359,9 +359,9 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
                  (f" ({s['budget_bytes']:,} bytes, on {rs.get('budget_on') or 'allocated'} bytes)"
                   if s["budget_bytes"] is not None else " (none)"))
     b, p = s["baseline_peak"], s["planned_peak"]
-    lines += wrap(f"peak {size(b['nbytes'])} {_where(b)}", f"  {'baseline':<10} ")
+    lines += wrap(f"peak {size(b['nbytes'])} {peak_where(b)}", f"  {'baseline':<10} ")
     pct = f", {p['pct_of_baseline']:.1f}% of baseline" if p.get("pct_of_baseline") is not None else ""
-    lines += wrap(f"peak {size(p['nbytes'])}{pct} {_where(p)}", f"  {'planned':<10} ")
+    lines += wrap(f"peak {size(p['nbytes'])}{pct} {peak_where(p)}", f"  {'planned':<10} ")
     if rs.get("predicted"):
         fits = {True: ", within the budget", False: ", over the budget", None: ""}[rs.get("fits_budget")]
         lines += wrap(f"peak {size(rs['planned_nbytes'])} planned{fits}, {size(rs['baseline_nbytes'])} unplanned "
@@ -440,7 +440,7 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
         lines.append(f"  {'module':<{pw}} {'over':>7} {'chunks':>7}")
         for q in s["partitions"]:
             over = "whole" if q["chunks"] == 1 else q.get("over", "batch")  # one chunk: checkpointed whole
-            lines.append(f"  {_cut(q['module'] or '(none)', pw):<{pw}} {over:>7} {q['chunks']:>7}")
+            lines.append(f"  {cut_cell(q['module'] or '(none)', pw):<{pw}} {over:>7} {q['chunks']:>7}")
             if q["why"]:
                 lines += wrap(q["why"], " " * 6)
         own = [q["module"] for q in s["partitions"] if q.get("random_draws") == "per-chunk"]
@@ -458,7 +458,7 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
         uw = max(30, min(width - 30, max(len(u["module"] or "<root>") for u in rs_units)))
         lines.append(f"  {'unit':<{uw}} {'planned':>8} {'recorded':>9}")
         for u in rs_units:
-            lines.append(f"  {_cut(u['module'] or '<root>', uw):<{uw}} {str(u['reshard_after_forward']):>8} "
+            lines.append(f"  {cut_cell(u['module'] or '<root>', uw):<{uw}} {str(u['reshard_after_forward']):>8} "
                          f"{str(u['recorded']):>9}")
             if u.get("why"):
                 lines += wrap(u["why"], " " * 6)
@@ -484,12 +484,12 @@ def render_plan_summary(summary: dict, units: str | None = None, width: int | No
         lines.append(f"  {'module':<{mw}} {'dropped':>7} {'freed':>11} {'extra':>15} {'% step':>8}")
         for m in s["modules"][:TOP_MODULES]:
             lines.append(f"  {_cut_left(m['module'], mw):<{mw}} {m['tensors_dropped']:>7} {size(m['nbytes_freed']):>11} "
-                         f"{_cut(cost(m['extra_compute']), 15):>15} {m['extra_compute_pct']:>7.2f}%")
+                         f"{cut_cell(cost(m['extra_compute']), 15):>15} {m['extra_compute_pct']:>7.2f}%")
         if len(s["modules"]) > TOP_MODULES:
             lines.append(f"  ... {len(s['modules']) - TOP_MODULES} more modules (all of them with --json)")
         tot_x = sum(m["extra_compute"] for m in s["modules"])
         lines.append(f"  {'total':<{mw}} {d['tensors_dropped']:>7} {size(d['nbytes_freed']):>11} "
-                     f"{_cut(cost(tot_x), 15):>15} {(x['pct_of_step'] or 0.0):>7.2f}%")
+                     f"{cut_cell(cost(tot_x), 15):>15} {(x['pct_of_step'] or 0.0):>7.2f}%")
     elif not t["found"]:
         lines.append("")
         lines.append("Per module: not shown, the trace is needed (see the note above).")

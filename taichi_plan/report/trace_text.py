@@ -212,12 +212,14 @@ def kernels_line(meta: dict) -> str | None:
     return None
 
 
-def _cut(text: object, width: int) -> str:
+def cut_cell(text: object, width: int) -> str:
+    """``text`` (``-`` when empty) cut to ``width`` from the right, with an ellipsis."""
     s = "-" if text is None or text == "" else str(text)
     return s if len(s) <= width else s[: max(width - 1, 0)] + "…"
 
 
-def _cost(value: float, unit: str) -> str:
+def format_cost_cell(value: float, unit: str) -> str:
+    """A cost in its unit (``s``: seconds at a readable scale; other units: the number and the unit)."""
     if unit == "s":
         if abs(value) >= 1 or value == 0:
             return f"{value:,.3f} s"
@@ -266,7 +268,7 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
     title = f"Trace {s['name']}"
     if s.get("path"):
         title += f"  ({s['path']})"
-    lines.append(_cut(title, width))
+    lines.append(cut_cell(title, width))
     w = s["workload"]
     args = w.get("args") or {}
     args_text = ", ".join(f"{k}={v}" for k, v in args.items()) if isinstance(args, dict) else str(args)
@@ -294,7 +296,7 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
     fields.append(("ops", f"{s['num_ops']}" + (f"  ({phases})" if phases else "")))
     fields.append(("tensors", f"{s['num_tensors']}  ({s['num_accesses']} accesses)"))
     for key, value in fields:
-        lines.append(_cut(f"  {key:<10} {value if value not in (None, '') else '-'}", width))
+        lines.append(cut_cell(f"  {key:<10} {value if value not in (None, '') else '-'}", width))
 
     lines.append("")
     lines.append(f"  {'tensors by kind':<20}{'count':>7}{'bytes':>13}{'at step start':>17}{'bytes':>13}")
@@ -311,8 +313,8 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
         lines.append("Baseline peak: 0 B (the trace has no ops)")
     else:
         lines.append(f"Baseline peak {size(p['nbytes'])} ({p['nbytes']:,} bytes) during op {p['op_id']}")
-        lines.append(_cut(f"  op {p['op']}", width))
-        lines.append(_cut(f"  module {p['module'] or '-'}, phase {p['phase']}", width))
+        lines.append(cut_cell(f"  op {p['op']}", width))
+        lines.append(cut_cell(f"  module {p['module'] or '-'}, phase {p['phase']}", width))
         lines.append("  live at the peak by kind:")
         for k, b in p["by_kind"].items():
             if b:
@@ -328,7 +330,7 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
         live = f"{t['alloc_op']}..{t['free_op']}"
         lines.append(
             f"  {t['tensor_id']:>6} {_SHORT_KIND.get(t['kind'], t['kind']):<12}{size(t['nbytes']):>11}  "
-            f"{_cut(shape, 13):<13} {_cut(t['dtype'], 8):<8} {_cut(t['producer_op_name'], pw):<{pw}} {live}"
+            f"{cut_cell(shape, 13):<13} {cut_cell(t['dtype'], 8):<8} {cut_cell(t['producer_op_name'], pw):<{pw}} {live}"
         )
 
     r = s["regularity"]
@@ -343,8 +345,8 @@ def render_trace_summary(summary: dict, units: str | None = None, width: int | N
 
     c = s["cost"]
     lines.append("")
-    lines.append(f"Compute cost ({c['unit']}): total {_cost(c['total'], c['unit'])}")
+    lines.append(f"Compute cost ({c['unit']}): total {format_cost_cell(c['total'], c['unit'])}")
     for ph, v in c["by_phase"].items():
         if s["ops_per_phase"].get(ph):
-            lines.append(f"  {ph:<10}{_cost(v, c['unit']):>20}")
-    return "\n".join(_cut(line, width) if line else line for line in lines) + "\n"
+            lines.append(f"  {ph:<10}{format_cost_cell(v, c['unit']):>20}")
+    return "\n".join(cut_cell(line, width) if line else line for line in lines) + "\n"

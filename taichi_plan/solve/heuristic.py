@@ -17,11 +17,11 @@ import numpy as np
 
 from ..base.errors import PlanError
 from ..plan.format import Partition
-from ..problem.core import Options, Problem, gap_bytes, options, rebuild_closure
+from ..problem.core import Problem, gap_bytes, options
 from ..problem.partition.core import (
-    _under,
     apply_partitions,
     as_partition,
+    is_under,
     module_class,
     module_spans,
     partition_cost,
@@ -30,28 +30,10 @@ from ..problem.partition.core import (
 )
 from ..simulate.core import Drop, SimResult, simulate, simulate_plan
 from .result import Decisions, host_fits, simulate_plan_of
+from .scores import rebuild_cost, sim_over
 
 MAX_ROUNDS = 30
 LOCAL_MAX_S = 10.0  # seconds the local search of forward-only graphs may take per call
-
-
-def rebuild_cost(problem: Problem, opts: Options) -> np.ndarray:
-    """Per option: the cost of its rebuild ops plus the forward temporaries it must redo, as
-    the runtime re-runs them (``Problem.rerun_cost``), plus the drop's own cost
-    (``Problem.drop_cost``). The cost per (tensor, free_after) is kept on ``problem``: the
-    heuristic's sweeps ask for it again from each start (on a generated 1,000-node forward-only
-    graph, 2.5 s a call)."""
-    cand_set = set(problem.candidates.tolist())
-    out = np.zeros(len(opts))
-    # the closure depends on the tensor and free_after only
-    seen: dict[tuple[int, int], float] = problem.__dict__.setdefault("_rebuild_cost_of_gap", {})
-    rerun = problem.rerun_cost
-    for k, (t, a) in enumerate(zip(opts.tensor.tolist(), opts.free_after.tolist(), strict=True)):
-        if (t, a) not in seen:
-            ops, _ = rebuild_closure(problem, t, a, cand_set)
-            seen[(t, a)] = float(rerun[ops].sum()) + problem.drop_cost
-        out[k] = seen[(t, a)]
-    return out
 
 
 # Plans of drops alone the heuristic simulated last, per problem (_judge): its candidates are
@@ -79,14 +61,6 @@ def _judge(problem: Problem, dec: Decisions) -> SimResult:
     if not dec.partitions:
         _remember(problem, dec.drops, sim)
     return sim
-
-
-def sim_over(problem: Problem, sim: SimResult) -> np.ndarray:
-    """Peak bytes during each op including the recompute group before it."""
-    over = sim.live_bytes.astype(np.int64).copy()
-    for r, g in sim.groups.items():
-        over[r] = max(over[r], g.peak_bytes)
-    return over
 
 
 def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Decisions]) -> Decisions:
@@ -129,7 +103,7 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
         k = max(span.chunk_choices, default=0)
         if k >= 2:
             options.append((span, k, partition_savings(problem, span, k), partition_cost(problem, span, k)))
-        if (1 in span.chunk_choices and not any(o is not span and _under(o.module, span.module) for o in spans)
+        if (1 in span.chunk_choices and not any(o is not span and is_under(o.module, span.module) for o in spans)
                 and whole_outputs(problem, span)):
             options.append((span, 1, partition_savings(problem, span, 1), partition_cost(problem, span, 1)))
     best = _add_partitions(problem, budget_bytes, dec, options, deadline)
@@ -159,7 +133,7 @@ def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, optio
         sim, parted = simulate_plan(problem, best.drops, best.partitions)
         worst = int(np.argmax(sim_over(parted, sim)))
         free = [o for o in options if o[2][worst] > 0
-                and not any(_under(o[0].module, c.module) or _under(c.module, o[0].module) for c in chosen)]
+                and not any(is_under(o[0].module, c.module) or is_under(c.module, o[0].module) for c in chosen)]
         if not free:
             break
         trials = [_compatible(chosen, sorted(free, key=lambda o: -o[2][worst] / max(o[3], 1e-12)), take)]
@@ -199,7 +173,7 @@ def _compatible(chosen: list[Partition], ranked: list, take: int) -> list[Partit
     for span, k, _sav, _cost in ranked:
         if len(out) - len(chosen) == take:
             break
-        if not any(_under(span.module, c.module) or _under(c.module, span.module) for c in out):
+        if not any(is_under(span.module, c.module) or is_under(c.module, span.module) for c in out):
             out.append(as_partition(span, k))
     return out
 

@@ -65,8 +65,9 @@ from ..problem.partition.core import (
 )
 from ..simulate.core import Drop, SimResult, is_revival, rebuild_overhead, simulate_plan
 from .bound import BoundLog, relaxation_bound
-from .heuristic import plan_remat, sim_over
+from .heuristic import plan_remat
 from .result import Decisions
+from .scores import sim_over
 
 INITIAL_OPS = 24  # budget-binding ops modelled in the first round
 MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain terms

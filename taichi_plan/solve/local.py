@@ -32,7 +32,7 @@ import numpy as np
 from ..base.errors import PlanError
 from ..problem.core import Options, Problem, rebuild_inputs, revivable
 from ..simulate.core import Drop, SimResult, rebuild_overhead, simulate
-from .heuristic import rebuild_cost, sim_over
+from .scores import rebuild_cost, sim_over
 
 TRIALS = 48  # best-estimated moves simulated per step
 FIRST_SHARE = 0.4  # of the time: the search with revivals from the start (local_search)

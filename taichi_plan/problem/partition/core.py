@@ -3,7 +3,7 @@
 What the simulator models for a partitioned module ``m`` (called once per step, with a
 contiguous forward span and a contiguous backward span in the trace):
 
-* each chunk runs checkpointed (``replay/partition.py``: the inputs ``split`` along dim 0,
+* each chunk runs checkpointed (``runtime/partition.py``: the inputs ``split`` along dim 0,
   non-reentrant ``torch.utils.checkpoint`` per chunk, the outputs joined by ``cat``), so the
   module keeps only its inputs across the step;
 * the span's own tensors are modelled event by event (:func:`_chunked_peaks`): each of its
@@ -119,13 +119,14 @@ def find_span(problem: Problem, part):
     return next((s for s in partitionable_spans(problem) if span_key(s) == key), None)
 
 
-def _under(name: str, module: str) -> bool:
+def is_under(name: str, module: str) -> bool:
+    """Is module ``name`` ``module`` itself or nested in it (by its dotted name)?"""
     return name == module or name.startswith(module + ".")
 
 
 def ops_under(op_module: list[str]) -> dict[str, np.ndarray]:
     """Each module that ran ops, and each module above one -> the ids, ascending, of the ops
-    run in it or in a module below it (``_under``). One pass over the ops and one over the
+    run in it or in a module below it (``is_under``). One pass over the ops and one over the
     distinct names: a trace's modules repeat (one name per op), so this costs the ops times
     the nesting depth, not the ops times the modules."""
     by_name: dict[str, list[int]] = {}
@@ -518,7 +519,7 @@ def partition_cost(problem: Problem, span: Span, chunks: int) -> float:
     redo = float(problem.op_cost[f0:f1 + 1].sum())
     cal = problem.trace.meta.get("runtime_overhead") or {}
     if problem.trace.cost_unit == "s" and "chunk_op_s" in cal and "checkpoint_op_s" in cal:
-        # Measured on the recorded model's own modules (taichi_plan.replay.calibrate): what
+        # Measured on the recorded model's own modules (taichi_plan.runtime.calibrate): what
         # checkpointing costs per forward op beyond the re-run, and what each further chunk
         # costs per op it runs again (forward, re-run, backward: each op launched once more);
         # and each chunk is one torch.utils.checkpoint call, whose own cost a small module
@@ -700,7 +701,7 @@ def _apply_partitions(problem: Problem, partitions, drops, live_only: bool):
     names = [p.module for p in partitions]
     for x in names:
         for y in names:
-            if x != y and _under(y, x):
+            if x != y and is_under(y, x):
                 raise PlanError(f"The plan partitions both {x!r} and {y!r}, which is inside it; keep one.")
     spans = {span_key(s): s for s in partitionable_spans(problem)}
     nbytes = problem.nbytes.copy()
@@ -959,11 +960,11 @@ def floor_bytes(problem: Problem) -> np.ndarray:
             own[span.module] = np.maximum(own[span.module], sav) if span.module in own else sav
     best: dict[str, np.ndarray] = {}
     for m in sorted(own, key=lambda x: -x.count(".")):  # innermost first
-        inner = [c for c in best if c != m and _under(c, m) and not any(
-            d != c and d != m and _under(c, d) and _under(d, m) for d in own)]
+        inner = [c for c in best if c != m and is_under(c, m) and not any(
+            d != c and d != m and is_under(c, d) and is_under(d, m) for d in own)]
         best[m] = np.maximum(own[m], sum((best[c] for c in inner), np.zeros_like(own[m])))
     for m, sav in best.items():
-        if not any(d != m and _under(m, d) for d in own):  # outermost: disjoint, so they add
+        if not any(d != m and is_under(m, d) for d in own):  # outermost: disjoint, so they add
             floor = floor - sav
     problem._floor_bytes = (spans, floor)
     return floor
@@ -1121,7 +1122,7 @@ def _rerun_peak(problem: Problem, span: Span, made_f: list[int], fwd_life: dict[
 
 
 def _chunked_peaks(problem: Problem, span: Span, k: int, nbytes, start, end) -> dict[int, int]:
-    """The span run in ``k`` chunks, each checkpointed (``replay/partition.py``), event by
+    """The span run in ``k`` chunks, each checkpointed (``runtime/partition.py``), event by
     event: the bytes of the span's own tensors at the worst moment of each of its ops, over
     the ``k`` times each op runs (and the re-run forward and the joins in between).
 

@@ -1,7 +1,7 @@
 """What the replay runtime itself costs a plan, predicted from the trace (no torch).
 
 The recorder measures the runtime's per-op bookkeeping on the recording machine
-(``meta.runtime_overhead``, see ``taichi_plan.replay.runtime.calibrate_overhead``). In a model
+(``meta.runtime_overhead``, see ``taichi_plan.runtime.mode.calibrate_overhead``). In a model
 call where the plan drops a tensor, the runtime's dispatch mode runs in the call's planned
 regions (:mod:`taichi_plan.problem.partition.regions`: the module calls holding the ops that make, read or
 rebuild what it drops; the whole call where one of those is the model's own top-level code):
@@ -95,7 +95,7 @@ def span_cost(problem: Problem, kind: str, redo_s: float, n_ops: int, chunks: in
               module: str | None = None) -> float | None:
     """Predicted seconds of partitioning a span of ``kind`` (its ``over``: ``"tokens"``...)
     into ``chunks``, from what the recording measured on the model's own span of that kind
-    (trace v6, ``meta.runtime_overhead.span_costs[kind]``: :mod:`taichi_plan.replay.calibrate`
+    (trace v6, ``meta.runtime_overhead.span_costs[kind]``: :mod:`taichi_plan.runtime.calibrate`
     ran it chunked). The probed span itself (``module``), split into a count it was measured
     at (trace v13: every choice up to 32; before, the fewest and the most), costs what was
     measured there; otherwise ``redo_ratio`` times ``redo_s`` (the recorded seconds of the

@@ -34,7 +34,7 @@ workload's batch and sequence, a storage is *positional* when its shape starts w
 
 The simulator models the run exactly as the batch partition's
 (:func:`taichi_plan.problem.partition.core._chunked_peaks`), a positional storage being a ``1/k`` piece;
-replay is :mod:`taichi_plan.replay.partition` (``over="sequence"``).
+replay is :mod:`taichi_plan.runtime.partition` (``over="sequence"``).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ head's input or weight (they make the gradients of the hidden states and of the 
 The loss may run inside the model's call or after it, in the caller's code; ops on the labels
 in between are not part of the span.
 
-Replay (:mod:`taichi_plan.replay.chunked_loss`) runs the span as
+Replay (:mod:`taichi_plan.runtime.chunked_loss`) runs the span as
 ``ChunkedLinearCrossEntropy`` over ``k`` chunks of its rows; what the simulator models is
 what that function allocates, exactly. A loss reduced to one number (``mean``, ``sum``: the
 loss op makes a scalar; ``fused``) is computed with its gradients in one pass, in forward
@@ -26,7 +26,7 @@ loss op makes a scalar; ``fused``) is computed with its gradients in one pass, i
   bytes; a cast from the head's dtype holds both for a moment, and a cast of the softmax to
   the weight's dtype both again), and a few per-row vectors (:meth:`TokenSpan.chunk_bytes`),
   freed before the next chunk, beside the running total of the chunks' losses (one compute
-  element); nothing of a chunk is held into the next (``replay/chunked_loss.py`` deletes it);
+  element); nothing of a chunk is held into the next (``runtime/chunked_loss.py`` deletes it);
 * backward allocates nothing: the span's gradients are scaled in place by the incoming one;
 * the hidden states and the labels are held until that backward (the function saves them);
   when the chain sliced or copied the logits, the runtime copies the hidden rows instead

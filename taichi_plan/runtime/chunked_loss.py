@@ -490,7 +490,7 @@ def install_token_heads(model, heads: dict[str, int], rt) -> callable:
     """Make each planned head (module FQN -> chunks) return :class:`LazyLogits` in the calls
     ``rt`` runs planned; returns a function that undoes it."""
     from ..base.errors import PlanError
-    from .partition import wrap_forward
+    from .forward import wrap_forward
 
     undo = []
     for name, chunks in heads.items():

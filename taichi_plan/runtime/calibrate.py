@@ -1,6 +1,6 @@
 """What the replay runtime costs per op, measured on the recorded model itself.
 
-:func:`~taichi_plan.replay.runtime.calibrate_overhead` times the runtime on one-element
+:func:`~taichi_plan.runtime.mode.calibrate_overhead` times the runtime on one-element
 additions: the bookkeeping alone. On a real model each op of a planned call costs more than
 that (on this 2-core CPU, a 4-layer Llama's forward paid 15-18 us per op under the runtime's
 dispatch mode, against 5 us on one-element additions): its arguments cross into Python and
@@ -96,12 +96,13 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     budget_s = BUDGET_S if budget_s is None else budget_s
 
     from ..problem.core import grad_model_calls
-    from ..record.api import call_model
-    from ..record.loop import AUTOCAST_DTYPES, Loop
-    from ..record.recorder import op_clock
-    from . import call_ops, install
+    from ..torch_common.loop import AUTOCAST_DTYPES, Loop
+    from ..torch_common.ops import op_clock
+    from ..torch_common.step import call_model
+    from .calls import call_ops
+    from .install import install
+    from .mode import CallPlan, PlanRuntime
     from .partition import install_partitions
-    from .runtime import CallPlan, PlanRuntime
 
     grad_calls = grad_model_calls(trace.meta) or []
     if not grad_calls:
@@ -315,12 +316,12 @@ class _SpanClock:
 
 @functools.cache
 def _own_clocked():
-    """:class:`~taichi_plan.replay.runtime.PlanRuntime` with the seconds it spends in its
+    """:class:`~taichi_plan.runtime.mode.PlanRuntime` with the seconds it spends in its
     dispatch handler and its pack hook summed in ``own_s`` (kernels included: a
     :func:`_stopwatch` beneath it times those), in its unpack hook in ``unpack_s`` (the
     rebuilds it runs included), and in its module hooks in ``hook_s`` (regions entered and
     left included; ``hook_n``: the module calls), for calibration only."""
-    from .runtime import PlanRuntime
+    from .mode import PlanRuntime
 
     class OwnClocked(PlanRuntime):
         def __init__(self, *args, **kwargs):
@@ -416,7 +417,7 @@ def _drop_probe(trace, call: dict):
     from ..problem.core import build_problem
     from ..solve import solve
     from ..solve.result import drops_from_plan
-    from . import call_plans
+    from .calls import call_plans
 
     trace = _replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
     problem = build_problem(trace)
@@ -562,7 +563,7 @@ PER_OP_TERMS = ("check_op_s", "recipe_op_s")
 def floored(measured: dict, bookkeeping: dict) -> dict:
     """``measured`` with each per-op term (``check_op_s``, ``recipe_op_s``, ``rebuild_op_s``)
     no lower than the runtime's bookkeeping alone (``bookkeeping``: the same terms timed on
-    one-element additions, :func:`~taichi_plan.replay.runtime.calibrate_overhead`), and
+    one-element additions, :func:`~taichi_plan.runtime.mode.calibrate_overhead`), and
     ``recipe_op_s`` no lower than ``check_op_s`` (keeping a recipe is checking and more). A
     model's term is the difference of two medians of whole forwards, so on a loaded machine
     or a model of large ops (ResNet-50's forward is about 300 ms, its runtime cost a few) the
@@ -592,7 +593,7 @@ def _time_ratios(trace, call: dict, ops: list, rebuilt_s: dict[int, list[float]]
     them. Per run of the op, not per rebuild: a rebuild of every recipe runs an op of several
     outputs once per output (``native_batch_norm``'s three: its ratio read about 3 on
     ResNet-50), where a plan's rebuild runs it for the outputs it dropped."""
-    from . import counted_ops
+    from .calls import counted_ops
 
     counted = counted_ops(trace)
     op_ids = [o for o in range(int(call["start"]), int(call["end"]) + 1) if counted[o]]
@@ -614,8 +615,8 @@ def _rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = N
     times run]).
     [] when a recipe cannot re-run here (an input overwritten in place, say): then nothing is
     measured."""
-    from . import runtime
-    from .runtime import TRef
+    from . import mode as runtime
+    from .mode import TRef
 
     order = sorted(frame.recipes, key=lambda sid: (frame.recipes[sid][0].op, sid))
     last_reader: dict[int, int] = {}
@@ -694,7 +695,7 @@ def _partition_probes(trace, call: dict, model, problem=None):
     from ..plan.format import Plan
     from ..problem.core import build_problem
     from ..problem.partition.core import as_partition, partitionable_spans
-    from . import call_plans, counted_ops
+    from .calls import call_plans, counted_ops
 
     problem = problem if problem is not None else build_problem(trace)
     start, end = int(call["start"]), int(call["end"])
@@ -737,7 +738,7 @@ def _span_probes(trace, call: dict, problem=None) -> dict:
     from ..plan.format import Plan
     from ..problem.core import build_problem
     from ..problem.partition.core import as_partition, partitionable_spans
-    from . import call_plans
+    from .calls import call_plans
 
     terms = _span_terms()
     problem = problem if problem is not None else build_problem(trace)

@@ -57,14 +57,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ..base.errors import MismatchError
-from ..record.recorder import draws_random
+from ..torch_common.ops import IGNORED_OPS, draws_random
 from .copies import to_device, to_host, wait_ready
 
 _Tensor = torch.Tensor
 _SKIP_NAMESPACES = ("prim", "profiler")
-# Ops whose presence depends on how autograd saves tensors (saved-tensor hooks remove the
-# ``detach`` of saved outputs), or that only query metadata: not counted, here or in the trace.
-IGNORED_OPS = frozenset(str(op) for op in torch.utils.checkpoint.SAC_IGNORED_OPS) | {"aten.detach.default"}
 _SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
 LOOP_MOST = 256  # the longest loop iteration (counted ops) over routed data that a live call may skip
 _REGIONS = object()  # a planned call whose mode and hooks come on in its planned regions only
@@ -149,7 +146,7 @@ class CallPlan:
     tokens: dict[str, int] = field(default_factory=dict)
     skip: frozenset = frozenset()
     # Run under the mode and hooks although the plan changes nothing here: what calibration
-    # (taichi_plan.replay.calibrate) measures the runtime's own cost on.
+    # (taichi_plan.runtime.calibrate) measures the runtime's own cost on.
     probe: bool = False
     # op -> [(flattened output index, group)]: storages whose last unpack in backward runs
     # that rebuild group (one rebuilt early, before any of its tensors is unpacked).
@@ -189,7 +186,7 @@ class CallPlan:
     # call, not calls inside a partitioned module or a head over tokens, which run uncounted):
     # outside the regions, a live forward that passes one without calling its module skipped it.
     entries: tuple = ()
-    # Offloads (plan v14, taichi_plan/replay/copies.py): op -> [(flattened output index, tensor
+    # Offloads (plan v14, taichi_plan/runtime/copies.py): op -> [(flattened output index, tensor
     # id)] of the storages it makes that the plan offloads; counted op -> [tensor id] copied to
     # host right after it runs (their last forward use); op -> [(flattened output index, [tensor
     # ids])]: saved tensors whose last unpack issues those copies back (the plan's prefetch points).
@@ -637,7 +634,7 @@ class PlanRuntime(TorchDispatchMode):
         warm-up steps; without the recorded autocast, every activation is twice its size."""
         if call.autocast == "unknown":
             return None
-        from ..record.recorder import autocast_of
+        from ..torch_common.step import autocast_of
 
         got, want = autocast_of(model), call.autocast
         if got == want:
@@ -663,7 +660,7 @@ class PlanRuntime(TorchDispatchMode):
         if self._state_checked or self.state_bytes is None or not optimizer.state:
             return
         self._state_checked = True
-        from ..record.api import optimizer_state
+        from ..torch_common.step import optimizer_state
 
         storages = {st._cdata: st.nbytes() for st in (v.untyped_storage() for v in optimizer_state(optimizer))}
         live, count = sum(storages.values()), sum(1 for b in storages.values() if b)
@@ -687,7 +684,7 @@ class PlanRuntime(TorchDispatchMode):
         """(why this call cannot run the plan or None, whether its inputs are smaller than the
         recorded ones: :func:`no_larger`); ``alive``: whether the model holds gradients
         (:func:`_grads_alive`)."""
-        from ..record.recorder import input_signature
+        from ..torch_common.step import input_signature
 
         got = input_signature(args, kwargs)
         smaller = got != call.inputs and no_larger(got, call.inputs)
@@ -1640,7 +1637,7 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
     property of the machine and this code, not of the trace: ``maxbatch`` records many)."""
     import statistics
 
-    from ..record.recorder import op_clock
+    from ..torch_common.ops import op_clock
 
     clock = op_clock()
     x = torch.ones(1)

@@ -20,46 +20,12 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from ..base.errors import PlanError
-
-
-class PlannedForward:
-    """A planned module's ``forward`` (an instance attribute that calls ``run``). A copy of the
-    model (``copy.deepcopy``: an EMA model, a second run) gets the copied module's own forward
-    instead: the copy is not planned, and never runs the original module's weights."""
-
-    __slots__ = ("original", "run")
-
-    def __init__(self, run, original):
-        self.run, self.original = run, original
-
-    def __call__(self, *args, **kwargs):
-        return self.run(*args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        import copy
-
-        return copy.deepcopy(self.original, memo)  # a bound method: bound to the module's copy
-
-
-def wrap_forward(module, make) -> callable:
-    """Set ``module.forward`` to :class:`PlannedForward` of ``make(original forward)``; returns
-    a function that restores what was there (the class's forward, or an instance's own)."""
-    own = "forward" in module.__dict__
-    original = module.forward
-    module.forward = PlannedForward(make(original), original)
-
-    def restore():
-        if own:
-            module.forward = original
-        else:
-            del module.forward
-
-    return restore
+from .forward import wrap_forward
 
 
 def install_partitions(model, partitions, rt) -> callable:
     """Wrap each planned module's forward (a head partitioned over tokens returns lazy
-    logits: :func:`taichi_plan.replay.chunked_loss.install_token_heads`); returns a function
+    logits: :func:`taichi_plan.runtime.chunked_loss.install_token_heads`); returns a function
     that undoes it."""
     from .chunked_loss import install_token_heads
 
