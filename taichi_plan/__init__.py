@@ -6,9 +6,8 @@ under a memory budget (``solve``), judge it in a simulator (``simulate``) and lo
 """
 
 from .base.errors import TaichiError
+from .base.version import __version__
 from .trace.format import Trace, read_trace, write_trace
-
-__version__ = "0.1.0"
 
 
 def apply(model, plan, on_mismatch: str = "raise", optimizer=None, trace=None):

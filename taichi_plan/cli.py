@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from . import __version__
+from .base.version import __version__
 from .commands._common import handle_errors
 
 __all__ = ["handle_errors", "main"]  # handle_errors lives in commands/_common.py; kept here for callers

@@ -216,7 +216,7 @@ class PlanCallback(TrainerCallback):
         self.runtime = None
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        import taichi_plan
+        from ..replay import apply
 
         micro = int((self.trace.meta.get("loop") or {}).get("micro_batches", 1))
         if micro != args.gradient_accumulation_steps:
@@ -226,7 +226,7 @@ class PlanCallback(TrainerCallback):
                 "does not hold for it. Record this Trainer (taichi_plan.integrations.hf.record_trainer) and "
                 "solve again.")
         self.finish()  # a train() that raised never reached on_train_end
-        self.model = taichi_plan.apply(model, self.plan, on_mismatch=self.on_mismatch, trace=self.trace)
+        self.model = apply(model, self.plan, on_mismatch=self.on_mismatch, trace=self.trace)
         self.runtime = model._taichi_plan["runtime"]
 
     def on_optimizer_step(self, args, state, control, **kwargs):
@@ -238,8 +238,8 @@ class PlanCallback(TrainerCallback):
 
     def finish(self) -> None:
         """Remove the plan from the model (:func:`taichi_plan.finish`); ``on_train_end`` does."""
-        import taichi_plan
+        from ..replay import finish
 
         if self.model is not None:
-            taichi_plan.finish(self.model)
+            finish(self.model)
             self.model = None

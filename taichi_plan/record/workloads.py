@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..base.errors import UsageError, WorkloadError
+from ..trace.format import KV_CACHE_MODELS
 
 DTYPES = ("fp32", "bf16", "fp16")
 OPTIMIZERS = ("sgd", "adamw")
@@ -260,9 +261,6 @@ _BUILDERS = {
     "mlp": _build_mlp, "gpt2": _build_gpt2, "bert": _build_bert, "llama": _build_llama,
     "resnet50": _build_resnet50, "vit": _build_vit,
 }
-
-
-KV_CACHE_MODELS = ("gpt2", "llama")  # decoders whose forward appends keys and values to a cache
 
 
 def builtin_workload(name: str, *, dtype: str = "fp32", optimizer: str | None = "adamw", kv_cache: bool = True,

@@ -26,10 +26,10 @@ from string import Template
 
 import numpy as np
 
-from .. import __version__
 from ..base.atomic import check_output, write_text_atomic
 from ..base.errors import PlanError, UsageError
 from ..base.units import format_bytes, format_cost
+from ..base.version import __version__
 from ..plan.format import Plan, load_plan
 from ..problem.core import Problem
 from ..problem.optimizer.plan import problem_for_plan

@@ -557,7 +557,7 @@ def kv_cache_note(problem: Problem) -> str | None:
 
 def _builtin_decoder(problem: Problem) -> bool:
     """Was the trace recorded from a built-in decoder, which ``--no-kv-cache`` builds without its cache?"""
-    from ..record.workloads import KV_CACHE_MODELS
+    from ..trace.format import KV_CACHE_MODELS
 
     wl = problem.trace.meta.get("workload") or {}
     return wl.get("kind") == "builtin" and wl.get("name") in KV_CACHE_MODELS

@@ -546,3 +546,8 @@ def baseline_peak(trace: Trace) -> tuple[int, int]:
         return 0, -1
     i = int(np.argmax(live))
     return int(live[i]), i
+
+
+# The built-in decoders (``meta.workload.name``) whose forward appends keys and values to a cache;
+# ``record --no-kv-cache`` builds them without it.
+KV_CACHE_MODELS = ("gpt2", "llama")

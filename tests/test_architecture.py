@@ -1,0 +1,156 @@
+"""The house rules of docs/architecture.md, checked on the package's own imports (every
+``import``, function-local ones included): each module imports only its own floor or the
+floors below it, nothing imports in a circle, no module imports another's private name, and
+no module of ``taichi_plan`` is longer than the most a reader holds in the head."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import networkx as nx
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MOST_LINES = 600
+
+# Low to high: a module may import its own floor and those below, never one above. A floor is a
+# folder (or module) of taichi_plan; the longest prefix names a module's floor. Kept in the
+# order docs/architecture.md draws them.
+FLOORS = [
+    "base",
+    "trace",
+    "plan",
+    "problem.core",
+    "problem.offload",
+    "problem.sharding",
+    "problem.partition",
+    "problem.optimizer",
+    "problem.fit",
+    "simulate",
+    "solve",
+    "report",
+    "torch_common",
+    "runtime",
+    "record",
+    "compiled",
+    "replay",
+    "integrations",
+    "explore",
+    "commands",
+    "cli",
+    "errors",
+    "__main__",
+    "",  # the package itself: taichi_plan/__init__.py (the public API)
+]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    files = sorted((REPO / "taichi_plan").rglob("*.py")) + sorted((REPO / "benchmarks").glob("*.py"))
+    return {_module_name(p): p for p in files}
+
+
+def _graph() -> tuple[nx.DiGraph, list[str]]:
+    """The import graph of ``taichi_plan`` and ``benchmarks`` (an edge per importing module and
+    module imported, ``from pkg import module`` naming the module), and each private name one
+    module takes from another."""
+    mods = _sources()
+    graph, private = nx.DiGraph(), []
+    for me, path in mods.items():
+        graph.add_node(me)
+        package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            found = []
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")
+                    base = base[: len(base) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                for a in node.names:
+                    sub = f"{target}.{a.name}"
+                    found.append((sub, None) if sub in mods else (target, a.name))
+            elif isinstance(node, ast.Import):
+                found = [(a.name, None) for a in node.names]
+            for target, name in found:
+                while target and target not in mods:
+                    target = target.rpartition(".")[0]
+                if not target or target == me:
+                    continue
+                graph.add_edge(me, target)
+                if name and name.startswith("_") and not name.startswith("__"):
+                    private.append(f"{me} imports {name} from {target}")
+    return graph, private
+
+
+def floor_of(module: str) -> int:
+    """The floor of a ``taichi_plan`` module: the longest entry of :data:`FLOORS` it is in."""
+    rest = module.removeprefix("taichi_plan").removeprefix(".")
+    best = None
+    for i, f in enumerate(FLOORS):
+        if rest == f or rest.startswith(f + ".") or (f == "" and rest == ""):
+            if best is None or len(f) > len(FLOORS[best]):
+                best = i
+    if best is None:  # a folder's package file, where its sub-floors start: the lowest of them
+        best = next((i for i, f in enumerate(FLOORS) if f.startswith(rest + ".")), None)
+    assert best is not None, f"{module} is on no floor: add its folder to FLOORS and docs/architecture.md"
+    return best
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return _graph()
+
+
+def test_every_module_is_on_a_floor(graph):
+    for m in graph[0]:
+        if m.startswith("taichi_plan"):
+            floor_of(m)
+
+
+def test_no_arrow_runs_back_up_a_floor(graph):
+    g, _ = graph
+    up = [f"{a} (floor {FLOORS[floor_of(a)] or 'taichi_plan'}) imports {b} (floor {FLOORS[floor_of(b)]})"
+          for a, b in g.edges if a.startswith("taichi_plan") and b.startswith("taichi_plan")
+          and floor_of(b) > floor_of(a)]
+    assert not up, "\n".join(up)
+
+
+def test_no_import_circle(graph):
+    g, _ = graph
+    circles = [sorted(c) for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert not circles, circles
+
+
+def test_no_private_name_is_imported_from_another_module(graph):
+    _, private = graph
+    assert not private, "\n".join(private)
+
+
+def test_benchmarks_sit_above_the_package(graph):
+    g, _ = graph
+    wrong = [f"{a} imports {b}" for a, b in g.edges if a.startswith("taichi_plan") and b.startswith("benchmarks")]
+    assert not wrong, wrong
+
+
+def test_no_module_is_longer_than_a_reader_holds(graph):
+    long = {m: n for m, p in _sources().items() if m.startswith("taichi_plan")
+            and (n := len(p.read_text().splitlines())) > MOST_LINES}
+    assert not long, f"modules over {MOST_LINES} lines (split them by responsibility): {long}"
+
+
+def test_the_rules_can_fail():
+    """The checks see a back arrow, a circle and a private import where there is one."""
+    g = nx.DiGraph([("taichi_plan.trace.format", "taichi_plan.solve.ilp"), ("taichi_plan.solve.ilp", "taichi_plan.trace.format")])
+    assert floor_of("taichi_plan.solve.ilp") > floor_of("taichi_plan.trace.format")
+    assert [c for c in nx.strongly_connected_components(g) if len(c) > 1]
+    assert floor_of("taichi_plan.problem.partition.core") > floor_of("taichi_plan.problem.core")
+    assert floor_of("taichi_plan") == len(FLOORS) - 1
