@@ -31,7 +31,7 @@ from ..problem.optimizer.plan import (
 )
 from ..problem.partition.core import allow_random, floor_bytes, state_keepers
 from ..problem.sharding.prefetch import movable
-from ..problem.sharding.reshard import reshard_units
+from ..problem.sharding.units import reshard_units
 from ..simulate.allocator import AllocatorConfig
 from ..simulate.core import simulate_plan
 from ..trace.format import Trace, data_sized_note, own_checkpointing
