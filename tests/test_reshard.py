@@ -133,7 +133,8 @@ def test_a_unit_recorded_without_resharding_cannot_be_turned(recordings):
 APPLY = """
 import json, sys
 from taichi_plan.record import get_workload
-from taichi_plan.record.fsdp import fake_process_group, shard_model, live_layout, live_prefetch
+from taichi_plan.record.fsdp import fake_process_group, shard_model
+from taichi_plan.torch_common.fsdp import live_layout, live_prefetch
 from taichi_plan.base.errors import PlanError
 from taichi_plan.problem.sharding.prefetch import gatherings, setting_of, view_of_prefetch
 import taichi_plan
