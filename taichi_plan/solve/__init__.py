@@ -17,7 +17,9 @@ from ..base.deadline import OutOfTime, check, lifted, until
 from ..base.errors import InfeasibleBudgetError, UsageError
 from ..base.units import format_bytes
 from ..plan.format import Plan
-from ..problem.core import Problem, build_problem, describe_op, min_live_bytes
+from ..problem.core import Problem, build_problem
+from ..problem.describe import describe_op
+from ..problem.live import min_live_bytes
 from ..problem.optimizer.plan import (
     OPTION_ORDER,
     WORDS,
