@@ -15,7 +15,8 @@ from collections import Counter
 import pytest
 
 from taichi_plan.base.errors import PlanError
-from taichi_plan.problem.core import build_problem, options
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.options import options
 from taichi_plan.problem.partition.core import as_partition, module_spans
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import Drop, simulate_plan

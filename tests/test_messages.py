@@ -12,7 +12,8 @@ from synthetic import chain_trace, random_training_trace
 from taichi_plan.base.errors import InfeasibleBudgetError
 from taichi_plan.cli import main
 from taichi_plan.plan.format import save_plan
-from taichi_plan.problem.core import build_problem, describe_op, forward_module
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.describe import describe_op, forward_module
 from taichi_plan.solve import solve
 from taichi_plan.trace.format import write_trace
 

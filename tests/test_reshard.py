@@ -1,7 +1,7 @@
 """FSDP2's ``reshard_after_forward`` per unit, derived from the recorded trace (issue 10).
 
 The view of a trace recorded with every unit resharding, with some units set not to
-reshard (:func:`taichi_plan.problem.sharding.reshard.reshard_view`), equals a recording made with that
+reshard (:func:`taichi_plan.problem.sharding.no_reshard.reshard_view`), equals a recording made with that
 setting, table by table: every tensor row, every access, every op, its ``module`` label in
 backward included (before the recorder told equally deep open modules apart by when they
 opened, those labels differed between two recordings of one setting: the order of a set of
@@ -19,13 +19,10 @@ import pytest
 
 from taichi_plan.base.errors import PlanError
 from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
+from taichi_plan.problem.sharding.no_reshard import reshard_view
 from taichi_plan.problem.sharding.prefetch import gatherings, setting_of, view_of_prefetch
-from taichi_plan.problem.sharding.reshard import (
-    regather_ops,
-    reshard_units,
-    reshard_view,
-    view_of_choice,
-)
+from taichi_plan.problem.sharding.reshard import view_of_choice
+from taichi_plan.problem.sharding.units import regather_ops, reshard_units
 from taichi_plan.trace.format import read_trace
 
 # FSDP2's own default leaves the root gathered (fully_shard's reshard_after_forward=None);
@@ -136,7 +133,8 @@ def test_a_unit_recorded_without_resharding_cannot_be_turned(recordings):
 APPLY = """
 import json, sys
 from taichi_plan.record import get_workload
-from taichi_plan.record.fsdp import fake_process_group, shard_model, live_layout, live_prefetch
+from taichi_plan.record.fsdp import fake_process_group, shard_model
+from taichi_plan.torch_common.fsdp import live_layout, live_prefetch
 from taichi_plan.base.errors import PlanError
 from taichi_plan.problem.sharding.prefetch import gatherings, setting_of, view_of_prefetch
 import taichi_plan

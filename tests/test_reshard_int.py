@@ -5,7 +5,7 @@ gathers them within that group.
 Recorded on the fake process group (``record --fsdp 4 --reshard-to 2``), the trace agrees with
 ``FSDPMemTracker`` by category, files the post-forward shards under a kind of their own (no plan
 frees FSDP's state), and costs each backward all-gather over its 2-rank group. The same step
-derived from a recording that reshards in full (:func:`taichi_plan.problem.sharding.reshard.smaller_mesh_view`)
+derived from a recording that reshards in full (:func:`taichi_plan.problem.sharding.smaller_mesh.smaller_mesh_view`)
 equals that recording, table by table; the planner chooses an int where the job spans nodes;
 on 4 real gloo ranks a plan of the derived step measures its predicted peak, shards bitwise;
 a plan of one setting is refused on a model sharded with another.
@@ -45,7 +45,8 @@ def full_trace(int_trace):
 def test_view_equals_a_recording_with_that_setting(int_trace, full_trace):
     from test_reshard import _differences
 
-    from taichi_plan.problem.sharding.reshard import smaller_mesh_view, view_of_choice
+    from taichi_plan.problem.sharding.reshard import view_of_choice
+    from taichi_plan.problem.sharding.smaller_mesh import smaller_mesh_view
 
     _d, rec, _ = int_trace
     view = smaller_mesh_view(full_trace, {1: 2, 2: 2})
@@ -66,7 +67,7 @@ def test_view_equals_a_recording_under_mixed_precision():
     it; it equals a recording, with one block at 2 ranks."""
     from test_reshard import _differences
 
-    from taichi_plan.problem.sharding.reshard import smaller_mesh_view
+    from taichi_plan.problem.sharding.smaller_mesh import smaller_mesh_view
     from taichi_plan.record import get_workload
     from taichi_plan.record.fsdp import record_fsdp_workload
     from taichi_plan.torch_common.fsdp import mixed_precision
@@ -83,7 +84,8 @@ def test_view_equals_a_recording_under_mixed_precision():
 
 def test_settings_that_cannot_be_derived_are_refused(int_trace, full_trace):
     from taichi_plan.base.errors import PlanError
-    from taichi_plan.problem.sharding.reshard import smaller_mesh_view, view_of_choice
+    from taichi_plan.problem.sharding.reshard import view_of_choice
+    from taichi_plan.problem.sharding.smaller_mesh import smaller_mesh_view
 
     with pytest.raises(PlanError, match="one of its factors"):
         smaller_mesh_view(full_trace, {1: 3})

@@ -16,7 +16,8 @@ from synthetic import TraceBuilder
 
 from taichi_plan.base.errors import PlanError
 from taichi_plan.plan.format import peak_from_schedule
-from taichi_plan.problem.core import build_problem, options, revival_options
+from taichi_plan.problem.core import build_problem
+from taichi_plan.problem.options import options, revival_options
 from taichi_plan.simulate.core import Drop, build_schedule, simulate
 from taichi_plan.solve import solve
 

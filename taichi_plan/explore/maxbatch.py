@@ -47,10 +47,11 @@ from dataclasses import asdict, dataclass, field
 
 from ..base.errors import InfeasibleBudgetError, UsageError
 from ..base.units import format_bytes
-from ..problem.core import Problem, build_problem, min_live_bytes
+from ..problem.core import Problem, build_problem
+from ..problem.live import min_live_bytes
 from ..problem.offload import OffloadConfig, allow_offload
 from ..problem.partition.core import floor_bytes
-from ..problem.sharding.reshard import reshard_units
+from ..problem.sharding.units import reshard_units
 from ..solve import OURS, run_method, solve
 from ..solve.result import Decisions, host_fits, simulate_plan_of
 from ..trace.format import Trace

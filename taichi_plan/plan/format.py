@@ -122,7 +122,7 @@ class Plan:
     optimizer: dict | None = None
     # FSDP2's reshard_after_forward per unit (v5, ``decisions.reshard_after_forward``): None for
     # one process; else {"units": [{"module", "reshard_after_forward", "recorded", "why"?}],
-    # "step_compute_saved": seconds, "chosen_by": "auto"|"asked"|None} (taichi_plan/problem/sharding/reshard.py).
+    # "step_compute_saved": seconds, "chosen_by": "auto"|"asked"|None} (taichi_plan/problem/sharding/decisions.py).
     reshard: dict | None = None
     # FSDP2's prefetching (v6, ``decisions.fsdp_prefetch``): None for one process; else
     # {"forward": [module], "backward": [module] (the units gathered early in each pass),

@@ -9,6 +9,9 @@ candidate qualifies when its producer is recomputable, its in-place writers are 
 ops that write nothing else, no input of its rebuild ops is overwritten before
 ``remat_before`` (the rebuilt value would differ), and its lone rebuild is executable
 (every input gone by then can itself be rebuilt).
+
+The options a planner picks from are in :mod:`taichi_plan.problem.options`, the bytes they free
+in :mod:`taichi_plan.problem.live`, how messages name an op in :mod:`taichi_plan.problem.describe`.
 """
 
 from __future__ import annotations
@@ -495,72 +498,6 @@ def rebuild_set(problem: Problem, t: int, r: int) -> set[int] | None:
     return seen
 
 
-def gap_bytes(n: int, free_after: np.ndarray, remat_before: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Bytes away during each of ``n`` ops when each tensor is freed after ``free_after`` and
-    back before ``remat_before`` (ops ``free_after+1 .. remat_before-1``)."""
-    delta = np.zeros(n + 1, dtype=np.int64)
-    np.add.at(delta, free_after + 1, sizes)
-    np.add.at(delta, remat_before, -sizes)
-    return np.cumsum(delta)[:n]
-
-
-def coverage_delta(problem: Problem, chosen: np.ndarray | None = None) -> np.ndarray:
-    """Bytes freed at each op by dropping the candidates (all, or those where ``chosen``).
-
-    A candidate frees its bytes during ops ``free_after+1 .. remat_before-1``: an upper
-    bound on what it saves (rebuilding early or transients only add memory back).
-    """
-    sel = np.ones(len(problem.candidates), dtype=bool) if chosen is None else chosen.astype(bool)
-    return gap_bytes(problem.num_ops, problem.cand_free_after[sel], problem.cand_remat_before[sel],
-                     problem.nbytes[problem.candidates[sel]])
-
-
-def min_live_bytes(problem: Problem) -> np.ndarray:
-    """Bytes that must be live during each op under any plan (everything droppable dropped,
-    nothing rebuilt): no budget below ``max(min_live_bytes)`` can be met."""
-    return problem.baseline_live - coverage_delta(problem)
-
-
-@dataclass
-class Options:
-    """Every (tensor, free_after, remat_before) a planner may pick, at most one per candidate
-    gap (options of one gap share ``cand``)."""
-
-    tensor: np.ndarray  # tensor index
-    cand: np.ndarray  # index into problem.candidates
-    free_after: np.ndarray
-    remat_before: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.tensor)
-
-
-def options(problem: Problem, early: bool = True) -> Options:
-    """The plan space's options. Recorded steps and training graphs: each candidate's full
-    gap, plus its early-rebuild variant where it has one. Forward-only imported graphs
-    (``problem.every_gap``): each candidate gap with its rebuild before *any* op of the gap,
-    ``free_after + 2 .. remat_before`` (Moccasin's intervals, which may start anywhere: a
-    rebuild placed after a peak, or while its inputs are still live, frees memory where a
-    rebuild right before the next use cannot)."""
-    if problem.every_gap:
-        a, b = problem.cand_free_after, problem.cand_remat_before
-        counts = np.maximum(b - a - 1, 0)
-        cand = np.repeat(np.arange(len(a)), counts)
-        first = np.repeat(a + 2, counts)
-        offset = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-        return Options(tensor=problem.candidates[cand], cand=cand, free_after=a[cand],
-                       remat_before=(first + offset).astype(np.int64))
-    k = np.arange(len(problem.candidates))
-    alt = k[problem.cand_early_remat >= 0] if early else k[:0]
-    cand = np.concatenate([k, alt])
-    return Options(
-        tensor=problem.candidates[cand],
-        cand=cand,
-        free_after=problem.cand_free_after[cand],
-        remat_before=np.concatenate([problem.cand_remat_before, problem.cand_early_remat[alt]]),
-    )
-
-
 def read_args(problem: Problem) -> dict[int, list[int]]:
     """Op -> the storages it reads, by argument index (cached)."""
     cached = getattr(problem, "_read_args", None)
@@ -574,72 +511,6 @@ def read_args(problem: Problem) -> dict[int, list[int]]:
     return cached
 
 
-def revivable(problem: Problem) -> np.ndarray:
-    """Tensor indices that may be revived (simulate.py's module docstring), on forward-only
-    imported graphs: made in the step, not model state or an input, freed before its last two
-    ops, and read by the rebuild ops of a tensor that can be rebuilt (else no rebuild ever
-    needs it back)."""
-    if not problem.every_gap:
-        return np.zeros(0, dtype=np.int64)
-    read: set[int] = set()
-    for x in np.nonzero(problem.rematerializable)[0].tolist():
-        read.update(rebuild_inputs(problem, x))
-    ok = [u for u in sorted(read) if not problem.persists[u] and problem.kind[u] not in FIXED_KINDS
-          and problem.nbytes[u] > 0 and problem.end[u] + 1 < problem.num_ops - 1]
-    return np.asarray(ok, dtype=np.int64)
-
-
-def revival_points(problem: Problem, u: int) -> range:
-    """Where tensor ``u`` may be revived: kept (``end + 1``) or, if it can be rebuilt, rebuilt
-    before any later op up to its rebuild deadline (the last op is never a group's)."""
-    last = min(int(problem.remat_deadline[u]), problem.num_ops - 1) if problem.rematerializable[u] else -1
-    return range(int(problem.end[u]) + 1, max(last, int(problem.end[u]) + 1) + 1)
-
-
-def revival_options(problem: Problem) -> Options:
-    """Every revival a plan may hold (at most one per tensor); ``cand`` numbers the tensors,
-    after ``problem.candidates`` (so gap options and revivals never share one)."""
-    ts, pts = [], []
-    for u in revivable(problem).tolist():
-        pts.extend(revival_points(problem, u))
-        ts.extend([u] * len(revival_points(problem, u)))
-    tensor = np.asarray(ts, dtype=np.int64)
-    _, cand = np.unique(tensor, return_inverse=True)
-    return Options(tensor=tensor, cand=(cand.astype(np.int64) + len(problem.candidates)).reshape(-1),
-                   free_after=problem.end[tensor].astype(np.int64), remat_before=np.asarray(pts, dtype=np.int64))
-
-
-def rebuild_closure(problem: Problem, t: int, free_after: int, candidate_set: set[int],
-                    dead_candidates: bool = True) -> tuple[list[int], list[int]]:
-    """The ops a rebuild of ``t`` certainly re-runs, and the candidates it reads.
-
-    Walks ``t``'s rebuild inputs: an input already gone when ``t`` is freed (``end <=
-    free_after``) is gone at any later rebuild, whatever the plan (a rebuilt copy lives no
-    longer than the original), so it must be rebuilt too and its rebuild ops join,
-    recursively; any other candidate input is reported (whether it must be rebuilt depends
-    on its own decision). With ``dead_candidates=False`` every candidate input is reported,
-    gone or not (a weaker answer, both are true).
-    """
-    ops: list[int] = []
-    deps: list[int] = []
-    seen = {t}
-    stack = [t]
-    while stack:
-        x = stack.pop()
-        ops.extend(problem.rebuild_ops[x].tolist())
-        for u in rebuild_inputs(problem, x):
-            if u in seen:
-                continue
-            seen.add(u)
-            if u in candidate_set and not dead_candidates:
-                deps.append(u)
-            elif problem.end[u] <= free_after and problem.rematerializable[u]:
-                stack.append(u)
-            elif u in candidate_set:
-                deps.append(u)
-    return sorted(set(ops)), deps
-
-
 def _stem(op_name: str) -> str:
     """``aten.gelu_backward.default`` -> ``gelu``: the op name without namespace, overload
     and ``_backward``."""
@@ -651,64 +522,3 @@ def _stem(op_name: str) -> str:
 op_stem = _stem  # the public name, for other rooms
 
 
-def _common_module(modules: list[str]) -> str:
-    """The deepest FQN every module is, or is inside (``''`` if none)."""
-    split = [m.split(".") if m else [] for m in modules]
-    out: list[str] = []
-    for parts in zip(*split):
-        if any(p != parts[0] for p in parts):
-            break
-        out.append(parts[0])
-    return ".".join(out)
-
-
-def forward_module(problem: Problem, op: int) -> str | None:
-    """For a backward op, the module of the forward op it is the backward of; None for other
-    ops, or when it reads nothing made in forward.
-
-    The trace's own ``module`` of a backward op is the innermost module PyTorch's
-    ``ModTracker`` had open when it ran, and ModTracker leaves a module open through the
-    rest of backward when that module's inputs need no gradient (Swin's
-    ``relative_position_bias``): every later backward op is then filed under it. What a
-    backward op reads (saved activations, weights) says better where it belongs: the forward
-    op that used it with the same name (``gelu`` for ``gelu_backward``), else the deepest
-    module common to every forward op that used it. A backward op that reads nothing forward
-    used takes the answer of its nearest such neighbour.
-    """
-    phase = problem._phase_array
-    if phase[op] != "backward":
-        return None
-    # An op that reads only gradients (a view, a transpose) belongs with its neighbours:
-    # the nearest backward op before it, else after it, that reads something forward used.
-    for k in [*range(op, -1, -1), *range(op + 1, problem.num_ops)]:
-        if phase[k] != "backward":
-            continue
-        owner = _forward_module_of(problem, k)
-        if owner is not None:
-            return owner
-    return None
-
-
-def _forward_module_of(problem: Problem, op: int) -> str | None:
-    phase = problem._phase_array
-    users = sorted({int(u) for t in problem.op_reads[op].tolist() for u in problem.uses[t].tolist()
-                    if phase[u] == "forward"})
-    if not users:
-        return None
-    stem = _stem(problem.op_name[op])
-    named = [u for u in users if _stem(problem.op_name[u]) == stem]
-    if named:
-        return problem.op_module[named[-1]]
-    return _common_module([problem.op_module[u] for u in users])
-
-
-def describe_op(problem: Problem, op: int) -> str:
-    """``op 12 (aten.mm.default in layers.0.mlp)``; a backward op is described by the module
-    of its forward op (:func:`forward_module`): ``(aten.gelu_backward.default, backward of
-    layers.0.mlp.act)``."""
-    name = problem.op_name[op]
-    owner = forward_module(problem, op)
-    if owner is not None:
-        return f"op {op} ({name}, backward of {owner or 'the top-level model'})"
-    module = problem.op_module[op]
-    return f"op {op} ({name}" + (f" in {module}" if module else "") + ")"

@@ -17,7 +17,9 @@ from ..base.deadline import OutOfTime, check, lifted, until
 from ..base.errors import InfeasibleBudgetError, UsageError
 from ..base.units import format_bytes
 from ..plan.format import Plan
-from ..problem.core import Problem, build_problem, describe_op, min_live_bytes
+from ..problem.core import Problem, build_problem
+from ..problem.describe import describe_op
+from ..problem.live import min_live_bytes
 from ..problem.optimizer.plan import (
     OPTION_ORDER,
     WORDS,
@@ -31,7 +33,7 @@ from ..problem.optimizer.plan import (
 )
 from ..problem.partition.core import allow_random, floor_bytes, state_keepers
 from ..problem.sharding.prefetch import movable
-from ..problem.sharding.reshard import reshard_units
+from ..problem.sharding.units import reshard_units
 from ..simulate.allocator import AllocatorConfig
 from ..simulate.core import simulate_plan
 from ..trace.format import Trace, data_sized_note, own_checkpointing

@@ -47,16 +47,12 @@ from ..base.errors import InfeasibleBudgetError
 from ..base.units import format_bytes, format_cost
 from ..plan.format import Plan
 from ..problem.core import Problem
+from ..problem.sharding.decisions import held_bytes, regather_cost
 from ..problem.sharding.overlap import is_collective, overlapped_step_time
 from ..problem.sharding.prefetch import PHASES, movable, prefetch_problem, setting_of
-from ..problem.sharding.reshard import (
-    held_bytes,
-    regather_cost,
-    reshard_problem,
-    reshard_units,
-    smaller_mesh_factors,
-    smaller_mesh_saving,
-)
+from ..problem.sharding.reshard import reshard_problem
+from ..problem.sharding.smaller_mesh import smaller_mesh_saving
+from ..problem.sharding.units import reshard_units, smaller_mesh_factors
 from ..simulate.core import simulate_plan
 from .heuristic import plan_heuristic
 
@@ -103,7 +99,7 @@ def smaller_mesh_choice(problem: Problem) -> dict[int, int]:
     largest factor of the shard group (strictly between 1 and it) whose ranks share a node, so
     that the backward all-gather runs on the node's links (else the least factor). Not the root
     (backward gathers it first anyway), and none on a trace of measured op times: the steps
-    :func:`taichi_plan.problem.sharding.reshard.smaller_mesh_view` does not derive."""
+    :func:`taichi_plan.problem.sharding.smaller_mesh.smaller_mesh_view` does not derive."""
     from ..trace.devices import get_profile
 
     meta = problem.trace.meta

@@ -17,7 +17,9 @@ import numpy as np
 
 from ..base.errors import PlanError
 from ..plan.format import Partition
-from ..problem.core import Problem, gap_bytes, options
+from ..problem.core import Problem
+from ..problem.live import gap_bytes
+from ..problem.options import options
 from ..problem.partition.core import (
     apply_partitions,
     as_partition,

@@ -40,18 +40,9 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from ..base.errors import PlanError
-from ..problem.core import (
-    Options,
-    Problem,
-    coverage_delta,
-    gap_bytes,
-    options,
-    rebuild_closure,
-    rebuild_inputs,
-    rebuild_set,
-    revivable,
-    revival_options,
-)
+from ..problem.core import Problem, rebuild_inputs, rebuild_set
+from ..problem.live import coverage_delta, gap_bytes
+from ..problem.options import Options, options, rebuild_closure, revivable, revival_options
 from ..problem.partition.core import (
     Span,
     apply_partitions,

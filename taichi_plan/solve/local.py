@@ -30,7 +30,8 @@ import time
 import numpy as np
 
 from ..base.errors import PlanError
-from ..problem.core import Options, Problem, rebuild_inputs, revivable
+from ..problem.core import Problem, rebuild_inputs
+from ..problem.options import Options, revivable
 from ..simulate.core import Drop, SimResult, rebuild_overhead, simulate
 from .scores import rebuild_cost, sim_over
 

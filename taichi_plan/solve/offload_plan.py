@@ -38,8 +38,9 @@ import time
 import numpy as np
 
 from ..base.errors import PlanError
-from ..problem.core import Problem, rebuild_closure
+from ..problem.core import Problem
 from ..problem.offload import Offload, offload_candidates, schedule_offloads
+from ..problem.options import rebuild_closure
 from ..problem.partition.core import apply_partitions
 from ..simulate.core import simulate
 from .heuristic import best_by_simulator, plan_heuristic, plan_remat
@@ -103,7 +104,7 @@ def _choose(problem: Problem, budget_bytes: int, lone: list, banned: set[int]) -
 
 def _blocked(problem: Problem, offloads: list[Offload]) -> set[int]:
     """Tensors a drop may not take beside ``offloads``: those whose rebuild (its ops and the
-    inputs it certainly re-makes, :func:`~taichi_plan.problem.core.rebuild_closure`) or whose
+    inputs it certainly re-makes, :func:`~taichi_plan.problem.options.rebuild_closure`) or whose
     candidate inputs read an offloaded one (the simulator refuses a group that reads a tensor
     while it is on the host)."""
     away = {o.tensor for o in offloads}

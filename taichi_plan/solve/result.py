@@ -19,8 +19,8 @@ from ..problem.optimizer.plan import recorded_problem, recorded_trace
 from ..problem.partition.core import find_span, partition_cost, partition_savings, random_draws
 from ..problem.partition.overhead import runtime_overhead_s
 from ..problem.partition.regions import checkpointed_modules, early_triggers, needed_ops, region_ops
+from ..problem.sharding.decisions import describe as describe_reshard
 from ..problem.sharding.prefetch import describe as describe_prefetch
-from ..problem.sharding.reshard import describe as describe_reshard
 from ..simulate.allocator import AllocatorConfig, AllocatorResult, replay_schedule
 from ..simulate.core import Drop, SimResult, build_schedule, is_revival, rerun_ops, simulate_plan
 from ..trace.layout import layout

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..problem.core import Options, Problem, rebuild_closure
+from ..problem.core import Problem
+from ..problem.options import Options, rebuild_closure
 from ..simulate.core import SimResult
 
 

@@ -949,7 +949,7 @@ def floor_bytes(problem: Problem) -> np.ndarray:
     if cached is not None and cached[0] is spans:  # (the options it was computed for, floor)
         return cached[1]
     from ...base.deadline import check
-    from ..core import min_live_bytes
+    from ..live import min_live_bytes
 
     floor = min_live_bytes(problem).astype(np.int64)
     own: dict[str, np.ndarray] = {}  # module -> the most any partition of it saves, per op
