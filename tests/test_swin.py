@@ -4,7 +4,7 @@ relative position bias of each block, from a parameter table and an index buffer
 only when the whole backward ends, so every later backward op read as the bias's. A block
 checkpointed whole was then predicted 730 KB above its measured peak (its backward found at
 the wrong ops). The recorder closes such a module at its parameters' gradients
-(``recorder._ModuleTracker``). And of equally deep open modules (the query, key and value
+(``module_tracking.ModuleTracker``). And of equally deep open modules (the query, key and value
 projections, open together in backward) it names the one opened last: it named the first
 its set of open modules yielded, an order that follows Python's string hash, so two
 recordings of one step in two processes offered different modules."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 def swin(batch: int = 2, dtype: str = "fp32", **_):
     """A two-stage windowed-attention vision model (Swin): its backward ops are where
     PyTorch's ModTracker leaves ``relative_position_bias`` open (the recorder closes it:
-    ``recorder._ModuleTracker``; tests/test_swin.py)."""
+    ``module_tracking.ModuleTracker``; tests/test_swin.py)."""
     import torch
     from transformers import SwinConfig, SwinForImageClassification
 
@@ -280,7 +280,7 @@ def passthrough_blocks(batch: int = 8, **_):
     """A downsampling layer, then residual blocks whose drop path is ``nn.Identity`` (a drop
     path turned off, as ConvNeXt's, Swin's and BEiT's are at rate 0): a module that returns
     its input as it got it. PyTorch's ``ModTracker`` opened such a module in backward and never
-    closed it (``recorder._ModuleTracker._fw_post_hook``)."""
+    closed it (``module_tracking.ModuleTracker._fw_post_hook``)."""
     import torch
     from torch import nn
 

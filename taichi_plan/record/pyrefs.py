@@ -29,7 +29,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from .recorder import Recorder, StepRecord
+from .recorder import Recorder
+from .step_record import StepRecord
 
 
 class _BackwardStarted(BaseException):

@@ -60,322 +60,31 @@ How each column is decided:
 
 from __future__ import annotations
 
-import contextlib
 import gc
-import os
-import sys
 import threading
-import warnings
 import weakref
-from dataclasses import dataclass, field
-from functools import partial
 
 import torch
-from torch.distributed._tools import mod_tracker as _mod_tracker_module
-from torch.distributed._tools.mod_tracker import ModTracker
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
-from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
 from ..torch_common.ops import draws_random, op_clock
-from ..torch_common.step import autocast_of, input_signature
 from ..trace.devices import DeviceProfile
-from ..trace.roofline import collective_duration_s, collective_kind, dtype_key, estimate_duration_s
+from ..trace.roofline import collective_duration_s, dtype_key, estimate_duration_s
+from .calls import CallsMixin
+from .module_tracking import ModuleTracker, leaf_safe_module_tracking
+from .op_facts import autocast_cached, group_extent, op_info, sizes_by_data
+from .step_record import StepRecord
+from .storages import StoragesMixin, local_tensor, storage_of, wrapper_subclasses
 
-_aten = torch.ops.aten
-# CPU SDPA kernels have the same (q, k, v, ...) / (grad_out, q, k, v, ...) layout as the CUDA ones.
-_EXTRA_FLOPS = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: shape_wrapper(sdpa_flop),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: shape_wrapper(sdpa_backward_flop),
-}
 _Tensor = torch.Tensor
-# Metadata queries and profiler markers: no kernel, no memory (``prim.device`` under fake mode,
-# ``profiler._record_function_*`` around ``optimizer.step``).
-_SKIP_NAMESPACES = ("prim", "profiler")
-# Ops a rank cannot re-run alone: collectives, and FSDP's copies in and out of their buffers.
-_NO_RECOMPUTE_NAMESPACES = ("c10d", "_c10d_functional", "fsdp")
 
 
-def _wrapper_subclasses() -> tuple:
-    """Tensor subclasses whose ops the recorder lets through to their local tensors (DTensor)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except Exception:  # a torch built without distributed
-        return ()
-    return (DTensor,)
-
-
-def local_tensor(t):
-    """The tensor holding ``t``'s memory on this rank: a DTensor's local shard, else ``t``."""
-    return getattr(t, "_local_tensor", t) if isinstance(t, _Tensor) else t
-
-
-@dataclass
-class _OpInfo:
-    name: str
-    skip: bool
-    mutates: bool
-    write_args: list[tuple[int, str]]
-    flop_fn: object
-    collective: str | None = None  # ring kind (allgather, reduce_scatter, allreduce) of a collective
-    no_recompute: bool = False
-    seeded: bool = False  # tagged ``nondeterministic_seeded``: may draw from the RNG (see draws_random)
-    sized_by_data: bool = False  # tagged ``dynamic_output_shape``: its outputs' sizes may depend on values
-
-
-def _storage(x, op: str):
-    """``x``'s untyped storage; a tensor without one (sparse, nested) is refused by name."""
-    try:
-        return x.untyped_storage()
-    except (NotImplementedError, RuntimeError) as e:
-        from ..base.errors import WorkloadError
-
-        raise WorkloadError(
-            f"The step uses a {str(x.layout).replace('torch.', '')} tensor (in {op}), which has no single storage "
-            "to count: taichi-plan records dense (strided) tensors only. Sparse gradients come from "
-            "nn.Embedding(sparse=True) or F.embedding(sparse=True): use sparse=False (dense gradients) to record "
-            "and plan this step.") from e
-
-
-def trainable_signature(model) -> list[int]:
-    """``[count, bytes]`` of the model's parameters that require grad (trace v12
-    ``model_calls[].trainable``): which tensors autograd saves for backward, and which
-    gradients and optimizer state the step holds, follow from it."""
-    n = b = 0
-    for p in model.parameters():
-        if p.requires_grad:
-            n += 1
-            b += p.numel() * p.element_size()
-    return [n, b]
-
-
-def _op_info(func) -> _OpInfo:
-    name = str(func)
-    skip = func.namespace in _SKIP_NAMESPACES
-    write_args = []
-    schema = getattr(func, "_schema", None)
-    if schema is not None:
-        for i, a in enumerate(schema.arguments):
-            if a.alias_info is not None and a.alias_info.is_write:
-                write_args.append((-1 if a.kwarg_only else i, a.name))
-    packet = func.overloadpacket
-    flop_fn = flop_registry.get(packet) or _EXTRA_FLOPS.get(packet)
-    return _OpInfo(name, skip, bool(write_args), write_args, flop_fn, collective_kind(name),
-                   func.namespace in _NO_RECOMPUTE_NAMESPACES, _SEEDED is not None and _SEEDED in func.tags,
-                   torch.Tag.dynamic_output_shape in func.tags)
-
-
-def sizes_by_data(func, args) -> bool:
-    """Does this call of an op tagged ``dynamic_output_shape`` make outputs whose sizes depend
-    on tensor values (``nonzero``, ``masked_select``, ``unique``, ``x[mask]``)? Indexing is tagged
-    for its boolean masks: ``x[idx]`` with integer indices is sized by ``idx``'s size alone (data
-    dependent only when ``idx`` is, which the recorder follows from its inputs)."""
-    if func is torch.ops.aten.index.Tensor and len(args) > 1:
-        return any(isinstance(i, _Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ())
-    return True
-
-
-_SEEDED = getattr(torch.Tag, "nondeterministic_seeded", None)
-
-
-@dataclass
-class StepRecord:
-    """Column lists of one recorded step (plain Python lists, turned into frames later)."""
-
-    ops: dict[str, list] = field(default_factory=dict)
-    tensors: dict[str, list] = field(default_factory=dict)
-    accesses: dict[str, list] = field(default_factory=dict)
-    shapes: list = field(default_factory=list)
-    producer_phase: list = field(default_factory=list)
-    calls: list = field(default_factory=list)  # the model's forward calls (see Recorder.model_hooks)
-    incarnations: dict = field(default_factory=dict)  # storage key -> its rows (tensor ids), when resized
-    extras: dict = field(default_factory=dict)  # what add-ons (record.fsdp) note about the step
-    random_ops: list = field(default_factory=list)  # op ids that drew random numbers (draws_random)
-    # Tensor ids whose size depends on tensor values (trace v11 meta.data_sized): made by an op
-    # whose output size does (``nonzero``, ``x[mask]``: sizes_by_data), or by any op reading such a
-    # tensor (a mixture of experts' ``hidden[token_idx]`` and everything its expert computes);
-    # an in-place write keeps its storage's size. ``data_sized_ops``: the ops that made or read
-    # them; ``data_sized_sources``: the ops whose own outputs are sized by values.
-    data_sized: set = field(default_factory=set)
-    data_sized_ops: set = field(default_factory=set)
-    data_sized_sources: list = field(default_factory=list)
-    # Op ids of forward code re-run inside backward by torch.utils.checkpoint: the model's own
-    # activation checkpointing (Recorder._note_rerun).
-    rerun_ops: list = field(default_factory=list)
-    # Names (relative to the model) of the modules whose forward was called in the step: a
-    # ModuleList or ModuleDict runs ops only through its children and is never called itself.
-    called_modules: set = field(default_factory=set)
-    # Per module, per forward call outside backward: [op id the call started at, tensor ids of
-    # its arguments] (trace v10 meta.module_args). A module checkpointed by a plan holds every
-    # tensor argument until its backward, those its ops never read too (a decoder layer's
-    # position ids): the trace's reads alone miss them. Its calls are counted too: one called
-    # several times back to back (ALBERT's shared layer group) runs its ops in one contiguous
-    # run per forward, which the ops alone cannot tell from a single call.
-    module_args: dict = field(default_factory=dict)
-    # Op ids where backward starts running another autograd node (trace v9 meta.backward_nodes):
-    # a node unpacks its saved tensors before its first op, which is when replay rebuilds one.
-    node_starts: list = field(default_factory=list)
-
-    @property
-    def num_ops(self) -> int:
-        return len(self.ops["op"])
-
-
-_CHECKPOINT_FILE = ("torch", "utils", "checkpoint.py")
 _NO_NODE = object()  # no backward op seen since the last forward or optimizer op
 _current_node = getattr(torch._C, "_current_autograd_node", None)  # torch >= 2.1
 
 
-def _in_checkpoint() -> bool:
-    """Is ``torch.utils.checkpoint``'s code on the Python stack (recomputing a region)?"""
-    tail = os.sep + os.path.join(*_CHECKPOINT_FILE)
-    f = sys._getframe(1)
-    while f is not None:
-        if f.f_code.co_filename.endswith(tail):
-            return True
-        f = f.f_back
-    return False
-
-
-def _leaf_safe_multi_grad_hook(tensors, fn, *, mode: str = "all"):
-    """``register_multi_grad_hook`` as ModTracker calls it (on a module's inputs, to close the
-    module in backward), safe under ``torch.autograd.grad``. In its ``"all"`` mode the first
-    hook to fire asks the engine whether each input's node will run, and for a leaf input (a
-    tensor the user made require grad: a gradient penalty's ``x.requires_grad_()``) the engine
-    answers ``RuntimeError: A leaf node was passed to _will_engine_execute_node but we are
-    currently running autograd.grad()``, aborting the user's step. So leaves are left out when
-    other inputs carry the module's gradient, and a module whose inputs are all leaves is
-    closed at the first of their gradients (``"any"``): where several leaf inputs get their
-    gradients at different times, the module closes at the first (its later backward ops are
-    then labelled with its parent)."""
-    from torch.autograd.graph import register_multi_grad_hook
-
-    if mode == "all":
-        inner = [t for t in tensors if t.grad_fn is not None]
-        if len(inner) < len(tensors):
-            tensors, mode = (inner, "all") if inner else (tensors, "any")
-    return register_multi_grad_hook(tensors, fn, mode=mode)
-
-
-# What PyTorch's ModTracker warns when a module outside the model (named by its class alone) is
-# called inside another of its class: transformers' Func around apply_rotary_pos_emb and
-# rotate_half. Harmless to the recorder, which files such ops itself (Recorder._module).
-HIERARCHY_WARNING = "The module hierarchy tracking maybe be messed up"
-
-
-class _ModuleTracker(ModTracker):
-    """PyTorch's ``ModTracker``, with the backward of a module whose inputs carry no gradient
-    closed once all its parameters' gradients are made. ModTracker closes a module in backward
-    through a hook on its inputs' gradients; where none requires grad (a relative position
-    bias computed from an index buffer and a parameter table, as in every Swin block; the
-    first block of a model, fed the batch) it closes the module only when the whole backward
-    ends, and every later backward op reads as that module's (the deepest open one): on a
-    Swin, the backward of the blocks before the first bias read as the bias's, and a block
-    checkpointed whole was predicted 730 KB above its measured peak (its backward found at the
-    wrong ops). Here each such call closes when the last of its parameters gets its gradient
-    (hooks on the parameters, counted: no ``register_multi_grad_hook`` ``"all"``, which asks
-    the engine about leaves and fails under ``torch.autograd.grad``), and at the end of the
-    backward at the latest (ModTracker's own callback), once either way. It also counts when
-    each module was opened (``opened``), for :meth:`Recorder._module` to tell apart equally
-    deep open modules."""
-
-    def __init__(self):
-        super().__init__()
-        self.opened: dict[str, int] = {}  # module name -> when it was last opened (a counter)
-        self.opened_at: dict[str, int] = {}  # module name -> ops recorded when it was last opened
-        self.ops_seen = 0  # ops recorded so far (counted by Recorder._module)
-        self._opens = 0
-        self._param_hooks: dict[int, list] = {}  # per call waiting for its gradients: its hooks
-        self.root = ""  # the model's own name (Recorder): modules named outside it are not the model's
-
-    def __exit__(self, *args):
-        # a call whose backward never ran (the Python-reference probe, an eval forward) leaves
-        # its hooks on the model's parameters: removed with the tracker, nothing stays behind
-        for handles in self._param_hooks.values():
-            for h in handles:
-                h.remove()
-        self._param_hooks.clear()
-        return super().__exit__(*args)
-
-    def _get_append_fn(self, w_mod, name, is_bw):
-        append = super()._get_append_fn(w_mod, name, is_bw)
-        root = self.root
-
-        def fn(*args):
-            if root and name != root and not name.startswith(root + "."):
-                # A module that is not the model's own (transformers' Func around
-                # apply_rotary_pos_emb, one object called in every layer): ModTracker names it
-                # by its class, so its next call finds that name still open and warns "The
-                # module hierarchy tracking maybe be messed up. Please file a bug to PyTorch".
-                # Its ops are filed under the model's module that called it (Recorder._module).
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", message=HIERARCHY_WARNING)
-                    append(*args)
-            else:
-                append(*args)
-            self._opens += 1
-            self.opened[name] = self._opens
-            self.opened_at[name] = self.ops_seen
-
-        return fn
-
-    def _fw_post_hook(self, mod, input, output):
-        """ModTracker's, except that the module's backward opens when the gradient of an output
-        it made arrives, never of one it returns as it got it (``nn.Identity``, a drop path
-        turned off). ModTracker hooks every output: for a passed-through input that hook runs
-        right after the one that closes the module's backward (the same tensor's gradient,
-        hooked first in the forward pre-hook), so the module opened there and stayed open to
-        the end of the backward, and every later backward op read as its own (a ConvNeXt's
-        stage: the backward of the downsampling before it, and a layer split in chunks was
-        predicted 16-21 KB above its measured peak). ModTracker's own hook runs on the outputs
-        less those (the recorder registers no user hooks, which would see them so)."""
-        passed = {id(a) for a in tree_leaves(input) if isinstance(a, torch.Tensor)}
-        super()._fw_post_hook(mod, input, [a for a in tree_leaves(output) if id(a) not in passed])
-
-    def _fw_pre_hook(self, mod, input):
-        queued = len(self._post_bw_callbacks_to_enqueue)
-        super()._fw_pre_hook(mod, input)
-        if len(self._post_bw_callbacks_to_enqueue) != queued + 1:
-            return  # an input carries its gradient (ModTracker's own hook), or in backward
-        params = [p for p in mod.parameters() if p.requires_grad]
-        if not params:
-            return
-        pop = self._post_bw_callbacks_to_enqueue[-1]
-        state = {"left": len(params), "done": False}
-        key = id(state)
-
-        def once(*_):
-            if not state["done"]:
-                state["done"] = True
-                for h in self._param_hooks.pop(key, ()):
-                    h.remove()
-                pop()
-
-        def counted(_grad):
-            state["left"] -= 1
-            if state["left"] == 0:
-                once()
-
-        self._post_bw_callbacks_to_enqueue[-1] = once
-        self._param_hooks[key] = [p.register_hook(counted) for p in params]
-
-
-@contextlib.contextmanager
-def leaf_safe_module_tracking():
-    """While active, PyTorch's ``ModTracker`` (the recorder's, and the one inside ``MemTracker``)
-    registers its backward hooks with :func:`_leaf_safe_multi_grad_hook`. Besides the abort
-    under ``autograd.grad``, its ``"all"`` mode reaches a leaf input's gradient accumulator
-    through ``t.view_as(t)``: an op inside the model's call that the replay runtime would count
-    as the model's own (a mismatch)."""
-    saved = _mod_tracker_module.register_multi_grad_hook
-    _mod_tracker_module.register_multi_grad_hook = _leaf_safe_multi_grad_hook
-    try:
-        yield
-    finally:
-        _mod_tracker_module.register_multi_grad_hook = saved
-
-
-class Recorder(TorchDispatchMode):
+class Recorder(CallsMixin, StoragesMixin, TorchDispatchMode):
     """Records ops, storages and accesses; one instance serves several steps.
 
     Use ``begin_step(...)`` / ``end_step(...)`` around each step, with the mode active in
@@ -393,7 +102,7 @@ class Recorder(TorchDispatchMode):
         # storage key -> (kind, dtype, shape) for storages an add-on knows better (FSDP's
         # unsharded parameters, which first appear through ``resize_``)
         self.storage_labels: dict[int, tuple[str, str, list]] = {}
-        self._wrappers = _wrapper_subclasses()
+        self._wrappers = wrapper_subclasses()
         self._orig_resize = None
         self._infos: dict = {}
         self._alive: dict[int, weakref.ref] = {}  # storage key -> weakref, every storage seen and alive
@@ -411,43 +120,13 @@ class Recorder(TorchDispatchMode):
         self._return_hook = None
         self._call_starts: list[int] = []  # op count at each module call in progress (nested)
         self._rec: StepRecord | None = None
-        self._mod_tracker = _ModuleTracker()
+        self._mod_tracker = ModuleTracker()
         self._root = ""
         self._fqn_cache: dict[str, str] = {}
         if model is not None:
             get_name = getattr(self._mod_tracker, "_get_mod_name", None)
             if get_name is not None:  # name submodules relative to the model, not the first caller
                 self._root = self._mod_tracker.root = get_name(model)
-
-    # -- hooks ----------------------------------------------------------------------------------
-    def model_hooks(self, model: torch.nn.Module):
-        """Hooks that write down each call of ``model`` in the step: the op span it ran
-        (``start`` .. ``end``, op ids), its tensor inputs, and whether it ran with grad and in
-        training mode. Replay applies a plan per model call, so it needs to know which of the
-        step's ops ran inside the model and which (a loss outside it, scaling) did not."""
-
-        def pre(_module, args, kwargs):
-            if self._rec is not None:
-                self._rec.calls.append({"start": self._n, "end": None, "inputs": input_signature(args, kwargs),
-                                        "grad": torch.is_grad_enabled() and not torch.is_inference_mode_enabled(),
-                                        "training": bool(model.training), "trainable": trainable_signature(model),
-                                        "autocast": autocast_of(model)})
-
-        def post(_module, _args, _kwargs, _out):
-            if self._rec is not None and self._rec.calls and self._rec.calls[-1]["end"] is None:
-                self._rec.calls[-1]["end"] = self._n - 1
-
-        return [model.register_forward_pre_hook(pre, with_kwargs=True),
-                model.register_forward_hook(post, with_kwargs=True, always_call=True)]
-
-    def optimizer_hooks(self, optimizer: torch.optim.Optimizer):
-        def pre(*_):
-            self._in_opt = True
-
-        def post(*_):
-            self._in_opt = False
-
-        return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
     @property
     def op_count(self) -> int:
@@ -479,90 +158,6 @@ class Recorder(TorchDispatchMode):
             self._leaf_safe.__exit__(None, None, None)
             self._restore_resize()
             self._mod_tracker.__exit__(*exc)
-
-    def _called(self, module, _args) -> None:
-        self._call_starts.append(self._n)
-        rec = self._rec
-        if rec is not None:
-            name = self._names.get(id(module))
-            if name is not None:
-                rec.called_modules.add(name)
-
-    def _returned(self, module, args, *rest) -> None:
-        # (module, args, kwargs, output); when the forward raised, PyTorch calls an always_call
-        # hook with (module, args, output) whatever with_kwargs says: no finished call then.
-        start = self._call_starts.pop() if self._call_starts else None
-        rec = self._rec
-        if rec is None or start is None or len(rest) != 2 or torch._C._current_graph_task_id() != -1:
-            return  # (a checkpoint's re-run in backward is no forward call)
-        kwargs = rest[0]
-        name = self._names.get(id(module))
-        if name is None:
-            return
-        tids = set()
-        for x in tree_leaves((args, kwargs)):
-            if isinstance(x, _Tensor):
-                try:
-                    tid = self._tid.get(local_tensor(x).untyped_storage()._cdata)
-                except (RuntimeError, NotImplementedError):  # no storage (a sparse or nested tensor)
-                    continue
-                if tid is not None:
-                    tids.add(tid)
-        # [first op, argument tensor ids, the op after its last] (v15: the end, where planned
-        # regions end: taichi_plan.problem.partition.regions)
-        rec.module_args.setdefault(name, []).append([start, sorted(tids), self._n])
-
-    def _patch_resize(self) -> None:
-        """``UntypedStorage.resize_`` reaches no dispatch mode (MemTracker patches it too)."""
-        if self._orig_resize is not None:
-            return
-        orig = self._orig_resize = torch.UntypedStorage.resize_
-        on_resize = self._on_resize
-
-        def resize_(st, size):
-            out = orig(st, size)
-            on_resize(st)
-            return out
-
-        torch.UntypedStorage.resize_ = resize_
-
-    def _restore_resize(self) -> None:
-        if self._orig_resize is not None:
-            torch.UntypedStorage.resize_ = self._orig_resize
-            self._orig_resize = None
-
-    def _on_resize(self, st) -> None:
-        rec = self._rec
-        if rec is None:
-            return
-        key = st._cdata
-        nbytes = st.nbytes()
-        tid = self._tid.get(key)
-        tens = rec.tensors
-        if tid is not None:
-            if tens["nbytes"][tid] == nbytes:
-                return
-            self._end_incarnation(tid, key)
-        if nbytes == 0:
-            return
-        kind, dtype, shape = self.storage_labels.get(key, (None, "uint8", [nbytes]))
-        tid = self._register_storage(st, dtype, shape, self._n, -1, kind)
-        rec.incarnations.setdefault(key, []).append(tid)
-
-    def _end_incarnation(self, tid: int, key: int) -> None:
-        """A storage shrank or grew: its current row ends with the last op that ran."""
-        tens = self._rec.tensors
-        self._tid.pop(key, None)
-        rows = self._rec.incarnations.setdefault(key, [])
-        if tid not in rows:  # its first row, registered before it was ever resized
-            rows.append(tid)
-        if self._n == 0:  # resized before the step's first op: the row never held memory in it
-            tens["nbytes"][tid] = 0
-            tens["free_op"][tid] = 0
-            if tens["alloc_op"][tid] < 0:
-                tens["alloc_op"][tid] = 0
-        else:
-            tens["free_op"][tid] = self._n - 1
 
     # -- step bookkeeping -----------------------------------------------------------------------
     def begin_step(self, registered: list[tuple[str, list[torch.Tensor]]]) -> None:
@@ -630,18 +225,6 @@ class Recorder(TorchDispatchMode):
         self._rec = None
         return rec
 
-    def relabel(self, t: torch.Tensor, kind: str) -> None:
-        """Give the current row of ``t``'s storage the kind ``kind`` (an add-on that knows
-        what a storage is: FSDP's unsharded gradients)."""
-        if self._rec is not None:
-            tid = self._tid.get(local_tensor(t).untyped_storage()._cdata)
-            if tid is not None:
-                self._rec.tensors["kind"][tid] = kind
-
-    def tensor_id(self, t: torch.Tensor) -> int | None:
-        """The current step's row of ``t``'s storage, None if the step has not seen it."""
-        return self._tid.get(local_tensor(t).untyped_storage()._cdata) if self._rec is not None else None
-
     def close(self) -> None:
         """Drop the weakrefs (and their callbacks) and the module tracker: no cycle keeps the
         model alive after recording. The cyclic collector is on again if a step left it off."""
@@ -653,93 +236,6 @@ class Recorder(TorchDispatchMode):
         self._rec = None
         self._mod_tracker = None
 
-    def _register(self, t, st, op_id: int, producer: int, kind: str | None) -> int:
-        label = self.storage_labels.get(st._cdata) if kind is None else None
-        return self._register_storage(st, str(t.dtype).replace("torch.", ""), list(t.shape), op_id, producer,
-                                      label[0] if label else kind)
-
-    def _register_storage(self, st, dtype: str, shape: list, op_id: int, producer: int, kind: str | None) -> int:
-        key = st._cdata
-        rec = self._rec
-        tens = rec.tensors
-        tid = len(tens["nbytes"])
-        self._tid[key] = tid
-        if key not in self._alive:
-            self._alive[key] = weakref.ref(st, partial(self._on_free, key))
-        tens["nbytes"].append(st.nbytes())
-        tens["dtype"].append(dtype)
-        tens["shape"].append(shape)
-        tens["kind"].append(kind)
-        tens["producer_op"].append(producer)
-        tens["alloc_op"].append(op_id)
-        tens["free_op"].append(-1)
-        rec.producer_phase.append(rec.ops["phase"][producer] if producer >= 0 else None)
-        return tid
-
-    def _on_free(self, key: int, _ref) -> None:
-        """A storage died: its row is freed after the last op that started. When the callback
-        runs on another thread than the step's, a collective's worker (gloo's) held the last
-        reference: it lets go just after it marks the collective done, so whether that is
-        before or after the step's own code drops the tensor, and so at which op the storage
-        dies, is a race between the threads. The row is kept in ``offthread_freed``."""
-        self._alive.pop(key, None)
-        tid = self._tid.pop(key, None)
-        if tid is not None:
-            self._rec.tensors["free_op"][tid] = max(self._n - 1, 0)
-            if threading.get_ident() != self._thread:
-                self.offthread_freed.append(tid)
-
-    def _note_rerun(self, rec: StepRecord, op_id: int) -> None:
-        """A backward op ran with grad enabled: forward code re-run by a checkpoint (both
-        ``torch.utils.checkpoint`` variants recompute under ``enable_grad``), or a backward
-        with ``create_graph=True``. Once per run of such ops, the Python stack says which."""
-        last, ckpt = self._rerun
-        if last != op_id - 1:
-            ckpt = _in_checkpoint()
-        self._rerun = (op_id, ckpt)
-        if ckpt:
-            rec.rerun_ops.append(op_id)
-
-    def _module(self) -> str:
-        tracker = self._mod_tracker
-        parents, opened = tracker.parents, tracker.opened
-        best, depth = "Global", -1
-        tracker.ops_seen += 1
-        root = self._root
-        if root and parents:
-            # A module that is not the model's own (not among its named modules: ModTracker
-            # names it by its class alone) but is called inside one of them belongs to that
-            # one. transformers 5.25 with `kernels` installed makes `apply_rotary_pos_emb` such
-            # a module (`Func`), called inside each attention; in backward it opens last, and
-            # the rotary's backward read as no module's, which split every attention's backward
-            # in two, so no attention could be partitioned or checkpointed whole.
-            parents = [p for p in parents if p == root or p.startswith(root + ".")]
-        if tracker.is_bw:
-            # In backward, of the modules opened last (between the same two ops: a module and
-            # its last child share an output, whose gradient opens both), the deepest. A module
-            # opens there when its output's gradient arrives and closes when its inputs' are
-            # complete, so one whose input another branch also reads (GPT-J's MLP beside its
-            # attention, both reading the norm's output) stays open through that branch's
-            # backward, and the deepest open module (the MLP's first linear layer) took the
-            # attention's ops, though the attention opened after it.
-            when = tracker.opened_at
-            last = max((when.get(p, -1) for p in parents), default=-1)
-            parents = [p for p in parents if when.get(p, -1) == last]
-        for p in parents:
-            d = p.count(".")
-            # the deepest; of equally deep ones, the one opened last, not the first the set
-            # yields: its order follows the string hash, which differs per process
-            if d > depth or (d == depth and opened.get(p, -1) > opened.get(best, -1)):
-                best, depth = p, d
-        fqn = self._fqn_cache.get(best)
-        if fqn is None:
-            if self._root and best.startswith(self._root + "."):
-                fqn = best[len(self._root) + 1 :]
-            else:  # the model itself, no module, or one outside the model (e.g. a loss module)
-                fqn = ""
-            self._fqn_cache[best] = fqn
-        return fqn
-
     # -- the hot path ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -748,7 +244,7 @@ class Recorder(TorchDispatchMode):
             return NotImplemented  # let DTensor run; the ops on its local tensors come back here
         info = self._infos.get(func)
         if info is None:
-            info = self._infos[func] = _op_info(func)
+            info = self._infos[func] = op_info(func)
         rec = self._rec
         if info.skip or rec is None:
             return func(*args, **kwargs)
@@ -797,7 +293,7 @@ class Recorder(TorchDispatchMode):
             rec.data_sized_sources.append(op_id)
         for x in flat_in:
             if isinstance(x, _Tensor):
-                st = _storage(x, info.name)
+                st = storage_of(x, info.name)
                 key = st._cdata
                 tid = tids.get(key)
                 if tid is None:  # storage from before the step, or made outside the dispatcher
@@ -834,7 +330,7 @@ class Recorder(TorchDispatchMode):
             if not isinstance(x, _Tensor):
                 continue
             shapes.append(tuple(x.shape))
-            st = _storage(x, info.name)
+            st = storage_of(x, info.name)
             key = st._cdata
             tid = tids.get(key)
             if tid is None:
@@ -879,7 +375,7 @@ class Recorder(TorchDispatchMode):
         if not measure:
             if info.collective is not None:
                 full = max((x.nbytes for x in (*flat_in, *flat_out) if isinstance(x, _Tensor)), default=0)
-                n, across = _group_extent(args, self.world_size, self.profile.devices_per_node)
+                n, across = group_extent(args, self.world_size, self.profile.devices_per_node)
                 duration_s = collective_duration_s(self.profile, info.name, full, n, across)
             elif launched or flops:
                 dt = next((x.dtype for x in flat_in if isinstance(x, _Tensor) and x.is_floating_point()), None)
@@ -890,7 +386,7 @@ class Recorder(TorchDispatchMode):
         ops["flops"].append(flops)
         ops["mutates"].append(info.mutates)
         ops["recomputable"].append(not info.mutates and phase != "optimizer" and not info.no_recompute
-                                   and not (info.name == "aten._to_copy.default" and _autocast_cached(args)))
+                                   and not (info.name == "aten._to_copy.default" and autocast_cached(args)))
         return out
 
     def _label_collective(self, kind: str, flat_in, flat_out) -> None:
@@ -909,29 +405,3 @@ class Recorder(TorchDispatchMode):
             kinds[tid] = label
 
 
-def _group_extent(args, world_size: int, devices_per_node: int) -> tuple[int, bool | None]:
-    """(ranks, whether they span nodes) of the process group a collective runs over (its
-    ``ProcessGroup`` argument: HSDP all-gathers over a shard group, a row of consecutive ranks,
-    and all-reduces over a replicate group, ranks a row apart, on other nodes once a row fills
-    one); (``world_size``, None) when the op names no group this process can read."""
-    import torch.distributed as dist
-
-    for a in args:
-        if isinstance(a, torch.ScriptObject):
-            try:
-                ranks = dist.get_process_group_ranks(dist.ProcessGroup.unbox(a))
-            except Exception:  # noqa: BLE001  (no readable group: the whole job, as before)
-                break
-            if ranks:
-                return len(ranks), len({r // max(devices_per_node, 1) for r in ranks}) > 1
-    return world_size, None
-
-
-def _autocast_cached(args) -> bool:
-    """Whether this may be one of autocast's cached casts (a cast of a leaf tensor that
-    requires grad, with the cache enabled): the cache keeps it until the autocast region ends,
-    so freeing it early frees nothing, and it is no candidate for rematerialization. (Inside a
-    dispatch mode autocast reads as disabled, so every such cast counts: outside autocast these
-    casts are rare in a training step, and keeping one only costs a candidate.)"""
-    x = args[0] if args else None
-    return isinstance(x, _Tensor) and x.is_leaf and x.requires_grad and torch.is_autocast_cache_enabled()
