@@ -133,7 +133,7 @@ def fake_recorder(model: str | None = None, entry: str | None = None, *, device_
     """A ``record(batch)`` recording a fake step of the workload at that batch size
     (``sizes``: seq, layers, hidden, heads, vocab, image_size, dtype, optimizer); with
     ``fsdp`` = N, rank 0's step of an N-rank FSDP2 job at that batch per rank (``replicas``:
-    HSDP's; ``mixed_precision``: FSDP2's policy, :func:`taichi_plan.record.fsdp.mixed_precision`)."""
+    HSDP's; ``mixed_precision``: FSDP2's policy, :func:`taichi_plan.torch_common.fsdp.mixed_precision`)."""
     from ..record import get_workload, record_workload
 
     if "batch" in sizes:

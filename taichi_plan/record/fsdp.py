@@ -290,7 +290,7 @@ def record_fsdp_workload(
     ``fake=True``: the job runs in this process on the fake process group under
     ``FakeTensorMode`` (any size, any number of ranks, one CPU); durations are estimates on
     ``device_profile``. ``fake=False``: ``world_size`` processes here, joined with gloo on
-    loopback (CPU; :func:`taichi_plan.replay.distributed.spawn_ranks`), run the real job; rank 0
+    loopback (CPU; :func:`taichi_plan.torch_common.processes.spawn_ranks`), run the real job; rank 0
     records it (measured durations) and the others run the same steps. ``check_tracker``: run
     one more step under ``FSDPMemTracker`` and keep its peak in ``meta.fsdp.mem_tracker`` (the
     reference the trace's peak is checked against). ``prefetch``: explicit prefetching per unit

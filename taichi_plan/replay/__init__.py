@@ -148,7 +148,7 @@ def _sharded_as(live: dict, planned: dict | None, recorded: dict | None) -> bool
     """Whether a live layout is one a plan runs on: the plan's, each unit's bool
     ``reshard_after_forward`` being the plan's or the recorded one (apply sets the plan's), an
     int the plan's (FSDP2 takes one only in ``fully_shard``). A unit at its recorded bool where
-    the plan has an int passes: :func:`~taichi_plan.record.fsdp.set_reshard` then names the int
+    the plan has an int passes: :func:`~taichi_plan.torch_common.fsdp.set_reshard` then names the int
     to give ``fully_shard``, a sharper message than the whole layout's."""
     if planned is None or recorded is None:
         return live == planned

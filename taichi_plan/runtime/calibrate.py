@@ -26,7 +26,7 @@ and ``rebuild_time_ratio``: per op name, the seconds one run of its ops took the
 seconds the trace recorded for them (a rebuild's inputs, its ``no_grad`` path and the caches
 differ from the recorded forward's).
 
-Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.record.recorder.op_clock`).
+Times are the thread's CPU time when torch runs one thread (:func:`~taichi_plan.torch_common.ops.op_clock`).
 """
 
 from __future__ import annotations

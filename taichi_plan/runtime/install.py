@@ -66,7 +66,7 @@ def install(model, rt, optimizer=None) -> list:
 def hide_fsdp_internals(model, rt) -> list:
     """While an FSDP unit's own machinery runs (its param group's unshard, wait, reshard,
     pre/post-forward), the runtime ``rt`` counts no op: the trace leaves the same ops out
-    (:func:`taichi_plan.replay.counted_ops`), so that FSDP's first-step allocations or another
+    (:func:`taichi_plan.runtime.calls.counted_ops`), so that FSDP's first-step allocations or another
     prefetch order do not shift the plan's op ordinals. Returns handles to remove."""
     from ..torch_common.fsdp import fsdp_units, patch_group_methods
 

@@ -269,7 +269,7 @@ class Frame:
 
 
 def no_larger(got: list, want: list) -> bool:
-    """Are the call's tensor inputs ``got`` (:func:`~taichi_plan.record.recorder.input_signature`)
+    """Are the call's tensor inputs ``got`` (:func:`~taichi_plan.torch_common.step.input_signature`)
     the recorded ones ``want`` with no dimension larger: the same names, dtypes and ranks, each
     size at most the recorded one? Such a call (a last, smaller batch; a shorter padded sequence)
     runs the plan as it is: the same ops, each storage at most its recorded size (checked op by

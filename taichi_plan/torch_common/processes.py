@@ -105,7 +105,7 @@ def spawn_ranks(nproc: int, target: str, spec: dict, timeout_s: float = 600.0) -
 
 def init_gloo(rank: int, nproc: int, port: int, replicas: int = 1):
     """Join the gloo process group on loopback; returns the CPU device mesh (1-D, or HSDP's 2-D
-    of ``replicas`` rows: :func:`taichi_plan.record.fsdp.device_mesh`)."""
+    of ``replicas`` rows: :func:`taichi_plan.torch_common.fsdp.device_mesh`)."""
     import torch.distributed as dist
 
     from .fsdp import device_mesh

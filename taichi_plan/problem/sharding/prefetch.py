@@ -286,7 +286,7 @@ def _view_meta(meta: dict, spans: list, members: list[set[int]], pos: np.ndarray
 
 def unit_settings(meta: dict, moves: list[Gathering], names: list[str],
                   recorded_early_forward: list[Gathering]) -> dict[str, dict]:
-    """FSDP2's settings that run the view (:func:`taichi_plan.record.fsdp.set_prefetch`): per
+    """FSDP2's settings that run the view (:func:`taichi_plan.torch_common.fsdp.set_prefetch`): per
     unit that differs from FSDP's default, ``{"forward": [module, ...], "backward": [] | None}``
     (None: the default backward prefetch), from the base trace's own settings and ``moves``."""
     base = (meta.get("prefetch_view") or {}).get("units")
