@@ -30,26 +30,14 @@ from ..problem.core import Problem, coverage_delta, gap_bytes
 from ..problem.partition.core import apply_partitions, as_partition
 from ..simulate.core import SimResult, simulate_plan
 from .bound import BoundLog, relaxation_bound
+from .config import HeuristicConfig, IlpConfig
 from .cpsat import Progress, interruptible_solve
 from .heuristic import plan_remat
 from .ilp_model import RelaxationModel
 from .ilp_partitions import PartOption, partition_options
-from .ilp_structure import CHAIN_MAX_OPTIONS, Structure, binding_ops, merged_structure, structure
+from .ilp_structure import Structure, binding_ops, merged_structure, structure
 from .result import Decisions
 from .scores import sim_over
-
-INITIAL_OPS = 24  # budget-binding ops modelled in the first round
-MAX_TERMS = 400_000  # stop adding ops (still a relaxation) past this many chain terms
-# The bound phase (bound.py) gets this share of the time limit first; with a work limit, this
-# many branch-and-bound nodes per unit of work instead (a limit that does not depend on load).
-BOUND_SHARE = 0.6
-MERGED_BOUND_SHARE = 0.9  # the same, for a bound model of merged options (merged_structure)
-BOUND_NODES_PER_WORK = 200
-# Past this many options and revivals, CP-SAT's presolve keeps every feasible solution (no
-# dual reductions): its dominance detection ignores the time limit, and with two no-good cuts
-# over 497k options (a generated 1,000-node forward-only graph at 0.9) it took 25 s of a
-# round given 4.6, so `--time-limit 20` ran 40-48 s; without it, 19.1 s.
-PRESOLVE_DUAL_MAX_VARS = 100_000
 
 
 def _bound_by(lower_bound: float | None, mip_bound: float | None) -> str | None:
@@ -61,18 +49,21 @@ def _bound_by(lower_bound: float | None, mip_bound: float | None) -> str | None:
 
 def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_limit: float = 60.0,
              hint: Decisions | None = None, progress: Callable[[float | None, float], None] | None = None,
-             workers: int = 2, partitions: bool = True, work_limit: float | None = None,
-             bound_share: float = BOUND_SHARE) -> Decisions:
+             partitions: bool = True, work_limit: float | None = None, config: IlpConfig = IlpConfig(),
+             heuristic: HeuristicConfig = HeuristicConfig()) -> Decisions:
     """Search the plan space for the cheapest plan the simulator accepts.
 
     ``time_limit``: wall seconds from this call, model building included. ``work_limit``:
     CP-SAT's deterministic time summed over the rounds; with it, the same inputs and seed
-    give the same plan (as long as the wall limit is not reached first).
+    give the same plan (as long as the wall limit is not reached first). ``config``: the
+    search's tuning (CP-SAT's workers, the bound phase's share, the model's sizes);
+    ``heuristic``: the greedy repair's.
     """
     t0 = time.perf_counter()
     if budget_bytes is None:
         return Decisions(status="optimal", lower_bound=0.0, notes=["no budget"])
-    st = structure(problem)
+    workers, bound_share = config.workers, config.bound_share
+    st = structure(problem, config)
     ops_all, req = binding_ops(problem, budget_bytes)
     if len(ops_all) == 0:
         return Decisions(status="optimal", lower_bound=0.0, objective=0.0,
@@ -86,8 +77,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
                          notes=["even dropping every candidate and partitioning every module cannot meet the budget"])
 
     cost_unit = max(problem.step_cost / 1e7, 1e-12)
-    model = RelaxationModel(problem, st, parts, req, ops_all, cost_unit)
-    for i in ops_all[:INITIAL_OPS].tolist():
+    model = RelaxationModel(problem, st, parts, req, ops_all, cost_unit, config=config)
+    for i in ops_all[:config.initial_ops].tolist():
         model.add_op(i)
     incumbent: tuple[Decisions, SimResult] | None = None
     lower_bound: float | None = None
@@ -110,8 +101,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         return incumbent is not None and bound is not None and incumbent[1].extra_cost <= bound + slack(incumbent)
 
     # The tightened model constrains every option's rebuild: too slow to build past
-    # CHAIN_MAX_OPTIONS options (forward-only graphs, where the local search finds plans).
-    tightened_tried = len(st.sizes) > CHAIN_MAX_OPTIONS
+    # config.chain_max_options options (forward-only graphs, where the local search finds plans).
+    tightened_tried = len(st.sizes) > config.chain_max_options
 
     def params(solver: cp_model.CpSolver, seconds: float, work: float | None) -> None:
         prm = solver.parameters
@@ -120,7 +111,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         prm.interleave_search = workers > 1
         prm.max_time_in_seconds = max(seconds, 0.01)
         prm.catch_sigint_signal = False  # Ctrl-C ends the command (interruptible_solve), not a round
-        if len(model.x) + len(model.z) > PRESOLVE_DUAL_MAX_VARS:
+        if len(model.x) + len(model.z) > config.presolve_dual_max_vars:
             prm.keep_all_feasible_solutions_in_presolve = True  # no dominance detection (above)
         if work is not None:
             prm.max_deterministic_time = max(work, 1e-3)
@@ -144,7 +135,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         # keeps under it: where the model counts kept tensors, such ops get constraints too.
         new = [int(i) for i in np.nonzero(over > 0)[0] if req[i] > 0 or model.held]
         new_main = [i for i in new if i not in model.ops]
-        if new_main and model.terms < MAX_TERMS:
+        if new_main and model.terms < config.max_terms:
             for i in sorted(new_main, key=lambda i: -over[i])[:64]:
                 model.add_op(i)
         groups = sorted(g for g, grp in sim.groups.items() if grp.peak_bytes > budget_bytes)
@@ -167,21 +158,22 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
     bmodel = None
     mip_bound: float | None = None
     blog = BoundLog()
-    # Past CHAIN_MAX_OPTIONS options (forward-only graphs with every rebuild point) building
+    # Past config.chain_max_options options (forward-only graphs with every rebuild point) building
     # the bound model alone took more than a 5 s limit allows: there it has one option per
     # gap and cell of rebuild points (merged_structure), or, past that, CP-SAT's bound only.
     bst, merged = st, None
-    if problem.every_gap and not parts and len(st.sizes) > CHAIN_MAX_OPTIONS:
+    if problem.every_gap and not parts and len(st.sizes) > config.chain_max_options:
         bst, merged = merged_structure(problem, st, ops_all)
-    if bound_share > 0 and len(bst.sizes) <= CHAIN_MAX_OPTIONS:
-        bmodel = RelaxationModel(problem, bst, parts, req, ops_all, cost_unit, merge_revivals=merged is not None)
+    if bound_share > 0 and len(bst.sizes) <= config.chain_max_options:
+        bmodel = RelaxationModel(problem, bst, parts, req, ops_all, cost_unit, merge_revivals=merged is not None,
+                                 config=config)
         bmodel.chains = False
         bmodel.first_point = merged
-        # Merged (forward-only graphs past CHAIN_MAX_OPTIONS): CP-SAT's rounds find no plan
+        # Merged (forward-only graphs past config.chain_max_options): CP-SAT's rounds find no plan
         # there (the local search does) and its bound is weaker; the MIP's root cuts need the time.
-        share = bound_share if merged is None else max(bound_share, MERGED_BOUND_SHARE)
+        share = bound_share if merged is None else max(bound_share, config.merged_bound_share)
         b_deadline = t0 + time_limit * (1.0 if work_limit is not None else share)
-        nodes = None if work_limit is None else max(1, int(BOUND_NODES_PER_WORK * work_limit))
+        nodes = None if work_limit is None else max(1, int(config.bound_nodes_per_work * work_limit))
 
         def plan_of(values: dict[int, int]) -> tuple[SimResult, Problem] | None:
             dec = bmodel.decode(lambda v: values[v.Index()])[0]
@@ -260,7 +252,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
             deadline = t0 + time_limit  # constraints left out past it only weaken the relaxation
             learn(sim, parted, deadline)
             # A plan for now: complete the rejected one greedily (never a bound, never a cut).
-            fixed = _repair(problem, dec, budget_bytes, deadline)
+            fixed = _repair(problem, dec, budget_bytes, deadline, heuristic)
             if fixed is not None:
                 repaired += 1
                 offer(*fixed)
@@ -271,7 +263,7 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
                 share = (time_limit - (time.perf_counter() - t0)) / 2
                 found, work = _tightened_search(problem, st, parts, req, ops_all, model.ops, budget_bytes, cost_unit,
                                           dec, None, params, share,
-                                          None if work_limit is None else (work_limit - work_used) / 2)
+                                          None if work_limit is None else (work_limit - work_used) / 2, config)
                 work_used += work
                 log.append(f"round {rounds}: tightened search " + ("found a plan" if found else "found none"))
                 if found is not None:
@@ -306,7 +298,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
 def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], req: np.ndarray,
                       ops_all: np.ndarray, ops: set[int], budget: int, cost_unit: float, first: Decisions,
                       incumbent_cost: float | None, solver_params: Callable[[cp_model.CpSolver, float, float | None], None],
-                      time_limit: float, work_limit: float | None) -> tuple[tuple[Decisions, SimResult] | None, float]:
+                      time_limit: float, work_limit: float | None, config: IlpConfig = IlpConfig()
+                      ) -> tuple[tuple[Decisions, SimResult] | None, float]:
     """Plan finding only (never a bound, never a proof): starting from a rejected solution,
     raise the requirement at each op the simulator finds over budget by that op's excess and
     constrain each rebuild's own working set, until a solution fits, the model has none, or
@@ -335,7 +328,7 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
         left = time_limit - (time.perf_counter() - t0)
         if left <= 0.05 or (work_limit is not None and work >= work_limit):
             return None, work
-        m = RelaxationModel(problem, st, parts, req, ops_all, cost_unit)
+        m = RelaxationModel(problem, st, parts, req, ops_all, cost_unit, config=config)
         for i in sorted(ops | set(extra)):
             m.add_op(i, extra.get(i, 0))
         m.add_rebuild_constraints(budget, overheads)
@@ -350,13 +343,13 @@ def _tightened_search(problem: Problem, st: Structure, parts: list[PartOption], 
         dec = m.decode(solver.Value)[0]
 
 
-def _repair(problem: Problem, dec: Decisions, budget: int, deadline: float | None = None
-            ) -> tuple[Decisions, SimResult] | None:
+def _repair(problem: Problem, dec: Decisions, budget: int, deadline: float | None = None,
+            heuristic: HeuristicConfig = HeuristicConfig()) -> tuple[Decisions, SimResult] | None:
     """The greedy sweep started from ``dec``'s drops, around its partitions."""
     if deadline is not None and time.perf_counter() > deadline:
         return None
     parted, _ = apply_partitions(problem, dec.partitions)
-    fixed = plan_remat(parted, budget, initial=dec.drops, deadline=deadline)
+    fixed = plan_remat(parted, budget, initial=dec.drops, deadline=deadline, config=heuristic)
     fixed.partitions = list(dec.partitions)
     sim, _ = simulate_plan(problem, fixed.drops, fixed.partitions)
     return (fixed, sim) if sim.peak_bytes <= budget else None

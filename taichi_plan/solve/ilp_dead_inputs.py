@@ -8,18 +8,6 @@ from __future__ import annotations
 import numpy as np
 
 from ..problem.core import rebuild_inputs, revivable
-from .ilp_structure import CHAIN_MAX_OPTIONS
-
-# The dead-input constraints (RelaxationModel._dead_inputs) are left out of models with more options
-# than CHAIN_MAX_OPTIONS, or more options and revivals than this: CP-SAT's rounds with them
-# run past the time limit there (a generated 1,000-node forward-only graph, 16,783 options and
-# 411,684 revivals, `solve --time-limit 20`: 43-48 s, 18-19 s without them; random_layered
-# n250, 9,875 options: `--time-limit 5` 6.3 s in `make test`'s load, where the limit allows 5.7).
-DEAD_INPUTS_MAX_VARS = 200_000
-DEAD_INPUTS_MAX_OPTIONS = CHAIN_MAX_OPTIONS
-# Levels of inputs a re-made dead input's rule follows (_dead_inputs, there): each level needs
-# its inputs kept, revived or re-made in turn.
-REMADE_DEPTH = 1
 
 
 class DeadInputsMixin:
@@ -42,7 +30,7 @@ class DeadInputsMixin:
         budget-binding op, where the held bytes are checked). A dead input needed at a group
         may also be revived by then (``rev_held[u][e]``: its bytes from the revival's point
         through ``e``), or re-made in that group (``T[u, q]``), whose own dead inputs are then
-        needed there too, one level down (:data:`REMADE_DEPTH`; below it ``rem[u]`` stands
+        needed there too, one level down (``config.remade_depth``; below it ``rem[u]`` stands
         for the re-make): before, a re-made input's inputs had to be kept only through its own
         last op, and a revival held nothing, so the relaxation re-made inputs for free in
         memory (``random_layered`` n250 at 0.9: bound 1.00846 against the plan's 1.00904,
@@ -127,7 +115,7 @@ class DeadInputsMixin:
                         there(w, q, v, depth - 1)
             return v
 
-        def there(u: int, q: int, need, depth: int = REMADE_DEPTH) -> None:
+        def there(u: int, q: int, need, depth: int = self.config.remade_depth) -> None:
             """[Constraint] ``need`` (a literal or a sum of them): a group before an op >= ``q``
             reads ``u``, dead by then (``end[u] < q - 1``). In a plan ``u`` is then kept through
             op ``q - 1`` (``held``), revived by then and in memory at ``q - 1`` (``rev_held``:

@@ -12,7 +12,6 @@ import numpy as np
 
 from ..problem.core import rebuild_closure, rebuild_inputs
 from ..simulate.core import Drop, rebuild_overhead
-from .ilp_structure import CHAIN_MAX_OPTIONS
 
 
 class GroupConstraintsMixin:
@@ -100,7 +99,7 @@ class GroupConstraintsMixin:
             if excess <= 0:
                 continue
             maybe = np.nonzero((st.a < r - 1) & (st.b > a) & (st.tensor != t))[0].tolist()
-            if len(st.sizes) <= CHAIN_MAX_OPTIONS:  # each option over its own window
+            if len(st.sizes) <= self.config.chain_max_options:  # each option over its own window
                 movers = [c for c in maybe if self._may_need(c, t, max(a, int(st.a[c])) + 1,
                                                              min(r - 1, int(st.b[c])))]
             else:  # one walk over the widest window, a+1..r-1, for all (a superset)

@@ -34,11 +34,12 @@ from ortools.sat.python import cp_model
 from ..problem.core import Problem, rebuild_inputs, revival_options
 from ..problem.partition.core import as_partition, span_key
 from ..simulate.core import Drop, SimResult, is_revival
-from .ilp_dead_inputs import DEAD_INPUTS_MAX_OPTIONS, DEAD_INPUTS_MAX_VARS, DeadInputsMixin
+from .config import IlpConfig
+from .ilp_dead_inputs import DeadInputsMixin
 from .ilp_groups import GroupConstraintsMixin
 from .ilp_memory import MemoryConstraintsMixin
 from .ilp_partitions import PartOption
-from .ilp_structure import CHAIN_MAX_OPTIONS, Structure, apart_reruns, merged_revivals
+from .ilp_structure import Structure, apart_reruns, merged_revivals
 from .result import Decisions
 
 
@@ -47,8 +48,10 @@ class RelaxationModel(DeadInputsMixin, GroupConstraintsMixin, MemoryConstraintsM
     more ops, no-good cuts on simulated plans, a cutoff at the incumbent's cost."""
 
     def __init__(self, problem: Problem, st: Structure, parts: list[PartOption], req: np.ndarray,
-                 ops_all: np.ndarray, cost_unit: float, merge_revivals: bool = False):
+                 ops_all: np.ndarray, cost_unit: float, merge_revivals: bool = False,
+                 config: IlpConfig = IlpConfig()):
         self.problem, self.st, self.parts, self.req = problem, st, parts, req
+        self.config = config
         self.cost_unit = cost_unit
         self.model = model = cp_model.CpModel()
         C = len(st.sizes)
@@ -114,7 +117,7 @@ class RelaxationModel(DeadInputsMixin, GroupConstraintsMixin, MemoryConstraintsM
         most = {}  # op -> the most gaps one of its outputs has
         for (p, _t), ks in gaps_of.items():
             most[p] = max(most.get(p, 1), len({int(st.a[k]) for k in ks}))
-        apart = apart_reruns(problem, st)
+        apart = apart_reruns(problem, st, config)
         for p in apart:
             most[p] = max(most.get(p, 1), 2)
         if problem.every_gap:  # one more re-run after its last op (a revival or a re-make): below
@@ -128,10 +131,10 @@ class RelaxationModel(DeadInputsMixin, GroupConstraintsMixin, MemoryConstraintsM
                 rerun[p] = model.NewIntVar(0, most.get(p, 1), f"r{p}")
             return rerun[p]
 
-        # One constraint per option; past CHAIN_MAX_OPTIONS, one per gap over its options (they
+        # One constraint per option; past config.chain_max_options, one per gap over its options (they
         # share their ops; at most one is chosen). The same plans, but the per-option form
         # solved ResNet-50 at 0.4 to optimality where the per-gap one stalled at 30 s.
-        per = [[k] for k in range(C)] if C <= CHAIN_MAX_OPTIONS else list(alts.values())
+        per = [[k] for k in range(C)] if C <= config.chain_max_options else list(alts.values())
         for ks in per:
             for p in [*st.own_ops[ks[0]], *st.temporaries[ks[0]]]:
                 model.Add(rerun_of(p) >= sum(x[k] for k in ks))
@@ -165,7 +168,7 @@ class RelaxationModel(DeadInputsMixin, GroupConstraintsMixin, MemoryConstraintsM
         self.rev_held: dict[int, dict[int, cp_model.IntVar | None]] = {}
         self.revs_of: dict[int, list[int]] = {}  # tensor -> its rebuilt revivals (z indices)
         # past these sizes CP-SAT cannot presolve them within its limit: left out (a weaker relaxation)
-        if C <= DEAD_INPUTS_MAX_OPTIONS and C + len(self.rv) <= DEAD_INPUTS_MAX_VARS:
+        if C <= config.dead_inputs_options and C + len(self.rv) <= config.dead_inputs_max_vars:
             self._dead_inputs(rerun_of, ops_all)
         # What the simulator charges: each re-run op's rerun cost, each drop's own cost (x: a
         # drop; revivals, z, exist only in forward-only graphs, which have no drop cost), each

@@ -12,13 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..problem.core import Options, Problem, options, rebuild_closure, rebuild_inputs
-
-# Chain constraints (a dropped tensor brought back early by a rebuild that needs it) grow with
-# the square of the options per gap; past this many options the model leaves them out, which
-# keeps it a relaxation (a tensor counts as away over its whole gap), only a weaker one.
-CHAIN_MAX_OPTIONS = 2_000
-# Pairs of options per op that re-run it in two groups (apart_reruns): each a constraint.
-APART_MAX_PAIRS = 64
+from .config import IlpConfig
 
 
 @dataclass
@@ -35,7 +29,7 @@ class Structure:
     cand: np.ndarray  # per option: candidate index (options of one tensor share it)
 
 
-def structure(problem: Problem) -> Structure:
+def structure(problem: Problem, config: IlpConfig = IlpConfig()) -> Structure:
     opts = options(problem)
     cands = opts.tensor.tolist()
     k_of: dict[int, list[int]] = {}
@@ -47,7 +41,7 @@ def structure(problem: Problem) -> Structure:
     needers: list[list[int]] = [[] for _ in cands]
     cand_set = set(k_of)
     broad: list[list[int]] = [[] for _ in cands]  # option -> options whose rebuild may need it
-    chains = len(cands) <= CHAIN_MAX_OPTIONS
+    chains = len(cands) <= config.chain_max_options
     closures: dict[tuple[int, int], tuple[list[int], list[int], list[int]]] = {}
     for k, t in enumerate(cands):
         # The closure depends on the tensor and where it is freed only (not on the rebuild
@@ -144,7 +138,7 @@ def merged_revivals(problem: Problem, rv: Options, ops_all: np.ndarray) -> tuple
     return (out, np.asarray([lo[k] for k in keys], dtype=np.int64), np.asarray([hi[k] for k in keys], dtype=np.int64))
 
 
-def apart_reruns(problem: Problem, st: Structure, most_pairs: int = APART_MAX_PAIRS) -> dict[int, list[tuple[int, int]]]:
+def apart_reruns(problem: Problem, st: Structure, config: IlpConfig = IlpConfig()) -> dict[int, list[tuple[int, int]]]:
     """Per op ``p``: pairs of options (of two tensors) whose rebuilds both re-run ``p`` (one of
     their rebuild ops, or of the transients they certainly re-make) in groups that cannot be
     the same one. A group re-runs each of its ops once and frees what it re-made but did not
@@ -156,9 +150,10 @@ def apart_reruns(problem: Problem, st: Structure, most_pairs: int = APART_MAX_PA
     rebuild point), after ``a`` (it is live until then); and exactly at ``b`` when no forward
     op reads its tensor, as then no other rebuild needs it back early. Windows that do not
     overlap are different groups. Forward-only graphs (``every_gap``) keep transients alive
-    between groups (revivals): none there. At most ``most_pairs`` pairs per op."""
+    between groups (revivals): none there. At most ``config.apart_max_pairs`` pairs per op."""
     if problem.every_gap or len(st.sizes) < 2:
         return {}
+    most_pairs = config.apart_max_pairs
     read_fwd = np.zeros(len(problem.nbytes), dtype=bool)
     for q in np.nonzero(problem._phase_array == "forward")[0].tolist():
         read_fwd[problem.op_reads[q]] = True
