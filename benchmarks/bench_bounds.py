@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 
@@ -18,8 +17,9 @@ def run(time_limit: float = TIME_LIMIT, fractions=FRACTIONS, workloads=None, say
     from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.problem.core import build_problem
     from taichi_plan.record import get_workload, record_workload
+    from taichi_plan.solve.config import IlpConfig, SolverConfig
 
-    plain = solve_mod.plan_ilp
+    without = SolverConfig(ilp=IlpConfig(bound_share=0.0))  # CP-SAT's bound only
     rows = []
     for label, model, flags in workloads or RECORDED:
         trace = record_workload(get_workload(model=model, **flags), fake=True, device_profile="a100-40gb")
@@ -27,11 +27,11 @@ def run(time_limit: float = TIME_LIMIT, fractions=FRACTIONS, workloads=None, say
         base = problem.baseline_peak[0]
         for frac in fractions:
             for phase in (False, True):
-                solve_mod.plan_ilp = plain if phase else functools.partial(plain, bound_share=0.0)
                 row = {"trace": label, "ops": problem.num_ops, "budget": frac, "bound_phase": phase}
                 t0 = time.perf_counter()
                 try:
-                    plan = solve_mod.solve(trace, int(base * frac), "auto", time_limit=time_limit, problem=problem)
+                    plan = solve_mod.solve(trace, int(base * frac), "auto", time_limit=time_limit, problem=problem,
+                                           config=SolverConfig() if phase else without)
                     s = plan.solver
                     row.update(status=s["status"], ratio=1 + plan.predicted["extra_compute"] / problem.step_cost,
                                lb=None if s["lower_bound"] is None else 1 + s["lower_bound"] / problem.step_cost,
@@ -39,8 +39,6 @@ def run(time_limit: float = TIME_LIMIT, fractions=FRACTIONS, workloads=None, say
                 except InfeasibleBudgetError as e:
                     row.update(status="no plan", ratio=None, lb=None, gap=None, by=None,
                                timed_out=bool(getattr(e, "timed_out", False)))
-                finally:
-                    solve_mod.plan_ilp = plain
                 row["seconds"] = time.perf_counter() - t0
                 rows.append(row)
                 if say:

@@ -70,12 +70,15 @@ def least_peaks(problem) -> dict[str, float]:
     """Each lever's least reachable peak, as a fraction of ``problem``'s plain peak."""
     from taichi_plan.problem.partition.core import allow_random
     from taichi_plan.simulate.core import simulate_plan
-    from taichi_plan.solve import BISECT_LOCAL_MAX_S, least_reached
+    from taichi_plan.solve import least_reached
     from taichi_plan.solve.baselines import plan_dtr, plan_full
+    from taichi_plan.solve.config import HeuristicConfig, TimeConfig
     from taichi_plan.solve.heuristic import plan_heuristic as heuristic
 
+    bisecting = HeuristicConfig(local_max_s=TimeConfig().bisect_local_max_s)
+
     def plan_heuristic(p, budget, partitions=True):  # as solve's infeasible path runs it
-        return heuristic(p, budget, partitions=partitions, local_max_s=BISECT_LOCAL_MAX_S)
+        return heuristic(p, budget, partitions=partitions, config=bisecting)
 
     base = problem.baseline_peak[0]
     out = {

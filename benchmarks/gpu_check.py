@@ -63,7 +63,7 @@ TINY = {
 
 def _stand_in_ortools() -> bool:
     """Install a stand-in ``ortools.sat.python.cp_model`` when OR-Tools is missing; True if so.
-    It has what ``taichi_plan.solve.ilp`` touches when imported (a base class) and refuses
+    It has what ``taichi_plan.solve`` (``solve.cpsat``) touches when imported (a base class) and refuses
     anything else, so ``--method ilp``/``auto`` fail with a clear message."""
     if importlib.util.find_spec("ortools") is not None:
         return False

@@ -2,8 +2,8 @@
 
 A dropped tensor's rebuild reads inputs that may be dead by then: each is kept since its last
 op (its bytes held up to the group that reads it) or re-made (its ops re-run). Without
-``ilp._Model._dead_inputs`` the relaxation counted neither, and its bound stayed at each drop's
-own re-run (gaps of 45-53% on the public ``random_layered`` graphs). These small random traces,
+``ilp_dead_inputs.DeadInputsMixin._dead_inputs`` the relaxation counted neither, and its bound
+stayed at each drop's own re-run (gaps of 45-53% on the public ``random_layered`` graphs). These small random traces,
 in the imported space of ``test_ilp_exhaustive.py``, are cases where the bound phase's MIP now
 proves the exhaustive optimum and proved less without those constraints; the exhaustive test
 checks that the bound never exceeds the optimum on hundreds of others.
@@ -18,7 +18,7 @@ from synthetic import random_training_trace
 from test_ilp_exhaustive import exhaustive, optimum
 
 from taichi_plan.problem.core import build_problem
-from taichi_plan.solve import ilp
+from taichi_plan.solve import ilp, ilp_model, ilp_structure
 from taichi_plan.solve.bound import solve_mip
 
 TOL = 1e-4  # costs are sums of a few numbers like 0.5, 1, 2; the bound is rounded down to a unit
@@ -33,10 +33,10 @@ def _imported(seed: int):
 
 def _mip_bound(problem, budget: int) -> float:
     """The bound model's MIP bound with every op and group modelled (its strongest form)."""
-    st = ilp.structure(problem)
-    ops_all, req = ilp.binding_ops(problem, budget)
+    st = ilp_structure.structure(problem)
+    ops_all, req = ilp_structure.binding_ops(problem, budget)
     unit = max(problem.step_cost / 1e7, 1e-12)
-    model = ilp._Model(problem, st, [], req, ops_all, unit)
+    model = ilp_model.RelaxationModel(problem, st, [], req, ops_all, unit)
     model.chains = False
     for i in range(problem.num_ops):
         model.add_op(i)
@@ -57,7 +57,7 @@ def test_bound_counts_kept_or_remade_dead_inputs(seed, budget, monkeypatch):
     def without(self, *args):  # the relaxation as it was: no dead input counted
         self.rem, self.held = {}, {}
 
-    monkeypatch.setattr(ilp._Model, "_dead_inputs", without)
+    monkeypatch.setattr(ilp_model.RelaxationModel, "_dead_inputs", without)
     assert _mip_bound(problem, budget) < opt - 0.5
 
 

@@ -23,7 +23,7 @@ from taichi_plan.problem.partition.core import (
 from taichi_plan.problem.partition.position_span import not_position_wise, positions
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import simulate_plan
-from taichi_plan.solve import BISECT_LOCAL_MAX_S
+from taichi_plan.solve.config import HeuristicConfig, TimeConfig
 from taichi_plan.solve.heuristic import plan_heuristic
 from taichi_plan.trace.format import write_trace
 from tests.partition_replay import assert_measured_as_predicted, replay_partitions
@@ -150,7 +150,8 @@ def test_the_planner_reaches_as_low_with_sequence_partitions(llama_b1, monkeypat
     without_seq = lowest_reachable(without)[0]
     monkeypatch.undo()
     assert with_seq <= without_seq, (with_seq, without_seq)
-    dec = plan_heuristic(build_problem(llama_b1.trace), asked, local_max_s=BISECT_LOCAL_MAX_S)
+    bisecting = HeuristicConfig(local_max_s=TimeConfig().bisect_local_max_s)  # as lowest_reachable runs it
+    dec = plan_heuristic(build_problem(llama_b1.trace), asked, config=bisecting)
     sim, _ = simulate_plan(llama_b1, dec.drops, dec.partitions)
     assert sim.peak_bytes == with_seq <= asked, (sim.peak_bytes, with_seq, asked)
 

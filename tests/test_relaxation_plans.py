@@ -29,14 +29,15 @@ from test_ilp_exhaustive import MAX_PLANS, plan_options
 from taichi_plan.base.errors import PlanError
 from taichi_plan.problem.core import build_problem
 from taichi_plan.simulate.core import Drop, simulate_plan
-from taichi_plan.solve import ilp
+from taichi_plan.solve import ilp_model, ilp_structure
 
 SEEDS = range(400)  # the whole check (make bench: 34 s on an idle core)
 # make test's share (about 9 s): the first 150 traces, and 258, the one of the 400 whose plans
 # bring a dropped tensor back early through a re-made reader (138 of them)
 QUICK_SEEDS = [*range(150), 258]
 # Graphs whose tensors have many uses (synthetic.many_use_graph, as random_layered): rebuilds
-# read dead inputs that are kept, revived or re-made in turn (ilp._Model._dead_inputs, there).
+# read dead inputs that are kept, revived or re-made in turn
+# (ilp_dead_inputs.DeadInputsMixin._dead_inputs, there).
 MANY_USE_SEEDS = range(60)  # make bench
 QUICK_MANY_USE_SEEDS = range(12)  # make test (about 3 s; seed 13 alone has 3,600 fitting plans)
 MOST_PLANS = 400  # fitting plans checked per (trace, budget)
@@ -71,8 +72,8 @@ def _plans(problem):
 def _violations(seed: int, chains: bool, merged: bool = False, many_use: bool = False) -> tuple[int, int, list[str]]:
     """(plans checked, plans whose tensor a reader brings back early, failures). ``merged``:
     the bound model of many-option graphs (one option per gap and cell of rebuild points,
-    ``ilp.merged_structure`` and ``ilp.merged_revivals``), each plan's option and revival
-    replaced by the one of its cell. ``many_use``: the trace of ``seed`` is a
+    ``ilp_structure.merged_structure`` and ``ilp_structure.merged_revivals``), each plan's option
+    and revival replaced by the one of its cell. ``many_use``: the trace of ``seed`` is a
     :func:`synthetic.many_use_graph`."""
     problem = _imported(seed, many_use)
     o = plan_options(problem)
@@ -85,16 +86,16 @@ def _violations(seed: int, chains: bool, merged: bool = False, many_use: bool = 
     least = min(pk for _d, pk, _c in plans)
     checked = early = 0
     failures = []
-    st = ilp.structure(problem)
+    st = ilp_structure.structure(problem)
     for budget in sorted({least, least + 1, (least + base) // 2, int(base * 0.9)}):
         if budget >= base:
             continue
-        ops_all, req = ilp.binding_ops(problem, budget)
+        ops_all, req = ilp_structure.binding_ops(problem, budget)
         if len(ops_all) == 0:
             continue
         unit = max(problem.step_cost / 1e7, 1e-12)
-        mst, flags = ilp.merged_structure(problem, st, ops_all) if merged else (st, None)
-        model = ilp._Model(problem, mst, [], req, ops_all, unit, merge_revivals=merged)
+        mst, flags = ilp_structure.merged_structure(problem, st, ops_all) if merged else (st, None)
+        model = ilp_model.RelaxationModel(problem, mst, [], req, ops_all, unit, merge_revivals=merged)
         model.chains = chains
         model.first_point = flags
         cuts = np.asarray(sorted({int(i) + 1 for i in ops_all.tolist()} | {problem.num_ops}))
@@ -176,6 +177,6 @@ def test_every_fitting_plan_of_60_many_use_graphs_satisfies_the_relaxation():
 def test_a_constraint_one_byte_too_strong_is_caught(monkeypatch):
     """The check has teeth: with every op's requirement one byte above the true excess, some
     plan at the least reachable budget is cut."""
-    add_op = ilp._Model.add_op
-    monkeypatch.setattr(ilp._Model, "add_op", lambda self, i, extra=0: add_op(self, i, extra + 1))
+    add_op = ilp_model.RelaxationModel.add_op
+    monkeypatch.setattr(ilp_model.RelaxationModel, "add_op", lambda self, i, extra=0: add_op(self, i, extra + 1))
     assert any(_violations(seed, False)[2] for seed in SEEDS[:60])

@@ -37,6 +37,7 @@ from ..problem.sharding.units import reshard_units
 from ..simulate.allocator import AllocatorConfig
 from ..simulate.core import simulate_plan
 from ..trace.format import Trace, data_sized_note, own_checkpointing
+from .config import SolverConfig
 from .fsdp import solve_with_fsdp
 from .heuristic import best_by_simulator, plan_heuristic
 from .ilp import plan_ilp
@@ -58,35 +59,27 @@ def methods() -> list[str]:
 
 
 MIN_TIME_LIMIT_S = 5.0  # the time limit is honoured within 10% for limits at least this long
-FINISH_SHARE = 0.05  # of the time limit, kept for simulating the chosen plan and writing it
-# Of the time limit, kept after the optimizer options are screened (their views of the step, floors)
-# for saying what the heuristic reaches when no plan was found.
-REPORT_SHARE = 0.15
-# Share of the warm start's time the heuristic's bisection may take when no warm start fits
-# (_warm_start): the rest is the search's.
-REACH_SHARE = 0.15
-BISECT_LOCAL_MAX_S = 1.0  # local search per bisection step for the least reachable budget (forward-only graphs)
 
 
 def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: float = 60.0,
                seed: int = 0, progress: Callable[[float | None, float], None] | None = None,
-               work_limit: float | None = None) -> Decisions:
+               work_limit: float | None = None, config: SolverConfig = SolverConfig()) -> Decisions:
     """Decisions of one planner (no simulation of the result, no errors for infeasible).
     ``time_limit``: wall seconds from this call, everything included; ``work_limit``: CP-SAT's
-    deterministic time (``auto`` and ``ilp`` only)."""
+    deterministic time (``auto`` and ``ilp`` only); ``config``: the planners' tuning."""
     t0 = time.perf_counter()
     if problem.offload is not None and method in OURS:
         return _with_offload(problem, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
-                             work_limit=work_limit)
+                             work_limit=work_limit, config=config)
     if method == "heuristic":
-        return plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit)
+        return plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit, config=config.heuristic)
     if method in ("auto", "ilp"):
-        warm, warm_name = _warm_start(problem, budget_bytes, seed, t0 + time_limit)
+        warm, warm_name = _warm_start(problem, budget_bytes, seed, t0 + time_limit, config)
         left = time_limit - (time.perf_counter() - t0)
         dec = plan_ilp(problem, budget_bytes, seed=seed, time_limit=left, hint=warm, progress=progress,
-                       work_limit=work_limit)
+                       work_limit=work_limit, config=config.ilp, heuristic=config.heuristic)
         ilp_found = dec.status != "infeasible" and bool(dec.drops or dec.partitions)
-        if ilp_found and best_by_simulator(problem, budget_bytes, [dec, warm]) is dec:
+        if ilp_found and best_by_simulator(problem, budget_bytes, [dec, warm], config.heuristic) is dec:
             if dec.drops == warm.drops and dec.partitions == warm.partitions:
                 dec.notes = [f"the {warm_name}'s plan, which CP-SAT could not improve on", *dec.notes]
             else:
@@ -105,11 +98,11 @@ def run_method(problem: Problem, budget_bytes: int, method: str, *, time_limit: 
     table = baseline_table()
     if method not in table:
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
-    return table[method](problem, budget_bytes, seed=seed, time_limit=time_limit)
+    return table[method](problem, budget_bytes, seed=seed, time_limit=time_limit, config=config.baselines)
 
 
 def _with_offload(problem: Problem, budget_bytes: int, method: str, *, time_limit: float, seed: int, progress,
-                  work_limit: float | None) -> Decisions:
+                  work_limit: float | None, config: SolverConfig = SolverConfig()) -> Decisions:
     """Our planners with offload allowed (:mod:`.offload_plan`): the heuristic keeps, drops or
     offloads; ``auto`` and ``ilp`` also run the drop-only search in half the time and keep the
     better plan by the simulator. The ILP does not model copies, so its bound holds for plans
@@ -121,16 +114,17 @@ def _with_offload(problem: Problem, budget_bytes: int, method: str, *, time_limi
     plain = allow_offload(problem, None)
     if not lone_timings(problem):
         dec = run_method(plain, budget_bytes, method, time_limit=time_limit, seed=seed, progress=progress,
-                         work_limit=work_limit)
+                         work_limit=work_limit, config=config)
         dec.notes.append("offload allowed, but no saved activation of this trace can be offloaded")
         return dec
     if method == "heuristic":
-        drop_only = plan_heuristic(plain, budget_bytes, seed=seed, time_limit=time_limit / 2)
+        drop_only = plan_heuristic(plain, budget_bytes, seed=seed, time_limit=time_limit / 2, config=config.heuristic)
     else:
         drop_only = run_method(plain, budget_bytes, method, time_limit=time_limit / 2, seed=seed, progress=progress,
-                               work_limit=work_limit)
+                               work_limit=work_limit, config=config)
     left = max(time_limit - (time.perf_counter() - t0), 0.0)
-    dec = plan_offload(problem, budget_bytes, seed=seed, time_limit=left, drop_only=drop_only)
+    dec = plan_offload(problem, budget_bytes, seed=seed, time_limit=left, drop_only=drop_only, config=config.offload,
+                       heuristic=config.heuristic)
     if dec is drop_only and drop_only.status == "optimal" and drop_only.lower_bound == 0.0:
         return dec  # free already: a bound of 0 holds for every plan
     if dec is not drop_only:
@@ -143,27 +137,30 @@ def _with_offload(problem: Problem, budget_bytes: int, method: str, *, time_limi
     return dec
 
 
-def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[Decisions, str]:
+def _warm_start(problem: Problem, budget_bytes: int, seed: int, deadline: float,
+                config: SolverConfig = SolverConfig()) -> tuple[Decisions, str]:
     """The best plan by the simulator among our heuristic and every baseline (they are fast,
     and ours must never do worse than one of them), and its name ("heuristic", "dtr
     baseline", ...). Baselines not started by a third of the time left are skipped."""
     t0 = time.perf_counter()
-    tried = {"heuristic": plan_heuristic(problem, budget_bytes, seed=seed, time_limit=(deadline - t0) / 2)}
+    tried = {"heuristic": plan_heuristic(problem, budget_bytes, seed=seed, time_limit=(deadline - t0) / 2,
+                                         config=config.heuristic)}
     cut = t0 + (deadline - t0) / 3
     for name, fn in baseline_table().items():
         now = time.perf_counter()
         if name != "none" and now < cut:
-            tried[f"{name} baseline"] = fn(problem, budget_bytes, seed=seed, time_limit=(deadline - now) / 4)
-    best = best_by_simulator(problem, budget_bytes, list(tried.values()))
+            tried[f"{name} baseline"] = fn(problem, budget_bytes, seed=seed, time_limit=(deadline - now) / 4,
+                                           config=config.baselines)
+    best = best_by_simulator(problem, budget_bytes, list(tried.values()), config.heuristic)
     if simulate_plan(problem, best.drops, best.partitions)[0].peak_bytes > budget_bytes:
         # The greedy sweep is not monotone in the budget: the bisection that finds the lowest
         # peak it reaches (the budget a timed-out solve suggests) asks for less, and its plan
         # may fit this budget where the sweep asked for it did not.
-        lowest_reachable(problem, deadline=t0 + (deadline - t0) * REACH_SHARE)
+        lowest_reachable(problem, deadline=t0 + (deadline - t0) * config.time.reach_share, config=config)
         reached = problem.__dict__.get("_reached_plan")
         if reached is not None and reached[0] <= budget_bytes:
             tried["heuristic (asked for less)"] = reached[1]
-            best = best_by_simulator(problem, budget_bytes, list(tried.values()))
+            best = best_by_simulator(problem, budget_bytes, list(tried.values()), config.heuristic)
     return best, next(name for name, dec in tried.items() if dec is best)
 
 
@@ -172,8 +169,12 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
           problem: Problem | None = None, on: str = "allocated", allocator: AllocatorConfig | None = None,
           work_limit: float | None = None, started: float | None = None, optimizer: str = "auto",
           partition_random: bool = False, reshard: str = "auto", prefetch: str = "auto",
-          offload=None) -> Plan:
+          offload=None, config: SolverConfig = SolverConfig()) -> Plan:
     """Plan ``trace`` under ``budget_bytes``; raise :class:`InfeasibleBudgetError` if no plan fits.
+
+    ``config`` (a :class:`~taichi_plan.solve.config.SolverConfig`): the planners' tuning
+    constants, each component's (``SolverConfig(ilp=IlpConfig(workers=1))``); the defaults are
+    the values they were tuned with.
 
     ``offload`` (an :class:`~taichi_plan.problem.offload.OffloadConfig`, None by default): our planners
     may also offload saved activations to host memory (:mod:`.offload_plan`), on its host link
@@ -215,25 +216,27 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
             lambda target: solve(trace, target, method, time_limit=time_limit, seed=seed, progress=progress,
                                  problem=problem, allocator=allocator, work_limit=work_limit, started=began,
                                  optimizer=optimizer, partition_random=partition_random, reshard=reshard,
-                                 prefetch=prefetch, offload=offload),
-            budget_bytes, method)
+                                 prefetch=prefetch, offload=offload, config=config),
+            budget_bytes, method, config.reserved)
     if reshard not in RESHARD_CHOICES:
         raise UsageError(f"--reshard must be one of {', '.join(RESHARD_CHOICES)}, not {reshard!r}.")
     if prefetch not in PREFETCH_CHOICES:
         raise UsageError(f"--prefetch must be one of {', '.join(PREFETCH_CHOICES)}, not {prefetch!r}.")
     t0 = time.perf_counter() if started is None else started
-    end = t0 + time_limit * (1 - FINISH_SHARE)
+    end = t0 + time_limit * (1 - config.time.finish_share)
     problem = problem or build_problem(trace)
     failed: list[InfeasibleBudgetError] = []
     try:
         # Phases without a limit of their own (an optimizer option's view of the step, its
         # problem and floor) check this deadline (taichi_plan/base/deadline.py); the search, bounded
         # by its own limit, does not (a plan it holds is never lost to a check).
-        with until(t0 + time_limit * (1 - REPORT_SHARE)):
+        with until(t0 + time_limit * (1 - config.time.report_share)):
             return _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator,
-                                  work_limit, t0, optimizer, partition_random, reshard, prefetch, failed, offload)
+                                  work_limit, t0, optimizer, partition_random, reshard, prefetch, failed, offload,
+                                  config)
     except OutOfTime as e:
-        err = stopped_error(problem, budget_bytes, method, e.phase, time_limit, work_limit, failed, deadline=end)
+        err = stopped_error(problem, budget_bytes, method, e.phase, time_limit, work_limit, failed, deadline=end,
+                            config=config)
         reached = problem.__dict__.get("_reached_plan")
         if method in OURS and optimizer in ("auto", "as-recorded") and reached is not None and reached[0] <= budget_bytes:
             # Asked for less while finding what to report, the heuristic met this budget: the best
@@ -247,7 +250,8 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
 
 
 def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progress, on, allocator, work_limit, t0,
-                   optimizer, partition_random, reshard, prefetch, failed, offload=None) -> Plan:
+                   optimizer, partition_random, reshard, prefetch, failed, offload=None,
+                   config: SolverConfig = SolverConfig()) -> Plan:
     """:func:`solve`'s search over the optimizer options, in order; the errors of the options
     that found no plan are added to ``failed``."""
     check_choice(trace, optimizer)
@@ -293,23 +297,24 @@ def _solve_options(trace, problem, budget_bytes, method, time_limit, seed, progr
         def step(p: Problem, limit: float = limit) -> Plan:
             return _solve_step(trace, budget_bytes, method, time_limit=limit, seed=seed, progress=progress,
                                problem=p, on=on, allocator=allocator, work_limit=work_limit, started=t0,
-                               asked_limit=time_limit)
+                               asked_limit=time_limit, config=config)
 
         try:
             with lifted():
                 by_reshard = reshard == "auto" and bool(reshard_units(trace.meta))
                 by_prefetch = prefetch == "auto" and any(movable(trace).values())
                 if (by_reshard or by_prefetch) and method in OURS and mode == "as-recorded":
-                    plan = solve_with_fsdp(prob, budget_bytes, seed, time_limit * (1 - FINISH_SHARE), t0, step,
-                                           reshard=by_reshard, prefetch=by_prefetch)
+                    plan = solve_with_fsdp(prob, budget_bytes, seed, time_limit * (1 - config.time.finish_share), t0,
+                                           step, reshard=by_reshard, prefetch=by_prefetch, config=config.fsdp,
+                                           heuristic=config.heuristic)
                 else:
                     plan = step(prob)
         except InfeasibleBudgetError as e:
             failed.append(e)
-            end = t0 + time_limit * (1 - FINISH_SHARE)
+            end = t0 + time_limit * (1 - config.time.finish_share)
             if is_last():
                 # the option that is known to reach the lowest budget says what to ask for
-                failed += [infeasible_error(q, budget_bytes, method, deadline=end) for q in skipped]
+                failed += [infeasible_error(q, budget_bytes, method, deadline=end, config=config) for q in skipped]
                 raise min(failed, key=lambda x: x.min_budget_bytes or 0) from None
             if time.perf_counter() > end:  # options left untried: not a proof that none fits
                 raise OutOfTime("the optimizer options after the recorded step found no plan") from None
@@ -338,7 +343,7 @@ def _check_limits(time_limit, work_limit) -> None:
 def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: float, seed: int,
                 progress: Callable[[float | None, float], None] | None, problem: Problem, on: str,
                 allocator: AllocatorConfig | None, work_limit: float | None, started: float,
-                asked_limit: float | None = None) -> Plan:
+                asked_limit: float | None = None, config: SolverConfig = SolverConfig()) -> Plan:
     """:func:`solve` for one optimizer option: ``problem`` is the step as it runs it, within
     ``time_limit`` (its share of ``asked_limit``, the command's, which errors name)."""
     if on != "allocated":
@@ -347,7 +352,7 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
         raise UsageError(f"Unknown method {method!r}; choose one of {', '.join(methods())}.")
     _check_limits(time_limit, work_limit)
     t0 = started
-    end = t0 + time_limit * (1 - FINISH_SHARE)
+    end = t0 + time_limit * (1 - config.time.finish_share)
     base_peak, _ = problem.baseline_peak
     if budget_bytes >= base_peak:
         note = ("the budget does not bind: no change needed" if problem.trace.meta.get("optimizer_view") is None
@@ -355,22 +360,23 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
         dec = Decisions(status="optimal", lower_bound=0.0, notes=[note])
         return make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     if budget_bytes < int(min_live_bytes(problem).max()) and budget_bytes < int(floor_bytes(problem).max()):
-        raise infeasible_error(problem, budget_bytes, method, deadline=end)
+        raise infeasible_error(problem, budget_bytes, method, deadline=end, config=config)
     dec = run_method(problem, budget_bytes, method, time_limit=max(end - time.perf_counter(), 0.0), seed=seed,
-                     progress=progress, work_limit=work_limit)
+                     progress=progress, work_limit=work_limit, config=config)
     plan = make_plan(problem, budget_bytes, method, dec, time.perf_counter() - t0, seed, allocator=allocator)
     reached = None
     if plan.solver["status"] == "infeasible" and method in OURS and time.perf_counter() < end:
         # The greedy sweep is not monotone in the budget: asked for less, it may find a plan
         # that fits this budget, or at least peaks lower. Of the two, the simulator's better
         # one stands (so auto never ends above its own heuristic, even when nothing fits).
-        reach, reach_op, asked = lowest_reachable(problem, deadline=end)
+        reach, reach_op, asked = lowest_reachable(problem, deadline=end, config=config)
         reached = (reach, reach_op) if reach < problem.baseline_peak[0] else None
-        lower = plan_heuristic(problem, asked, seed=seed, time_limit=max(end - time.perf_counter(), 0.0))
+        lower = plan_heuristic(problem, asked, seed=seed, time_limit=max(end - time.perf_counter(), 0.0),
+                               config=config.heuristic)
         lower.notes.append(f"the heuristic's plan for a budget of {format_bytes(asked)}: its plan for "
                            f"{format_bytes(budget_bytes)} did not fit")
         lower.timed_out = dec.timed_out
-        if best_by_simulator(problem, budget_bytes, [dec, lower]) is lower:
+        if best_by_simulator(problem, budget_bytes, [dec, lower], config.heuristic) is lower:
             dec = lower
             plan = make_plan(problem, budget_bytes, method, lower, time.perf_counter() - t0, seed,
                              allocator=allocator)
@@ -380,7 +386,7 @@ def _solve_step(trace: Trace, budget_bytes: int, method: str, *, time_limit: flo
             if reached is not None and reached[0] < peak:
                 peak, op = reached
             raise timed_out_error(problem, budget_bytes, method, peak, op, asked_limit or time_limit, work_limit)
-        raise infeasible_error(problem, budget_bytes, method, plan, deadline=end)
+        raise infeasible_error(problem, budget_bytes, method, plan, deadline=end, config=config)
     return plan
 
 
@@ -390,13 +396,14 @@ def lowest_reachable_peak(problem: Problem) -> tuple[int, int]:
     return peak, op
 
 
-def lowest_reachable(problem: Problem, steps: int = 7, deadline: float | None = None) -> tuple[int, int, int]:
+def lowest_reachable(problem: Problem, steps: int = 7, deadline: float | None = None,
+                     config: SolverConfig = SolverConfig()) -> tuple[int, int, int]:
     """(peak, op, budget asked) of the best plan the heuristic finds when bisecting between the
     floor no plan can pass and the baseline peak; no new step starts past ``deadline``
-    (perf_counter). Cached on the problem when complete."""
+    (perf_counter). Cached on the problem when complete (with the ``config`` of that call)."""
     cached = getattr(problem, "_lowest_reachable", None)
     if cached is None:
-        found, complete = _bisect_heuristic(problem, steps, deadline)
+        found, complete = _bisect_heuristic(problem, steps, deadline, config=config)
         if not complete:
             return found
         cached = problem._lowest_reachable = found
@@ -404,11 +411,12 @@ def lowest_reachable(problem: Problem, steps: int = 7, deadline: float | None = 
 
 
 def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
-                      planner: Callable[[Problem, int], Decisions] | None = None
-                      ) -> tuple[tuple[int, int, int], bool]:
-    """Bisect ``planner``'s budget (None: the heuristic, its local search bounded) between the
-    floor and the baseline peak: ((peak, op, budget asked) of the lowest-peak plan that fit its
-    budget, whether the search completed)."""
+                      planner: Callable[[Problem, int], Decisions] | None = None,
+                      config: SolverConfig = SolverConfig()) -> tuple[tuple[int, int, int], bool]:
+    """Bisect ``planner``'s budget (None: the heuristic, its local search bounded by
+    ``config.time.bisect_local_max_s``) between the floor and the baseline peak: ((peak, op,
+    budget asked) of the lowest-peak plan that fit its budget, whether the search completed)."""
+    bisecting = dataclasses.replace(config.heuristic, local_max_s=config.time.bisect_local_max_s)
     lo = int(floor_bytes(problem).max())
     hi, hi_op = problem.baseline_peak
     best = (hi, hi_op, hi)
@@ -420,7 +428,7 @@ def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
         mid = (lo + hi) // 2
         if planner is None:
             dec = plan_heuristic(problem, mid, time_limit=60.0 if deadline is None else deadline - time.perf_counter(),
-                                 local_max_s=BISECT_LOCAL_MAX_S)
+                                 config=bisecting)
         else:
             dec = planner(problem, mid)
         sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
@@ -466,23 +474,24 @@ def timed_out_error(problem: Problem, budget_bytes: int, method: str, peak: int,
 
 
 def stopped_error(problem: Problem, budget_bytes: int, method: str, phase: str, time_limit: float,
-                  work_limit: float | None, failed: list[InfeasibleBudgetError], deadline: float
-                  ) -> InfeasibleBudgetError:
+                  work_limit: float | None, failed: list[InfeasibleBudgetError], deadline: float,
+                  config: SolverConfig = SolverConfig()) -> InfeasibleBudgetError:
     """The time ran out during ``phase``, with no plan found (``failed``: the errors of the
     options tried): :func:`timed_out_error` with the lowest peak known, the options' or the
     heuristic's on the step as recorded (``problem``), bisected until ``deadline``."""
     known = [(e.min_budget_bytes, e.op_id) for e in failed if e.min_budget_bytes]
     # An option's best plan may peak above the step unplanned, which meets its own peak.
-    peak, op = min([*known, tuple(problem.baseline_peak)]) if known else lowest_reachable(problem, deadline=deadline)[:2]
+    peak, op = (min([*known, tuple(problem.baseline_peak)]) if known
+                else lowest_reachable(problem, deadline=deadline, config=config)[:2])
     return timed_out_error(problem, budget_bytes, method, peak, -1 if op is None else op, time_limit, work_limit,
                            stopped_in=phase)
 
 
 def infeasible_error(problem: Problem, budget_bytes: int, method: str, plan: Plan | None = None,
-                     deadline: float | None = None):
+                     deadline: float | None = None, config: SolverConfig = SolverConfig()):
     floor = floor_bytes(problem)
     i = int(np.argmax(floor))
-    reach, reach_op, _asked = lowest_reachable(problem, deadline=deadline)
+    reach, reach_op, _asked = lowest_reachable(problem, deadline=deadline, config=config)
     peak = plan.predicted["planned_peak_bytes"] if plan is not None else None
     if peak is not None and peak <= budget_bytes:
         reach = min(reach, peak)

@@ -26,6 +26,7 @@ import numpy as np
 from ..base.units import format_bytes
 from ..problem.core import Problem
 from ..simulate.core import Drop, simulate, unexecutable
+from .config import BaselinesConfig
 from .result import Decisions
 
 DESCRIPTIONS = {
@@ -41,21 +42,22 @@ _MM_WORDS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution",
 _CONV_WORD = re.compile(r"conv(\d+d|transpose\d*d?)?")
 _ATTENTION = ("scaled_dot_product", "flash_attention", "efficient_attention")
 _NAMESPACES = {"aten", "prims", "prim"}
-_DTR_ROUNDS = 8
 
 
 # ---------------------------------------------------------------------------------------------
 # Budget-independent baselines
 # ---------------------------------------------------------------------------------------------
+# Every baseline takes (problem, budget_bytes, *, seed, time_limit, config): config, the
+# baselines' tuning (BaselinesConfig), is used by those that have any (DTR's rounds).
 
 
 def plan_none(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-              time_limit: float = 60.0) -> Decisions:
+              time_limit: float = 60.0, config: BaselinesConfig = BaselinesConfig()) -> Decisions:
     return Decisions(notes=[DESCRIPTIONS["none"]])
 
 
 def plan_full(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-              time_limit: float = 60.0) -> Decisions:
+              time_limit: float = 60.0, config: BaselinesConfig = BaselinesConfig()) -> Decisions:
     cands, frees = problem.candidates, problem.cand_free_after
     blocks = find_blocks(problem.op_module)
     fwd = np.asarray([p == "forward" for p in problem.op_phase], dtype=bool)
@@ -84,7 +86,7 @@ def plan_full(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
 
 
 def plan_sqrt_n(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-                time_limit: float = 60.0) -> Decisions:
+                time_limit: float = 60.0, config: BaselinesConfig = BaselinesConfig()) -> Decisions:
     """``torch.utils.checkpoint.checkpoint_sequential`` over the blocks (:func:`_segments`):
     a segment's activations are dropped but for what crosses its end, and the segment's
     forward re-runs once, when backward first needs one of them."""
@@ -107,7 +109,7 @@ def plan_sqrt_n(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
 
 
 def plan_selective_mm(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-                      time_limit: float = 60.0) -> Decisions:
+                      time_limit: float = 60.0, config: BaselinesConfig = BaselinesConfig()) -> Decisions:
     imported = problem.trace.meta.get("mode") == "imported"
     chosen = [k for k, t in enumerate(problem.candidates.tolist())
               if not is_matmul_like(problem.op_name[problem.producer[t]], imported)]
@@ -275,10 +277,10 @@ def executable(problem: Problem, drops: list[Drop]) -> tuple[list[Drop], set[int
 
 
 def plan_dtr(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-             time_limit: float = 60.0) -> Decisions:
+             time_limit: float = 60.0, config: BaselinesConfig = BaselinesConfig()) -> Decisions:
     """DTR's greedy eviction replayed on the trace; lowers its internal limit by the
-    simulated excess (recompute transients) for up to eight rounds. Returns the first round
-    that fits the budget, else the round with the lowest simulated peak."""
+    simulated excess (recompute transients) for up to ``config.dtr_rounds`` rounds (eight).
+    Returns the first round that fits the budget, else the round with the lowest simulated peak."""
     if budget_bytes is None:
         return Decisions(notes=[DESCRIPTIONS["dtr"], "no budget: nothing evicted"])
     t0 = time.perf_counter()
@@ -286,7 +288,7 @@ def plan_dtr(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     banned = np.zeros(len(problem.nbytes), dtype=bool)
     limit = int(budget_bytes)
     best, lowest, rounds, prev = None, None, 0, None
-    for r in range(1, _DTR_ROUNDS + 1):
+    for r in range(1, config.dtr_rounds + 1):
         rounds = r
         drops = dtr.evict(limit, banned)
         drops, removed = executable(problem, drops)

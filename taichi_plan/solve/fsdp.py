@@ -54,18 +54,20 @@ from ..problem.sharding.reshard import reshard_problem
 from ..problem.sharding.smaller_mesh import smaller_mesh_saving
 from ..problem.sharding.units import reshard_units, smaller_mesh_factors
 from ..simulate.core import simulate_plan
+from .config import FsdpConfig, HeuristicConfig
 from .heuristic import plan_heuristic
 
-SCREEN_SHARE = 1 / 3  # of the time left, for screening the settings with the heuristic (reshard, then prefetch)
 
-
-def evaluate(prob: Problem, budget_bytes: int, seed: int, deadline: float) -> dict:
-    """The heuristic's plan of ``prob`` under ``budget_bytes``: whether it fits, its peak, its
-    recomputation and the predicted step time (overlapped step time + recomputation)."""
+def evaluate(prob: Problem, budget_bytes: int, seed: int, deadline: float,
+             heuristic: HeuristicConfig = HeuristicConfig()) -> dict:
+    """The heuristic's plan of ``prob`` under ``budget_bytes`` (``heuristic``: its tuning):
+    whether it fits, its peak, its recomputation and the predicted step time (overlapped step
+    time + recomputation)."""
     if prob.baseline_peak[0] <= budget_bytes:
         peak, extra = prob.baseline_peak[0], 0.0
     else:
-        dec = plan_heuristic(prob, budget_bytes, seed=seed, time_limit=max(deadline - time.perf_counter(), 0.1))
+        dec = plan_heuristic(prob, budget_bytes, seed=seed, time_limit=max(deadline - time.perf_counter(), 0.1),
+                             config=heuristic)
         sim, _ = simulate_plan(prob, dec.drops, dec.partitions)
         peak, extra = sim.peak_bytes, sim.extra_cost
     return {"fits": bool(peak <= budget_bytes), "peak_bytes": int(peak), "step_compute": prob.step_cost,
@@ -144,14 +146,11 @@ def changes_of_entry(entry: dict) -> dict:
     return {**dict.fromkeys(entry["units"], False), **{int(u): int(k) for u, k in entry.get("to", [])}}
 
 
-FULL_PREFIXES = 8  # a family of settings with at most this many units: every prefix screened
-
-
-def prefix_lengths(n: int) -> list[int]:
+def prefix_lengths(n: int, config: FsdpConfig = FsdpConfig()) -> list[int]:
     """The prefix lengths a screen tries first, shortest first: every one up to
-    :data:`FULL_PREFIXES` units, else the powers of two and ``n`` (a 70B model's 81 units: 8
+    ``config.full_prefixes`` units, else the powers of two and ``n`` (a 70B model's 81 units: 8
     settings, where each takes a heuristic plan of a 29k-op step), refined later by bisection."""
-    if n <= FULL_PREFIXES:
+    if n <= config.full_prefixes:
         return list(range(1, n + 1))
     return sorted({min(1 << i, n) for i in range(n.bit_length() + 1)} | {n})
 
@@ -167,7 +166,8 @@ def setting_moves(problem: Problem, budget_bytes: int) -> list[tuple[int, bool |
     return [(u, v) for *_, u, v in sorted(moves, key=lambda m: m[:3])]
 
 
-def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> tuple[dict, list[dict]]:
+def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float, config: FsdpConfig = FsdpConfig(),
+           heuristic: HeuristicConfig = HeuristicConfig()) -> tuple[dict, list[dict]]:
     """The setting (unit -> False, or K: a smaller mesh) whose heuristic plan fits
     ``budget_bytes`` with the least predicted step time, among the recorded setting and the
     prefixes of :func:`setting_moves` at :func:`prefix_lengths`, then, by bisection, between the
@@ -194,14 +194,14 @@ def screen(problem: Problem, budget_bytes: int, seed: int, deadline: float) -> t
             return seen[key]
         if seen and time.perf_counter() > deadline:
             return None
-        got = evaluate(reshard_problem(problem, changes), budget_bytes, seed, deadline)
+        got = evaluate(reshard_problem(problem, changes), budget_bytes, seed, deadline, heuristic)
         seen[key] = got
         tried.append({**_entry(changes), **got})
         if got["fits"] and (best is None or got["step_time"] < best[0]):
             best = (got["step_time"], changes)
         return got
 
-    lengths = [0, *prefix_lengths(len(moves))]
+    lengths = [0, *prefix_lengths(len(moves), config)]
     fits = {}
     for n in lengths:
         got = run(n)
@@ -245,7 +245,8 @@ def prefetch_order(problem: Problem, budget_bytes: int) -> list[tuple[str, int]]
 
 
 def screen_prefetch(problem: Problem, budget_bytes: int, seed: int, deadline: float,
-                    first: dict | None = None) -> tuple[dict[str, set[int]], list[dict]]:
+                    first: dict | None = None, heuristic: HeuristicConfig = HeuristicConfig()
+                    ) -> tuple[dict[str, set[int]], list[dict]]:
     """The prefetch setting (units gathered early per pass) whose heuristic plan fits
     ``budget_bytes`` with the least predicted step time: the recorded one, then each prefix of
     :func:`prefetch_order` over the leanest setting, the longest first, while time is left;
@@ -267,7 +268,7 @@ def screen_prefetch(problem: Problem, budget_bytes: int, seed: int, deadline: fl
             break
         seen.append(early)
         got = first if k == 0 and first is not None else evaluate(prefetch_problem(problem, early), budget_bytes,
-                                                                  seed, deadline)
+                                                                  seed, deadline, heuristic)
         tried.append({**{ph: sorted(early[ph]) for ph in PHASES}, **got})
         if got["fits"] and (best is None or got["step_time"] < best[0]):
             best = (got["step_time"], early)
@@ -281,7 +282,8 @@ def _best(tried: list[dict]) -> dict | None:
 
 
 def screen_joint(problem: Problem, budget_bytes: int, seed: int, deadline: float, *, reshard: bool = True,
-                 prefetch: bool = True) -> tuple[dict, dict[str, set[int]], dict]:
+                 prefetch: bool = True, config: FsdpConfig = FsdpConfig(), heuristic: HeuristicConfig = HeuristicConfig()
+                 ) -> tuple[dict, dict[str, set[int]], dict]:
     """The reshard and prefetch settings chosen together: the sequential choice first
     (:func:`screen`, then :func:`screen_prefetch` on its setting, each a third of the time to
     ``deadline``), then, while time is left, every other reshard setting screened (best first)
@@ -290,7 +292,8 @@ def screen_joint(problem: Problem, budget_bytes: int, seed: int, deadline: float
     gatherings per pass, what was screened: ``{"reshard", "prefetch", "joint", "sequential",
     "pairs"}``, ``prefetch`` being the chosen reshard setting's screen)."""
     third = max(deadline - time.perf_counter(), 0.0) / 3
-    units, tried = screen(problem, budget_bytes, seed, time.perf_counter() + third) if reshard else ({}, [])
+    units, tried = (screen(problem, budget_bytes, seed, time.perf_counter() + third, config, heuristic) if reshard
+                    else ({}, []))
     by_units = {setting_key(changes_of_entry(t)): t for t in tried}
     screens: dict[tuple, list[dict]] = {}
     chosen: tuple[dict, dict[str, set[int]] | None] = (units, None)
@@ -304,9 +307,10 @@ def screen_joint(problem: Problem, budget_bytes: int, seed: int, deadline: float
         base = reshard_problem(problem, dict(key))
         if prefetch:
             end = time.perf_counter() + third if j == 0 else deadline
-            early, got = screen_prefetch(base, budget_bytes, seed, end, first=by_units.get(key))
+            early, got = screen_prefetch(base, budget_bytes, seed, end, first=by_units.get(key), heuristic=heuristic)
         else:
-            early, got = setting_of(base.trace), [by_units.get(key) or evaluate(base, budget_bytes, seed, deadline)]
+            early, got = setting_of(base.trace), [by_units.get(key) or evaluate(base, budget_bytes, seed, deadline,
+                                                                                 heuristic)]
         screens[key] = got
         pick = _best(got)
         if pick is not None and (best is None or pick["step_time"] < best["step_time"]):
@@ -322,15 +326,17 @@ def screen_joint(problem: Problem, budget_bytes: int, seed: int, deadline: float
 
 
 def solve_with_fsdp(problem: Problem, budget_bytes: int, seed: int, time_limit: float, started: float,
-                    solve_step: Callable[[Problem], Plan], *, reshard: bool = True, prefetch: bool = True) -> Plan:
+                    solve_step: Callable[[Problem], Plan], *, reshard: bool = True, prefetch: bool = True,
+                    config: FsdpConfig = FsdpConfig(), heuristic: HeuristicConfig = HeuristicConfig()) -> Plan:
     """Choose the units that stop resharding (``reshard``) and the all-gathers issued early
     (``prefetch``) together (:func:`screen_joint`), then plan the chosen step with
     ``solve_step`` (the method asked for); the recorded setting where the method cannot plan
-    the chosen one."""
+    the chosen one. ``config``: the screen's tuning; ``heuristic``: the tuning of the heuristic
+    that plans each setting screened."""
     end = started + time_limit
-    share = max(end - time.perf_counter(), 0.0) * SCREEN_SHARE
+    share = max(end - time.perf_counter(), 0.0) * config.screen_share
     units, early, screened = screen_joint(problem, budget_bytes, seed, time.perf_counter() + share,
-                                          reshard=reshard, prefetch=prefetch)
+                                          reshard=reshard, prefetch=prefetch, config=config, heuristic=heuristic)
     tried, tried_pf = screened["reshard"], screened["prefetch"]
     base = reshard_problem(problem, units)
     plan = None

@@ -31,27 +31,19 @@ from ..problem.partition.core import (
     whole_outputs,
 )
 from ..simulate.core import Drop, SimResult, simulate, simulate_plan
+from .config import HeuristicConfig
 from .result import Decisions, host_fits, simulate_plan_of
 from .scores import rebuild_cost, sim_over
 
-MAX_ROUNDS = 30
-LOCAL_MAX_S = 10.0  # seconds the local search of forward-only graphs may take per call
 
-
-# Plans of drops alone the heuristic simulated last, per problem (_judge): its candidates are
-# judged again by best_by_simulator and _fits, and on a generated 1,000-node forward-only graph
-# each simulation of a sweep's plan took seconds (`--time-limit 20` ran 25 s).
-JUDGED_KEPT = 8
-
-
-def _remember(problem: Problem, drops: list[Drop], sim: SimResult) -> None:
+def _remember(problem: Problem, drops: list[Drop], sim: SimResult, config: HeuristicConfig) -> None:
     kept = problem.__dict__.setdefault("_judged_plans", {})
     kept[tuple(drops)] = sim
-    while len(kept) > JUDGED_KEPT:
+    while len(kept) > config.judged_kept:
         del kept[next(iter(kept))]
 
 
-def _judge(problem: Problem, dec: Decisions) -> SimResult:
+def _judge(problem: Problem, dec: Decisions, config: HeuristicConfig) -> SimResult:
     """The simulation of ``dec`` (one the heuristic already ran where it has it)."""
     if dec.offloads:
         return simulate_plan_of(problem, dec)[0]
@@ -61,16 +53,17 @@ def _judge(problem: Problem, dec: Decisions) -> SimResult:
             return sim
     sim, _ = simulate_plan(problem, dec.drops, dec.partitions)
     if not dec.partitions:
-        _remember(problem, dec.drops, sim)
+        _remember(problem, dec.drops, sim, config)
     return sim
 
 
-def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Decisions]) -> Decisions:
+def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Decisions],
+                      config: HeuristicConfig = HeuristicConfig()) -> Decisions:
     """The best of ``candidates`` as the simulator judges them: the cheapest that fits the
     budget; if none fits, the one with the lowest peak. Ties go to the earlier candidate."""
 
     def key(dec: Decisions) -> tuple:
-        sim = _judge(problem, dec)
+        sim = _judge(problem, dec, config)
         fits = sim.peak_bytes <= budget_bytes and host_fits(problem, sim)
         return (0, sim.extra_cost, sim.peak_bytes) if fits else (1, sim.peak_bytes, sim.extra_cost)
 
@@ -78,19 +71,22 @@ def best_by_simulator(problem: Problem, budget_bytes: int, candidates: list[Deci
 
 
 def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
-                   time_limit: float = 60.0, partitions: bool = True, local_max_s: float = LOCAL_MAX_S) -> Decisions:
+                   time_limit: float = 60.0, partitions: bool = True,
+                   config: HeuristicConfig = HeuristicConfig()) -> Decisions:
     """Rematerialization alone first; if that cannot meet the budget, partition modules one
     at a time (the one freeing most at the worst op per unit of cost, at the most chunks)
     and plan rematerialization again around them. Past ``time_limit`` seconds it stops adding
-    rounds and returns the best plan so far (the simulator still judges it)."""
+    rounds and returns the best plan so far (the simulator still judges it). ``config``: its
+    tuning (its local search's included)."""
     deadline = time.perf_counter() + time_limit
-    dec = plan_remat(problem, budget_bytes, deadline=deadline)
+    dec = plan_remat(problem, budget_bytes, deadline=deadline, config=config)
     if budget_bytes is not None and problem.every_gap:
-        dec = _with_local_search(problem, budget_bytes, dec, min(deadline, time.perf_counter() + local_max_s))
-    if budget_bytes is not None and not _fits(problem, dec, budget_bytes):
-        dec = best_by_simulator(problem, budget_bytes, [dec, *_on_checkpointing(problem, budget_bytes, deadline),
-                                                        *_by_bytes(problem, budget_bytes, deadline)])
-    if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes):
+        dec = _with_local_search(problem, budget_bytes, dec, min(deadline, time.perf_counter() + config.local_max_s),
+                                 config)
+    if budget_bytes is not None and not _fits(problem, dec, budget_bytes, config):
+        dec = best_by_simulator(problem, budget_bytes, [dec, *_on_checkpointing(problem, budget_bytes, deadline, config),
+                                                        *_by_bytes(problem, budget_bytes, deadline, config)], config)
+    if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes, config):
         return dec
     remat_only = dec
     # Each module's savings at its most chunks, once. Split modules, and checkpointed whole only
@@ -108,20 +104,17 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
         if (1 in span.chunk_choices and not any(o is not span and is_under(o.module, span.module) for o in spans)
                 and whole_outputs(problem, span)):
             options.append((span, 1, partition_savings(problem, span, 1), partition_cost(problem, span, 1)))
-    best = _add_partitions(problem, budget_bytes, dec, options, deadline)
+    best = _add_partitions(problem, budget_bytes, dec, options, deadline, config)
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
-    return best_by_simulator(problem, budget_bytes, [best, remat_only])
-
-
-TRIES = 4  # per round: the best-ranked option classes tried, by each of the two rankings
+    return best_by_simulator(problem, budget_bytes, [best, remat_only], config)
 
 
 def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, options: list,
-                    deadline: float) -> Decisions:
+                    deadline: float, config: HeuristicConfig) -> Decisions:
     """Rounds that add partitions at the worst op, rematerialization re-planned around them,
     the simulator choosing each round's step among trials: the best-scoring options (bytes
     freed at the worst op per unit of cost), 1, 2, 4, ... of them; and, each alone, the
-    :data:`TRIES` best option classes by that score and by the bytes alone. A class is a
+    ``config.tries`` best option classes by that score and by the bytes alone. A class is a
     module and its repeats in the other blocks (the same name up to block indices: repeated
     blocks tie at the worst op, so one of them alone moves the peak, not lowers it). Ranking
     by score alone would take cheap small savings first (an activation's chunks) where one
@@ -145,7 +138,7 @@ def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, optio
         freed = {name: -max(o[2][worst] for o in cls) for name, cls in classes.items()}
         per_cost = {name: f / max(sum(o[3] for o in classes[name]), 1e-12) for name, f in freed.items()}
         for rank in (per_cost, freed):
-            for name in sorted(classes, key=rank.__getitem__)[:TRIES]:
+            for name in sorted(classes, key=rank.__getitem__)[:config.tries]:
                 cls = classes[name]
                 trial = _compatible(chosen, cls, len(cls))
                 if trial not in trials:
@@ -155,16 +148,16 @@ def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, optio
             if time.perf_counter() > deadline and decs:
                 break
             parts, _ = apply_partitions(problem, trial)
-            dec = plan_remat(parts, budget_bytes, deadline=deadline)
+            dec = plan_remat(parts, budget_bytes, deadline=deadline, config=config)
             dec.partitions = list(trial)
             decs.append(dec)
-        pick = best_by_simulator(problem, budget_bytes, [best, *decs])
+        pick = best_by_simulator(problem, budget_bytes, [best, *decs], config)
         if pick is best:
             break
         take = take * 2 if pick is decs[0] else 1
         best, chosen = pick, list(pick.partitions)
         options = [o for o in options if not any(o[0].module == c.module for c in chosen)]
-        if _fits(problem, best, budget_bytes):
+        if _fits(problem, best, budget_bytes, config):
             break
     return best
 
@@ -180,7 +173,7 @@ def _compatible(chosen: list[Partition], ranked: list, take: int) -> list[Partit
     return out
 
 
-def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float) -> list[Decisions]:
+def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float, config: HeuristicConfig) -> list[Decisions]:
     """The sweep started from what one-line checkpointing drops (every block, sqrt(n) segments:
     each region's forward re-run once), adding drops of other tensors where still over: where
     the sweep alone cannot reach as low, these can, so the heuristic never ends above them."""
@@ -194,7 +187,7 @@ def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float) -> l
         if not base.drops or time.perf_counter() > deadline:
             continue
         try:
-            dec = plan_remat(problem, budget_bytes, deadline=deadline, fixed=base.drops)
+            dec = plan_remat(problem, budget_bytes, deadline=deadline, fixed=base.drops, config=config)
         except PlanError:
             # the sweep's drops and the fixed ones together cannot be rebuilt (a fixed region's
             # rebuild needs a tensor the sweep dropped): no plan from this start
@@ -204,7 +197,7 @@ def _on_checkpointing(problem: Problem, budget_bytes: int, deadline: float) -> l
     return out
 
 
-def _by_bytes(problem: Problem, budget_bytes: int, deadline: float) -> list[Decisions]:
+def _by_bytes(problem: Problem, budget_bytes: int, deadline: float, config: HeuristicConfig) -> list[Decisions]:
     """The sweep ranking drops by the bytes and over-budget ops they cover alone, every rebuild
     costing the same. The cost-weighted sweep takes cheap drops first, and on some traces the
     cheap ones, once taken, leave too little to drop where the peak is (a 2-layer GPT-2 whose
@@ -212,41 +205,44 @@ def _by_bytes(problem: Problem, budget_bytes: int, deadline: float) -> list[Deci
     meets): the memory-first order reaches the lowest peak the sweep can, at a higher cost."""
     if time.perf_counter() > deadline:
         return []
-    dec = plan_remat(problem, budget_bytes, deadline=deadline, by_bytes=True)
+    dec = plan_remat(problem, budget_bytes, deadline=deadline, by_bytes=True, config=config)
     dec.notes = ["greedy sweep by bytes alone (the cost-weighted sweep did not fit)", *dec.notes]
     return [dec]
 
 
-def _with_local_search(problem: Problem, budget_bytes: int, swept: Decisions, deadline: float) -> Decisions:
+def _with_local_search(problem: Problem, budget_bytes: int, swept: Decisions, deadline: float,
+                       config: HeuristicConfig) -> Decisions:
     """On forward-only graphs, also search with the simulator in the loop (:mod:`.local`) and
     keep the cheaper plan that fits (the sweep's when neither does)."""
     from .local import local_search
 
-    found = local_search(problem, options(problem), budget_bytes, deadline=deadline)
+    found = local_search(problem, options(problem), budget_bytes, deadline=deadline, config=config.local_search)
     if found is None:
         swept.notes.append("local search found no plan that fits")
         return swept
     drops, sim = found
-    _remember(problem, drops, sim)
-    if _fits(problem, swept, budget_bytes) and _judge(problem, swept).extra_cost <= sim.extra_cost:
+    _remember(problem, drops, sim, config)
+    if _fits(problem, swept, budget_bytes, config) and _judge(problem, swept, config).extra_cost <= sim.extra_cost:
         return swept
     return Decisions(drops=drops, notes=["simulator-driven local search (forward-only graph)"],
                      stats={"candidates": int(len(problem.candidates)), "dropped": len(drops)})
 
 
-def _fits(problem: Problem, dec: Decisions, budget_bytes: int) -> bool:
-    return _judge(problem, dec).peak_bytes <= budget_bytes
+def _fits(problem: Problem, dec: Decisions, budget_bytes: int, config: HeuristicConfig) -> bool:
+    return _judge(problem, dec, config).peak_bytes <= budget_bytes
 
 
 def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] | None = None,
                deadline: float | None = None, fixed: list[Drop] | None = None, by_bytes: bool = False,
-               offloads: list | None = None, blocked: set[int] | None = None) -> Decisions:
+               offloads: list | None = None, blocked: set[int] | None = None,
+               config: HeuristicConfig = HeuristicConfig()) -> Decisions:
     """The greedy rematerialization sweep (no partitions), starting from the ``initial`` drops
     that are options of ``problem``; no new round starts past ``deadline`` (perf_counter).
     ``fixed`` drops (any, e.g. a baseline's region rebuilds) are kept as they are: the sweep
     starts from the memory they leave and adds drops of other tensors. ``by_bytes`` ranks the
     drops as if every rebuild cost the same (see :func:`_by_bytes`). ``offloads`` (with
-    ``problem.offload``) are kept too, their tensors and the ``blocked`` ones never dropped."""
+    ``problem.offload``) are kept too, their tensors and the ``blocked`` ones never dropped.
+    ``config.max_rounds`` rounds at most."""
     if budget_bytes is None or problem.num_ops == 0:
         return Decisions(notes=["no budget: nothing to do"])
     n = problem.num_ops
@@ -275,7 +271,7 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
     target = np.full(n, budget_bytes, dtype=np.int64)
     best: tuple[list[Drop], SimResult] | None = None
     rounds = 0
-    for rounds in range(1, MAX_ROUNDS + 1):  # noqa: B007
+    for rounds in range(1, config.max_rounds + 1):  # noqa: B007
         before = int(chosen.sum())
         _sweep(est, target, sizes, a_arr, b_arr, costs, chosen, group, held)
         drops = fixed + [Drop(int(opts.tensor[k]), int(a_arr[k]), int(b_arr[k])) for k in np.nonzero(chosen)[0]]
@@ -295,7 +291,7 @@ def plan_remat(problem: Problem, budget_bytes: int | None, initial: list[Drop] |
         target[over > 0] -= over[over > 0]
     drops, sim = best
     if not offloads:
-        _remember(problem, drops, sim)
+        _remember(problem, drops, sim, config)
     return Decisions(drops=drops, offloads=offloads, notes=[f"greedy sweep, {rounds} round(s) checked by the simulator"],
                      stats={"rounds": rounds, "candidates": int(len(sizes)), "dropped": len(drops)})
 

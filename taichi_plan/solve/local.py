@@ -7,10 +7,11 @@ plans peak in recompute groups and miss the budget. This search asks the simulat
 
 * **Reach the budget**: estimate, for every option not chosen, the excess it removes (its
   bytes at each op of its gap over budget, less what its lone rebuild adds over budget at
-  its group) per unit of rebuild cost; simulate the ``TRIALS`` best, and the moves of the
-  drops rebuilt in the group most over budget (elsewhere in their gap, or undone); take the
-  one with the least added cost per byte of excess removed (the excess summed over every op
-  and group), until nothing is over budget or no move helps.
+  its group) per unit of rebuild cost; simulate the best ``trials``
+  (:class:`~taichi_plan.solve.config.LocalSearchConfig`), and the moves of the drops rebuilt
+  in the group most over budget (elsewhere in their gap, or undone); take the one with the
+  least added cost per byte of excess removed (the excess summed over every op and group),
+  until nothing is over budget or no move helps.
 * **Lower the cost**: undo drops, and move rebuilds to points of their gap that cost less,
   while the plan still fits, most expensive drops first; failing that, undo a drop and reach
   the budget again without its gap (ruin and recreate).
@@ -33,17 +34,16 @@ from ..base.errors import PlanError
 from ..problem.core import Problem, rebuild_inputs
 from ..problem.options import Options, revivable
 from ..simulate.core import Drop, SimResult, rebuild_overhead, simulate
+from .config import LocalSearchConfig
 from .scores import rebuild_cost, sim_over
-
-TRIALS = 48  # best-estimated moves simulated per step
-FIRST_SHARE = 0.4  # of the time: the search with revivals from the start (local_search)
 
 
 class _State:
     """A plan as one chosen option per candidate gap, with its simulation."""
 
-    def __init__(self, problem: Problem, opts: Options, budget: int):
+    def __init__(self, problem: Problem, opts: Options, budget: int, config: LocalSearchConfig = LocalSearchConfig()):
         self.problem, self.opts, self.budget = problem, opts, budget
+        self.config = config
         self.by_cand: dict[int, list[int]] = {}
         for k, c in enumerate(opts.cand.tolist()):
             self.by_cand.setdefault(c, []).append(k)
@@ -116,24 +116,24 @@ class _State:
         return int(excess.sum()), sim.extra_cost, sim, over
 
 
-def local_search(problem: Problem, opts: Options, budget: int, deadline: float | None = None
-                 ) -> tuple[list[Drop], SimResult] | None:
+def local_search(problem: Problem, opts: Options, budget: int, deadline: float | None = None,
+                 config: LocalSearchConfig = LocalSearchConfig()) -> tuple[list[Drop], SimResult] | None:
     """Reach ``budget`` from no drops, then lower the cost; returns the plan found that fits,
     or None. No move starts past ``deadline`` (perf_counter).
 
     Two searches: with revivals from the start (what reaches Moccasin's plans on n100), then,
     with the time left, one without them (revival moves lead the greedy reach astray on some
     graphs: ``random_layered`` n250 at 0.9 ends over budget with them) whose plan is then
-    lowered with revivals. The cheaper plan that fits wins."""
-    st = _State(problem, opts, budget)
+    lowered with revivals. The cheaper plan that fits wins. ``config``: its tuning."""
+    st = _State(problem, opts, budget, config)
     found = []
     start = time.perf_counter()
     for revive in (True, False):
         if found and deadline is not None and time.perf_counter() > deadline:
             break
         st.revive = revive
-        # the first search gets FIRST_SHARE of the time, the second what is left
-        until = start + FIRST_SHARE * (deadline - start) if revive and deadline is not None else deadline
+        # the first search gets config.first_share of the time, the second what is left
+        until = start + config.first_share * (deadline - start) if revive and deadline is not None else deadline
         chosen: dict[int, int] = {}
         cur = st.judge(chosen)
         chosen, cur = _reach(st, chosen, cur, until)
@@ -205,7 +205,7 @@ def _best_move(st: _State, chosen: dict[int, int], cur, deadline: float | None, 
     moves += [(st.own_cost[k] / est_keep[k], k, True) for k in np.nonzero(est_keep > 0)[0].tolist()]
     moves.sort()
     trials = []
-    for _v, k, keep in moves[:TRIALS]:
+    for _v, k, keep in moves[:st.config.trials]:
         trial = {**chosen, int(o.cand[k]): int(k)}
         if keep:
             trial.update({-1 - u: int(end[u]) + 1 for u in st.dead_inputs(k)})

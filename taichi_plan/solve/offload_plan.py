@@ -16,7 +16,7 @@ and its stall where they do not; a drop costs its rebuild. The planner:
 4. drops what is still over budget with the drop heuristic's sweep (:func:`~.heuristic.plan_remat`),
    the offloaded tensors and every tensor whose rebuild reads one kept out (where a rebuild's
    transient reads one anyway, the largest offload goes and step 2 runs again, up to
-   :data:`SWEEPS` times);
+   ``sweeps`` times, :class:`~taichi_plan.solve.config.OffloadPlanConfig`);
 5. also turns the drop-only plan's drops into offloads one at a time, the costliest rebuild
    first, each swap kept where the simulator finds the plan cheaper and still within the
    budgets (:func:`_swap_drops`: from a plan that fits, it can only get cheaper);
@@ -43,10 +43,9 @@ from ..problem.offload import Offload, offload_candidates, schedule_offloads
 from ..problem.options import rebuild_closure
 from ..problem.partition.core import apply_partitions
 from ..simulate.core import simulate
+from .config import HeuristicConfig, OffloadPlanConfig
 from .heuristic import best_by_simulator, plan_heuristic, plan_remat
 from .result import Decisions
-
-SWEEPS = 3  # tries per start (step 4: each without the offload a rebuild read)
 
 
 def lone_timings(problem: Problem) -> list[tuple[Offload, int, int, float]]:
@@ -120,11 +119,12 @@ def _blocked(problem: Problem, offloads: list[Offload]) -> set[int]:
 
 
 def plan_offload(problem: Problem, budget_bytes: int, *, seed: int = 0, time_limit: float = 60.0,
-                 drop_only: Decisions | None = None) -> Decisions:
+                 drop_only: Decisions | None = None, config: OffloadPlanConfig = OffloadPlanConfig(),
+                 heuristic: HeuristicConfig = HeuristicConfig()) -> Decisions:
     """Keep, drop or offload (module docstring); ``drop_only``: the drop heuristic's plan if
-    already made."""
+    already made. ``config``: its tuning; ``heuristic``: the drop heuristic's."""
     deadline = time.perf_counter() + time_limit
-    base = drop_only or plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit / 2)
+    base = drop_only or plan_heuristic(problem, budget_bytes, seed=seed, time_limit=time_limit / 2, config=heuristic)
     if problem.offload is None or not lone_timings(problem):
         return base
     tried: list[Decisions] = [base]
@@ -133,7 +133,7 @@ def plan_offload(problem: Problem, budget_bytes: int, *, seed: int = 0, time_lim
         if time.perf_counter() > deadline and len(tried) > 1:
             break
         on = apply_partitions(problem, parts, base.drops if parts else ())[0] if parts else problem
-        for dec in _rounds(on, budget_bytes, deadline):
+        for dec in _rounds(on, budget_bytes, deadline, config, heuristic):
             dec.partitions = list(parts)
             tried.append(dec)
     if time.perf_counter() <= deadline and base.drops:
@@ -141,7 +141,7 @@ def plan_offload(problem: Problem, budget_bytes: int, *, seed: int = 0, time_lim
         swapped = _swap_drops(on, budget_bytes, base, deadline)
         if swapped is not None:
             tried.append(swapped)
-    return best_by_simulator(problem, budget_bytes, tried)
+    return best_by_simulator(problem, budget_bytes, tried, heuristic)
 
 
 def _swap_drops(problem: Problem, budget_bytes: int, base: Decisions, deadline: float) -> Decisions | None:
@@ -176,14 +176,15 @@ def _swap_drops(problem: Problem, budget_bytes: int, base: Decisions, deadline: 
                      stats={**base.stats, "offloaded": len(offs)})
 
 
-def _rounds(problem: Problem, budget_bytes: int, deadline: float) -> list[Decisions]:
+def _rounds(problem: Problem, budget_bytes: int, deadline: float, config: OffloadPlanConfig,
+            heuristic: HeuristicConfig) -> list[Decisions]:
     """Steps 1-4 of the module docstring on ``problem`` (partitions already applied): its plan
     (none, or several tries where a rebuild read an offloaded tensor)."""
     banned: set[int] = set()
     tried: list[Decisions] = []
     if not lone_timings(problem):
         return tried
-    for _try in range(SWEEPS):
+    for _try in range(config.sweeps):
         if time.perf_counter() > deadline and tried:
             break
         chosen = _choose(problem, budget_bytes, lone_timings(problem), banned)
@@ -191,7 +192,7 @@ def _rounds(problem: Problem, budget_bytes: int, deadline: float) -> list[Decisi
             break
         try:
             dec = plan_remat(problem, budget_bytes, deadline=deadline, offloads=chosen,
-                             blocked=_blocked(problem, chosen))
+                             blocked=_blocked(problem, chosen), config=heuristic)
         except PlanError:  # a rebuild's transient reads an offloaded tensor: take the largest out
             banned.add(max(chosen, key=lambda o: (problem.nbytes[o.tensor], o.tensor)).tensor)
             continue

@@ -17,18 +17,18 @@ from collections.abc import Callable
 from ..base.errors import InfeasibleBudgetError
 from ..base.units import format_bytes
 from ..plan.format import Plan
-
-MAX_ROUNDS = 8
+from .config import ReservedConfig
 
 
 def solve_on_reserved(solve_allocated: Callable[[int], Plan], budget_bytes: int, method: str,
-                      max_rounds: int = MAX_ROUNDS) -> Plan:
+                      config: ReservedConfig = ReservedConfig()) -> Plan:
     """The plan whose predicted reserved peak fits ``budget_bytes``.
 
     ``solve_allocated(target)`` returns a plan for an allocated budget ``target`` (or raises
     :class:`InfeasibleBudgetError`). Raises :class:`InfeasibleBudgetError` when no round's plan
-    fits, naming the lowest reserved peak reached.
+    fits, naming the lowest reserved peak reached. ``config.max_rounds``: the solves at most.
     """
+    max_rounds = config.max_rounds
     t0 = time.perf_counter()
     target = budget_bytes
     met = None  # the lowest target a plan met (its reserved peak was over)
