@@ -4,7 +4,7 @@ For each model (fake recordings, a100-40gb profile, the sizes of the recorded-tr
 the lowest peak each planner is known to reach, as a fraction of the plain
 (unplanned) peak, found the way ``solve``'s infeasible path finds it: the heuristic's budget
 bisected between the floor no plan can pass and the plain peak
-(:func:`taichi_plan.solve.least_reached`, 7 steps; the simulator judges every plan):
+(:func:`taichi_plan.solve.reach.least_reached`, 7 steps; the simulator judges every plan):
 
 * remat only: the heuristic without partitions;
 * partition only: the heuristic on the problem with no droppable tensor;
@@ -70,10 +70,10 @@ def least_peaks(problem) -> dict[str, float]:
     """Each lever's least reachable peak, as a fraction of ``problem``'s plain peak."""
     from taichi_plan.problem.partition.core import allow_random
     from taichi_plan.simulate.core import simulate_plan
-    from taichi_plan.solve import least_reached
     from taichi_plan.solve.baselines import plan_dtr, plan_full
     from taichi_plan.solve.config import HeuristicConfig, TimeConfig
     from taichi_plan.solve.heuristic import plan_heuristic as heuristic
+    from taichi_plan.solve.reach import least_reached
 
     bisecting = HeuristicConfig(local_max_s=TimeConfig().bisect_local_max_s)
 
@@ -114,7 +114,7 @@ DESCRIPTION = """\
 For each model (fake recordings on the a100-40gb profile), the lowest peak each way of
 planning is known to reach, as a fraction of the plain (unplanned) peak: the budget of each
 planner bisected between the floor no plan can pass and the plain peak, as `solve`'s
-infeasible path does for the heuristic (`taichi_plan.solve.least_reached`, 7 steps; the
+infeasible path does for the heuristic (`taichi_plan.solve.reach.least_reached`, 7 steps; the
 simulator judges every plan, and a lower budget is asked only after one that fit). Our
 levers use the heuristic (`auto`'s CP-SAT may reach a little lower), whose sweep also starts
 from checkpointing's drops (every block, sqrt(n)) and adds per-tensor drops where still over:

@@ -387,8 +387,8 @@ def test_the_heuristic_never_ends_above_one_line_checkpointing(gpt2_cpu_attentio
     adds per-tensor drops where still over (the sweep alone fails at every block's peak on
     this model). The lowest peak its bisection reaches is never above every block's either."""
     from taichi_plan.simulate.core import simulate_plan
-    from taichi_plan.solve import least_reached
     from taichi_plan.solve.heuristic import plan_heuristic
+    from taichi_plan.solve.reach import least_reached
 
     problem = gpt2_cpu_attention
     for name in ("full", "sqrt-n"):

@@ -14,7 +14,8 @@ from taichi_plan.cli import main
 from taichi_plan.explore.compare import compare, parse_sweep, render_compare
 from taichi_plan.problem.core import build_problem
 from taichi_plan.report.pareto import pareto_data
-from taichi_plan.solve import OURS, methods, solve
+from taichi_plan.solve import methods, solve
+from taichi_plan.solve.messages import OURS
 from taichi_plan.trace.format import baseline_peak, write_trace
 
 FRACTIONS = (0.9, 0.8, 0.68)

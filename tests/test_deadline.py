@@ -159,7 +159,7 @@ def test_a_stopped_search_never_suggests_more_than_the_unplanned_peak(deep_forea
     """When the time runs out with no plan, the lowest peak reported is never above the step's
     own peak: an option's best plan may hold more than the step unplanned (a forward-only
     graph's rebuilds), and the unplanned step meets its peak with no plan at all."""
-    from taichi_plan.solve import stopped_error
+    from taichi_plan.solve.messages import stopped_error
 
     problem = build_problem(deep_foreach)
     base, _op = problem.baseline_peak

@@ -365,7 +365,7 @@ def test_a_suggested_budget_names_the_optimizer_option_that_reached_it(mlp):
     # auto gives the recorded step the whole time limit: a budget reached only with the
     # optimizer stepped in backward, asked for without naming that option, timed out again
     # (a packed-sequence LSTM: 366.1KB suggested, then 381.77KB).
-    from taichi_plan.solve import timed_out_error
+    from taichi_plan.solve.messages import timed_out_error
 
     v = view_problem(build_problem(mlp), "in-backward")
     msg = str(timed_out_error(v, 1000, "auto", 123_456, 5, 20.0, None))

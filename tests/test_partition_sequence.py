@@ -141,7 +141,7 @@ def test_the_planner_reaches_as_low_with_sequence_partitions(llama_b1, monkeypat
     asked for reaches that peak. Before the heuristic also swept by bytes alone, it reached
     strictly lower with them; since, drops alone reach the same floor on some recordings
     (963,784 B both ways on one clean-clone run), as CP-SAT did already (docs/planner.md)."""
-    from taichi_plan.solve import lowest_reachable
+    from taichi_plan.solve.reach import lowest_reachable
 
     with_seq, _op, asked = lowest_reachable(build_problem(llama_b1.trace))
     monkeypatch.setattr(partition, "_sequence_spans", lambda problem: [])

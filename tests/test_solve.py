@@ -544,7 +544,8 @@ def test_the_warm_start_tries_the_plan_the_heuristic_finds_when_asked_for_less()
     # 200. A timed-out solve suggests that least budget; asked for it, the warm start now fits.
     import time
 
-    from taichi_plan.solve import _warm_start, lowest_reachable
+    from taichi_plan.solve import _warm_start
+    from taichi_plan.solve.reach import lowest_reachable
 
     trace = random_training_trace(random.Random(97), layers=6)
     p = build_problem(trace)

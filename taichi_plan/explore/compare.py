@@ -20,8 +20,9 @@ from ..base.errors import InfeasibleBudgetError, UsageError
 from ..base.units import format_bytes
 from ..problem.core import Problem, build_problem
 from ..simulate.core import simulate_plan
-from ..solve import OURS, run_method, solve
 from ..solve import methods as all_methods
+from ..solve import run_method, solve
+from ..solve.messages import OURS
 from ..trace.format import Trace
 
 DEFAULT_SWEEP = (0.9, 0.8, 0.6, 0.4, 0.3)

@@ -52,7 +52,8 @@ from ..problem.live import min_live_bytes
 from ..problem.offload import OffloadConfig, allow_offload
 from ..problem.partition.core import floor_bytes
 from ..problem.sharding.units import reshard_units
-from ..solve import OURS, run_method, solve
+from ..solve import run_method, solve
+from ..solve.messages import OURS
 from ..solve.result import Decisions, host_fits, simulate_plan_of
 from ..trace.format import Trace
 
