@@ -116,7 +116,7 @@ def test_a_region_inside_a_module_checkpointed_whole_is_the_module(tmp_path):
     from taichi_plan.plan.format import save_plan
     from taichi_plan.problem.partition.core import as_partition, module_spans
     from taichi_plan.replay.measure import replay
-    from taichi_plan.runtime import mode as runtime
+    from taichi_plan.runtime.call_plan import CallPlan
     from taichi_plan.solve.result import Decisions, make_plan
 
     d, p = recorded(tmp_path / "t", entry="tiny_models:chained_blocks")
@@ -131,7 +131,7 @@ def test_a_region_inside_a_module_checkpointed_whole_is_the_module(tmp_path):
     assert all(not m.startswith(w + ".") for m in cp.regions for w in cp.whole), cp.regions
     r = replay(tmp_path / "w.plan.json", steps=2)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(runtime.CallPlan, "in_regions", property(lambda self: False))
+        m.setattr(CallPlan, "in_regions", property(lambda self: False))
         over_call = replay(tmp_path / "w.plan.json", steps=2)
     assert r["measured_peak_bytes"] == over_call["measured_peak_bytes"] <= r["predicted_peak_bytes"]
     assert r["grads_match"] and r["grads_check"].startswith("bitwise")
@@ -156,7 +156,7 @@ def test_random_plans_measure_the_same_in_regions_as_over_the_whole_call(tmp_pat
         whole_outputs,
     )
     from taichi_plan.replay.measure import replay
-    from taichi_plan.runtime import mode as runtime
+    from taichi_plan.runtime.call_plan import CallPlan
     from taichi_plan.simulate.core import Drop
     from taichi_plan.solve.result import Decisions, make_plan
 
@@ -187,7 +187,7 @@ def test_random_plans_measure_the_same_in_regions_as_over_the_whole_call(tmp_pat
         save_plan(plan, path)
         r = replay(path, steps=1)
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(runtime.CallPlan, "in_regions", property(lambda self: False))
+            m.setattr(CallPlan, "in_regions", property(lambda self: False))
             over_call = replay(path, steps=1)
         assert r["measured_peak_bytes"] == over_call["measured_peak_bytes"], (k, parts, len(drops))
         assert r["measured_peak_bytes"] <= r["predicted_peak_bytes"], (k, parts, len(drops))

@@ -1,5 +1,5 @@
-"""The runtime's own flattening of an op's arguments and results (taichi_plan/runtime/mode.py:
-``_flatten``, ``_unflatten``, ``_out_leaves``) gives back what pytree's does, for the shapes aten
+"""The runtime's own flattening of an op's arguments and results (taichi_plan/runtime/flatten.py:
+``flatten_args``, ``unflatten_args``, ``_out_leaves``) gives back what pytree's does, for the shapes aten
 ops take and for the ones it hands to pytree (nested lists, dicts, tuple subclasses)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from taichi_plan.runtime.mode import _FlatSpec, _flatten, _out_leaves, _unflatten
+from taichi_plan.runtime.flatten import _FlatSpec, _out_leaves, flatten_args, unflatten_args
 
 T = torch.ones(2)
 
@@ -24,11 +24,11 @@ T = torch.ones(2)
     (((T, 1),), {"a": {"b": T}}, False),  # a dict: pytree's
 ])
 def test_flatten_round_trips_as_pytree_does(args, kwargs, fast):
-    leaves, spec = _flatten(args, kwargs)
+    leaves, spec = flatten_args(args, kwargs)
     assert isinstance(spec, _FlatSpec) == fast
     want_leaves, want_spec = tree_flatten((args, kwargs))
     assert [id(x) for x in leaves] == [id(x) for x in want_leaves]  # same leaves, same order
-    assert repr(_unflatten(leaves, spec)) == repr(tree_unflatten(want_leaves, want_spec))
+    assert repr(unflatten_args(leaves, spec)) == repr(tree_unflatten(want_leaves, want_spec))
 
 
 @pytest.mark.parametrize("out", [T, (T, T), [T, None, T], (T, [T, T]), (None,), ()])

@@ -99,9 +99,10 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     from ..torch_common.loop import AUTOCAST_DTYPES, Loop
     from ..torch_common.ops import op_clock
     from ..torch_common.step import call_model
+    from .call_plan import CallPlan
     from .calls import call_ops
     from .install import install
-    from .mode import CallPlan, PlanRuntime
+    from .mode import PlanRuntime
     from .partition import install_partitions
 
     grad_calls = grad_model_calls(trace.meta) or []
@@ -615,8 +616,8 @@ def _rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = N
     times run]).
     [] when a recipe cannot re-run here (an input overwritten in place, say): then nothing is
     measured."""
-    from . import mode as runtime
-    from .mode import TRef
+    from . import rebuilds as runtime
+    from .frame import TRef
 
     order = sorted(frame.recipes, key=lambda sid: (frame.recipes[sid][0].op, sid))
     last_reader: dict[int, int] = {}
