@@ -49,7 +49,7 @@ from ..base.errors import InfeasibleBudgetError, UsageError
 from ..base.units import format_bytes
 from ..problem.core import Problem, build_problem, min_live_bytes
 from ..problem.offload import OffloadConfig, allow_offload
-from ..problem.partition.core import floor_bytes
+from ..problem.partition.floor import floor_bytes
 from ..problem.sharding.reshard import reshard_units
 from ..solve import OURS, run_method, solve
 from ..solve.result import Decisions, host_fits, simulate_plan_of

@@ -694,7 +694,8 @@ def _partition_probes(trace, call: dict, model, problem=None):
     from ..base.errors import PlanError
     from ..plan.format import Plan
     from ..problem.core import build_problem
-    from ..problem.partition.core import as_partition, partitionable_spans
+    from ..problem.partition.find import partitionable_spans
+    from ..problem.partition.span import as_partition
     from .calls import call_plans, counted_ops
 
     problem = problem if problem is not None else build_problem(trace)
@@ -737,7 +738,8 @@ def _span_probes(trace, call: dict, problem=None) -> dict:
     from ..base.errors import PlanError
     from ..plan.format import Plan
     from ..problem.core import build_problem
-    from ..problem.partition.core import as_partition, partitionable_spans
+    from ..problem.partition.find import partitionable_spans
+    from ..problem.partition.span import as_partition
     from .calls import call_plans
 
     terms = _span_terms()

@@ -18,16 +18,12 @@ import numpy as np
 from ..base.errors import PlanError
 from ..plan.format import Partition
 from ..problem.core import Problem, gap_bytes, options
-from ..problem.partition.core import (
-    apply_partitions,
-    as_partition,
-    is_under,
-    module_class,
-    module_spans,
-    partition_cost,
-    partition_savings,
-    whole_outputs,
-)
+from ..problem.partition.apply import apply_partitions
+from ..problem.partition.cost import partition_cost
+from ..problem.partition.find import module_class, module_spans
+from ..problem.partition.floor import partition_savings
+from ..problem.partition.span import as_partition, is_under
+from ..problem.partition.tensors import whole_outputs
 from ..simulate.core import Drop, SimResult, simulate, simulate_plan
 from .result import Decisions, host_fits, simulate_plan_of
 from .scores import rebuild_cost, sim_over

@@ -52,17 +52,12 @@ from ..problem.core import (
     revivable,
     revival_options,
 )
-from ..problem.partition.core import (
-    Span,
-    apply_partitions,
-    as_partition,
-    blocked_tensors,
-    module_spans,
-    partition_cost,
-    partition_savings,
-    span_key,
-    span_tensors,
-)
+from ..problem.partition.apply import apply_partitions
+from ..problem.partition.cost import partition_cost
+from ..problem.partition.find import module_spans
+from ..problem.partition.floor import partition_savings
+from ..problem.partition.span import Span, as_partition, span_key
+from ..problem.partition.tensors import blocked_tensors, span_tensors
 from ..simulate.core import Drop, SimResult, is_revival, rebuild_overhead, simulate_plan
 from .bound import BoundLog, relaxation_bound
 from .heuristic import plan_remat

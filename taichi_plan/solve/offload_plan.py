@@ -40,7 +40,7 @@ import numpy as np
 from ..base.errors import PlanError
 from ..problem.core import Problem, rebuild_closure
 from ..problem.offload import Offload, offload_candidates, schedule_offloads
-from ..problem.partition.core import apply_partitions
+from ..problem.partition.apply import apply_partitions
 from ..simulate.core import simulate
 from .heuristic import best_by_simulator, plan_heuristic, plan_remat
 from .result import Decisions
