@@ -68,7 +68,7 @@ def optimizer_views(problem) -> list:
 
 def least_peaks(problem) -> dict[str, float]:
     """Each lever's least reachable peak, as a fraction of ``problem``'s plain peak."""
-    from taichi_plan.problem.partition.core import allow_random
+    from taichi_plan.problem.partition.qualify import allow_random
     from taichi_plan.simulate.core import simulate_plan
     from taichi_plan.solve.baselines import plan_dtr, plan_full
     from taichi_plan.solve.config import HeuristicConfig, TimeConfig

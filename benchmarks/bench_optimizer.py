@@ -15,7 +15,7 @@ from taichi_plan.base.units import format_bytes
 from taichi_plan.plan.format import save_plan
 from taichi_plan.problem.core import build_problem
 from taichi_plan.problem.optimizer.plan import OPTION_ORDER, choose_groups, refusal, view_problem
-from taichi_plan.problem.partition.core import floor_bytes
+from taichi_plan.problem.partition.floor import floor_bytes
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.solve import solve
 from taichi_plan.trace.format import write_trace

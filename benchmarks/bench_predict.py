@@ -61,12 +61,9 @@ def partition_plans(trace, chunks=(1, 2, 4)) -> dict:
     import dataclasses
 
     from taichi_plan.problem.core import build_problem
-    from taichi_plan.problem.partition.core import (
-        allow_random,
-        as_partition,
-        partitionable_spans,
-        random_draws,
-    )
+    from taichi_plan.problem.partition.find import partitionable_spans
+    from taichi_plan.problem.partition.qualify import allow_random, random_draws
+    from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.runtime.calls import counted_ops
     from taichi_plan.solve.result import Decisions, make_plan
 

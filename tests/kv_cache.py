@@ -4,7 +4,7 @@ test_checkpoint_whole.py and test_partition_exact.py record, with its KV cache o
 
 The built-in ``gpt2`` keeps transformers' default (the cache on): each attention then appends
 its keys and values to the cache, which the model's output holds, so no attention or block is
-partitioned (``taichi_plan.problem.partition.core.leaves_state``). The tests of partitioned attentions and
+partitioned (``taichi_plan.problem.partition.qualify.leaves_state``). The tests of partitioned attentions and
 blocks use this entry instead. ``--entry tests.kv_cache:without_cache`` from the repository root."""
 
 from __future__ import annotations

@@ -23,7 +23,9 @@ def recorded(directory, **sizes):
 def innermost_with_outputs(p):
     """The innermost modules (along the batch) that may be checkpointed whole and have outputs
     a plan may then drop (``partition.whole_outputs``), as the trace finds them."""
-    from taichi_plan.problem.partition.core import is_under, module_spans, whole_outputs
+    from taichi_plan.problem.partition.find import module_spans
+    from taichi_plan.problem.partition.span import is_under
+    from taichi_plan.problem.partition.tensors import whole_outputs
 
     spans = module_spans(p)
     return [s for s in spans if s.over == "batch" and 1 in s.chunk_choices and whole_outputs(p, s)
@@ -36,7 +38,9 @@ def whole_output_drops(p, spans, every=True):
     output that is another whole module's input is held by that checkpoint, and one whose
     rebuild in the unplanned step re-makes a tensor a whole module keeps to itself, such as
     a dropout's mask, is not offered)."""
-    from taichi_plan.problem.partition.core import apply_partitions, as_partition, whole_outputs
+    from taichi_plan.problem.partition.apply import apply_partitions
+    from taichi_plan.problem.partition.span import as_partition
+    from taichi_plan.problem.partition.tensors import whole_outputs
     from taichi_plan.simulate.core import Drop
 
     parted, _ = apply_partitions(p, [as_partition(s, 1) for s in spans])

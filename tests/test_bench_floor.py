@@ -9,7 +9,8 @@ import pytest
 from benchmarks import bench_floor
 from taichi_plan.problem.core import build_problem
 from taichi_plan.problem.live import min_live_bytes
-from taichi_plan.problem.partition.core import allow_random, floor_bytes
+from taichi_plan.problem.partition.floor import floor_bytes
+from taichi_plan.problem.partition.qualify import allow_random
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.solve.heuristic import plan_heuristic
 

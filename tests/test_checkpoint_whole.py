@@ -12,12 +12,8 @@ from taichi_plan.base.errors import PlanError
 from taichi_plan.cli import main
 from taichi_plan.plan.format import Partition, load_plan, save_plan
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import (
-    apply_partitions,
-    find_span,
-    module_spans,
-    partitionable_spans,
-)
+from taichi_plan.problem.partition.apply import apply_partitions
+from taichi_plan.problem.partition.find import find_span, module_spans, partitionable_spans
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay.measure import replay
 from taichi_plan.simulate.core import simulate_plan

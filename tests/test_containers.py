@@ -19,7 +19,8 @@ import taichi_plan
 from taichi_plan.base.errors import MismatchError, PlanError
 from taichi_plan.plan.format import save_plan
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import as_partition, module_spans
+from taichi_plan.problem.partition.find import module_spans
+from taichi_plan.problem.partition.span import as_partition
 from taichi_plan.record import record
 from taichi_plan.solve.result import Decisions, make_plan
 from taichi_plan.trace.format import read_trace, write_trace
@@ -129,7 +130,7 @@ def test_a_checkpointed_module_holds_the_arguments_it_never_reads(tmp_path):
     module call's tensor arguments (trace v10 ``meta.module_args``), which the simulator holds."""
     from partition_replay import replay_partitions
 
-    from taichi_plan.problem.partition.core import module_inputs
+    from taichi_plan.problem.partition.tensors import module_inputs
     from taichi_plan.record import get_workload, record_workload
 
     trace = record_workload(get_workload(entry="tiny_models:unused_arg_blocks"), fake=False, calibrate=False)

@@ -177,7 +177,7 @@ def test_partitions_replay_on_two_ranks_as_predicted(ddp_plan, tmp_path):
     over its prediction on each rank when they were)."""
     from taichi_plan.plan.format import Partition, save_plan
     from taichi_plan.problem.core import build_problem
-    from taichi_plan.problem.partition.core import module_spans
+    from taichi_plan.problem.partition.find import module_spans
     from taichi_plan.solve.result import Decisions, make_plan
 
     trace = _trace_of(ddp_plan)
@@ -212,7 +212,7 @@ def test_modules_whole_with_their_outputs_dropped_replay_on_two_ranks(ddp_plan):
 
     from taichi_plan.plan.format import save_plan
     from taichi_plan.problem.core import build_problem
-    from taichi_plan.problem.partition.core import as_partition
+    from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.solve.result import Decisions, make_plan
 
     p = build_problem(_trace_of(ddp_plan))

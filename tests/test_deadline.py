@@ -11,7 +11,7 @@ from taichi_plan.base import deadline
 from taichi_plan.base.errors import InfeasibleBudgetError
 from taichi_plan.problem.core import build_problem
 from taichi_plan.problem.optimizer.groups import balanced_groups, foreach_step, groups_view
-from taichi_plan.problem.partition.core import floor_bytes
+from taichi_plan.problem.partition.floor import floor_bytes
 from taichi_plan.record.api import record
 from taichi_plan.solve import solve
 

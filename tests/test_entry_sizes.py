@@ -11,7 +11,7 @@ from partition_replay import assert_measured_as_predicted, replay_partitions
 
 from taichi_plan.plan.format import Partition
 from taichi_plan.problem.core import batch_and_seq, build_problem
-from taichi_plan.problem.partition.core import module_spans
+from taichi_plan.problem.partition.find import module_spans
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.trace.format import write_trace
 

@@ -193,7 +193,7 @@ def test_a_sharded_recording_knows_what_the_kv_cache_holds(fsdp2_plan):
     as a one-process recording does: GPT-2's attentions, which append to its KV cache, and
     the blocks around them are not offered as partitions; its MLPs are."""
     from taichi_plan.problem.core import build_problem
-    from taichi_plan.problem.partition.core import module_spans
+    from taichi_plan.problem.partition.find import module_spans
     from taichi_plan.trace.format import read_trace
 
     trace = read_trace(fsdp2_plan.parent.parent / "traces" / "t")
@@ -209,7 +209,8 @@ def test_norms_checkpointed_whole_with_their_outputs_dropped_run_under_fsdp2(lla
     ranks measure exactly the predicted peak, shards bitwise."""
     from taichi_plan.plan.format import save_plan
     from taichi_plan.problem.core import build_problem
-    from taichi_plan.problem.partition.core import as_partition, module_spans
+    from taichi_plan.problem.partition.find import module_spans
+    from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.solve.result import Decisions, make_plan
     from taichi_plan.trace.format import read_trace
 

@@ -17,7 +17,8 @@ import pytest
 from taichi_plan.base.errors import PlanError
 from taichi_plan.problem.core import build_problem
 from taichi_plan.problem.options import options
-from taichi_plan.problem.partition.core import as_partition, module_spans
+from taichi_plan.problem.partition.find import module_spans
+from taichi_plan.problem.partition.span import as_partition
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import Drop, simulate_plan
 from taichi_plan.solve.ilp_structure import apart_reruns, structure

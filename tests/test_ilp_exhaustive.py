@@ -47,7 +47,8 @@ from taichi_plan.base.errors import InfeasibleBudgetError, PlanError
 from taichi_plan.plan.format import Partition
 from taichi_plan.problem.core import Problem, build_problem
 from taichi_plan.problem.options import Options, options, revival_options
-from taichi_plan.problem.partition.core import as_partition, module_spans
+from taichi_plan.problem.partition.find import module_spans
+from taichi_plan.problem.partition.span import as_partition
 from taichi_plan.simulate.core import Drop, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.ilp import plan_ilp

@@ -539,7 +539,7 @@ def test_modules_whole_with_their_outputs_dropped_in_a_loop(name, tmp_path):
     rebuild casts the weights again (``partition._recast_ops``): a module checkpointed whole
     does not keep autocast's cached casts of its weights."""
     from taichi_plan.plan.format import save_plan
-    from taichi_plan.problem.partition.core import as_partition
+    from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.record import record_workload
     from taichi_plan.replay.measure import replay
     from tests.partition_replay import innermost_with_outputs, whole_output_drops

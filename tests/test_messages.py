@@ -111,7 +111,7 @@ def test_backward_ops_are_named_by_their_forward_module(swin):
 
 def test_infeasible_message_names_the_forward_module(swin):
     p = build_problem(swin)
-    from taichi_plan.problem.partition.core import floor_bytes
+    from taichi_plan.problem.partition.floor import floor_bytes
 
     floor = floor_bytes(p)
     i = int(floor.argmax())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taichi_plan.problem.partition.core import is_under, ops_under
+from taichi_plan.problem.partition.span import is_under, ops_under
 
 
 def test_ops_under_equals_prefix_matching_of_every_op():

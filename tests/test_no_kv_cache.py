@@ -17,7 +17,7 @@ from click.testing import CliRunner
 
 from taichi_plan.cli import main
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import state_keepers
+from taichi_plan.problem.partition.find import state_keepers
 from taichi_plan.solve.messages import kv_cache_note
 from taichi_plan.trace.format import read_trace
 

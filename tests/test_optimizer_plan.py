@@ -17,7 +17,7 @@ from taichi_plan.problem.optimizer.plan import (
     parameter_steps,
     view_problem,
 )
-from taichi_plan.problem.partition.core import floor_bytes
+from taichi_plan.problem.partition.floor import floor_bytes
 from taichi_plan.record import Loop, get_workload, record_workload
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve import solve

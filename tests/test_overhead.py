@@ -278,7 +278,8 @@ def test_partition_cost_is_the_calibrated_rates_times_the_ops_each_chunk_runs(gp
     forward op, and ``chunk_op_s`` per op each further chunk runs again (its forward, that
     forward's re-run in backward, its backward), the ops counted here from the trace."""
     from taichi_plan.plan.format import Partition
-    from taichi_plan.problem.partition.core import find_span, launch_overhead_s, partition_cost
+    from taichi_plan.problem.partition.cost import launch_overhead_s, partition_cost
+    from taichi_plan.problem.partition.find import find_span
 
     problem = build_problem(gpt2)
     module = "transformer.h.0.mlp"  # (a block appends to the KV cache: never partitioned)
@@ -310,7 +311,7 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
     (never a container such as a ModuleList, which is never called), disjoint; checkpointed
     whole, each runs its forward once in the forward and once more in backward; split into K,
     K times each; the call's ops still match the trace."""
-    from taichi_plan.problem.partition.core import partitionable_spans
+    from taichi_plan.problem.partition.find import partitionable_spans
     from taichi_plan.runtime.calibrate import _partition_probes
     from taichi_plan.runtime.install import install
     from taichi_plan.runtime.partition import install_partitions
@@ -372,7 +373,7 @@ def test_token_partition_cost_is_the_calibrated_rates_times_the_counted_terms(gp
     that measured no such span, or measured it before the fused pass (no ``fused`` flag: its
     backward then made the logits again), costs the launch overhead per op per chunk (the
     fused pass runs the head once)."""
-    from taichi_plan.problem.partition.core import launch_overhead_s, partition_cost
+    from taichi_plan.problem.partition.cost import launch_overhead_s, partition_cost
 
     problem = build_problem(gpt2)
     span = _token_span(problem)
@@ -408,7 +409,7 @@ def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2)
     never negative and whose intercept saves at most the ops it changes."""
     import dataclasses
 
-    from taichi_plan.problem.partition.core import partition_cost
+    from taichi_plan.problem.partition.cost import partition_cost
     from taichi_plan.problem.partition.token_span import cost_terms
     from taichi_plan.runtime.calibrate import _span_rates
 

@@ -89,7 +89,7 @@ def test_modules_kept_out_by_the_kv_cache_are_named_with_the_way_out(traces):
     its keys and values to it, so no attention or block is partitioned (partition.leaves_state).
     The plan's notes and an out-of-reach budget's message name those modules and the setting
     that frees them; recorded with ``use_cache = False`` there are none."""
-    from taichi_plan.problem.partition.core import state_keepers
+    from taichi_plan.problem.partition.find import state_keepers
 
     p = build_problem(traces[False])
     keeps = state_keepers(p)

@@ -12,7 +12,7 @@ import pytest
 
 from taichi_plan.plan.format import Partition
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import find_span
+from taichi_plan.problem.partition.find import find_span
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import simulate_plan
 from taichi_plan.torch_common.loop import Loop

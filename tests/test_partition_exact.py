@@ -1,5 +1,5 @@
 """Modules split into chunks of their batch: the simulator models the chunked run event by
-event (taichi_plan/problem/partition/core.py, ``_chunked_peaks``), so a replayed plan measures its
+event (taichi_plan/problem/partition/peaks.py, ``chunked_peaks``), so a replayed plan measures its
 predicted peak to the byte, with the peak inside a partitioned span (where the old model,
 which shrank every tensor to 1/k and joined input gradients by hand, was 65 KB over)."""
 
@@ -9,7 +9,7 @@ import pytest
 
 from taichi_plan.plan.format import Partition
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import find_span, module_spans
+from taichi_plan.problem.partition.find import find_span, module_spans
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import simulate_plan
 from taichi_plan.trace.format import write_trace
@@ -67,7 +67,7 @@ def test_under_autocast_linears_split_and_replay_as_predicted(tmp_path, micro_ba
     146-152 KB above its prediction). Split in 2 and 4, alone and with a module checkpointed
     whole, with gradient accumulation or not: measured == predicted to the byte; gradients
     within the stated bf16 tolerance (not allclose at float32's: the sums round in bf16)."""
-    from taichi_plan.problem.partition.core import casts_parameter
+    from taichi_plan.problem.partition.qualify import casts_parameter
     from taichi_plan.torch_common.loop import Loop
 
     # the README's tiny-gpt2-accum shape: its peak is in a backward where the casts matter
@@ -104,7 +104,8 @@ def test_a_module_that_appends_to_the_kv_cache_is_not_partitioned(traced):
     (tests/kv_cache.py) the attention is too."""
     import numpy as np
 
-    from taichi_plan.problem.partition.core import leaves_state, partitionable_spans
+    from taichi_plan.problem.partition.find import partitionable_spans
+    from taichi_plan.problem.partition.qualify import leaves_state
     from tests.kv_cache import ENTRY
 
     _d, p = traced
@@ -118,7 +119,7 @@ def test_a_module_that_appends_to_the_kv_cache_is_not_partitioned(traced):
     attn = [i for i in range(p.num_ops) if p.op_module[i].startswith("transformer.h.0.attn") and p.op_phase[i] == "forward"]
     assert leaves_state(p, made, attn[0], attn[-1])
     from taichi_plan.base.errors import PlanError
-    from taichi_plan.problem.partition.core import apply_partitions
+    from taichi_plan.problem.partition.apply import apply_partitions
 
     with pytest.raises(PlanError, match="use_cache=False"):  # a plan naming it says why it cannot
         apply_partitions(p, [Partition("transformer.h.0.attn", 0, 1)])

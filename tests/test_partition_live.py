@@ -8,12 +8,9 @@ import numpy as np
 import pytest
 
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import (
-    apply_partitions,
-    as_partition,
-    module_spans,
-    partitioned_live,
-)
+from taichi_plan.problem.partition.apply import apply_partitions, partitioned_live
+from taichi_plan.problem.partition.find import module_spans
+from taichi_plan.problem.partition.span import as_partition
 from taichi_plan.record import get_workload, record_workload
 
 

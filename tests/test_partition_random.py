@@ -19,14 +19,9 @@ from taichi_plan.cli import main
 from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
 from taichi_plan.plan.format import Partition, load_plan, save_plan
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import (
-    allow_random,
-    apply_partitions,
-    draws_random,
-    module_spans,
-    partitionable_spans,
-    random_draws,
-)
+from taichi_plan.problem.partition.apply import apply_partitions
+from taichi_plan.problem.partition.find import module_spans, partitionable_spans
+from taichi_plan.problem.partition.qualify import allow_random, draws_random, random_draws
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import Drop
 from taichi_plan.solve import solve

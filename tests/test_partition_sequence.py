@@ -11,16 +11,12 @@ import pytest
 from taichi_plan.base.errors import PlanError
 from taichi_plan.plan.format import Partition
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition import core as partition
-from taichi_plan.problem.partition.core import (
-    allow_random,
-    apply_partitions,
-    find_span,
-    module_spans,
-    ops_under,
-    partitionable_spans,
-)
+from taichi_plan.problem.partition import find as partition
+from taichi_plan.problem.partition.apply import apply_partitions
+from taichi_plan.problem.partition.find import find_span, module_spans, partitionable_spans
 from taichi_plan.problem.partition.position_span import not_position_wise, positions
+from taichi_plan.problem.partition.qualify import allow_random
+from taichi_plan.problem.partition.span import ops_under
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import simulate_plan
 from taichi_plan.solve.config import HeuristicConfig, TimeConfig
@@ -176,7 +172,7 @@ def test_under_autocast_linears_split_over_positions_as_predicted(tmp_path, mode
     qualifying as position-wise before. Split over the sequence, the first run casts and the
     others find the cast in autocast's cache, as along the batch (test_partition_exact):
     measured == predicted to the byte, gradients within the stated bf16 roundings."""
-    from taichi_plan.problem.partition.core import casts_parameter
+    from taichi_plan.problem.partition.qualify import casts_parameter
 
     p = _autocast_traced(tmp_path, model, micro_batches)
     spans = {s.module: s for s in module_spans(p) if s.over == "sequence"}

@@ -13,7 +13,7 @@ import pytest
 from partition_replay import assert_measured_as_predicted, recorded, replay_partitions
 
 from taichi_plan.plan.format import Partition
-from taichi_plan.problem.partition.core import module_spans
+from taichi_plan.problem.partition.find import module_spans
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,8 @@ def test_a_region_inside_a_module_checkpointed_whole_is_the_module(tmp_path):
     from partition_replay import recorded, whole_output_drops
 
     from taichi_plan.plan.format import save_plan
-    from taichi_plan.problem.partition.core import as_partition, module_spans
+    from taichi_plan.problem.partition.find import module_spans
+    from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.replay.measure import replay
     from taichi_plan.runtime.call_plan import CallPlan
     from taichi_plan.solve.result import Decisions, make_plan
@@ -149,12 +150,10 @@ def test_random_plans_measure_the_same_in_regions_as_over_the_whole_call(tmp_pat
 
     from taichi_plan.base.errors import PlanError
     from taichi_plan.plan.format import save_plan
-    from taichi_plan.problem.partition.core import (
-        apply_partitions,
-        as_partition,
-        partitionable_spans,
-        whole_outputs,
-    )
+    from taichi_plan.problem.partition.apply import apply_partitions
+    from taichi_plan.problem.partition.find import partitionable_spans
+    from taichi_plan.problem.partition.span import as_partition
+    from taichi_plan.problem.partition.tensors import whole_outputs
     from taichi_plan.replay.measure import replay
     from taichi_plan.runtime.call_plan import CallPlan
     from taichi_plan.simulate.core import Drop

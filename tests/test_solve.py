@@ -485,24 +485,25 @@ def test_partition_savings_are_computed_once_per_problem(monkeypatch):
     """The floor and the ILP's partition options ask for the same modules' savings: each is
     computed once per problem (on a 46k-op GPT-2, computing them twice took the whole 30 s
     limit before CP-SAT could run)."""
-    from taichi_plan.problem.partition import core as partition
+    from taichi_plan.problem.partition import floor
+    from taichi_plan.problem.partition.find import module_spans
 
     trace = partition_trace()
     p = build_problem(trace)
     calls = []
-    real = partition.partitioned_live
-    monkeypatch.setattr(partition, "partitioned_live", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
-    partition.floor_bytes(p)
-    spans = partition.module_spans(p)
+    real = floor.partitioned_live
+    monkeypatch.setattr(floor, "partitioned_live", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    floor.floor_bytes(p)
+    spans = module_spans(p)
     first = len(calls)
     assert first == sum(len(s.chunk_choices) for s in spans) > 0
     for s in spans:
         for k in s.chunk_choices:
-            sav = partition.partition_savings(p, s, k)
+            sav = floor.partition_savings(p, s, k)
             assert not sav.flags.writeable  # shared: no caller may change it
     assert len(calls) == first
     again = build_problem(trace)  # another problem computes its own
-    partition.partition_savings(again, spans[0], spans[0].chunk_choices[0])
+    floor.partition_savings(again, spans[0], spans[0].chunk_choices[0])
     assert len(calls) == first + 1
 
 

@@ -9,8 +9,8 @@ import re
 import pytest
 
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition import core as partition
-from taichi_plan.problem.partition.core import _capped_by_class, module_class, module_spans
+from taichi_plan.problem.partition import find as partition
+from taichi_plan.problem.partition.find import _capped_by_class, module_class, module_spans
 from taichi_plan.record import get_workload, record_workload
 
 

@@ -15,7 +15,8 @@ import pytest
 
 from taichi_plan.plan.format import save_plan
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import as_partition, module_spans
+from taichi_plan.problem.partition.find import module_spans
+from taichi_plan.problem.partition.span import as_partition
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay.measure import replay
 from taichi_plan.solve.result import Decisions, make_plan

@@ -21,7 +21,7 @@ from taichi_plan.base.errors import MismatchError, PlanError
 from taichi_plan.plan.format import FORMAT_VERSION as PLAN_VERSION
 from taichi_plan.plan.format import Partition, load_plan, save_plan
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import floor_bytes
+from taichi_plan.problem.partition.floor import floor_bytes
 from taichi_plan.problem.partition.token_span import token_spans
 from taichi_plan.record import get_workload, record, record_workload
 from taichi_plan.replay.measure import replay

@@ -157,7 +157,8 @@ def test_blocks_checkpointed_whole_measure_as_predicted_with_the_kv_cache_on(pla
     measure their predicted peak over the Trainer's step, and train bitwise."""
     from taichi_plan.plan.format import save_plan
     from taichi_plan.problem.core import build_problem
-    from taichi_plan.problem.partition.core import as_partition, module_spans
+    from taichi_plan.problem.partition.find import module_spans
+    from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.solve.result import Decisions, make_plan
     from taichi_plan.trace.format import read_trace
 

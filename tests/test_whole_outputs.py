@@ -11,13 +11,10 @@ import pytest
 from taichi_plan.base.errors import PlanError
 from taichi_plan.plan.format import save_plan
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.partition.core import (
-    apply_partitions,
-    as_partition,
-    internal_tensors,
-    module_spans,
-    whole_outputs,
-)
+from taichi_plan.problem.partition.apply import apply_partitions
+from taichi_plan.problem.partition.find import module_spans
+from taichi_plan.problem.partition.span import as_partition
+from taichi_plan.problem.partition.tensors import internal_tensors, whole_outputs
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay.measure import replay
 from taichi_plan.simulate.core import Drop, simulate_plan

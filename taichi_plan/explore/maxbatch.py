@@ -50,7 +50,7 @@ from ..base.units import format_bytes
 from ..problem.core import Problem, build_problem
 from ..problem.live import min_live_bytes
 from ..problem.offload import OffloadConfig, allow_offload
-from ..problem.partition.core import floor_bytes
+from ..problem.partition.floor import floor_bytes
 from ..problem.sharding.units import reshard_units
 from ..solve import run_method, solve
 from ..solve.messages import OURS

@@ -21,7 +21,7 @@ module over its positions (``over: "sequence"``, ``dim: 1``: :mod:`taichi_plan.p
 version 9 counts the runtime's per-re-run and per-drop costs in ``extra_compute`` (the
 objective) instead of ``predicted.runtime_overhead`` (:mod:`taichi_plan.problem.partition.overhead`);
 version 10 drops of the outputs of a module checkpointed whole (``chunks: 1``), rebuilt
-through its insides (:func:`taichi_plan.problem.partition.core.whole_outputs`); version 11 predicts a head
+through its insides (:func:`taichi_plan.problem.partition.tensors.whole_outputs`); version 11 predicts a head
 over tokens as one fused pass, whose cost may be below 0 (:mod:`taichi_plan.problem.partition.token_span`);
 version 13 layouts whose units reshard to a smaller mesh after forward (an int
 ``reshard_after_forward``, trace v17); version 14 offloads (``decisions.offload``: saved
@@ -104,7 +104,7 @@ class Partition:
     over: str = "batch"
     # None: the module draws no random numbers. "as-unpartitioned": its chunks draw exactly
     # what the whole batch would have (one dropout, CPU). "per-chunk": they draw their own
-    # (dropout masks differ: training changes statistically). See taichi_plan/problem/partition/core.py.
+    # (dropout masks differ: training changes statistically). See taichi_plan/problem/partition/__init__.py.
     random_draws: str | None = None
 
 

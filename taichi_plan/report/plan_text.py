@@ -130,7 +130,8 @@ def _partition_costs(problem: Problem, plan: Plan, total: float) -> dict[str, fl
     if not plan.partitions or total == 0:
         return out
     try:
-        from ..problem.partition.core import find_span, partition_cost
+        from ..problem.partition.cost import partition_cost
+        from ..problem.partition.find import find_span
 
         for part in plan.partitions:
             span = find_span(problem, part)

@@ -695,7 +695,8 @@ def _partition_probes(trace, call: dict, model, problem=None):
     from ..base.errors import PlanError
     from ..plan.format import Plan
     from ..problem.core import build_problem
-    from ..problem.partition.core import as_partition, partitionable_spans
+    from ..problem.partition.find import partitionable_spans
+    from ..problem.partition.span import as_partition
     from .calls import call_plans, counted_ops
 
     problem = problem if problem is not None else build_problem(trace)
@@ -738,7 +739,8 @@ def _span_probes(trace, call: dict, problem=None) -> dict:
     from ..base.errors import PlanError
     from ..plan.format import Plan
     from ..problem.core import build_problem
-    from ..problem.partition.core import as_partition, partitionable_spans
+    from ..problem.partition.find import partitionable_spans
+    from ..problem.partition.span import as_partition
     from .calls import call_plans
 
     terms = _span_terms()
@@ -794,7 +796,7 @@ def _span_rates(kind: str, problem_span: tuple, ks: tuple[int, ...], extra_s: li
 
 
 def _partition_rates(problem, spans: list, k_most: int, whole_s: float, more_s: float) -> dict:
-    """The two per-op terms of a partition's cost (:func:`taichi_plan.problem.partition.core.partition_cost`)
+    """The two per-op terms of a partition's cost (:func:`taichi_plan.problem.partition.cost.partition_cost`)
     from the step's extra seconds with ``spans`` checkpointed whole (``whole_s``, against the
     call with every op checked) and split into ``k_most`` chunks (``more_s``, against whole):
     ``checkpoint_op_s``, per forward op of a span, what checkpointing it whole costs beyond

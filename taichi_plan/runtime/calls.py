@@ -327,7 +327,7 @@ def call_ops(trace, pos: dict | None = None) -> list[list]:
 
 def token_partitions(plan: Plan, problem) -> list[tuple[str, int, tuple[int, ...]]]:
     """(head module, chunks, forward op ids of its span) of each partition over tokens."""
-    from ..problem.partition.core import find_span
+    from ..problem.partition.find import find_span
 
     out = []
     for p in plan.partitions:
@@ -390,7 +390,7 @@ def recipe_ops(plan: Plan, trace, problem=None) -> set[int]:
     """Op ids whose recipes a rebuild may need: every op the simulator re-runs for this plan,
     and the rebuild ops of every dropped tensor."""
     from ..problem.optimizer.plan import problem_for_plan
-    from ..problem.partition.core import apply_partitions
+    from ..problem.partition.apply import apply_partitions
     from ..simulate.core import rerun_ops
     from ..solve.result import drops_from_plan
 
@@ -441,7 +441,8 @@ def partition_spans(plan: Plan, trace, problem=None) -> list[tuple[str, tuple[in
     if not parts:
         return []
     from ..problem.optimizer.plan import problem_for_plan
-    from ..problem.partition.core import occurrence_spans, partitionable_spans
+    from ..problem.partition.find import partitionable_spans
+    from ..problem.partition.span import occurrence_spans
 
     spans = {s.module: [o.fwd for o in occurrence_spans(s)]
              for s in partitionable_spans(problem_for_plan(plan, trace, problem)) if s.over in ("batch", "sequence")}

@@ -23,7 +23,7 @@ Semantics (per-tensor rematerialization, the mechanism replay executes):
   until the last later group that reads it and freed right after its last reader in that
   group (Moccasin's second interval of a node). At most one revival per tensor; a group
   before ``remat_before`` that needs it re-makes it as a transient.
-* Partitions (see :mod:`taichi_plan.problem.partition.core`) are applied to the problem before this.
+* Partitions (see :mod:`taichi_plan.problem.partition`) are applied to the problem before this.
 * An *offloaded* tensor (:mod:`taichi_plan.problem.offload`) is copied to host after its last forward
   use and back before its first backward use: its device bytes are freed after the op that runs
   when its copy-out ends and allocated again where its copy-in is issued (the prefetch point),
@@ -359,7 +359,7 @@ def rebuilt_end(problem: Problem, t: int) -> int:
     end = int(problem.end[t])
     if not problem.replayable_only:
         return end
-    from ..problem.partition.core import apply_end
+    from ..problem.partition.peaks import apply_end
 
     u = problem.uses[t]
     u = u[u <= end]
@@ -552,7 +552,7 @@ def simulate_plan(problem: Problem, drops: list[Drop], partitions=(), offloads=(
                   host_link_bytes_per_s: float | None = None) -> tuple[SimResult, Problem]:
     """Simulate drops, partitions and offloads together; returns the result and the partitioned
     problem (the one whose tensors the timeline and schedule describe)."""
-    from ..problem.partition.core import apply_partitions
+    from ..problem.partition.apply import apply_partitions
 
     parted, cost = apply_partitions(problem, partitions, [*drops, *(Drop(o.tensor, o.after, o.before) for o in offloads)]
                                     if offloads and partitions else drops)

@@ -27,7 +27,8 @@ from ..problem.optimizer.plan import (
     refusal,
     view_problem,
 )
-from ..problem.partition.core import allow_random, floor_bytes
+from ..problem.partition.floor import floor_bytes
+from ..problem.partition.qualify import allow_random
 from ..problem.sharding.prefetch import movable
 from ..problem.sharding.units import reshard_units
 from ..simulate.allocator import AllocatorConfig
@@ -201,7 +202,7 @@ def solve(trace: Trace, budget_bytes: int, method: str = "auto", *, time_limit: 
 
     ``partition_random``: the planners may partition modules that draw random numbers
     (dropout); their chunks then draw their own, which changes training statistically, and
-    the plan records it (:mod:`taichi_plan.problem.partition.core`). Off, nothing random is partitioned.
+    the plan records it (:mod:`taichi_plan.problem.partition`). Off, nothing random is partitioned.
     """
     _check_limits(time_limit, work_limit)
     if on == "reserved":

@@ -20,16 +20,12 @@ from ..plan.format import Partition
 from ..problem.core import Problem
 from ..problem.live import gap_bytes
 from ..problem.options import options
-from ..problem.partition.core import (
-    apply_partitions,
-    as_partition,
-    is_under,
-    module_class,
-    module_spans,
-    partition_cost,
-    partition_savings,
-    whole_outputs,
-)
+from ..problem.partition.apply import apply_partitions
+from ..problem.partition.cost import partition_cost
+from ..problem.partition.find import module_class, module_spans
+from ..problem.partition.floor import partition_savings
+from ..problem.partition.span import as_partition, is_under
+from ..problem.partition.tensors import whole_outputs
 from ..simulate.core import Drop, SimResult, simulate, simulate_plan
 from .config import HeuristicConfig
 from .result import Decisions, host_fits, simulate_plan_of

@@ -28,7 +28,8 @@ from ortools.sat.python import cp_model
 from ..base.errors import PlanError
 from ..problem.core import Problem
 from ..problem.live import coverage_delta, gap_bytes
-from ..problem.partition.core import apply_partitions, as_partition
+from ..problem.partition.apply import apply_partitions
+from ..problem.partition.span import as_partition
 from ..simulate.core import SimResult, simulate_plan
 from .bound import BoundLog, relaxation_bound
 from .config import HeuristicConfig, IlpConfig

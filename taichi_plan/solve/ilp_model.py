@@ -33,7 +33,7 @@ from ortools.sat.python import cp_model
 
 from ..problem.core import Problem, rebuild_inputs
 from ..problem.options import revival_options
-from ..problem.partition.core import as_partition, span_key
+from ..problem.partition.span import as_partition, span_key
 from ..simulate.core import Drop, SimResult, is_revival
 from .config import IlpConfig
 from .ilp_dead_inputs import DeadInputsMixin

@@ -23,7 +23,8 @@ from ..problem.optimizer.plan import (
     refusal,
     view_problem,
 )
-from ..problem.partition.core import floor_bytes, state_keepers
+from ..problem.partition.find import state_keepers
+from ..problem.partition.floor import floor_bytes
 from ..trace.format import own_checkpointing
 from .config import SolverConfig
 from .reach import lowest_reachable

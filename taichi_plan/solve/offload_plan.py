@@ -41,7 +41,7 @@ from ..base.errors import PlanError
 from ..problem.core import Problem
 from ..problem.offload import Offload, offload_candidates, schedule_offloads
 from ..problem.options import rebuild_closure
-from ..problem.partition.core import apply_partitions
+from ..problem.partition.apply import apply_partitions
 from ..simulate.core import simulate
 from .config import HeuristicConfig, OffloadPlanConfig
 from .heuristic import best_by_simulator, plan_heuristic, plan_remat

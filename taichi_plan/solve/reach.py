@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 
 from ..problem.core import Problem
-from ..problem.partition.core import floor_bytes
+from ..problem.partition.floor import floor_bytes
 from ..simulate.core import simulate_plan
 from .config import SolverConfig
 from .heuristic import plan_heuristic

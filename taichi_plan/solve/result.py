@@ -16,8 +16,11 @@ from ..problem.core import Problem
 from ..problem.offload import Offload, OffloadTiming
 from ..problem.optimizer.plan import describe as describe_optimizer
 from ..problem.optimizer.plan import recorded_problem, recorded_trace
-from ..problem.partition.core import find_span, partition_cost, partition_savings, random_draws
+from ..problem.partition.cost import partition_cost
+from ..problem.partition.find import find_span
+from ..problem.partition.floor import partition_savings
 from ..problem.partition.overhead import runtime_overhead_s
+from ..problem.partition.qualify import random_draws
 from ..problem.partition.regions import checkpointed_modules, early_triggers, needed_ops, region_ops
 from ..problem.sharding.decisions import describe as describe_reshard
 from ..problem.sharding.prefetch import describe as describe_prefetch

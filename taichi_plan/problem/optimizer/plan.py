@@ -379,7 +379,7 @@ def choose_groups(problem, budget_bytes: int) -> list[list[int]]:
     """The fewest groups (2, 4, 8, 16, or one per parameter) whose step's floor is within
     ``budget_bytes``; else those with the lowest floor."""
     from ...base.deadline import check
-    from ..partition.core import floor_bytes
+    from ..partition.floor import floor_bytes
     from .groups import balanced_groups, foreach_step
 
     rec = recorded_problem(problem)

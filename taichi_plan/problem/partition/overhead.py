@@ -24,6 +24,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..core import Problem
+from .find import find_span
+from .span import occurrence_spans
 
 
 def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], reruns: list[int] = (),
@@ -52,8 +54,6 @@ def runtime_overhead_s(problem: Problem, drops, partitions, rerun: set[int], rer
     call = problem.op_call
     planned = set()
     if partitions:  # a call that partitions along the batch or the sequence has the module hooks
-        from .core import find_span, occurrence_spans
-
         spans = [find_span(problem, p) for p in partitions if p.over != "tokens"]
         planned.update(int(call[o.fwd[0]]) for s in spans if s is not None for o in occurrence_spans(s))
     if not drops:

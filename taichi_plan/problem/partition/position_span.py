@@ -30,10 +30,10 @@ workload's batch and sequence, a storage is *positional* when its shape starts w
   size ``N`` (so a weight-shaped tensor is never mistaken for a positional one);
 * it is called once, its forward and backward spans contiguous, with no batch norm and no
   write to a parameter or buffer (the batch partition's conditions,
-  :func:`taichi_plan.problem.partition.core._module_spans`).
+  :func:`taichi_plan.problem.partition.find._module_spans`).
 
 The simulator models the run exactly as the batch partition's
-(:func:`taichi_plan.problem.partition.core._chunked_peaks`), a positional storage being a ``1/k`` piece;
+(:func:`taichi_plan.problem.partition.peaks.chunked_peaks`), a positional storage being a ``1/k`` piece;
 replay is :mod:`taichi_plan.runtime.partition` (``over="sequence"``).
 """
 
@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 
 from ..core import Problem, batch_and_seq, op_stem, read_args
+from .qualify import constant_tensor
 
 SEQ_CHUNK_CHOICES = (2, 4, 8, 16, 32)
 # Elementwise ops (and their in-place forms), copies, dtype casts, fills of a tensor's shape,
@@ -84,8 +85,6 @@ def _rest(shape, pos) -> list[int]:
 def not_position_wise(problem: Problem, fwd: tuple[int, int], pos: tuple[int, int]) -> str | None:
     """Why the forward ops ``fwd`` are not position-wise (the first op that breaks a rule of
     the module docstring, in words), or None when they are."""
-    from .core import constant_tensor
-
     shapes = problem.trace.tensors["shape"].tolist()
     n = pos[0] * pos[1]
     f0, f1 = fwd

@@ -35,7 +35,7 @@ loss op makes a scalar; ``fused``) is computed with its gradients in one pass, i
   its backward cost (the fused pass makes each chunk's logits once and its softmax in
   place: on a 2-core CPU it runs faster than the span unsplit, so the measured extra may be
   below 0); measured on the model's own head and loss when the recording calibrated it
-  (:func:`cost`).
+  (:func:`taichi_plan.problem.partition.cost.token_cost`).
 
 A per-row loss (``none``, the loss op makes ``[rows]``) needs each row's incoming gradient:
 forward holds each chunk's logits and their log-softmax (``ceil(rows/k) * V * max(head +
@@ -302,22 +302,8 @@ def redo_ops(problem: Problem, span: TokenSpan) -> list[int]:
 
 def cost_terms(problem: Problem, span: TokenSpan) -> tuple[float, int]:
     """(recorded seconds of :func:`redo_ops`, the span's forward and backward ops): what
-    :func:`cost` scales (calibration fits its two rates on them)."""
+    :func:`taichi_plan.problem.partition.cost.token_cost` scales (calibration fits its two rates on them)."""
     return float(problem.op_cost[redo_ops(problem, span)].sum()), len(span.fwd_ops) + len(span.bwd_ops)
-
-
-def cost(problem: Problem, span: TokenSpan, chunks: int, launch_s: float) -> float:
-    """What the split costs, as measured on the recorded model's own head and loss
-    (``meta.runtime_overhead.span_costs.tokens``, :func:`taichi_plan.problem.partition.overhead.span_cost`; a
-    fused split may cost less than none), else ``launch_s`` per op per chunk, and for a
-    per-row loss the recorded time of the ops its backward runs again."""
-    from .overhead import span_cost
-
-    redo_s, n_ops = cost_terms(problem, span)
-    measured = span_cost(problem, span.over, redo_s, n_ops, chunks, span.module)
-    if measured is not None:
-        return measured
-    return (0.0 if span.fused else redo_s) + chunks * n_ops * launch_s
 
 
 def apply(problem: Problem, span: TokenSpan, chunks: int, nbytes: np.ndarray, start: np.ndarray, end: np.ndarray,
@@ -386,4 +372,4 @@ def _weight_rows(problem: Problem, span: TokenSpan) -> set:
     return {w, *problem.same_storage.get(w, ())}
 
 
-__all__ = ["TOKEN_CHUNK_CHOICES", "TokenSpan", "apply", "cost", "cost_terms", "redo_ops", "span_inputs", "span_tensors", "token_spans"]
+__all__ = ["TOKEN_CHUNK_CHOICES", "TokenSpan", "apply", "cost_terms", "redo_ops", "span_inputs", "span_tensors", "token_spans"]
