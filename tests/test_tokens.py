@@ -341,7 +341,7 @@ def test_several_steps_of_a_head_over_tokens_match_on_an_opt_decoder(tmp_path):
     update difference up to its learning rate): it said "DIFFER" before, on every step count."""
     import torch
 
-    from taichi_plan.replay.measure import GRAD_TOL, PARAMS_REL_TOL, compare_training
+    from taichi_plan.replay.measure.compare import GRAD_TOL, PARAMS_REL_TOL, compare_training
 
     trace = record_workload(get_workload(entry="tiny_models:opt_decoder"), fake=False)
     _plan_, path, span = _plan(trace, tmp_path, 32, "opt")
