@@ -517,15 +517,15 @@ def test_per_op_terms_are_never_below_the_bookkeeping_alone():
     assert "unfloored" not in same and same["recipe_op_s"] == 40e-6
 
 
-def test_every_variant_is_warmed_up_once_before_the_timed_rounds(monkeypatch):
+def test_every_variant_is_warmed_up_once_before_the_timed_rounds():
     """Calibration's rounds: one untimed run of every variant not already run once (a trial
     run of a probe counts: its one-time costs are paid), then ``repeats`` timed runs of each,
     each round starting one variant later; without the warm-up (the test suite), the rounds
     only; the rounds stop before one that would pass the budget."""
-    from taichi_plan.runtime.calibrate import timing
+    from taichi_plan.runtime.calibrate.config import CalibrationConfig
+    from taichi_plan.runtime.calibrate.timing import interleaved
 
     def rounds(repeats=3, budget=1e9, ran=None, warm_up=True):
-        monkeypatch.setattr(timing, "WARM_UP", warm_up)
         runs, now = [], [0.0]
 
         def forward(v):  # each run takes one second of this clock
@@ -533,7 +533,8 @@ def test_every_variant_is_warmed_up_once_before_the_timed_rounds(monkeypatch):
             now[0] += 1.0
             return 0.0, 0.0
 
-        times = timing.interleaved(forward, {"a": "A", "b": "B", "c": "C"}, repeats, budget, lambda: now[0], ran)
+        times = interleaved(forward, {"a": "A", "b": "B", "c": "C"}, repeats, budget, lambda: now[0], ran,
+                            CalibrationConfig(warm_up=warm_up))
         return runs, {n: len(v) for n, v in times.items()}
 
     timed = ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
@@ -640,7 +641,8 @@ def test_module_calls_cost_what_the_hooks_cost_them_whole():
     """Trace v20: ``module_call_s`` is what the module hooks alone cost the forward and backward
     per module call, unclocked, against the call plain (paired per repetition, median), not
     their own seconds; never below those; from 5 repetitions."""
-    from taichi_plan.runtime.calibrate.rates import REGION_MIN_REPEATS, module_hook_rates
+    from taichi_plan.runtime.calibrate.config import default_config
+    from taichi_plan.runtime.calibrate.rates import module_hook_rates
 
     hooks = [(0, 0, 0, 0, 50 * 10e-6, 50, 0)] * 5  # own: 10 us per call
     plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3), (0.100, 0.3), (0.100, 0.3)]
@@ -654,7 +656,7 @@ def test_module_calls_cost_what_the_hooks_cost_them_whole():
                                           "own_s": pytest.approx(0.5e-3), "calls": 50, "repeats": 5}
     below = [(0.1002, 0.3002)] * 5  # noise below the own seconds: the own seconds stand
     assert module_hook_rates({"hooks": hooks, "hooks_whole": below, "plain": plain})["module_call_s"] == pytest.approx(10e-6)
-    n = REGION_MIN_REPEATS - 1
+    n = default_config().region_min_repeats - 1
     few = module_hook_rates({"hooks": hooks[:n], "hooks_whole": whole[:n], "plain": plain[:n]})
     assert few["module_call_s"] == pytest.approx(10e-6) and few["module_call_probe"]["repeats"] == n
 
@@ -719,6 +721,39 @@ def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():
         len(reruns) * cal["rebuild_op_s"] + len(drops) * cal.get("drop_s", 0.0))
 
 
+def test_a_calibration_config_reaches_calibration():
+    """``measure_on_model(..., config=CalibrationConfig(...))`` runs what its config says: the
+    repetitions (3 here, where the suite's default config runs 1) and the chunks partitions are
+    probed in (2, where the default probes 4)."""
+    import torch
+    from torch import nn
+
+    from taichi_plan.record import record
+    from taichi_plan.runtime.calibrate import measure_on_model
+    from taichi_plan.runtime.calibrate.config import CalibrationConfig
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)])
+
+        def forward(self, x):
+            return self.blocks(x).square().mean(dim=1)
+
+    torch.manual_seed(0)
+    model, batch = Mlp(), {"x": torch.randn(16, 64)}
+
+    def loss_fn(out, b):
+        return out.mean()
+
+    trace = record(model, batch, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, warmup=0)
+    default = measure_on_model(model, batch, loss_fn, trace)
+    assert default["repeats"] == 1 and default["partition_probe"]["chunks"] == 4
+    tuned = measure_on_model(model, batch, loss_fn, trace,
+                             config=CalibrationConfig(repeats=3, budget_s=1e9, warm_up=False, probe_chunks=2))
+    assert tuned["repeats"] == 3 and tuned["partition_probe"]["chunks"] == 2
+
+
 def test_region_variants_are_topped_up_to_the_repetitions_their_term_needs():
     """The budget's rounds run every variant; the region variants then run alone, interleaved,
     until each has ``least`` repetitions (a model whose rounds fit 4 times in the budget would
@@ -753,7 +788,8 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
 
     from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.record import record
-    from taichi_plan.runtime.calibrate.probes import DROP_PROBE_FRACTIONS, build_drop_probe
+    from taichi_plan.runtime.calibrate.config import default_config
+    from taichi_plan.runtime.calibrate.probes import build_drop_probe
 
     class Top(nn.Module):
         def __init__(self):
@@ -785,7 +821,7 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
 
     bare = replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
     plan = None
-    for share in DROP_PROBE_FRACTIONS:  # the first that fits, as the probe took it before
+    for share in default_config().drop_probe_fractions:  # the first that fits, as the probe took it before
         try:
             plan = solve(bare, int(share * problem.baseline_peak[0]), "heuristic", time_limit=10.0, problem=problem,
                          optimizer="as-recorded")

@@ -153,3 +153,22 @@ def test_running_out_of_memory_while_replaying_is_an_error_not_a_traceback():
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # any other error is left alone
         with out_of_memory_said({}, "cpu"):
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_a_comparison_config_sets_the_tolerances_training_is_judged_by():
+    """``ComparisonConfig`` reaches the comparison: parameters 1e-4 apart fail the default
+    relative tolerance (1e-5) and pass a looser one, which the check's words then name; the
+    statistical check's factor alike."""
+    import torch
+
+    from taichi_plan.replay.measure.compare import compare_training, statistical_check
+    from taichi_plan.replay.measure.config import ComparisonConfig
+
+    base = {"first_grads": [torch.ones(4)], "grads": [torch.ones(4)], "params": [torch.ones(4)]}
+    apart = dict(base, params=[torch.ones(4) * (1 + 1e-4)])
+    assert not compare_training(base, apart, exact=False)["grads_match"]
+    loose = compare_training(base, apart, exact=False, config=ComparisonConfig(params_rel_tol=1e-3))
+    assert loose["grads_match"] and "within 1e-3 relative L2 distance" in loose["grads_check"]
+    other = dict(base, params=[torch.ones(4) * (1 + 0.4e-4)])  # a reseeded run 0.4e-4 apart: 1e-4 is 2.5x that
+    assert not statistical_check(base, apart, other, ("params",))["grads_match"]
+    assert statistical_check(base, apart, other, ("params",), config=ComparisonConfig(stat_factor=3.0))["grads_match"]

@@ -15,7 +15,7 @@ rate; the distance after the last step is reported beside it), and
 *statistically* when a partitioned module's chunks draw their own masks ("per-chunk",
 ``solve --partition-random``): a third, unplanned run reseeds the generator after its warm-up
 step, and the planned run may differ from the unplanned one (relative L2 distance of all
-gradients, and of all parameters) by at most :data:`~.compare.STAT_FACTOR` times what that reseeded run
+gradients, and of all parameters) by at most ``stat_factor`` (:class:`~.config.ComparisonConfig`) times what that reseeded run
 differs by: no more than other dropout masks alone make it differ.
 
 Before building anything, the larger of the two predicted peaks (the unplanned run needs the
@@ -46,6 +46,7 @@ from ...base.errors import PlanError
 from ...plan.format import Plan
 from ...problem.optimizer.plan import plan_mode
 from .compare import autocast_rounding, compare_training, statistical_check
+from .config import ComparisonConfig
 from .memory import check_memory, out_of_memory_said
 from .run import run_and_measure
 from .workload import replay_device, workload_of
@@ -78,13 +79,15 @@ def cuda_report(predicted: dict, base: dict, planned: dict) -> dict:
 
 
 def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, seed: int = 0, *,
-           force: bool = False, progress: Callable[[str], None] | None = None, trace=None) -> dict:
+           force: bool = False, progress: Callable[[str], None] | None = None, trace=None,
+           comparison: ComparisonConfig | None = None) -> dict:
     """Measure ``plan`` on its workload; returns the report (what ``taichi-plan replay`` prints).
     ``trace``: the plan's trace (a directory or Trace) when it is not where the plan says.
 
     Raises :class:`~taichi_plan.base.errors.NotEnoughMemoryError` before building anything when the
     larger predicted peak exceeds this machine's memory, unless ``force``. ``progress(message)``
-    is called as the runs go."""
+    is called as the runs go. ``comparison``: the tolerances the two runs' training is judged
+    by (:class:`~.config.ComparisonConfig`; its defaults when None)."""
 
     from ...runtime.calls import plan_and_trace
 
@@ -157,24 +160,24 @@ def replay(plan: Plan | str | Path, steps: int = 3, check_grads: bool = True, se
         say("reseeded unplanned run: the spread other dropout masks make")
         other = run_and_measure(workload, None, trace, steps, seed, device, say, "reseeded unplanned run",
                                 rng_seed=seed + 1)
-        report.update(statistical_check(base, planned, other))
+        report.update(statistical_check(base, planned, other, config=comparison))
     elif check_grads:
         # One chunk (checkpointed whole) re-runs the same ops on the same values: bitwise.
         exact = all(p.chunks == 1 for p in plan.partitions)
         # Stepped in backward, the planned run frees each gradient once its parameter is
         # updated: only the parameters can be compared (they carry every gradient's effect).
         in_backward = plan_mode(plan) == "in-backward"
-        out = compare_training(base, planned, exact, in_backward, autocast_rounding(plan, trace))
+        out = compare_training(base, planned, exact, in_backward, autocast_rounding(plan, trace), comparison)
         out.pop("matched")
         if not out["grads_match"]:
             say("second unplanned run: does the model itself train the same twice?")
             again = run_and_measure(workload, None, trace, steps, seed, device, say, "second unplanned run")
-            if not compare_training(base, again, True)["grads_match"]:
+            if not compare_training(base, again, True, config=comparison)["grads_match"]:
                 # Nondeterministic by itself (it reseeds from the clock, as transformers'
                 # Reformer does; nondeterministic kernels): the plan is judged against that.
                 out = statistical_check(base, planned, again, ("params",) if in_backward else ("grads", "params"),
                                         "a second unplanned run from the same seed (the model is not deterministic "
-                                        "by itself: the two unplanned runs differ too)")
+                                        "by itself: the two unplanned runs differ too)", comparison)
                 out["nondeterministic_model"] = True
         report.update(out)
     return report

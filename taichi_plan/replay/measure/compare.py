@@ -6,20 +6,7 @@ reseeded run where chunks draw their own dropout masks (:func:`statistical_check
 from __future__ import annotations
 
 from ...plan.format import Plan
-
-STAT_FACTOR = 2.0  # per-chunk dropout: planned-vs-unplanned distance <= this x reseeded-vs-unplanned
-
-
-# Chunks sum in another order: gradients differ by rounding, compared element by element on
-# the first planned step (both runs start it from the same parameters: the warm-up is
-# unplanned). Parameters are compared as a whole: AdamW's update g / (sqrt(v) + eps) turns a
-# rounding-sized difference in a near-zero gradient into an update difference of up to its
-# learning rate, so a few elements leave any element-wise tolerance while the rest agree to
-# rounding (an OPT decoder's head over tokens: 66 elements outside allclose after 5 steps, the
-# parameters' relative L2 distance 1.0e-6).
-GRAD_TOL = {"rtol": 1e-4, "atol": 1e-6}
-PARAMS_REL_TOL = 1e-5
-
+from .config import ComparisonConfig
 
 # Unit roundoff of the autocast dtypes (half an ulp at 1: 2^-8 for bfloat16's 8 significant
 # bits, 2^-11 for float16's 11).
@@ -51,18 +38,21 @@ def autocast_rounding(plan: Plan, trace) -> tuple[str, int] | None:
 
 
 def compare_training(base: dict, planned: dict, exact: bool, in_backward: bool = False,
-                     rounding: tuple[str, int] | None = None) -> dict:
+                     rounding: tuple[str, int] | None = None, config: ComparisonConfig | None = None) -> dict:
     """``grads_match``, ``grads_check`` (what was compared, in words) and ``grads_max_abs_diff``
     of two :func:`~.run.run_and_measure` results (or any two dicts of ``grads``, ``first_grads`` and
     ``params`` lists): every gradient and parameter after the last step bitwise (``exact``),
-    else the first planned step's gradients within :data:`GRAD_TOL` and the parameters after
-    the last step within :data:`PARAMS_REL_TOL` relative L2 distance. ``in_backward``: the
+    else the first planned step's gradients within ``config.grad_rtol``/``grad_atol`` and the
+    parameters after the last step within ``config.params_rel_tol`` relative L2 distance
+    (``config``: :class:`~.config.ComparisonConfig`, its defaults when None). ``in_backward``: the
     planned run kept no gradients (the optimizer stepped in backward). ``matched`` holds the
     verdict for the gradients and the parameters apart. ``rounding`` (:func:`autocast_rounding`):
     each first-step gradient within ``chunks`` roundings of the autocast dtype of its largest
     element instead, and the parameters within that over their whole instead of
-    :data:`PARAMS_REL_TOL`."""
+    ``config.params_rel_tol``."""
     import torch
+
+    config = config or ComparisonConfig()
 
     worst = 0.0
     ok = {"grads": True, "params": True}
@@ -86,18 +76,18 @@ def compare_training(base: dict, planned: dict, exact: bool, in_backward: bool =
         rel = None if rounding is None else rounding[1] * UNIT_ROUNDOFF[rounding[0]]
         if not in_backward and rel is None:
             for a, b in each("first_grads", "grads"):
-                ok["grads"] &= bool(torch.allclose(a, b, **GRAD_TOL))
-            parts.append(f"allclose(rtol={_sci(GRAD_TOL['rtol'])}, atol={_sci(GRAD_TOL['atol'])}) on the first "
+                ok["grads"] &= bool(torch.allclose(a, b, rtol=config.grad_rtol, atol=config.grad_atol))
+            parts.append(f"allclose(rtol={_sci(config.grad_rtol)}, atol={_sci(config.grad_atol)}) on the first "
                          "planned step's gradients")
         elif not in_backward:
             for a, b in each("first_grads", "grads"):
                 if a.numel():
-                    ok["grads"] &= float((a - b).abs().max()) <= rel * float(a.abs().max()) + GRAD_TOL["atol"]
+                    ok["grads"] &= float((a - b).abs().max()) <= rel * float(a.abs().max()) + config.grad_atol
             parts.append(f"the first planned step's gradients within {rounding[1]} {rounding[0]} roundings of each "
                          f"tensor's largest element (the chunks' gradients are summed in {rounding[0]})")
         list(each("params", "params"))
-        params_tol = PARAMS_REL_TOL if rel is None else max(PARAMS_REL_TOL, rel)
-        noise = None if in_backward else _rounding_level(base, planned, rel)
+        params_tol = config.params_rel_tol if rel is None else max(config.params_rel_tol, rel)
+        noise = None if in_backward else _rounding_level(base, planned, rel, config.noise_share)
         # Judged after the first planned step (both runs start it from the same parameters):
         # later steps compound each difference through the model, whatever made it.
         first = "first_params" if base.get("first_params") and planned.get("first_params") else "params"
@@ -123,14 +113,9 @@ def _sci(v: float) -> str:
     return f"{v:.0e}".replace("e-0", "e-")
 
 
-# A first-step gradient element whose two runs disagree by more than this share of its value
-# is rounding noise (the gradient check has bounded the disagreement absolutely).
-NOISE_SHARE = 1e-2
-
-
-def _rounding_level(base: dict, planned: dict, rel: float | None) -> list | None:
+def _rounding_level(base: dict, planned: dict, rel: float | None, noise_share: float) -> list | None:
     """Per parameter, the elements whose first planned step's gradient is rounding noise: the
-    two runs disagree on it by more than :data:`NOISE_SHARE` of its value (the gradient check
+    two runs disagree on it by more than ``noise_share`` of its value (the gradient check
     already bounds their disagreement by its tolerance, so these are the elements near zero),
     or None without first-step gradients. A gradient that is mathematically zero (a key
     projection's bias under softmax) comes out as rounding noise that the runs round
@@ -145,7 +130,7 @@ def _rounding_level(base: dict, planned: dict, rel: float | None) -> list | None
         if a is None or b is None or not a.numel():
             out.append(None)
             continue
-        out.append((a.double() - b.double()).abs() > NOISE_SHARE * a.double().abs())
+        out.append((a.double() - b.double()).abs() > noise_share * a.double().abs())
     return out
 
 
@@ -179,14 +164,18 @@ def _rel_distance(a: list, b: list, skip: list | None = None) -> float:
 
 
 def statistical_check(base: dict, planned: dict, other: dict, keys=("grads", "params"),
-                      other_what: str = "an unplanned run with other dropout masks") -> dict:
+                      other_what: str = "an unplanned run with other dropout masks",
+                      config: ComparisonConfig | None = None) -> dict:
     """Planned vs unplanned against ``other`` (a reseeded unplanned run, see the module
-    docstring, or a second one where the model is not deterministic by itself) vs unplanned."""
+    docstring, or a second one where the model is not deterministic by itself) vs unplanned:
+    at most ``config.stat_factor`` times as far (:class:`~.config.ComparisonConfig`, its
+    defaults when None)."""
+    config = config or ComparisonConfig()
     out = {"grads_match": True, "grads_distance": {}, "grads_max_abs_diff": 0.0}
     for key in keys:
         d_plan, d_seed = _rel_distance(base[key], planned[key]), _rel_distance(base[key], other[key])
         out["grads_distance"][key] = {"planned": d_plan, "reseeded": d_seed}
-        out["grads_match"] &= d_plan <= STAT_FACTOR * d_seed
+        out["grads_match"] &= d_plan <= config.stat_factor * d_seed
         for a, b in zip(base[key], planned[key], strict=True):
             if a is not None and b is not None and a.numel():
                 out["grads_max_abs_diff"] = max(out["grads_max_abs_diff"], float(_diff(a, b).abs().max()))
@@ -195,5 +184,5 @@ def statistical_check(base: dict, planned: dict, other: dict, keys=("grads", "pa
     planned_d = ", ".join(f"{names[k]} {g[k]['planned']:.3g}" for k in keys)
     other_d = ", ".join(f"{g[k]['reseeded']:.3g}" for k in keys)
     out["grads_check"] = (f"statistical: planned vs unplanned relative L2 distance ({planned_d}) at most "
-                          f"{STAT_FACTOR:g}x that of {other_what} ({other_d})")
+                          f"{config.stat_factor:g}x that of {other_what} ({other_d})")
     return out

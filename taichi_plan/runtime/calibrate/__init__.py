@@ -41,9 +41,9 @@ import warnings
 from dataclasses import replace
 
 from .clocks import SpanClock, kernel_stopwatch, own_clocked_runtime
+from .config import CalibrationConfig, default_config
 from .probes import build_drop_probe, build_partition_probes, build_span_probes
 from .rates import (
-    REGION_MIN_REPEATS,
     drop_rate,
     floored,
     module_hook_rates,
@@ -54,31 +54,25 @@ from .rates import (
 from .rebuilds import rebuild_all, time_ratios
 from .timing import interleaved, runs_cleanly, top_up
 
-# A real recording spends at most about this long measuring (fewer repetitions on a large model:
-# there the runtime's cost is a small part of the step, and an error in it matters less).
-BUDGET_S = 15.0
-REPEATS = 7
-
-# The variants of the region terms, run to at least REGION_MIN_REPEATS repetitions (rates.py),
-# in rounds of their own beyond the budget (top_up; "drops" with them: drop_s pairs it with
-# "kept"). Within the budget alone a 4-layer GPT-2 and Llama ran 4 on a slower afternoon of the same machine type, and their plans, then
-# charged no region_op_s, measured 3-6 ms over their predictions (2026-12-05).
+# The variants of the region terms, run to at least CalibrationConfig.region_min_repeats
+# repetitions, in rounds of their own beyond the budget (top_up; "drops" with them: drop_s
+# pairs it with "kept").
 REGION_VARIANTS = ("drops", "kept", "kept_whole", "plain", "hooks_whole")
 
 
-def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
-                     budget_s: float | None = None) -> dict | None:
+def measure_on_model(model, batch, loss_fn, trace, config: CalibrationConfig | None = None) -> dict | None:
     """``check_op_s`` and ``recipe_op_s`` measured on ``model``'s first grad-enabled call as the
     trace recorded it (in the recorded loop's autocast), with ``ops`` (the call's ops in the
     trace: the per-op terms are per op of the call, as :mod:`taichi_plan.problem.partition.overhead` charges them)
     and ``repeats`` (repetitions run); None when the trace has no model call to measure on, or
     the model's call is not the recorded one (then the microbenchmark's terms stay).
-    ``repeats``/``budget_s`` default to :data:`REPEATS`/:data:`BUDGET_S`, read at call time (the
-    test suite lowers them: its tests count, they do not time)."""
+    ``config`` (:class:`~.config.CalibrationConfig`: the repetitions, the budget, the probes'
+    chunks and shares) defaults to :func:`~.config.default_config`, read at call time (the
+    test suite lowers its repetitions and budget and turns the warm-up off: its tests count,
+    they do not time)."""
     import torch
 
-    repeats = REPEATS if repeats is None else repeats
-    budget_s = BUDGET_S if budget_s is None else budget_s
+    config = default_config() if config is None else config
 
     from ...problem.core import grad_model_calls
     from ...torch_common.loop import AUTOCAST_DTYPES, Loop
@@ -106,12 +100,12 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     from ...problem.core import build_problem
 
     built = build_problem(trace)  # one problem for the partition and span probes (caches shared)
-    chunked = build_partition_probes(trace, call, model, built)
+    chunked = build_partition_probes(trace, call, model, built, config)
     if chunked is not None:
         problem, spans, k_most, probes = chunked
         variants.update({f"part{k}": v for k, v in probes.items()})
-    span_probes = build_span_probes(trace, call, built)
-    drop_probe = build_drop_probe(trace, call)
+    span_probes = build_span_probes(trace, call, built, config)
+    drop_probe = build_drop_probe(trace, call, config)
     if drop_probe is not None:  # the plan's call, and the same call with its recipes kept but nothing dropped
         variants["drops"] = (drop_probe[2], [], True)
         variants["kept"] = (replace(drop_probe[2], drops={}, group_of={}, probe=True), [], True)
@@ -209,9 +203,9 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
                 del span_probes[kind]  # it keeps the launch overhead
                 for k in ks:
                     del variants[f"{kind}{k}"]
-        times = interleaved(forward, variants, repeats, budget_s, clock, ran)
+        times = interleaved(forward, variants, config.repeats, config.budget_s, clock, ran, config)
         if "kept_whole" in times:
-            top_up(forward, {n: variants[n] for n in REGION_VARIANTS}, times, REGION_MIN_REPEATS)
+            top_up(forward, {n: variants[n] for n in REGION_VARIANTS}, times, config.region_min_repeats)
     model.train(was_training)
     model.zero_grad(set_to_none=True)
     if any(rt.mismatches for rt in runtimes):  # the forward is not the recorded call: nothing measured
@@ -238,14 +232,14 @@ def measure_on_model(model, batch, loss_fn, trace, repeats: int | None = None,
     if rebuilds:
         out["rebuild_op_s"] = statistics.median(rebuilds)
         out["rebuild_time_ratio"] = time_ratios(trace, call, ops, rebuilt_s)
-    hook_rates = module_hook_rates(times)
+    hook_rates = module_hook_rates(times, config)
     own_call_s = hook_rates.pop("module_call_own_s", 0.0)
     forward_call_s = hook_rates.pop("module_call_forward_s", own_call_s)
     out.update(hook_rates)
     if drop_probe is not None:
         out.update(region_outside(times, sum(last - first + 1 for spans in drop_probe[2].regions.values()
                                                    for first, last in spans.values()),
-                                  forward_call_s - own_call_s))
+                                  forward_call_s - own_call_s, config))
     out = floored(out, trace.meta.get("runtime_overhead") or {})
     if drop_probe is not None and "rebuild_op_s" in out:
         out.update(drop_rate(drop_probe, statistics.median(

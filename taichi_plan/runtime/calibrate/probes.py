@@ -1,28 +1,14 @@
 """What calibration runs the model's call under besides the runtime checking every op: plans of
 the model's own that split its modules along the batch (:func:`build_partition_probes`), split
 its spans of other kinds (:func:`build_span_probes`; the kinds in :func:`span_terms`) and drop
-tensors (:func:`build_drop_probe`), each as the call's ``CallPlan``, and the chunk counts and
-shares of the peak they are built at."""
+tensors (:func:`build_drop_probe`), each as the call's ``CallPlan``, at the chunk counts and
+shares of the peak their :class:`~.config.CalibrationConfig` says."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-# Partitions are calibrated checkpointed whole and split into this many chunks (fewer when the
-# batch is smaller): the planner's chunk choices are 2, 4 and 8.
-PROBE_CHUNKS = 4
-# ... and only when those modules hold at least this share of the call's ops: a few ops (a
-# ResNet's classifier, its modules with batch norm being unsplittable) time noise, not a rate.
-PROBE_MIN_SHARE = 0.25
-# A span partitioned over something else than the batch (a head and its loss over tokens) is
-# calibrated split into its fewest chunks and into the most of its choices up to this many: its
-# most chunks (32), so the costs of the counts between are interpolated, not extrapolated.
-# Probed at 2 and 8, the difference of two noisy whole-step extras (a 4-layer Llama's read
-# -5.0 to 48.7 ms at 2 chunks in three recordings) gave a per-chunk rate of 161-510 us per op,
-# and where it came out near 0 the planner took 32 chunks as if free: measured 191-204 ms
-# slower than planned, a loss against checkpointing every block (docs/benchmarks.md). At 2
-# and 32: 456-500 us in three recordings.
-SPAN_PROBE_MOST = 32
+from .config import CalibrationConfig, default_config
 
 
 def span_terms() -> dict:
@@ -35,14 +21,9 @@ def span_terms() -> dict:
     return {"tokens": token_span.cost_terms}
 
 
-# A plan of drops is solved (heuristic) at the first of these shares of the trace's peak that
-# it fits, to measure what a drop costs beyond what the other terms model (drop_s).
-DROP_PROBE_FRACTIONS = (0.8, 0.9)
-
-
-def build_drop_probe(trace, call: dict):
+def build_drop_probe(trace, call: dict, config: CalibrationConfig | None = None):
     """A plan of the model's own that drops tensors of the measured call and partitions
-    nothing (the heuristic's drops at the first of :data:`DROP_PROBE_FRACTIONS` that fits,
+    nothing (the heuristic's drops at the first of ``config.drop_probe_fractions`` that fits,
     its partitions left out): (problem, drops, its CallPlan for the call), or None when no
     such plan drops anything there. A probe that runs in planned regions is preferred: where
     the heuristic's plan drops a tensor made or read in the model's own top-level code (a
@@ -75,7 +56,7 @@ def build_drop_probe(trace, call: dict):
             return None
         return (problem, drops, _replace(cp, grads_alive=None)) if drops and cp.drops else None
 
-    for share in DROP_PROBE_FRACTIONS:
+    for share in (config or default_config()).drop_probe_fractions:
         try:
             plan = solve(trace, int(share * problem.baseline_peak[0]), "heuristic", time_limit=10.0, problem=problem,
                          optimizer="as-recorded")
@@ -98,11 +79,11 @@ def build_drop_probe(trace, call: dict):
     return whole
 
 
-def build_partition_probes(trace, call: dict, model, problem=None):
+def build_partition_probes(trace, call: dict, model, problem=None, config: CalibrationConfig | None = None):
     """What partitions are calibrated on: the model's own modules that the planner may split
     along the batch, inside the measured call, disjoint, most forward ops first (containers
     such as a ``ModuleList``, which are never called, left out), if they hold at least
-    ``PROBE_MIN_SHARE`` of the call's ops; returns
+    ``config.probe_min_share`` of the call's ops; returns
     (problem, those spans, K, {chunks: (CallPlan, partitions)} for 1 and K chunks), or None
     when the call has no such module."""
     import torch
@@ -129,9 +110,10 @@ def build_partition_probes(trace, call: dict, model, problem=None):
                     key=lambda s: (s.fwd[0] - s.fwd[1], s.module)):
         if all(s.fwd[1] < c.fwd[0] or s.fwd[0] > c.fwd[1] for c in chosen):
             chosen.append(s)
-    if sum(s.fwd[1] - s.fwd[0] + 1 for s in chosen) < PROBE_MIN_SHARE * (end - start + 1):
+    config = config or default_config()
+    if sum(s.fwd[1] - s.fwd[0] + 1 for s in chosen) < config.probe_min_share * (end - start + 1):
         return None
-    k_most = min(PROBE_CHUNKS, *(s.batch for s in chosen))
+    k_most = min(config.probe_chunks, *(s.batch for s in chosen))
     probes = {}
     for k in (1, k_most):
         parts = [as_partition(s, k) for s in chosen]
@@ -143,11 +125,11 @@ def build_partition_probes(trace, call: dict, model, problem=None):
     return problem, chosen, k_most, probes
 
 
-def build_span_probes(trace, call: dict, problem=None) -> dict:
+def build_span_probes(trace, call: dict, problem=None, config: CalibrationConfig | None = None) -> dict:
     """What spans of other kinds than the batch are calibrated on (:func:`span_terms`): per
     kind, the one span of that kind inside the measured call with the most ops; returns
     {kind: (problem, span, (k1, k2), {chunks: (CallPlan, partitions)})} for its fewest chunks
-    k1 and the most up to :data:`SPAN_PROBE_MOST` k2 (kinds with one choice left out)."""
+    k1 and the most up to ``config.span_probe_most`` k2 (kinds with one choice left out)."""
     from dataclasses import replace as _replace
 
     from ...base.errors import PlanError
@@ -166,8 +148,9 @@ def build_span_probes(trace, call: dict, problem=None) -> dict:
             if s.over not in best or n > terms[s.over](problem, best[s.over])[1]:
                 best[s.over] = s
     out = {}
+    most = (config or default_config()).span_probe_most
     for kind, span in best.items():
-        ks = tuple(sorted(c for c in span.chunk_choices if c <= SPAN_PROBE_MOST))
+        ks = tuple(sorted(c for c in span.chunk_choices if c <= most))
         if len(ks) < 2:
             continue
         probes = {}

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 import statistics
 
+from .config import CalibrationConfig, default_config
 from .probes import span_terms
 
-# The fewest repetitions region_op_s is taken from (region_outside): a difference of whole
-# forwards, which a model whose step fits twice in BUDGET_S measures as noise.
-REGION_MIN_REPEATS = 5
 
-
-def module_hook_rates(times: dict) -> dict:
+def module_hook_rates(times: dict, config: CalibrationConfig | None = None) -> dict:
     """``module_call_s`` and ``region_s`` (trace v18) measured on the model, from the drop
     probe's runs (own-clocked: each run's module-hook seconds, module calls and regions entered
     are its times' 5th-7th): ``module_call_s``, what the module hooks cost per module call in
@@ -29,7 +26,7 @@ def module_hook_rates(times: dict) -> dict:
     where their own seconds were 11-12 us each, and its plan at HF's peak (57 module calls, 75
     ops in 8 regions) measured its regions 1.3 ms over their v19 prediction.
     ``module_call_probe`` keeps the whole, forward and own seconds, the calls and the
-    repetitions; the whole run is not used under :data:`REGION_MIN_REPEATS` repetitions (then
+    repetitions; the whole run is not used under ``config.region_min_repeats`` repetitions (then
     the own seconds stand). ``region_s``, per region entered in the probe's call run in its
     regions with nothing dropped (``kept``), its module hooks' own seconds beyond their own per
     module call (entering a region turns the mode and saved-tensor hooks on, leaving it turns
@@ -53,13 +50,14 @@ def module_hook_rates(times: dict) -> dict:
         step_s, forward_s = (statistics.median(w[i] - p[i] for w, p in zip(whole, plain, strict=True)) for i in (1, 0))
         out["module_call_probe"] = {"whole_s": step_s, "forward_s": forward_s, "own_s": own_s * calls,
                                     "calls": calls, "repeats": len(whole)}
-        if len(whole) >= REGION_MIN_REPEATS and calls > 0:
+        if len(whole) >= (config or default_config()).region_min_repeats and calls > 0:
             out["module_call_s"] = max(step_s / calls, own_s)
             out["module_call_forward_s"] = max(forward_s / calls, own_s)
     return out
 
 
-def region_outside(times: dict, ops: int, hooks_beyond_s: float = 0.0) -> dict:
+def region_outside(times: dict, ops: int, hooks_beyond_s: float = 0.0,
+                   config: CalibrationConfig | None = None) -> dict:
     """``region_op_s`` (trace v19): per op the runtime runs in a planned region, what the
     regions cost the forward beyond the runtime's own seconds. The drop probe's call run in its
     regions with nothing dropped, unclocked (``kept_whole``), against the same call run plain
@@ -77,7 +75,7 @@ def region_outside(times: dict, ops: int, hooks_beyond_s: float = 0.0) -> dict:
     forward 3.5-3.7 ms slower than plain where its own seconds came to 1.8-2.1 ms. Per op, not
     per region: a probe whose drops make one region of most of the call (a 4-layer GPT-2's)
     put 1.1-3.8 ms on that one region. ``region_probe`` keeps what it was measured on, and
-    ``region_op_s`` is left out (charged 0) under :data:`REGION_MIN_REPEATS` repetitions: the
+    ``region_op_s`` is left out (charged 0) under ``config.region_min_repeats`` repetitions: the
     term is a difference of whole forwards, and a ResNet-50 whose forward and backward fit
     twice in the budget read 6.7 and 62.7 us per op in two recordings. Nothing without those
     runs or without ops in regions."""
@@ -88,7 +86,7 @@ def region_outside(times: dict, ops: int, hooks_beyond_s: float = 0.0) -> dict:
     own_s = statistics.median(t[2] + t[4] + hooks_beyond_s * t[5] for t in kept)
     probe = {"whole_s": whole_s, "own_s": own_s, "ops": ops, "regions": statistics.median(t[6] for t in kept),
              "repeats": len(kept)}
-    if len(kept) < REGION_MIN_REPEATS:
+    if len(kept) < (config or default_config()).region_min_repeats:
         return {"region_probe": probe}
     return {"region_op_s": max((whole_s - own_s) / ops, 0.0), "region_probe": probe}
 

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import time
 
-# Run each variant once untimed before the timed rounds (its one-time costs out of the
-# measurement). The test suite turns it off: its tests count what calibration measures.
-WARM_UP = True
+from .config import CalibrationConfig, default_config
 
 
 def runs_cleanly(forward, variants: dict, runtimes: list, ran: set[str]) -> bool:
@@ -42,15 +40,15 @@ def top_up(forward, variants: dict, times: dict[str, list[float]], least: int) -
 
 
 def interleaved(forward, variants: dict, repeats: int, budget_s: float, clock,
-                ran: set[str] | None = None) -> dict[str, list[float]]:
+                ran: set[str] | None = None, config: CalibrationConfig | None = None) -> dict[str, list[float]]:
     """Seconds of ``forward(variant)`` per variant, ``repeats`` times each (fewer when the
     rounds would take more than ``budget_s``), each round in another order, after one untimed
     run of each variant not already run once (``ran``: their names): a variant's
     first run pays one-time costs (the runtime's op table, the first checkpoint or chunked loss
-    of the process) that a step in training does not. Without :data:`WARM_UP` (the test suite:
+    of the process) that a step in training does not. Without ``config.warm_up`` (the test suite:
     its tests count, they do not time) only the rounds run."""
     names = list(variants)
-    if WARM_UP:
+    if (config or default_config()).warm_up:
         for n in names:
             if n not in (ran or ()):
                 forward(variants[n])
