@@ -148,7 +148,7 @@ def main(models: list[str], reps: int, frac: float) -> None:
     from benchmarks.bench_replay import MODELS
     from taichi_plan.plan.format import save_plan
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import MeasuredRun
+    from taichi_plan.replay.measure.run import MeasuredRun
     from taichi_plan.runtime.calls import plan_and_trace
     from taichi_plan.solve import solve
     from taichi_plan.trace.format import baseline_peak, read_trace, write_trace

@@ -24,7 +24,7 @@ The trace is recorded in the same run, with the same one thread (the planner's c
 is the trace's op durations), before any method is built; then the baselines, plain, the
 plans and plain-again, in that order (the plain copies bracket the plans: where a model is
 built in its process changes its step on ResNet-50, docs/benchmarks.md). Every method is measured by
-:class:`taichi_plan.replay.measure.MeasuredRun`, the runner of ``taichi-plan replay``: build
+:class:`taichi_plan.replay.measure.run.MeasuredRun`, the runner of ``taichi-plan replay``: build
 from the seed, one unplanned warm-up step, the plan installed, one step under the recorder
 (the measured peak) and one under MemTracker, then the timed steps. The timed steps are
 interleaved: each repetition runs one step of every method, round-robin, starting one method
@@ -313,7 +313,7 @@ def run_model(label: str, spec: BenchModel, reps: int = REPS, time_limit: float 
               progress=None, warmup: int = WARMUP_ROUNDS) -> dict:
     """Every method on one model, timed interleaved; see the module docstring."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import MeasuredRun
+    from taichi_plan.replay.measure.run import MeasuredRun
     from taichi_plan.trace.format import baseline_peak, read_trace, write_trace
 
     say = progress or (lambda msg: None)
@@ -640,7 +640,7 @@ def markdown(result: dict) -> str:
              + (f"; {result['models'][0]['warmup_rounds']} such rounds run untimed first"
                 if result["models"] and result["models"][0].get("warmup_rounds") else "")
              + "); every step time is the median "
-             "of its repetitions. Each method is measured by `taichi_plan.replay.measure.MeasuredRun` (the "
+             "of its repetitions. Each method is measured by `taichi_plan.replay.measure.run.MeasuredRun` (the "
              "runner of `taichi-plan replay`): built from one seed, one unplanned warm-up step, its plan or "
              "checkpointing installed, one step under the recorder (the peak shown: every live storage, "
              "parameters, gradients and AdamW state included) and one under MemTracker, then the timed steps. "

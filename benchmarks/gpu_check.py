@@ -97,7 +97,7 @@ def on_device(builtin: str, device: str = "cuda", dtype: str = "fp32", **sizes):
     """``--entry`` of a built-in workload moved to ``device`` (recorded there and rebuilt there
     by replay). Inside a fake recording it builds fake tensors and moves them (fake CUDA)."""
     from taichi_plan.record.workloads import builtin_workload
-    from taichi_plan.replay.measure import move_workload
+    from taichi_plan.replay.measure.workload import move_workload
 
     parts = builtin_workload(builtin, dtype=dtype, **sizes).build(_in_fake_mode())
     return move_workload(*parts, device)

@@ -53,12 +53,12 @@ def assert_trains_like(base, planned, plan, rerun=None, context: str = "", autoc
     chunks, allclose at ``torch.testing.assert_close``'s float32 tolerances (rtol 1.3e-6,
     atol 1e-5) after the test's few steps; under ``autocast`` (the loop's dtype), where the
     chunks' weight gradients are summed in that dtype, the parameters within ``chunks``
-    roundings of it in relative L2 distance (replay's own check, replay/measure.py)."""
+    roundings of it in relative L2 distance (replay's own check, replay/measure/compare.py)."""
     if not splits(plan):
         assert_bitwise(base, planned, rerun, context)
         return
     if autocast is not None:
-        from taichi_plan.replay.measure import UNIT_ROUNDOFF, _rel_distance
+        from taichi_plan.replay.measure.compare import UNIT_ROUNDOFF, _rel_distance
 
         tol = max(q.chunks for q in plan.partitions) * UNIT_ROUNDOFF[autocast]
         dist = _rel_distance(list(base), list(planned))

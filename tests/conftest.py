@@ -93,16 +93,14 @@ def _frozen_before_each_file():
 
 @pytest.fixture(autouse=True, scope="session")
 def _short_calibration():
-    """Real recordings calibrate the replay runtime's cost on their model (runtime/calibrate.py:
+    """Real recordings calibrate the replay runtime's cost on their model (runtime/calibrate/:
     7 interleaved repetitions after an untimed warm-up run, up to 15 s). Tests count what
     calibration measures, never how fast: 1 repetition, no warm-up, 1 s, keep the suite short
     (calibration was a quarter of make test's seconds with the warm-up)."""
-    from taichi_plan.runtime import calibrate
+    from taichi_plan.runtime.calibrate.config import CalibrationConfig, using_default
 
-    saved = calibrate.REPEATS, calibrate.BUDGET_S, calibrate.WARM_UP
-    calibrate.REPEATS, calibrate.BUDGET_S, calibrate.WARM_UP = 1, 1.0, False
-    yield
-    calibrate.REPEATS, calibrate.BUDGET_S, calibrate.WARM_UP = saved
+    with using_default(CalibrationConfig(repeats=1, budget_s=1.0, warm_up=False)):
+        yield
 
 
 def cpu_slowdown(cpu_s: float = 0.3) -> float:

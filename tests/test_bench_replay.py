@@ -121,7 +121,7 @@ def test_extra_within():
 
 @pytest.mark.bench
 def test_run_tiny(monkeypatch):
-    from taichi_plan.replay.measure import MeasuredRun
+    from taichi_plan.replay.measure.run import MeasuredRun
 
     steps, timed, peak = {}, {}, {}  # per method: steps run once built, steps timed, steps measuring its peak
     one_step, timed_step, measure_peak = MeasuredRun.one_step, MeasuredRun.timed_step, MeasuredRun.measure_peak

@@ -149,7 +149,7 @@ def test_compile_cli_refusals(tmp_path):
     from click.testing import CliRunner
 
     from taichi_plan.cli import main
-    from taichi_plan.replay.measure import workload_of
+    from taichi_plan.replay.measure.workload import workload_of
 
     runner = CliRunner()
     for extra in (["--fake"], ["--ddp", "2"]):

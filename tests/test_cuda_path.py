@@ -10,6 +10,7 @@ from taichi_plan.base.errors import WorkloadError
 from taichi_plan.plan.format import save_plan
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay import measure
+from taichi_plan.replay.measure import memory, run, workload
 from taichi_plan.solve import solve
 from taichi_plan.trace.devices import get_profile
 from taichi_plan.trace.format import read_trace, write_trace
@@ -21,11 +22,11 @@ class _Meta:
 
 
 def test_replay_runs_on_cuda_only_for_traces_recorded_there():
-    assert measure.replay_device(_Meta(device="cuda", torch_build="cuda"), cuda_available=True) == "cuda"
-    assert measure.replay_device(_Meta(device="cuda", torch_build="cuda"), cuda_available=False) == "cpu"
-    assert measure.replay_device(_Meta(device="cpu", torch_build="cuda"), cuda_available=True) == "cpu"
-    assert measure.replay_device(_Meta(torch_build="cuda"), cuda_available=True) == "cuda"  # older traces
-    assert measure.replay_device(_Meta(torch_build="cpu"), cuda_available=True) == "cpu"
+    assert workload.replay_device(_Meta(device="cuda", torch_build="cuda"), cuda_available=True) == "cuda"
+    assert workload.replay_device(_Meta(device="cuda", torch_build="cuda"), cuda_available=False) == "cpu"
+    assert workload.replay_device(_Meta(device="cpu", torch_build="cuda"), cuda_available=True) == "cpu"
+    assert workload.replay_device(_Meta(torch_build="cuda"), cuda_available=True) == "cuda"  # older traces
+    assert workload.replay_device(_Meta(torch_build="cpu"), cuda_available=True) == "cpu"
 
 
 def test_recordings_say_where_they_ran():
@@ -35,7 +36,7 @@ def test_recordings_say_where_they_ran():
 
 def test_move_workload_moves_every_part_and_the_optimizer_follows():
     model, batch, loss_fn, optimizer = get_workload(model="mlp", batch=4, hidden=16, layers=1).build(False)
-    model, batch, loss_fn, optimizer = measure.move_workload(model, batch, loss_fn, optimizer, "meta")
+    model, batch, loss_fn, optimizer = workload.move_workload(model, batch, loss_fn, optimizer, "meta")
     assert all(p.device.type == "meta" for p in model.parameters())
     assert batch.device.type == "meta" and loss_fn.inputs[0].device.type == "meta"
     opt_params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -50,7 +51,7 @@ def test_move_workload_refuses_an_optimizer_with_state():
     loss_fn(model(batch), batch).backward()
     optimizer.step()
     with pytest.raises(WorkloadError, match="already has state"):
-        measure.move_workload(model, batch, loss_fn, optimizer, "meta")
+        workload.move_workload(model, batch, loss_fn, optimizer, "meta")
     assert isinstance(optimizer.state[next(model.parameters())]["exp_avg"], torch.Tensor)
 
 
@@ -72,13 +73,13 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 7)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: state["peak"] + 1)
     monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: state["peak"] + 2)
-    monkeypatch.setattr(measure, "move_workload", lambda *parts, device=None: parts[:4])
+    monkeypatch.setattr(run, "move_workload", lambda *parts, device=None: parts[:4])
     return calls
 
 
 def test_run_and_measure_on_cuda_resets_and_reads_the_peaks_around_the_last_step(fake_cuda):
     wl = get_workload(model="mlp", batch=4, hidden=16, layers=1)
-    out = measure.run_and_measure(wl, None, None, steps=3, seed=0, device="cuda")
+    out = run.run_and_measure(wl, None, None, steps=3, seed=0, device="cuda")
     assert out["cuda_max_allocated_bytes"] == 1001 and out["cuda_max_reserved_bytes"] == 1002
     assert out["cuda_start_allocated_bytes"] == 7
     assert fake_cuda.count("reset") == 1 and fake_cuda.count("empty_cache") == 1
@@ -90,7 +91,7 @@ def test_run_and_measure_on_cuda_resets_and_reads_the_peaks_around_the_last_step
 
 def test_run_and_measure_on_cpu_touches_no_cuda_counter(fake_cuda):
     wl = get_workload(model="mlp", batch=4, hidden=16, layers=1)
-    out = measure.run_and_measure(wl, None, None, steps=2, seed=0, device="cpu")
+    out = run.run_and_measure(wl, None, None, steps=2, seed=0, device="cpu")
     assert fake_cuda == [] and "cuda_max_allocated_bytes" not in out
 
 
@@ -100,7 +101,7 @@ def test_replay_report_puts_cuda_peaks_beside_the_predicted_ones(tmp_path, fake_
     plan = solve(trace, 10**15, "none")
     path = save_plan(plan, tmp_path / "p.plan.json")
     monkeypatch.setattr(measure, "replay_device", lambda trace: "cuda")
-    monkeypatch.setattr(measure, "available_memory_bytes", lambda device: (10**12, "free CUDA memory"))
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: (10**12, "free CUDA memory"))
     report = measure.replay(path, steps=1)
     assert report["device"] == "cuda"
     cuda = report["cuda"]

@@ -86,10 +86,10 @@ def test_a_plan_that_rebuilds_a_batch_norm_leaves_its_running_statistics_alone(t
 
 
 def test_replay_compares_buffers():
-    from taichi_plan.replay.measure import compare_training
+    from taichi_plan.replay.measure.compare import compare_training
 
     model, _ = cnn(0)
-    from taichi_plan.replay.measure import _state
+    from taichi_plan.replay.measure.run import _state
 
     a = _state(model)
     model[1].running_mean.add_(1e-3)
@@ -101,7 +101,7 @@ def test_replay_compares_buffers():
 def test_a_buffer_holding_minus_infinity_compares_equal_to_itself():
     # A causal mask buffer (-inf above the diagonal) is part of what replay compares; -inf - -inf
     # is nan, and "nan <= tolerance" read as "gradients DIFFER" for every plan with a partition.
-    from taichi_plan.replay.measure import compare_training
+    from taichi_plan.replay.measure.compare import compare_training
 
     mask = torch.full((4, 4), float("-inf")).triu(1)
     w = torch.randn(8)

@@ -617,7 +617,7 @@ def test_a_second_micro_batch_runs_its_own_plan_when_a_parameter_gets_no_gradien
     the first one's plan (an XLNet planned at 50% with 2 micro-batches under autocast:
     1.4% over budget, with no warning). Here only the second micro-batch drops anything."""
     from taichi_plan.record import record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
 
     wl = get_workload(entry="tiny_models:xlnet", batch=4, seq=32)
     trace = record_workload(wl, fake=False, loop=Loop(micro_batches=2), calibrate=False)

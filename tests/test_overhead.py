@@ -223,7 +223,7 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
     """What ``rebuild_op_s`` is measured on: every storage of the call rebuilt from its recipe
     after the backward (its inputs gone), each op re-run exactly once (inputs held until their
     last reader), values as the forward's."""
-    from taichi_plan.runtime.calibrate import _rebuild_all
+    from taichi_plan.runtime.calibrate.rebuilds import rebuild_all
 
     model, batch, _loss_fn, _opt = get_workload(**GPT2).build(False)
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
@@ -250,7 +250,7 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
 
     rt._run_recipe = keep_logits
     op_seconds: dict[int, list] = {}
-    got = _rebuild_all(rt, frame, time.thread_time, op_seconds)
+    got = rebuild_all(rt, frame, time.thread_time, op_seconds)
     assert rt.recompute_ops == steps > 0
     assert len(got) == 1
     # Each re-run op's seconds and runs, by its counted index in the call: every recipe's ops,
@@ -265,7 +265,7 @@ def test_rebuild_calibration_reruns_every_recipe_once_through_the_rebuild_path(g
     assert all(sec >= 0 for sec, _n in op_seconds.values())
     assert not frame.cache
     # (Not re-run from nothing here: with every storage gone a lone recipe rebuilds each shared
-    # input once per reader, which is what _rebuild_all's op order avoids.)
+    # input once per reader, which is what rebuild_all's op order avoids.)
     assert torch.equal(torch.empty(0).set_(rebuilt["logits"], 0, logits.shape, logits.stride()), logits)
 
 
@@ -312,7 +312,7 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
     whole, each runs its forward once in the forward and once more in backward; split into K,
     K times each; the call's ops still match the trace."""
     from taichi_plan.problem.partition.find import partitionable_spans
-    from taichi_plan.runtime.calibrate import _partition_probes
+    from taichi_plan.runtime.calibrate.probes import build_partition_probes
     from taichi_plan.runtime.install import install
     from taichi_plan.runtime.partition import install_partitions
 
@@ -320,7 +320,7 @@ def test_partitions_are_calibrated_on_modules_that_run_in_chunks(gpt2):
     assert cal["checkpoint_op_s"] >= 0 and cal["chunk_op_s"] >= 0
     model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
-    problem, spans, k_most, probes = _partition_probes(gpt2, call, model)
+    problem, spans, k_most, probes = build_partition_probes(gpt2, call, model)
     names = [s.module for s in spans]
     assert names == cal["partition_probe"]["modules"] and k_most == cal["partition_probe"]["chunks"] == 4
     assert all(type(model.get_submodule(n)).forward is not torch.nn.Module.forward for n in names)
@@ -411,7 +411,7 @@ def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2)
 
     from taichi_plan.problem.partition.cost import partition_cost
     from taichi_plan.problem.partition.token_span import cost_terms
-    from taichi_plan.runtime.calibrate import _span_rates
+    from taichi_plan.runtime.calibrate.rates import span_rates
 
     problem = build_problem(gpt2)
     span = _token_span(problem)
@@ -419,7 +419,7 @@ def test_the_probed_span_costs_what_was_measured_and_others_follow_the_fit(gpt2)
     saved = dict(gpt2.meta["runtime_overhead"])
     try:
         for extras in ((0.004, 0.003, 0.007), (0.004, 0.003, 0.002), (-0.002, 0.001, 0.003)):
-            rates = _span_rates("tokens", (problem, span), (2, 4, 8), list(extras))
+            rates = span_rates("tokens", (problem, span), (2, 4, 8), list(extras))
             gpt2.meta["runtime_overhead"]["span_costs"] = {"tokens": rates}
             assert rates["chunk_op_s"] >= 0 and rates["redo_ratio"] >= -1 and rates["chunks"] == [2, 4, 8]
             assert rates["fused"]
@@ -441,11 +441,11 @@ def test_the_span_clock_times_the_head_and_loss_stretches_only():
     to the end of the loss, and from the start of the backward to the head input's gradient."""
     import torch
 
-    from taichi_plan.runtime.calibrate import _SpanClock
+    from taichi_plan.runtime.calibrate.clocks import SpanClock
 
     ticks = iter(range(1, 100))
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
-    sc = _SpanClock(model, "1", lambda: next(ticks))
+    sc = SpanClock(model, "1", lambda: next(ticks))
     out = model(torch.ones(3, 4))  # the head's call: tick 1
     loss = out.square().sum()
     sc.forward_done()  # tick 2
@@ -454,7 +454,7 @@ def test_the_span_clock_times_the_head_and_loss_stretches_only():
     assert sc.seconds() == (2 - 1) + (3 - 2)
     model(torch.ones(3, 4)).sum().backward()  # removed: no more ticks
     assert next(ticks) == 4
-    absent = _SpanClock(model, "no.such.head", lambda: next(ticks))
+    absent = SpanClock(model, "no.such.head", lambda: next(ticks))
     absent.forward_done()
     assert absent.seconds() == 0.0
 
@@ -464,7 +464,7 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
     up to 32 over tokens: each probe runs the head's logits chunk by chunk (k chunks in forward,
     with the gradients; none again in backward), with the call's ops still matching the trace."""
     from taichi_plan.runtime import chunked_loss
-    from taichi_plan.runtime.calibrate import _span_probes
+    from taichi_plan.runtime.calibrate.probes import build_span_probes
     from taichi_plan.runtime.install import install
     from taichi_plan.runtime.partition import install_partitions
 
@@ -472,7 +472,7 @@ def test_token_span_is_calibrated_chunked_on_the_models_own_head(gpt2, monkeypat
     assert cal["module"] == "lm_head" and cal["chunks"] == [2, 4, 8, 16, 32] and len(cal["extra_s"]) == 5
     assert cal["redo_ratio"] >= -1 and cal["chunk_op_s"] >= 0 and cal["fused"]
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
-    probes = _span_probes(gpt2, call)
+    probes = build_span_probes(gpt2, call)
     (_problem, span), ks, by_k = probes["tokens"]
     assert span.module == "lm_head" and ks == (2, 4, 8, 16, 32)
     model, batch, loss_fn, _opt = get_workload(**GPT2).build(False)
@@ -507,7 +507,7 @@ def test_per_op_terms_are_never_below_the_bookkeeping_alone():
     """Noise in a model's forward (a loaded machine, a model of large ops) may make a
     measured per-op term fall below what one-element additions time: the term is raised to
     it, and keeping a recipe never costs less than checking; the measured values are kept."""
-    from taichi_plan.runtime.calibrate import floored
+    from taichi_plan.runtime.calibrate.rates import floored
 
     micro = {"check_op_s": 5e-6, "recipe_op_s": 8e-6, "rebuild_op_s": 3e-6}
     low = floored({"check_op_s": 1e-6, "recipe_op_s": -2e-6, "rebuild_op_s": -1e-6, "ops": 10}, micro)
@@ -519,15 +519,15 @@ def test_per_op_terms_are_never_below_the_bookkeeping_alone():
     assert "unfloored" not in same and same["recipe_op_s"] == 40e-6
 
 
-def test_every_variant_is_warmed_up_once_before_the_timed_rounds(monkeypatch):
+def test_every_variant_is_warmed_up_once_before_the_timed_rounds():
     """Calibration's rounds: one untimed run of every variant not already run once (a trial
     run of a probe counts: its one-time costs are paid), then ``repeats`` timed runs of each,
     each round starting one variant later; without the warm-up (the test suite), the rounds
     only; the rounds stop before one that would pass the budget."""
-    from taichi_plan.runtime import calibrate
+    from taichi_plan.runtime.calibrate.config import CalibrationConfig
+    from taichi_plan.runtime.calibrate.timing import interleaved
 
     def rounds(repeats=3, budget=1e9, ran=None, warm_up=True):
-        monkeypatch.setattr(calibrate, "WARM_UP", warm_up)
         runs, now = [], [0.0]
 
         def forward(v):  # each run takes one second of this clock
@@ -535,7 +535,8 @@ def test_every_variant_is_warmed_up_once_before_the_timed_rounds(monkeypatch):
             now[0] += 1.0
             return 0.0, 0.0
 
-        times = calibrate._interleaved(forward, {"a": "A", "b": "B", "c": "C"}, repeats, budget, lambda: now[0], ran)
+        times = interleaved(forward, {"a": "A", "b": "B", "c": "C"}, repeats, budget, lambda: now[0], ran,
+                            CalibrationConfig(warm_up=warm_up))
         return runs, {n: len(v) for n, v in times.items()}
 
     timed = ["A", "B", "C", "B", "C", "A", "C", "A", "B"]
@@ -554,13 +555,14 @@ def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
     runs it (each drop packed as a handle in forward, rebuilt in backward, the call's ops
     matching the trace), and charges each drop what the step took beyond the simulator and
     the other terms: ``modelled + drops x drop_s == measured`` whenever that is above 0."""
-    from taichi_plan.runtime.calibrate import _drop_probe, _drop_rate
+    from taichi_plan.runtime.calibrate.probes import build_drop_probe
+    from taichi_plan.runtime.calibrate.rates import drop_rate
     from taichi_plan.runtime.install import install
 
     cal = gpt2.meta["runtime_overhead"]
     assert cal["drop_s"] >= 0 and cal["drop_probe"]["drops"] > 0
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
-    probe = _drop_probe(gpt2, call)
+    probe = build_drop_probe(gpt2, call)
     problem, drops, cp = probe
     assert len(drops) == cal["drop_probe"]["drops"] == sum(len(v) for v in cp.drops.values())
     assert all(call["start"] <= int(problem.producer[d.tensor]) <= call["end"] for d in drops)
@@ -577,11 +579,11 @@ def test_drop_cost_is_measured_on_a_plan_of_the_models_own(gpt2):
             h.remove()
     assert rt.mismatches == 0
     rates = {k: cal[k] for k in ("check_op_s", "recipe_op_s", "rebuild_op_s")}
-    modelled = _drop_rate(probe, 0.0, rates)["drop_probe"]["modelled_s"]
+    modelled = drop_rate(probe, 0.0, rates)["drop_probe"]["modelled_s"]
     assert modelled > 0
-    rate = _drop_rate(probe, modelled + 0.01, rates)
+    rate = drop_rate(probe, modelled + 0.01, rates)
     assert rate["drop_s"] * len(drops) == pytest.approx(0.01)
-    assert _drop_rate(probe, modelled - 0.01, rates)["drop_s"] == 0
+    assert drop_rate(probe, modelled - 0.01, rates)["drop_s"] == 0
 
 
 def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
@@ -591,23 +593,24 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
     from dataclasses import replace
 
     from taichi_plan.problem.partition.regions import module_calls_per_call
-    from taichi_plan.runtime.calibrate import _drop_probe, _own_clocked
+    from taichi_plan.runtime.calibrate.clocks import own_clocked_runtime
+    from taichi_plan.runtime.calibrate.probes import build_drop_probe
     from taichi_plan.runtime.install import install
 
     cal = gpt2.meta["runtime_overhead"]
     assert cal["module_call_s"] > 0 and cal["region_s"] >= 0
     # v19: the regions' cost beyond the own seconds, measured on the same probe against the call plain
-    regions = _drop_probe(gpt2, [c for c in gpt2.meta["model_calls"] if c["grad"]][0])[2].regions
+    regions = build_drop_probe(gpt2, [c for c in gpt2.meta["model_calls"] if c["grad"]][0])[2].regions
     assert cal.get("region_op_s", 0) >= 0 and cal["region_probe"]["ops"] == sum(
         last - first + 1 for spans in regions.values() for first, last in spans.values())
     call = [c for c in gpt2.meta["model_calls"] if c["grad"]][0]
-    _problem, _drops, cp = _drop_probe(gpt2, call)
+    _problem, _drops, cp = build_drop_probe(gpt2, call)
     assert cp.regions and not cp.whole_call  # the probe runs in regions: kept measures their entries
     model, batch, _loss_fn, _opt = get_workload(**GPT2).build(False)
     counted = {}
     for name, plan in (("hooks", replace(cp, drops={}, group_of={}, triggers={}, regions={}, probe=True)),
                        ("kept", replace(cp, drops={}, group_of={}, probe=True))):
-        rt = _own_clocked()([plan])
+        rt = own_clocked_runtime()([plan])
         handles = install(model, rt)
         try:
             model(**batch)
@@ -624,38 +627,39 @@ def test_module_hooks_and_regions_are_measured_on_the_model(gpt2):
 
 
 def test_hook_rates():
-    from taichi_plan.runtime.calibrate import _hook_rates
+    from taichi_plan.runtime.calibrate.rates import module_hook_rates
 
     hooks = [(0, 0, 0, 0, 50 * 10e-6, 50, 0)] * 3
     kept = [(0, 0, 0, 0, 50 * 10e-6 + 4 * 20e-6, 50, 4)] * 3
-    rates = _hook_rates({"hooks": hooks, "kept": kept})
+    rates = module_hook_rates({"hooks": hooks, "kept": kept})
     assert rates["module_call_s"] == pytest.approx(10e-6) and rates["region_s"] == pytest.approx(20e-6)
     assert rates["module_call_own_s"] == rates["module_call_s"]  # no unclocked run: the own seconds
-    assert _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 40 * 10e-6, 50, 4)]})["region_s"] == 0  # not below 0
-    assert _hook_rates({"kept": kept}) == {}  # no hooks-alone run: the microbenchmark's term stays
-    assert "region_s" not in _hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 1.0, 50, 0)]})  # no region entered
+    assert module_hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 40 * 10e-6, 50, 4)]})["region_s"] == 0  # not below 0
+    assert module_hook_rates({"kept": kept}) == {}  # no hooks-alone run: the microbenchmark's term stays
+    assert "region_s" not in module_hook_rates({"hooks": hooks, "kept": [(0, 0, 0, 0, 1.0, 50, 0)]})  # no region entered
 
 
 def test_module_calls_cost_what_the_hooks_cost_them_whole():
     """Trace v20: ``module_call_s`` is what the module hooks alone cost the forward and backward
     per module call, unclocked, against the call plain (paired per repetition, median), not
     their own seconds; never below those; from 5 repetitions."""
-    from taichi_plan.runtime.calibrate import REGION_MIN_REPEATS, _hook_rates
+    from taichi_plan.runtime.calibrate.config import default_config
+    from taichi_plan.runtime.calibrate.rates import module_hook_rates
 
     hooks = [(0, 0, 0, 0, 50 * 10e-6, 50, 0)] * 5  # own: 10 us per call
     plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3), (0.100, 0.3), (0.100, 0.3)]
     # forward 1.5, 1.5, 2, 1.5, 2 ms over; forward and backward 2, 2, 2.5, 2, 2.5 ms over
     whole = [(0.1015, 0.302), (0.1025, 0.302), (0.1040, 0.3025), (0.1015, 0.302), (0.1020, 0.3025)]
-    rates = _hook_rates({"hooks": hooks, "hooks_whole": whole, "plain": plain})
+    rates = module_hook_rates({"hooks": hooks, "hooks_whole": whole, "plain": plain})
     assert rates["module_call_s"] == pytest.approx(2e-3 / 50)  # 40 us a call, forward and backward
     assert rates["module_call_forward_s"] == pytest.approx(1.5e-3 / 50)  # 30 of them in the forward
     assert rates["module_call_own_s"] == pytest.approx(10e-6)
     assert rates["module_call_probe"] == {"whole_s": pytest.approx(2e-3), "forward_s": pytest.approx(1.5e-3),
                                           "own_s": pytest.approx(0.5e-3), "calls": 50, "repeats": 5}
     below = [(0.1002, 0.3002)] * 5  # noise below the own seconds: the own seconds stand
-    assert _hook_rates({"hooks": hooks, "hooks_whole": below, "plain": plain})["module_call_s"] == pytest.approx(10e-6)
-    n = REGION_MIN_REPEATS - 1
-    few = _hook_rates({"hooks": hooks[:n], "hooks_whole": whole[:n], "plain": plain[:n]})
+    assert module_hook_rates({"hooks": hooks, "hooks_whole": below, "plain": plain})["module_call_s"] == pytest.approx(10e-6)
+    n = default_config().region_min_repeats - 1
+    few = module_hook_rates({"hooks": hooks[:n], "hooks_whole": whole[:n], "plain": plain[:n]})
     assert few["module_call_s"] == pytest.approx(10e-6) and few["module_call_probe"]["repeats"] == n
 
 
@@ -663,22 +667,22 @@ def test_region_outside():
     """Trace v19: what the regions cost the forward beyond the runtime's own seconds, per op of
     the probe's regions (the unclocked run against plain, forward seconds paired per repetition,
     minus the clocked run's handler and hook seconds); not below 0; nothing without the runs."""
-    from taichi_plan.runtime.calibrate import _region_outside
+    from taichi_plan.runtime.calibrate.rates import region_outside
 
     kept = [(0, 0, 3e-3, 0, 1e-3, 50, 10)] * 5  # own: 3 ms in the handler, 1 ms in the hooks
     plain = [(0.100, 0.3), (0.101, 0.3), (0.102, 0.3), (0.100, 0.3), (0.100, 0.3)]
     whole = [(0.1045, 0.3), (0.1055, 0.3), (0.1070, 0.3), (0.1045, 0.3), (0.1050, 0.3)]  # 4.5, 4.5, 5, 4.5, 5 ms over
-    out = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 100)
+    out = region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 100)
     assert out["region_op_s"] == pytest.approx(5e-6)  # (4.5 - 4) ms over 100 ops
     assert out["region_probe"]["ops"] == 100 and out["region_probe"]["regions"] == 10
     under = [(0.1030, 0.3)] * 5  # the whole run below the own seconds (noise): nothing added
-    assert _region_outside({"kept": kept, "kept_whole": under, "plain": plain}, 100)["region_op_s"] == 0
-    few = _region_outside({"kept": kept[:4], "kept_whole": whole[:4], "plain": plain[:4]}, 100)
+    assert region_outside({"kept": kept, "kept_whole": under, "plain": plain}, 100)["region_op_s"] == 0
+    few = region_outside({"kept": kept[:4], "kept_whole": whole[:4], "plain": plain[:4]}, 100)
     assert "region_op_s" not in few and few["region_probe"]["repeats"] == 4  # too few repetitions: not charged
-    assert _region_outside({"kept": kept, "plain": plain}, 100) == {}
-    assert _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 0) == {}
+    assert region_outside({"kept": kept, "plain": plain}, 100) == {}
+    assert region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 0) == {}
     # v20: the module calls' cost beyond their hooks' own seconds is charged per call, not per op
-    beyond = _region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 100, 4e-6)
+    beyond = region_outside({"kept": kept, "kept_whole": whole, "plain": plain}, 100, 4e-6)
     assert beyond["region_op_s"] == pytest.approx(3e-6)  # (4.5 - 4 - 50 x 4 us) ms over 100 ops
 
 
@@ -719,11 +723,45 @@ def test_a_fake_recordings_runtime_costs_stay_out_of_its_compute():
         len(reruns) * cal["rebuild_op_s"] + len(drops) * cal.get("drop_s", 0.0))
 
 
+def test_a_calibration_config_reaches_calibration():
+    """``measure_on_model(..., config=CalibrationConfig(...))`` runs what its config says: the
+    repetitions (3 here, where the suite's default config runs 1) and the chunks partitions are
+    probed in (2, where the default probes 4)."""
+    import torch
+    from torch import nn
+
+    from taichi_plan.record import record
+    from taichi_plan.runtime.calibrate import measure_on_model
+    from taichi_plan.runtime.calibrate.config import CalibrationConfig
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(2)])
+
+        def forward(self, x):
+            return self.blocks(x).square().mean(dim=1)
+
+    torch.manual_seed(0)
+    model, batch = Mlp(), {"x": torch.randn(16, 64)}
+
+    def loss_fn(out, b):
+        return out.mean()
+
+    trace = record(model, batch, loss_fn, torch.optim.SGD(model.parameters(), lr=0.1), steps=1, warmup=0)
+    default = measure_on_model(model, batch, loss_fn, trace)
+    assert default["repeats"] == 1 and default["partition_probe"]["chunks"] == 4
+    tuned = measure_on_model(model, batch, loss_fn, trace,
+                             config=CalibrationConfig(repeats=3, budget_s=1e9, warm_up=False, probe_chunks=2))
+    assert tuned["repeats"] == 3 and tuned["partition_probe"]["chunks"] == 2
+
+
 def test_region_variants_are_topped_up_to_the_repetitions_their_term_needs():
     """The budget's rounds run every variant; the region variants then run alone, interleaved,
     until each has ``least`` repetitions (a model whose rounds fit 4 times in the budget would
     otherwise charge no ``region_op_s``); nothing runs where they have that many."""
     from taichi_plan.runtime import calibrate
+    from taichi_plan.runtime.calibrate.timing import top_up
 
     runs = []
 
@@ -732,11 +770,11 @@ def test_region_variants_are_topped_up_to_the_repetitions_their_term_needs():
         return (0.0, 0.0)
 
     times = {"a": [()] * 2, "b": [()] * 2, "other": [()] * 2}
-    calibrate._top_up(forward, {"a": "A", "b": "B"}, times, 5)
+    top_up(forward, {"a": "A", "b": "B"}, times, 5)
     assert runs == ["A", "B", "B", "A", "A", "B"]  # rounds 3-5, each starting one later
     assert {n: len(v) for n, v in times.items()} == {"a": 5, "b": 5, "other": 2}
     runs.clear()
-    calibrate._top_up(forward, {"a": "A", "b": "B"}, times, 5)
+    top_up(forward, {"a": "A", "b": "B"}, times, 5)
     assert runs == []
     # drop_s pairs drops with kept; region_op_s kept_whole with plain; module_call_s hooks_whole with plain
     assert set(calibrate.REGION_VARIANTS) == {"drops", "kept", "kept_whole", "plain", "hooks_whole"}
@@ -752,8 +790,8 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
 
     from taichi_plan.base.errors import InfeasibleBudgetError
     from taichi_plan.record import record
-    from taichi_plan.runtime import calibrate
-    from taichi_plan.runtime.calibrate import _drop_probe
+    from taichi_plan.runtime.calibrate.config import default_config
+    from taichi_plan.runtime.calibrate.probes import build_drop_probe
 
     class Top(nn.Module):
         def __init__(self):
@@ -772,7 +810,7 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
     trace = record(model, batch, lambda out, b: out.square().mean(), torch.optim.SGD(model.parameters(), lr=0.1),
                    steps=1, warmup=0)
     call = [c for c in trace.meta["model_calls"] if c["grad"]][0]
-    problem, drops, cp = _drop_probe(trace, call)
+    problem, drops, cp = build_drop_probe(trace, call)
     assert drops and cp.drops and not cp.whole_call and cp.regions
     modules = trace.ops["module"].tolist()
     made = {int(problem.producer[d.tensor]) for d in drops}
@@ -785,7 +823,7 @@ def test_the_drop_probe_prefers_drops_made_inside_modules():
 
     bare = replace(trace, meta={k: v for k, v in trace.meta.items() if k != "runtime_overhead"})
     plan = None
-    for share in calibrate.DROP_PROBE_FRACTIONS:  # the first that fits, as the probe took it before
+    for share in default_config().drop_probe_fractions:  # the first that fits, as the probe took it before
         try:
             plan = solve(bare, int(share * problem.baseline_peak[0]), "heuristic", time_limit=10.0, problem=problem,
                          optimizer="as-recorded")

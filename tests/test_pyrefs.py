@@ -21,7 +21,7 @@ from taichi_plan.problem.core import build_problem
 from taichi_plan.record import record_workload
 from taichi_plan.record.api import step_tensors
 from taichi_plan.record.pyrefs import probe_step
-from taichi_plan.replay.measure import run_and_measure
+from taichi_plan.replay.measure.run import run_and_measure
 from taichi_plan.report.trace_text import render_trace_summary, trace_summary
 from taichi_plan.simulate.core import Drop, simulate
 from taichi_plan.solve.result import Decisions, make_plan

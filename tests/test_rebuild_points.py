@@ -20,7 +20,7 @@ def test_a_rebuild_that_needs_several_outputs_of_one_op_runs_it_once(tmp_path):
     import collections
 
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
     from taichi_plan.simulate.core import Drop, simulate_plan
 
     trace = record_workload(get_workload(entry="tiny_models:bn_cnn"), fake=False, calibrate=False)
@@ -53,7 +53,7 @@ def _replays_early_drops_at_their_triggers(entry: str, pick) -> None:
     recording of ``entry``; the plan needs a trigger, and replays bitwise, re-running the
     predicted ops, at its predicted peak."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
     from taichi_plan.runtime.calls import call_plans, rebuild_groups
     from taichi_plan.simulate.core import Drop
 
@@ -104,7 +104,7 @@ def test_memtracker_cross_check_follows_frozen_parameters_and_leaf_inputs():
     model's call (the planned run stopped on that op as a mismatch). Both runs now measure,
     MemTracker beside the recorder; were it to fail, replay says why and goes on."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
     from taichi_plan.solve import solve
 
     trace = record_workload(get_workload(entry="tiny_models:frozen_leaf_mlp"), fake=False, calibrate=False)
@@ -132,7 +132,7 @@ def test_rebuilds_are_placed_where_backward_unpacks(nodes):
     measured 5.1% below the prediction on a ReLU MLP (heuristic plan at 0.9; this plan: 0.55%).
     Without the node starts (an older trace) the prediction is off again, as this shows."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
     from taichi_plan.simulate.core import Drop
 
     trace = record_workload(get_workload(entry="tiny_models:relu_mlp"), fake=False, calibrate=False)
@@ -158,7 +158,7 @@ def test_a_batch_that_keeps_its_gradient_measures_as_recorded():
     it for a tensor made at the ``add_`` that accumulates into it, and measured the unplanned
     peak that gradient (65,536 B) below the trace's. Now it is registered as a gradient."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
     from taichi_plan.trace.format import baseline_peak
 
     trace = record_workload(get_workload(entry="tiny_models:leaf_batch_mlp"), fake=False, calibrate=False)
@@ -177,7 +177,7 @@ def test_a_node_that_unpacks_several_dropped_tensors_rebuilds_each_once():
     Qwen2's planned peak measured 5% over the predicted one). A storage released by its last
     handle now stays readable while autograd holds it, as the simulator has it."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
     from taichi_plan.simulate.core import Drop, simulate_plan
 
     wl = get_workload(entry="tiny_models:sdpa_blocks_no_dropout")
@@ -203,7 +203,7 @@ def _replay_drops(entry: str, pick):
     """Record ``entry``, drop each candidate ``pick(problem, tensor)`` selects over its first
     gap, replay one step planned and unplanned: (problem, drops, plan, simulation, planned, plain)."""
     from taichi_plan.record import get_workload, record_workload
-    from taichi_plan.replay.measure import run_and_measure
+    from taichi_plan.replay.measure.run import run_and_measure
     from taichi_plan.simulate.core import Drop, simulate_plan
 
     wl = get_workload(entry=entry)

@@ -59,7 +59,7 @@ def test_a_memtracker_step_that_stops_half_way_does_not_decide_the_comparison(re
     equal read "DIFFER" after such a step."""
     import torch
 
-    from taichi_plan.replay import measure
+    from taichi_plan.replay.measure import run
 
     plan, plan_path = replay_cases.plan("mlp", 0.7)
     calls = []
@@ -72,7 +72,7 @@ def test_a_memtracker_step_that_stops_half_way_does_not_decide_the_comparison(re
                     p.add_(1.0)
         return None, "not measured: the plan stopped in that step"
 
-    monkeypatch.setattr(measure, "_memtracker_peak", stops_half_way)
+    monkeypatch.setattr(run, "_memtracker_peak", stops_half_way)
     r = replay(plan_path, steps=1)
     assert len(calls) == 2 and r["memtracker_note"].startswith("not measured")
     assert r["grads_match"], r["grads_check"]
@@ -108,7 +108,7 @@ def test_memtracker_failing_on_a_step_that_runs_without_it_blames_memtracker():
     from torch import nn
 
     from taichi_plan.base.errors import WorkloadError
-    from taichi_plan.replay.measure import _memtracker_peak
+    from taichi_plan.replay.measure.run import _memtracker_peak
     from taichi_plan.torch_common.loop import Loop
 
     class Net(nn.Module):
@@ -143,13 +143,32 @@ def test_running_out_of_memory_while_replaying_is_an_error_not_a_traceback():
     import torch
 
     from taichi_plan.base.errors import NotEnoughMemoryError
-    from taichi_plan.replay.measure import _out_of_memory_said
+    from taichi_plan.replay.measure.memory import out_of_memory_said
 
     for failure in (RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory"),
                     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"), MemoryError()):
         with pytest.raises(NotEnoughMemoryError, match="Replay ran out of memory on cpu .*about 1.00 GB"):
-            with _out_of_memory_said({"needed_bytes": 10**9}, "cpu"):
+            with out_of_memory_said({"needed_bytes": 10**9}, "cpu"):
                 raise failure
     with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # any other error is left alone
-        with _out_of_memory_said({}, "cpu"):
+        with out_of_memory_said({}, "cpu"):
             raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+
+def test_a_comparison_config_sets_the_tolerances_training_is_judged_by():
+    """``ComparisonConfig`` reaches the comparison: parameters 1e-4 apart fail the default
+    relative tolerance (1e-5) and pass a looser one, which the check's words then name; the
+    statistical check's factor alike."""
+    import torch
+
+    from taichi_plan.replay.measure.compare import compare_training, statistical_check
+    from taichi_plan.replay.measure.config import ComparisonConfig
+
+    base = {"first_grads": [torch.ones(4)], "grads": [torch.ones(4)], "params": [torch.ones(4)]}
+    apart = dict(base, params=[torch.ones(4) * (1 + 1e-4)])
+    assert not compare_training(base, apart, exact=False)["grads_match"]
+    loose = compare_training(base, apart, exact=False, config=ComparisonConfig(params_rel_tol=1e-3))
+    assert loose["grads_match"] and "within 1e-3 relative L2 distance" in loose["grads_check"]
+    other = dict(base, params=[torch.ones(4) * (1 + 0.4e-4)])  # a reseeded run 0.4e-4 apart: 1e-4 is 2.5x that
+    assert not statistical_check(base, apart, other, ("params",))["grads_match"]
+    assert statistical_check(base, apart, other, ("params",), config=ComparisonConfig(stat_factor=3.0))["grads_match"]

@@ -15,6 +15,7 @@ from taichi_plan.cli import main
 from taichi_plan.plan.format import save_plan
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.replay import measure
+from taichi_plan.replay.measure import memory
 from taichi_plan.solve import solve
 from taichi_plan.trace.format import read_trace, write_trace
 
@@ -45,7 +46,7 @@ def test_huge_fake_trace_is_refused_before_building(tmp_path, no_build):
     # 8 layers of 65536 x 65536 fp32 with AdamW: ~550 GB of parameters, gradients and state.
     path, plan = _plan(tmp_path, "huge", True, layers=8, hidden=65536, batch=4)
     needed = _needed(plan, tmp_path / "huge")
-    available, _ = measure.available_memory_bytes("cpu")
+    available, _ = memory.available_memory_bytes("cpu")
     assert needed > available  # no machine this suite runs on has 550 GB free
     r = CliRunner().invoke(main, ["replay", str(path)])
     assert r.exit_code == NotEnoughMemoryError.exit_code, r.output
@@ -68,7 +69,7 @@ def test_force_replays_anyway_and_json_prints_the_report(small_plan, tmp_path, m
     path, plan = small_plan
     needed = _needed(plan, tmp_path / "small")
     assert needed > plan.predicted["baseline_peak_bytes"]  # nothing dropped: the planned run needs more
-    monkeypatch.setattr(measure, "available_memory_bytes", lambda device: (1000, "available RAM"))
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda device: (1000, "available RAM"))
     r = CliRunner().invoke(main, ["replay", str(path), "--steps", "1"])
     assert r.exit_code == NotEnoughMemoryError.exit_code, r.output
     assert "this machine has 1.00 KB of available RAM" in " ".join(r.output.split())
@@ -92,7 +93,7 @@ def test_replay_within_memory_reports_it(small_plan):
 
 
 def test_available_memory_is_this_machines():
-    available, what = measure.available_memory_bytes("cpu")
+    available, what = memory.available_memory_bytes("cpu")
     total = None
     with open("/proc/meminfo") as f:
         for line in f:
@@ -106,4 +107,4 @@ def test_cuda_memory_is_the_free_device_memory(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (5 * 10**9, 80 * 10**9))
-    assert measure.available_memory_bytes("cuda") == (5 * 10**9, "free CUDA memory")
+    assert memory.available_memory_bytes("cuda") == (5 * 10**9, "free CUDA memory")

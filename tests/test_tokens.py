@@ -336,12 +336,15 @@ def test_plan_format_v4_over(tmp_path):
 def test_several_steps_of_a_head_over_tokens_match_on_an_opt_decoder(tmp_path):
     """OPT's head and loss over 32 token chunks, replayed for 3 steps with AdamW: the first
     planned step's gradients are allclose, and the parameters after the last step within
-    PARAMS_REL_TOL relative distance. Element-wise allclose on those parameters does not hold
+    ComparisonConfig.params_rel_tol relative distance. Element-wise allclose on those parameters does not hold
     (AdamW's g / (sqrt(v) + eps) turns a rounding difference in a near-zero gradient into an
     update difference up to its learning rate): it said "DIFFER" before, on every step count."""
     import torch
 
-    from taichi_plan.replay.measure import GRAD_TOL, PARAMS_REL_TOL, compare_training
+    from taichi_plan.replay.measure.compare import compare_training
+    from taichi_plan.replay.measure.config import ComparisonConfig
+
+    tol = ComparisonConfig()
 
     trace = record_workload(get_workload(entry="tiny_models:opt_decoder"), fake=False)
     _plan_, path, span = _plan(trace, tmp_path, 32, "opt")
@@ -349,14 +352,14 @@ def test_several_steps_of_a_head_over_tokens_match_on_an_opt_decoder(tmp_path):
     r = replay(path, steps=3)
     assert r["grads_match"], r
     assert r["grads_check"].startswith("allclose(rtol=1e-4, atol=1e-6) on the first planned step's gradients")
-    assert f"parameters after the first planned step within {PARAMS_REL_TOL:.0e}".replace("e-0", "e-") in r["grads_check"]
+    assert f"parameters after the first planned step within {tol.params_rel_tol:.0e}".replace("e-0", "e-") in r["grads_check"]
     # The check itself: a gradient off by more than its tolerance fails, as do parameters farther apart.
     g = [torch.ones(4)]
     base = {"first_grads": g, "grads": g, "params": [torch.ones(4)]}
-    off = dict(base, first_grads=[g[0] + 10 * GRAD_TOL["atol"] + 10 * GRAD_TOL["rtol"]])
+    off = dict(base, first_grads=[g[0] + 10 * tol.grad_atol + 10 * tol.grad_rtol])
     assert compare_training(base, base, exact=False)["grads_match"]
     assert not compare_training(base, off, exact=False)["grads_match"]
-    far = dict(base, params=[torch.ones(4) * (1 + 10 * PARAMS_REL_TOL)])
+    far = dict(base, params=[torch.ones(4) * (1 + 10 * tol.params_rel_tol)])
     assert not compare_training(base, far, exact=False)["grads_match"]
     # Judged after the first planned step; the last step's distance is reported beside it.
     first = dict(base, first_params=[torch.ones(4)])

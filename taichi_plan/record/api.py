@@ -339,7 +339,7 @@ def record_workload(
             "dtype": workload.dtype,
             "step_definition": STEP_DEFINITION,
         })
-        # The runtime's per-op cost on this model's own ops (runtime/calibrate.py), on a model this
+        # The runtime's per-op cost on this model's own ops (runtime/calibrate/), on a model this
         # recording built (record() of a user's live objects leaves them alone).
         if not fake and calibrate and workload.kind != "python":
             from ..runtime.calibrate import measure_on_model

@@ -159,7 +159,8 @@ def replay_rank(rank: int, nproc: int, port: int, out_dir: str, plan_path: str, 
     from ..runtime.calls import plan_and_trace
     from ..torch_common.fsdp import mesh_replicas
     from ..trace.format import read_trace
-    from .measure import autocast_rounding, compare_training, workload_of
+    from .measure.compare import autocast_rounding, compare_training
+    from .measure.workload import workload_of
 
     out: dict = {"rank": rank}
     try:

@@ -24,7 +24,7 @@ FORMAT_VERSION = 20
 # the sharding kinds below and meta.fsdp (docs/sharding.md); v4 adds meta.random_ops (the ops that
 # drew random numbers; older traces are read by op name), meta.python_refs (record/pyrefs.py), and for
 # DDP traces the kind ddp_bucket and meta.ddp; v5 adds meta.runtime_overhead's partition terms
-# (checkpoint_op_s, chunk_op_s: runtime/calibrate.py; older traces cost a chunk by launch overhead);
+# (checkpoint_op_s, chunk_op_s: runtime/calibrate/rates.py; older traces cost a chunk by launch overhead);
 # v6 adds meta.runtime_overhead.span_costs (a head + loss over tokens measured chunked) and unfloored;
 # v7 adds meta.runtime_overhead.checkpoint_call_s (one torch.utils.checkpoint call's own cost);
 # v8 adds meta.forward_in_backward (module forwards the model itself re-runs in backward); v9 adds
@@ -40,11 +40,11 @@ FORMAT_VERSION = 20
 # v17 lets meta.fsdp.units[].reshard_after_forward be an int (the ranks FSDP2 reshards to after
 # forward) and adds the kind post_forward_shard (the shards it keeps there); v18 adds
 # meta.runtime_overhead.region_s (one planned region entered) and measures module_call_s on the
-# model's own call (runtime/calibrate.py _hook_rates); older traces charge regions nothing
+# model's own call (runtime/calibrate/rates.py module_hook_rates); older traces charge regions nothing
 # v19 adds meta.runtime_overhead.region_op_s, per op of a planned region what the regions cost
-# the forward beyond the runtime's own seconds (runtime/calibrate.py _region_outside)
+# the forward beyond the runtime's own seconds (runtime/calibrate/rates.py region_outside)
 # v20 measures module_call_s whole: the module hooks alone unclocked against the call plain, per
-# module call (meta.runtime_overhead.module_call_probe; runtime/calibrate.py _hook_rates), where
+# module call (meta.runtime_overhead.module_call_probe; runtime/calibrate/rates.py module_hook_rates), where
 # v18-v19 took the hooks' own seconds; region_op_s is net of it
 READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20)
 PHASES = ("forward", "backward", "optimizer", "other")
