@@ -24,7 +24,7 @@ allocates an all-gather buffer) move as a block; the pre-hook spans that contain
 accordingly; a tensor freed between two ops is freed, in the view, before the next op that did
 not move (one the moved ops made or last read moves with them); op and tensor ids are
 renumbered in order, as a recording of that setting numbers them; the moved ops take the module
-of the hook they now run in. ``tests/test_prefetch.py`` holds the view equal, table by table, to
+of the hook they now run in. ``tests/test_reshard.py`` holds the view equal, table by table, to
 fake-PG recordings made with that setting.
 
 Only these two places are modelled: a gathering issued two or more units early (a longer
