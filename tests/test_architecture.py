@@ -69,7 +69,9 @@ def _graph(repo: Path = REPO) -> tuple[nx.DiGraph, list[str]]:
     for me, path in mods.items():
         graph.add_node(me)
         package = me if path.name == "__init__.py" else me.rsplit(".", 1)[0]
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        modules_as = {}  # local name -> the package module it is (``from . import rebuilds as runtime``)
+        for node in ast.walk(tree):
             found = []
             if isinstance(node, ast.ImportFrom):
                 if node.level:
@@ -81,8 +83,11 @@ def _graph(repo: Path = REPO) -> tuple[nx.DiGraph, list[str]]:
                 for a in node.names:
                     sub = f"{target}.{a.name}"
                     found.append((sub, None) if sub in mods else (target, a.name))
+                    if sub in mods:
+                        modules_as[a.asname or a.name] = sub
             elif isinstance(node, ast.Import):
                 found = [(a.name, None) for a in node.names]
+                modules_as.update({a.asname: a.name for a in node.names if a.asname and a.name in mods})
             for target, name in found:
                 while target and target not in mods:
                     target = target.rpartition(".")[0]
@@ -91,6 +96,10 @@ def _graph(repo: Path = REPO) -> tuple[nx.DiGraph, list[str]]:
                 graph.add_edge(me, target)
                 if name and name.startswith("_") and not name.startswith("__"):
                     private.append(f"{me} imports {name} from {target}")
+        for node in ast.walk(tree):  # a private name reached through an imported module: mod._name
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules_as
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                private.append(f"{me} uses {node.attr} of {modules_as[node.value.id]}")
     return graph, private
 
 
@@ -183,7 +192,9 @@ def test_the_rules_can_fail(tmp_path):
     (pkg / "plan" / "format.py").write_text("from ..solve.ilp import plan_ilp\n")
     (pkg / "solve" / "ilp.py").write_text("def plan_ilp():\n    from ..plan import format\n")
     (pkg / "report" / "html.py").write_text("from taichi_plan.solve.ilp import _model\n")
+    (pkg / "report" / "text.py").write_text("from ..solve import ilp as solver\n\nsolver._model = None\n")
     g, private = _graph(tmp_path)
     assert back_arrows(g) == ["taichi_plan.plan.format (floor plan) imports taichi_plan.solve.ilp (floor solve)"]
     assert circles(g) == [["taichi_plan.plan.format", "taichi_plan.solve.ilp"]]
-    assert private == ["taichi_plan.report.html imports _model from taichi_plan.solve.ilp"]
+    assert private == ["taichi_plan.report.html imports _model from taichi_plan.solve.ilp",
+                       "taichi_plan.report.text uses _model of taichi_plan.solve.ilp"]

@@ -3,7 +3,7 @@
 tensor whose storage the plan drops or offloads (a trigger for one whose last unpack runs a
 rebuild group or a prefetch), and the unpack hook gets the storage back, rebuilt from its
 frame's recipes, alone or with its simulator rebuild group; an op re-runs with its recorded RNG
-state and grad mode, and without the running statistics a batch norm writes (:func:`_run`)."""
+state and grad mode, and without the running statistics a batch norm writes (:func:`run_recorded_op`)."""
 
 from __future__ import annotations
 
@@ -169,7 +169,7 @@ class RebuildsMixin:
                 for step in steps:
                     args, kwargs = unflatten_args(
                         [self._tensor(frame, x) if isinstance(x, TRef) else x for x in step.leaves], step.spec)
-                    out = _run(step, args, kwargs)
+                    out = run_recorded_op(step, args, kwargs)
                     self.recompute_ops += 1
                     if step.out_pos is not None:
                         flat = flat_tensors(out)
@@ -281,7 +281,10 @@ def _hidden_writes() -> dict:
 _HIDDEN_WRITES = _hidden_writes()
 
 
-def _run(step: Step, args, kwargs):
+def run_recorded_op(step: Step, args, kwargs):
+    """Run one recorded op of a rebuild (``step``) on ``args`` in its recorded grad mode and RNG
+    state, its hidden in-place writes (a batch norm's running statistics, :data:`_HIDDEN_WRITES`)
+    switched off, so a re-run draws what the forward drew and changes no state."""
     hidden = _HIDDEN_WRITES.get(step.func)
     if hidden is not None and len(args) > hidden[-1] and args[hidden[-1]] is True:
         args = tuple(None if i in hidden[:-1] else a for i, a in enumerate(args))

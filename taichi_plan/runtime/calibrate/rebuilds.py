@@ -43,7 +43,7 @@ def rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = No
             for x in step.leaves:
                 if isinstance(x, TRef):
                     last_reader[x.sid] = k
-    run_op = runtime._run
+    run_op = runtime.run_recorded_op
     op_s = [0.0]
 
     per_op: dict[int, list[float]] = {}
@@ -60,7 +60,7 @@ def rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = No
             got[1] += 1
 
     n0 = rt.recompute_ops
-    runtime._run = timed_op
+    runtime.run_recorded_op = timed_op
     try:
         t0 = clock()
         for k, sid in enumerate(order):
@@ -73,7 +73,7 @@ def rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = No
     except Exception:  # noqa: BLE001  (calibration only: the microbenchmark's term stays)
         return []
     finally:
-        runtime._run = run_op
+        runtime.run_recorded_op = run_op
         frame.cache.clear()
     n = rt.recompute_ops - n0
     if n and op_seconds is not None:
