@@ -18,8 +18,10 @@ from synthetic import random_training_trace
 from test_ilp_exhaustive import exhaustive, optimum
 
 from taichi_plan.problem.core import build_problem
-from taichi_plan.solve import ilp, ilp_model, ilp_structure
+from taichi_plan.solve import ilp
 from taichi_plan.solve.bound import solve_mip
+from taichi_plan.solve.ilp import model as ilp_model
+from taichi_plan.solve.ilp import structures as ilp_structure
 
 TOL = 1e-4  # costs are sums of a few numbers like 0.5, 1, 2; the bound is rounded down to a unit
 

@@ -1,4 +1,4 @@
-"""The ILP's count of re-runs (solve/ilp_structure.py ``apart_reruns``): two options whose rebuilds both
+"""The ILP's count of re-runs (solve/ilp/structures.py ``apart_reruns``): two options whose rebuilds both
 re-run an op, in groups that cannot be one, re-run it twice. The small random traces of
 test_ilp_exhaustive.py have no such pair (no op with several outputs, no transient shared by
 two rebuilds); recorded transformers have many (a layer norm's output and its saved mean and
@@ -21,7 +21,7 @@ from taichi_plan.problem.partition.find import module_spans
 from taichi_plan.problem.partition.span import as_partition
 from taichi_plan.record import get_workload, record_workload
 from taichi_plan.simulate.core import Drop, simulate_plan
-from taichi_plan.solve.ilp_structure import apart_reruns, structure
+from taichi_plan.solve.ilp.structures import apart_reruns, structure
 
 SIZES = {"layers": 2, "hidden": 64, "heads": 2, "seq": 32, "batch": 2, "vocab": 200}
 PLANS = 200

@@ -1,6 +1,6 @@
 """Ctrl-C during `solve`'s search ends the command: CP-SAT's own SIGINT handling ended only
 the round it was in, and the rounds went on to the time limit, then wrote a plan and exited
-0 (`solve/cpsat.py`, `interruptible_solve`)."""
+0 (`solve/ilp/cpsat.py`, `interruptible_solve`)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,8 @@ from test_ilp_exhaustive import MAX_PLANS, plan_options
 from taichi_plan.base.errors import PlanError
 from taichi_plan.problem.core import build_problem
 from taichi_plan.simulate.core import Drop, simulate_plan
-from taichi_plan.solve import ilp_model, ilp_structure
+from taichi_plan.solve.ilp import model as ilp_model
+from taichi_plan.solve.ilp import structures as ilp_structure
 
 SEEDS = range(400)  # the whole check (make bench: 34 s on an idle core)
 # make test's share (about 9 s): the first 150 traces, and 258, the one of the 400 whose plans

@@ -4,7 +4,7 @@ CP-SAT proves bounds slowly on the recorded transformers (covering constraints w
 coefficients: at its time limit its best bound was 25-73% below the plan's cost). A MIP
 solver (HiGHS, shipped with OR-Tools) proves them from the LP relaxation with cuts and
 branching, which is what these models need. Its model is *the same* CP-SAT model
-(:class:`~taichi_plan.solve.ilp_model.RelaxationModel`, so every kind of option the builder knows flows
+(:class:`~taichi_plan.solve.ilp.model.RelaxationModel`, so every kind of option the builder knows flows
 through), translated constraint by constraint (:func:`mip_of`):
 
 * a linear constraint ``lo <= expr <= hi`` enforced by literals ``e``: the big-M form
@@ -13,7 +13,7 @@ through), translated constraint by constraint (:func:`mip_of`):
 * ``bool_or``, ``bool_and``, ``at_most_one``, ``exactly_one``: their linear forms.
 
 The model holds memory constraints at *every* binding op (one per stretch of ops with the
-same covering set, :func:`~taichi_plan.solve.ilp_structure.binding_ops`) and at the recompute groups
+same covering set, :func:`~taichi_plan.solve.ilp.structures.binding_ops`) and at the recompute groups
 the simulator found over budget, all valid for every plan the simulator accepts (the ILP's
 invariant), but neither the no-good cuts nor the cutoff at the incumbent: its dual bound
 (what HiGHS proves, also when stopped by its limit) is a lower bound on every plan of the

@@ -1,7 +1,7 @@
 """The recompute-group rows of the CP-SAT relaxation: at a group the simulator found over
 budget, what a rebuild alone allocates there must be covered by bytes away, unless another
 chosen rebuild may move it earlier (which tensors a rebuild may need, per window). A mixin of
-:class:`~taichi_plan.solve.ilp_model.RelaxationModel`.
+:class:`~taichi_plan.solve.ilp.model.RelaxationModel`.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import time
 
 import numpy as np
 
-from ..problem.core import rebuild_inputs
-from ..problem.options import rebuild_closure
-from ..simulate.core import Drop, rebuild_overhead
+from ...problem.core import rebuild_inputs
+from ...problem.options import rebuild_closure
+from ...simulate.core import Drop, rebuild_overhead
 
 
 class GroupConstraintsMixin:

@@ -2,14 +2,14 @@
 still away (a rebuild that needs a tensor brings it back early), freed by partitions, less the
 dead tensors kept there, cover the op's excess over the budget; and the plan-finding
 tightening that each rebuild's own working set fits. A mixin of
-:class:`~taichi_plan.solve.ilp_model.RelaxationModel`.
+:class:`~taichi_plan.solve.ilp.model.RelaxationModel`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..simulate.core import Drop, rebuild_overhead
+from ...simulate.core import Drop, rebuild_overhead
 
 
 class MemoryConstraintsMixin:

@@ -11,7 +11,7 @@ rounds must beat. Nothing the simulator would accept is ever cut, so the search 
 (given time) and its bound, min(incumbent, CP-SAT's bound), stays valid. Plan finders that
 may cut plans (a greedy repair, one tightened model) only feed incumbents.
 
-The model, its variables and constraints, is :class:`~taichi_plan.solve.ilp_model.RelaxationModel`
+The model, its variables and constraints, is :class:`~taichi_plan.solve.ilp.model.RelaxationModel`
 (the facts it is built from: :mod:`.ilp_structure`; the partition options: :mod:`.ilp_partitions`);
 CP-SAT runs in :mod:`.cpsat`. Here: the rounds, the bound phase (:mod:`.bound`) ahead of them,
 and the plan finders that feed incumbents.
@@ -25,21 +25,21 @@ from collections.abc import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..base.errors import PlanError
-from ..problem.core import Problem
-from ..problem.live import coverage_delta, gap_bytes
-from ..problem.partition.apply import apply_partitions
-from ..problem.partition.span import as_partition
-from ..simulate.core import SimResult, simulate_plan
-from .bound import BoundLog, relaxation_bound
-from .config import HeuristicConfig, IlpConfig
+from ...base.errors import PlanError
+from ...problem.core import Problem
+from ...problem.live import coverage_delta, gap_bytes
+from ...problem.partition.apply import apply_partitions
+from ...problem.partition.span import as_partition
+from ...simulate.core import SimResult, simulate_plan
+from ..bound import BoundLog, relaxation_bound
+from ..config import HeuristicConfig, IlpConfig
+from ..heuristic import plan_remat
+from ..result import Decisions
+from ..scores import sim_over
 from .cpsat import Progress, interruptible_solve
-from .heuristic import plan_remat
-from .ilp_model import RelaxationModel
-from .ilp_partitions import PartOption, partition_options
-from .ilp_structure import Structure, binding_ops, merged_structure, structure
-from .result import Decisions
-from .scores import sim_over
+from .model import RelaxationModel
+from .partitions import PartOption, partition_options
+from .structures import Structure, binding_ops, merged_structure, structure
 
 
 def _bound_by(lower_bound: float | None, mip_bound: float | None) -> str | None:

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..problem.core import Problem, rebuild_inputs
-from ..problem.options import Options, options, rebuild_closure
-from .config import IlpConfig
+from ...problem.core import Problem, rebuild_inputs
+from ...problem.options import Options, options, rebuild_closure
+from ..config import IlpConfig
 
 
 @dataclass

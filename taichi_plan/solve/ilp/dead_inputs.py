@@ -1,14 +1,14 @@
 """The dead-input rules of the CP-SAT relaxation (forward-only graphs, with revivals): a
 rebuild that reads a tensor dead by then needs it back, kept (its bytes held in memory),
-revived or made again (its ops re-run). A mixin of :class:`~taichi_plan.solve.ilp_model.RelaxationModel`.
+revived or made again (its ops re-run). A mixin of :class:`~taichi_plan.solve.ilp.model.RelaxationModel`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..problem.core import rebuild_inputs
-from ..problem.options import revivable
+from ...problem.core import rebuild_inputs
+from ...problem.options import revivable
 
 
 class DeadInputsMixin:

@@ -31,17 +31,17 @@ from collections.abc import Callable
 import numpy as np
 from ortools.sat.python import cp_model
 
-from ..problem.core import Problem, rebuild_inputs
-from ..problem.options import revival_options
-from ..problem.partition.span import as_partition, span_key
-from ..simulate.core import Drop, SimResult, is_revival
-from .config import IlpConfig
-from .ilp_dead_inputs import DeadInputsMixin
-from .ilp_groups import GroupConstraintsMixin
-from .ilp_memory import MemoryConstraintsMixin
-from .ilp_partitions import PartOption
-from .ilp_structure import Structure, apart_reruns, merged_revivals
-from .result import Decisions
+from ...problem.core import Problem, rebuild_inputs
+from ...problem.options import revival_options
+from ...problem.partition.span import as_partition, span_key
+from ...simulate.core import Drop, SimResult, is_revival
+from ..config import IlpConfig
+from ..result import Decisions
+from .dead_inputs import DeadInputsMixin
+from .groups import GroupConstraintsMixin
+from .memory import MemoryConstraintsMixin
+from .partitions import PartOption
+from .structures import Structure, apart_reruns, merged_revivals
 
 
 class RelaxationModel(DeadInputsMixin, GroupConstraintsMixin, MemoryConstraintsMixin):

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..problem.core import Problem, rebuild_set
-from ..problem.partition.cost import partition_cost
-from ..problem.partition.find import module_spans
-from ..problem.partition.floor import partition_savings
-from ..problem.partition.span import Span
-from ..problem.partition.tensors import blocked_tensors, span_tensors
-from .ilp_structure import Structure
+from ...problem.core import Problem, rebuild_set
+from ...problem.partition.cost import partition_cost
+from ...problem.partition.find import module_spans
+from ...problem.partition.floor import partition_savings
+from ...problem.partition.span import Span
+from ...problem.partition.tensors import blocked_tensors, span_tensors
+from .structures import Structure
 
 
 @dataclass
