@@ -89,7 +89,7 @@ def main(models: list[str], reps: int, partitions: bool = False) -> list[dict]:
     import torch
     import transformers  # noqa: F401  (import cost is nobody's)
 
-    import taichi_plan.runtime.rebuilds as rebuilds
+    import taichi_plan.runtime.mode.rebuilds as rebuilds
     from benchmarks.bench_replay import MODELS
     from taichi_plan.plan.format import save_plan
     from taichi_plan.record import get_workload, record_workload

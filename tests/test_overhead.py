@@ -18,9 +18,9 @@ from taichi_plan.problem.partition.regions import (
     region_ops,
 )
 from taichi_plan.record import get_workload, record_workload
-from taichi_plan.runtime.call_plan import CallPlan
 from taichi_plan.runtime.calls import call_ops
 from taichi_plan.runtime.mode import PlanRuntime
+from taichi_plan.runtime.mode.call_plan import CallPlan
 from taichi_plan.simulate.core import rerun_ops, simulate_plan
 from taichi_plan.solve import solve
 from taichi_plan.solve.result import drops_from_plan

@@ -117,7 +117,7 @@ def test_a_region_inside_a_module_checkpointed_whole_is_the_module(tmp_path):
     from taichi_plan.problem.partition.find import module_spans
     from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.replay.measure import replay
-    from taichi_plan.runtime.call_plan import CallPlan
+    from taichi_plan.runtime.mode.call_plan import CallPlan
     from taichi_plan.solve.result import Decisions, make_plan
 
     d, p = recorded(tmp_path / "t", entry="tiny_models:chained_blocks")
@@ -155,7 +155,7 @@ def test_random_plans_measure_the_same_in_regions_as_over_the_whole_call(tmp_pat
     from taichi_plan.problem.partition.span import as_partition
     from taichi_plan.problem.partition.tensors import whole_outputs
     from taichi_plan.replay.measure import replay
-    from taichi_plan.runtime.call_plan import CallPlan
+    from taichi_plan.runtime.mode.call_plan import CallPlan
     from taichi_plan.simulate.core import Drop
     from taichi_plan.solve.result import Decisions, make_plan
 

@@ -1,4 +1,4 @@
-"""The runtime's own flattening of an op's arguments and results (taichi_plan/runtime/flatten.py:
+"""The runtime's own flattening of an op's arguments and results (taichi_plan/runtime/mode/flatten.py:
 ``flatten_args``, ``unflatten_args``, ``_out_leaves``) gives back what pytree's does, for the shapes aten
 ops take and for the ones it hands to pytree (nested lists, dicts, tuple subclasses)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
-from taichi_plan.runtime.flatten import _FlatSpec, _out_leaves, flatten_args, unflatten_args
+from taichi_plan.runtime.mode.flatten import _FlatSpec, _out_leaves, flatten_args, unflatten_args
 
 T = torch.ones(2)
 

@@ -49,10 +49,10 @@ def _counted_index(counted: list[bool]) -> list[int]:
 
 
 def call_plans(plan: Plan, trace, problem=None) -> list:
-    """The :class:`~taichi_plan.runtime.call_plan.CallPlan` of each grad-enabled model call
+    """The :class:`~taichi_plan.runtime.mode.call_plan.CallPlan` of each grad-enabled model call
     (``problem``: the trace's, when the caller has it built already)."""
     from ..problem.optimizer.plan import problem_for_plan
-    from .call_plan import CallPlan
+    from .mode.call_plan import CallPlan
 
     problem = problem_for_plan(plan, trace, problem)
     trace = problem.trace  # the step as the plan's optimizer option runs it
@@ -155,7 +155,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
 
 def _offload_tables(plan: Plan, problem, ncalls: int, locate, pos: dict) -> tuple[list, list, list]:
     """Per grad-enabled model call, the runtime's offload tables (plan v14; see
-    :class:`~taichi_plan.runtime.call_plan.CallPlan`): the offloaded storages by producing op, the
+    :class:`~taichi_plan.runtime.mode.call_plan.CallPlan`): the offloaded storages by producing op, the
     copies to host by the op after which they are made (in the simulator's order: its copy
     stream is first in first out), and the saved tensors whose last unpack issues copies back at
     the plan's prefetch points (a copy issued at its own tensor's unpack needs none)."""
@@ -264,7 +264,7 @@ def module_calls(trace, calls: list[dict], counted: list[bool], before: list[int
     * starts: module name -> the ops at which its calls start, in order.
 
     The runtime lets a live call skip such a call (layerdrop skips a layer, a branch on a
-    tensor's value skips a block: :meth:`~taichi_plan.runtime.guards.GuardsMixin._resync` and
+    tensor's value skips a block: :meth:`~taichi_plan.runtime.mode.guards.GuardsMixin._resync` and
     ``_entered``). A module call's ops: from its start, the contiguous ops whose module is it or
     one inside it, up to its next call."""
     modules = trace.ops["module"].tolist()

@@ -78,10 +78,10 @@ def measure_on_model(model, batch, loss_fn, trace, config: CalibrationConfig | N
     from ...torch_common.loop import AUTOCAST_DTYPES, Loop
     from ...torch_common.ops import op_clock
     from ...torch_common.step import call_model
-    from ..call_plan import CallPlan
     from ..calls import call_ops
     from ..install import install
     from ..mode import PlanRuntime
+    from ..mode.call_plan import CallPlan
     from ..partition import install_partitions
 
     grad_calls = grad_model_calls(trace.meta) or []

@@ -33,8 +33,8 @@ def rebuild_all(rt, frame, clock, op_seconds: dict[int, list[float]] | None = No
     times run]).
     [] when a recipe cannot re-run here (an input overwritten in place, say): then nothing is
     measured."""
-    from .. import rebuilds as runtime
-    from ..frame import TRef
+    from ..mode import rebuilds as runtime
+    from ..mode.frame import TRef
 
     order = sorted(frame.recipes, key=lambda sid: (frame.recipes[sid][0].op, sid))
     last_reader: dict[int, int] = {}

@@ -5,12 +5,12 @@ It executes what the simulator models (docs/planner.md#replay), one model call a
 * The trace says which of the step's ops ran inside a call of the model (``meta.model_calls``)
   and with which inputs. ``apply`` hooks the model: a call made with grad enabled, in the
   recorded training mode, is matched to the next recorded call of the step
-  (:class:`~taichi_plan.runtime.call_plan.CallPlan`). Its inputs' shapes and dtypes are checked
+  (:class:`~taichi_plan.runtime.mode.call_plan.CallPlan`). Its inputs' shapes and dtypes are checked
   first (a larger batch or sequence stops there, before it costs memory; smaller ones run the
-  plan as it is: :func:`~taichi_plan.runtime.guards.no_larger`). Calls under
+  plan as it is: :func:`~taichi_plan.runtime.mode.guards.no_larger`). Calls under
   ``no_grad``/``inference_mode``, in eval mode, and calls whose plan has nothing to do run
   untouched: no mode, no hooks, no cost.
-* For a planned call, a :class:`~taichi_plan.runtime.frame.Frame` holds everything of that call;
+* For a planned call, a :class:`~taichi_plan.runtime.mode.frame.Frame` holds everything of that call;
   while the call runs, a ``TorchDispatchMode`` counts its ops exactly as the recorder did
   (``prim.*``, ``profiler.*`` and ``IGNORED_OPS`` skipped), checks each op's name (and the size
   of what it creates) against the trace, and keeps a *recipe* for each storage the plan may need
@@ -27,7 +27,7 @@ It executes what the simulator models (docs/planner.md#replay), one model call a
   its last use"); any other rebuilt input is a transient, freed when the rebuild is done. A
   group the simulator rebuilds before backward unpacks any of its tensors runs at the last
   unpack of its *trigger*, a saved tensor its op reads for the last time (the pack hook keeps
-  it as :class:`~taichi_plan.runtime.rebuilds._Trigger`).
+  it as :class:`~taichi_plan.runtime.mode.rebuilds._Trigger`).
 
 Frames are independent: two forwards before one backward, gradient accumulation, or an eval
 pass in between each keep their own. A frame lives as long as autograd holds its handles.
@@ -44,11 +44,11 @@ the unplanned run.
 :class:`PlanRuntime` here is the dispatch mode: it counts and checks each op and keeps its
 recipe (the lazy logits' owner and :func:`calibrate_overhead`, which times the runtime, are
 here too). It composes the rest by responsibility, each a mixin in a module of its own: the hooks
-around the model's calls (:mod:`~taichi_plan.runtime.call_hooks`), the module hooks and planned
-regions (:mod:`~taichi_plan.runtime.regions`), the guards, mismatches and resyncs
-(:mod:`~taichi_plan.runtime.guards`), the saved-tensor hooks and rebuilds
-(:mod:`~taichi_plan.runtime.rebuilds`), the offloads (:mod:`~taichi_plan.runtime.offloads`) and
-the step bookkeeping (:mod:`~taichi_plan.runtime.bookkeeping`).
+around the model's calls (:mod:`~taichi_plan.runtime.mode.call_hooks`), the module hooks and planned
+regions (:mod:`~taichi_plan.runtime.mode.regions`), the guards, mismatches and resyncs
+(:mod:`~taichi_plan.runtime.mode.guards`), the saved-tensor hooks and rebuilds
+(:mod:`~taichi_plan.runtime.mode.rebuilds`), the offloads (:mod:`~taichi_plan.runtime.mode.offloads`) and
+the step bookkeeping (:mod:`~taichi_plan.runtime.mode.bookkeeping`).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..torch_common.ops import IGNORED_OPS, draws_random
+from ...torch_common.ops import IGNORED_OPS, draws_random
 from .bookkeeping import BookkeepingMixin
 from .call_hooks import CallHooksMixin
 from .call_plan import CallPlan
@@ -343,7 +343,7 @@ def calibrate_overhead(n: int = 200, repeats: int = 5) -> dict:
     property of the machine and this code, not of the trace: ``maxbatch`` records many)."""
     import statistics
 
-    from ..torch_common.ops import op_clock
+    from ...torch_common.ops import op_clock
 
     clock = op_clock()
     x = torch.ones(1)

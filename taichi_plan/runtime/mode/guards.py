@@ -11,7 +11,7 @@ import re
 import warnings
 import weakref
 
-from ..base.errors import MismatchError
+from ...base.errors import MismatchError
 from .call_plan import CallPlan
 from .frame import Frame
 
@@ -51,7 +51,7 @@ class GuardsMixin:
         warm-up steps; without the recorded autocast, every activation is twice its size."""
         if call.autocast == "unknown":
             return None
-        from ..torch_common.step import autocast_of
+        from ...torch_common.step import autocast_of
 
         got, want = autocast_of(model), call.autocast
         if got == want:
@@ -69,7 +69,7 @@ class GuardsMixin:
         """(why this call cannot run the plan or None, whether its inputs are smaller than the
         recorded ones: :func:`no_larger`); ``alive``: whether the model holds gradients
         (:func:`_grads_alive`)."""
-        from ..torch_common.step import input_signature
+        from ...torch_common.step import input_signature
 
         got = input_signature(args, kwargs)
         smaller = got != call.inputs and no_larger(got, call.inputs)

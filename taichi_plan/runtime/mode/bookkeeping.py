@@ -50,14 +50,14 @@ class BookkeepingMixin:
         if self._state_checked or self.state_bytes is None or not optimizer.state:
             return
         self._state_checked = True
-        from ..torch_common.step import optimizer_state
+        from ...torch_common.step import optimizer_state
 
         storages = {st._cdata: st.nbytes() for st in (v.untyped_storage() for v in optimizer_state(optimizer))}
         live, count = sum(storages.values()), sum(1 for b in storages.values() if b)
         want, n = self.state_bytes
         if live <= want:
             return
-        from ..base.units import format_bytes
+        from ...base.units import format_bytes
 
         self._mismatch(
             f"The optimizer ({type(optimizer).__name__}) holds {format_bytes(live)} of state in {count} tensors, "

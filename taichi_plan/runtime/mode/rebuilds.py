@@ -12,8 +12,8 @@ import weakref
 
 import torch
 
-from ..base.errors import MismatchError
-from .copies import wait_ready
+from ...base.errors import MismatchError
+from ..copies import wait_ready
 from .flatten import flat_tensors, unflatten_args
 from .frame import Frame, Step, TRef
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from ..base.errors import MismatchError
-from .copies import to_device, to_host
+from ...base.errors import MismatchError
+from ..copies import to_device, to_host
 from .flatten import flat_tensors
 from .frame import Frame
 
