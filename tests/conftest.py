@@ -77,7 +77,7 @@ def pytest_configure(config):
 
 @pytest.fixture(autouse=True, scope="module")
 def _frozen_before_each_file():
-    """Recordings and measurements run ``gc.collect()`` before each step (record/recorder.py:
+    """Recordings and measurements run ``gc.collect()`` before each step (record/recorder/__init__.py:
     a step's garbage cycles must not depend on when the collector last ran). With torch,
     transformers and the test modules imported, each full collection scans a few million
     objects (0.2 s each: a quarter of a replay test's time). So before each test file, once

@@ -39,7 +39,7 @@ from ..record.api import (
     step_tensors,
     trace_from_records,
 )
-from ..record.step_record import StepRecord
+from ..record.recorder.step_record import StepRecord
 from ..record.workloads import torch_optimizer
 from ..torch_common.loop import Loop
 from ..trace.format import Trace

@@ -24,7 +24,7 @@ from ..trace.devices import DeviceProfile, get_profile
 from ..trace.format import Trace, frame, op_signature
 from .pyrefs import probe_step, release_points
 from .recorder import Recorder
-from .step_record import StepRecord
+from .recorder.step_record import StepRecord
 from .workloads import Workload, check_parts, torch_optimizer
 
 DEFAULT_FAKE_PROFILE = "a100-40gb"

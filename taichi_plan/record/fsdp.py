@@ -251,7 +251,7 @@ def tracker_peak(model, optimizer, step_fn: Callable[[], None], inputs, set_to_n
     summed)."""
     import warnings
 
-    from .module_tracking import HIERARCHY_WARNING
+    from .recorder.module_tracking import HIERARCHY_WARNING
 
     optimizer.zero_grad(set_to_none=set_to_none)
     fmt = peak_tracker(model, optimizer, per_module)

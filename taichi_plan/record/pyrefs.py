@@ -30,7 +30,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from .recorder import Recorder
-from .step_record import StepRecord
+from .recorder.step_record import StepRecord
 
 
 class _BackwardStarted(BaseException):

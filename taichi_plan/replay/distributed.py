@@ -37,7 +37,7 @@ def _sharded_run(workload, trace, plan: Plan | None, mesh, nproc: int, seed: int
     from ..record.api import Loop, late_tensors, make_step_fn, registered_tensors, step_to_trace
     from ..record.fsdp import rebuild_optimizer, shard_model
     from ..record.recorder import Recorder
-    from ..record.storages import local_tensor
+    from ..record.recorder.storages import local_tensor
     from ..runtime.calls import runtime_for
     from ..runtime.install import install
     from ..runtime.partition import install_partitions

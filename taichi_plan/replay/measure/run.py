@@ -223,7 +223,7 @@ def _memtracker_peak(model, optimizer, one_step, loop) -> tuple[int | None, str 
         return None, "MemTracker follows one model call per step"
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from ...record.module_tracking import HIERARCHY_WARNING, leaf_safe_module_tracking
+    from ...record.recorder.module_tracking import HIERARCHY_WARNING, leaf_safe_module_tracking
 
     tracker = MemTracker()
     hooked = getattr(tracker, "_param_to_grad_hook_handles", None)  # a WeakIdKeyDictionary

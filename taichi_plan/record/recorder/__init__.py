@@ -68,9 +68,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_leaves
 
-from ..torch_common.ops import draws_random, op_clock
-from ..trace.devices import DeviceProfile
-from ..trace.roofline import collective_duration_s, dtype_key, estimate_duration_s
+from ...torch_common.ops import draws_random, op_clock
+from ...trace.devices import DeviceProfile
+from ...trace.roofline import collective_duration_s, dtype_key, estimate_duration_s
 from .calls import CallsMixin
 from .module_tracking import ModuleTracker, leaf_safe_module_tracking
 from .op_facts import autocast_cached, group_extent, op_info, sizes_by_data

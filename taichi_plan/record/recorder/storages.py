@@ -34,7 +34,7 @@ def storage_of(x, op: str):
     try:
         return x.untyped_storage()
     except (NotImplementedError, RuntimeError) as e:
-        from ..base.errors import WorkloadError
+        from ...base.errors import WorkloadError
 
         raise WorkloadError(
             f"The step uses a {str(x.layout).replace('torch.', '')} tensor (in {op}), which has no single storage "

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop, shape_wrapper
 
-from ..trace.roofline import collective_kind
+from ...trace.roofline import collective_kind
 
 _aten = torch.ops.aten
 # CPU SDPA kernels have the same (q, k, v, ...) / (grad_out, q, k, v, ...) layout as the CUDA ones.

@@ -12,7 +12,7 @@ import sys
 import torch
 from torch.utils._pytree import tree_leaves
 
-from ..torch_common.step import autocast_of, input_signature
+from ...torch_common.step import autocast_of, input_signature
 from .step_record import StepRecord
 from .storages import local_tensor
 
