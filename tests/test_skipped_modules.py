@@ -1,6 +1,6 @@
 """A live step that skips module calls its recorded step made: layerdrop (wav2vec2's default
 0.1, HuBERT, WavLM), a branch on a tensor's value. The runtime skips the recorded ops of such a
-call (``replay.module_calls``, ``PlanRuntime._resync``) and goes on with the plan; before, the
+call (``runtime.calls.module_calls``, ``PlanRuntime._resync``) and goes on with the plan; before, the
 first skipped layer stopped the plan with "the live op sequence differs", and a plan for a
 wav2vec2 trained with its default config ran no step planned."""
 

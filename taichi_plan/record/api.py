@@ -255,7 +255,7 @@ def kept_index(records: list[StepRecord]) -> int:
     """Which recorded step the trace keeps: the one that called its modules the most times
     (the last of those). Steps differ where the model skips a module call at random or by its
     data (layerdrop, a branch on a tensor's value); a plan of the step with the most calls applies
-    to steps that skip some of them (the runtime skips their ops: ``replay.module_calls``), not
+    to steps that skip some of them (the runtime skips their ops: ``runtime.calls.module_calls``), not
     to a step that calls a module the kept one did not."""
     counts = [sum(len(v) for v in r.module_args.values()) for r in records]
     best = max(counts)

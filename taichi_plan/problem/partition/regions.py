@@ -15,7 +15,7 @@ forward cost a ResNet-50 planned with 3 drops 16 ms a step, checking 1,100 ops).
 An op of the model's own top-level code (module ``""``), or a trace without ``module_args``,
 makes the whole call the region: the runtime then runs over the whole call, as before regions.
 
-Torch-free: the replay runtime (``replay.call_plans``) and the overhead model
+Torch-free: the replay runtime (``runtime.calls.call_plans``) and the overhead model
 (:mod:`taichi_plan.problem.partition.overhead`) compute the same regions, so the runtime's own cost is predicted
 for exactly the ops it sees.
 """

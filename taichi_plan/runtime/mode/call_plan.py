@@ -39,9 +39,9 @@ class CallPlan:
     # module split into chunks runs ops of its pieces, which are not counted.
     whole: frozenset = frozenset()
     # Counted op at which a recorded submodule call starts -> [(first, last, module)]: where the
-    # call may go on after a live forward skipped it, outermost first (replay.module_calls, _resync).
+    # call may go on after a live forward skipped it, outermost first (runtime.calls.module_calls, _resync).
     module_calls: dict = field(default_factory=dict)
-    # module name -> the counted ops at which its recorded calls start, in order (replay.module_calls, _entered)
+    # module name -> the counted ops at which its recorded calls start, in order (runtime.calls.module_calls, _entered)
     module_starts: dict = field(default_factory=dict)
     # Counted ops that made or read a tensor sized by values (trace v11 meta.data_sized.ops): a
     # loop over what a step routes (a mixture of experts' experts hit) runs as many times as the
