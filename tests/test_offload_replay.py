@@ -96,3 +96,35 @@ def test_a_plan_whose_copies_do_not_fit_the_trace_is_refused(solved, tmp_path):
     model, _x, _loss_fn, opt = get_workload(entry=ENTRY).build(False)
     with pytest.raises(PlanError, match="not a forward -> backward gap"):
         taichi_plan.apply(model, bad, trace=trace, optimizer=opt)
+
+
+def test_a_rebuild_that_reads_an_offloaded_tensor_replays_bitwise(solved):
+    """A drop whose rebuild reads a tensor the plan offloads (a checkpoint on the host): the
+    simulator needs it back before that rebuild's group, the runtime copies it back there (on
+    demand, where the plan issues it no earlier), and training is bitwise the unplanned one's."""
+    from taichi_plan.problem.offload import allow_offload, offload_candidates
+    from taichi_plan.simulate.core import Drop
+    from taichi_plan.solve.result import Decisions, make_plan
+
+    trace, _plan = solved
+    problem = allow_offload(build_problem(trace), OffloadConfig(1e8))
+    offs = {o.tensor: o for o in offload_candidates(problem)}
+    pairs = []  # (a drop, an offload its rebuild reads while the tensor is away)
+    for t, a, b in zip(problem.candidates.tolist(), problem.cand_free_after.tolist(),
+                       problem.cand_remat_before.tolist(), strict=True):
+        for op in problem.rebuild_ops[t].tolist():
+            for u in problem.op_reads[op].tolist():
+                o = offs.get(int(u))
+                if o is not None and o.tensor != t and o.after < b <= o.before:
+                    pairs.append((Drop(int(t), int(a), int(b)), o))
+    assert pairs
+    drop, off = pairs[0]
+    plan = make_plan(problem, int(problem.baseline_peak[0]), "heuristic", Decisions(drops=[drop], offloads=[off]),
+                     0.0, 0)
+    (o,) = plan.offloads
+    assert "a rebuild reads it" in o.why and o.prefetch_at < o.before
+    base, _base_peaks, _ = train_entry(ENTRY)
+    got, _peaks, rt = train_entry(ENTRY, plan, trace)
+    assert rt.mismatches == 0 and rt.dropped_storages == 3
+    assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
+    assert [(kind, tid) for kind, tid, _ in rt.copies] == [("copy_out", o.tensor), ("copy_in", o.tensor)] * 3

@@ -112,6 +112,42 @@ def test_refusals():
         simulate(prob, [Drop(a, 1, 7)], [Offload(a, 1, 7)], host_link_bytes_per_s=1000.0)
     with pytest.raises(PlanError, match="host link"):
         simulate(prob, [], [Offload(a, 1, 7)])
-    # Dropping B rebuilds it before op6 from A, which is on the host then.
-    with pytest.raises(PlanError, match="reads it while it is on the host"):
-        simulate(prob, [Drop(bb, 2, 6)], [Offload(a, 1, 7)], host_link_bytes_per_s=1000.0)
+
+
+def test_a_rebuild_that_reads_an_offloaded_tensor_moves_its_deadline():
+    # Dropping B rebuilds it (relu, 1 s) in the group before op6, from A, which is on the host
+    # until its copy-in: A is needed back before that group, not before op7. 1000 B/s, copies
+    # 1 s. Stall-free timeline: op0..op5 [i, i+1), the group [6, 7), op6 [7, 8), op7 [8, 9).
+    # Copy-out [2, 3): freed after op2. Deadline: the group's start, 6 -> copy-in starts by 5;
+    # the latest issue point at or after the copy-out's end (3) with a boundary <= 5 is op5
+    # (alone, A's was op6: test_fast_link_frees_during_forward_and_prefetches_latest). Live:
+    # op3 x + C + T = 2104; op4 x + T + L = 2008; op5 x + A (back) + G + L = 1108; the group
+    # carries x + A + G = 1104 and makes B: 1204; op6 x + A + B + G + GB = 1304; op7 1108.
+    prob, a, bb = tiny()
+    sim = simulate(prob, [Drop(bb, 2, 6)], [Offload(a, 1, 7)], host_link_bytes_per_s=1000.0)
+    tm = sim.offload.timings[0]
+    assert (tm.back_by, tm.by_group, tm.freed_after) == (6, True, 2)
+    assert (tm.prefetch_at, tm.copy_in_start_s, tm.copy_in_end_s, tm.stall_s) == (5, 5.0, 6.0, 0.0)
+    assert sim.live_bytes.tolist() == [1004, 1104, 1204, 2104, 2008, 1108, 1304, 1108]
+    assert sim.groups[6].peak_bytes == 1204
+    assert (sim.peak_bytes, sim.peak_op) == (2104, 3)
+    assert sim.extra_cost == 1.0 and sim.offload.step_time_s == 9.0
+    alone = simulate(prob, [], [Offload(a, 1, 7)], host_link_bytes_per_s=1000.0).offload.timings[0]
+    assert (alone.back_by, alone.by_group, alone.prefetch_at) == (7, False, 6)
+
+
+def test_the_step_waits_before_the_group_that_reads_an_offloaded_tensor():
+    # As above at 500 B/s with op5 and op6 at 0.25 s: copies take 2 s. Copy-out [2, 4): op3
+    # starts at 3 < 4, A is freed after op3. Deadline: the group before op6, at 5.25 on the
+    # stall-free timeline -> start by 3.25; no issue point at or after 4 is that early, so the
+    # copy-in goes at the first, op4: [4, 6), and A never leaves (back before op4, freed after
+    # op3). The compute stream reaches the group at 5.25 and waits 0.75 s for the copy: the
+    # group runs [6, 7), op6 [7, 7.25), op7 [7.25, 8.25). Extra: the rebuild's 1 s + the wait.
+    prob, a, bb = tiny(backward_s=0.25)
+    sim = simulate(prob, [Drop(bb, 2, 6)], [Offload(a, 1, 7)], host_link_bytes_per_s=500.0)
+    tm = sim.offload.timings[0]
+    assert (tm.freed_after, tm.prefetch_at, tm.back_by, tm.by_group) == (3, 4, 6, True)
+    assert (tm.copy_in_start_s, tm.copy_in_end_s, tm.stall_s) == (4.0, 6.0, 0.75)
+    assert not tm.leaves_device
+    assert np.allclose(sim.offload.op_start_s, [0, 1, 2, 3, 4, 5, 7.0, 7.25])
+    assert sim.extra_cost == 1.75 and sim.offload.step_time_s == 8.25

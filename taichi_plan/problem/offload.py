@@ -26,9 +26,15 @@ copy runs and where the compute stream waits for one. The model:
   cannot make it from any of them is issued at the first of them (or at ``before`` when there
   is none), and the compute stream stalls.
   Issue points are the ops the runtime can act at (:func:`issue_points`).
-* **Stall.** Before op ``before`` the compute stream waits until the copy-in has ended; the
-  wait is added to the step (``stall_s``, counted in the plan's extra compute). Later ops
-  start later by the waits before them.
+* **Read by a rebuild.** A recompute group that re-runs an op reading the tensor while it is
+  away (the tensor is a rebuild's input, a checkpoint on the host) needs it back before the
+  group: the first such group, before op ``r`` (``after < r <= before``), moves the deadline to
+  the boundary before that group (``back_by = r``, ``by_group``), the prefetch point is chosen
+  among the issue points before it, and the runtime copies it back on demand there if no
+  earlier point was chosen (the group reads it, :mod:`taichi_plan.runtime.mode.rebuilds`).
+* **Stall.** Before op ``before`` (or before the group that reads it first) the compute stream
+  waits until the copy-in has ended; the wait is added to the step (``stall_s``, counted in the
+  plan's extra compute). Later ops start later by the waits before them.
 
 Host bytes in use are the host buffers of copies between their copy-out's start and their
 copy-in's end (``host_peak_bytes``). Not modelled: compute slowed by a concurrent copy (memory
@@ -111,7 +117,9 @@ class OffloadTiming:
     prefetch_at: int  # copy-in issued (device bytes allocated again) before this op
     copy_in_start_s: float
     copy_in_end_s: float
-    stall_s: float  # the compute stream waited this long before op ``before``
+    stall_s: float  # the compute stream waited this long before op ``before`` (or the group at ``back_by``)
+    back_by: int = -1  # the tensor is needed back before op ``back_by`` (``before``, or a rebuild's group)
+    by_group: bool = False  # ``back_by`` is the recompute group before that op (which reads it), not the op
 
     @property
     def leaves_device(self) -> bool:
@@ -216,10 +224,12 @@ def trigger_tensor(problem, r: int, call: int | None = None) -> int | None:
     return best
 
 
-def schedule_offloads(problem, offloads, group_cost: dict[int, float], host_link_bytes_per_s: float
-                      ) -> OffloadSchedule:
+def schedule_offloads(problem, offloads, group_cost: dict[int, float], host_link_bytes_per_s: float,
+                      group_reads: dict[int, int] | None = None) -> OffloadSchedule:
     """When each offload's copies run, where the compute stream stalls, and the host bytes
-    (see the module docstring). ``group_cost``: op -> cost of the recompute group before it."""
+    (see the module docstring). ``group_cost``: op -> cost of the recompute group before it;
+    ``group_reads``: offloaded tensor -> the first op (``after < r <= before``) whose recompute
+    group reads it (it must be back before that group)."""
     if not offloads:
         return OffloadSchedule(host_link_bytes_per_s=host_link_bytes_per_s)
     if not host_link_bytes_per_s or host_link_bytes_per_s <= 0:
@@ -243,16 +253,22 @@ def schedule_offloads(problem, offloads, group_cost: dict[int, float], host_link
     for o in sorted(offloads, key=lambda o: (o.after, o.tensor)):
         free = max(float(nominal_start[o.after] + cost[o.after]), free) + dur[o.tensor]
         out_end[o.tensor] = free
+    reads = group_reads or {}
+    # Needed back before op back_by (after its group), or before the group there that reads it.
+    back_by = {o.tensor: int(reads.get(o.tensor, o.before)) for o in offloads}
+    need_s = {o.tensor: float(boundary[back_by[o.tensor]] if o.tensor in reads else nominal_start[o.before])
+              for o in offloads}
     prefetch: dict[int, int] = {}
     latest_end = np.inf
-    for o in sorted(offloads, key=lambda o: (-o.before, -o.tensor)):
-        deadline = min(float(nominal_start[o.before]), latest_end)
+    for o in sorted(offloads, key=lambda o: (-back_by[o.tensor], o.tensor in reads, -o.tensor)):
+        deadline = min(need_s[o.tensor], latest_end)
         start_by = deadline - dur[o.tensor]
         # Issued before its copy-out ends, a copy-in would hold the device bytes from there on:
-        # the tensor would never leave. Its own unpack point is always allowed.
-        mid = points[(points > o.after) & (points < o.before)]
+        # the tensor would never leave. Its own unpack point (or the group that reads it) is
+        # always allowed.
+        mid = points[(points > o.after) & (points < back_by[o.tensor])]
         mid = mid[boundary[mid] >= out_end[o.tensor] - 1e-12 * max(1.0, out_end[o.tensor])]
-        allowed = np.append(mid, o.before)
+        allowed = np.append(mid, back_by[o.tensor])
         fit = allowed[boundary[allowed] <= start_by + 1e-12 * max(1.0, abs(start_by))]
         p = int(fit[-1]) if len(fit) else int(allowed[0])
         prefetch[o.tensor] = p
@@ -260,9 +276,10 @@ def schedule_offloads(problem, offloads, group_cost: dict[int, float], host_link
     issue_at: dict[int, list] = {}
     out_at: dict[int, list] = {}
     need_at: dict[int, list] = {}
+    need_group_at: dict[int, list] = {}
     for o in sorted(offloads, key=lambda o: (o.before, o.tensor)):
         issue_at.setdefault(prefetch[o.tensor], []).append(o)
-        need_at.setdefault(o.before, []).append(o)
+        (need_group_at if o.tensor in reads else need_at).setdefault(back_by[o.tensor], []).append(o)
     for o in sorted(offloads, key=lambda o: (o.after, o.tensor)):
         out_at.setdefault(o.after, []).append(o)
     clock = 0.0
@@ -276,6 +293,10 @@ def schedule_offloads(problem, offloads, group_cost: dict[int, float], host_link
             s = max(clock, h2d_free, out_times[o.tensor][1])
             in_times[o.tensor] = (s, s + dur[o.tensor])
             h2d_free = s + dur[o.tensor]
+        for o in need_group_at.get(i, ()):
+            wait = max(0.0, in_times[o.tensor][1] - clock)
+            stall[o.tensor] = wait
+            clock += wait
         clock += pre[i]
         for o in need_at.get(i, ()):
             wait = max(0.0, in_times[o.tensor][1] - clock)
@@ -296,7 +317,8 @@ def schedule_offloads(problem, offloads, group_cost: dict[int, float], host_link
             tensor=int(o.tensor), after=int(o.after), before=int(o.before), nbytes=int(problem.nbytes[o.tensor]),
             copy_out_start_s=out_times[o.tensor][0], copy_out_end_s=oe, freed_after=freed,
             prefetch_at=prefetch[o.tensor], copy_in_start_s=in_times[o.tensor][0],
-            copy_in_end_s=in_times[o.tensor][1], stall_s=stall[o.tensor]))
+            copy_in_end_s=in_times[o.tensor][1], stall_s=stall[o.tensor], back_by=back_by[o.tensor],
+            by_group=o.tensor in reads))
     # Host bytes: +nbytes at a copy-out's start, -nbytes at its copy-in's end (at one instant,
     # buffers taken before buffers given back: the larger count).
     events = sorted([(t.copy_out_start_s, 0, t.nbytes) for t in timings]

@@ -123,7 +123,7 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
         j = pos.get((op, tid))
         if where is not None and j is not None:
             triggers[where[0]].setdefault(where[1], []).append((j, group))
-    offloads, copy_out_at, prefetch = _offload_tables(plan, problem, len(calls), locate, pos)
+    offloads, copy_out_at, prefetch = _offload_tables(plan, problem, len(calls), locate, pos, simulated)
     tensors = trace.tensors
     kinds = tensors["kind"].tolist()
     alloc, free = tensors["alloc_op"].tolist(), tensors["free_op"].tolist()
@@ -153,13 +153,17 @@ def call_plans(plan: Plan, trace, problem=None) -> list:
     return out
 
 
-def _offload_tables(plan: Plan, problem, ncalls: int, locate, pos: dict) -> tuple[list, list, list]:
+def _offload_tables(plan: Plan, problem, ncalls: int, locate, pos: dict, simulated=None) -> tuple[list, list, list]:
     """Per grad-enabled model call, the runtime's offload tables (plan v14; see
     :class:`~taichi_plan.runtime.mode.call_plan.CallPlan`): the offloaded storages by producing op, the
     copies to host by the op after which they are made (in the simulator's order: its copy
     stream is first in first out), and the saved tensors whose last unpack issues copies back at
-    the plan's prefetch points (a copy issued at its own tensor's unpack needs none)."""
+    the plan's prefetch points (a copy issued where it is needed, at its own tensor's unpack or
+    by the rebuild that reads it first, is made there on demand and needs none).
+    ``simulated``: :func:`_simulated` of the plan (where each copy is needed back)."""
     from ..problem.offload import trigger_tensor
+
+    back_by = _back_by(simulated)
 
     made: list[dict] = [{} for _ in range(ncalls)]
     out: list[dict] = [{} for _ in range(ncalls)]
@@ -177,7 +181,7 @@ def _offload_tables(plan: Plan, problem, ncalls: int, locate, pos: dict) -> tupl
         call_of[o.tensor] = where[0]
     groups: dict[tuple[int, int, int], list[int]] = {}
     for o in sorted(offs, key=lambda o: (o.before, problem.index_of(o.tensor))):
-        if o.prefetch_at >= o.before:
+        if o.prefetch_at >= back_by.get(o.tensor, o.before):
             continue
         c = call_of[o.tensor]
         u = trigger_tensor(problem, o.prefetch_at, call=c)
@@ -192,6 +196,15 @@ def _offload_tables(plan: Plan, problem, ncalls: int, locate, pos: dict) -> tupl
     for (c, op, j), tids in groups.items():
         back[c].setdefault(op, []).append((j, tids))
     return made, out, back
+
+
+def _back_by(simulated) -> dict[int, int]:
+    """Tensor id -> the op before which (or before whose recompute group, when a rebuild reads
+    it) each offloaded tensor of a simulated plan must be back on the device."""
+    if simulated is None or simulated[1].offload is None:
+        return {}
+    parted = simulated[2]
+    return {int(parted.tensor_id[tm.tensor]): tm.back_by for tm in simulated[1].offload.timings}
 
 
 def _entries(starts: dict, uncounted: list[str]) -> tuple:
@@ -227,7 +240,7 @@ def _call_regions(plan: Plan, trace, simulated, rerun: set[int], counted: list[b
         drops = [*drops, *(Drop(tm.tensor, tm.after, tm.before) for tm in sim.offload.timings)]
         for tm in sim.offload.timings:
             u = trigger_tensor(parted, tm.prefetch_at, call=int(parted.op_call[parted.producer[tm.tensor]]))
-            if tm.prefetch_at < tm.before and u is not None:
+            if tm.prefetch_at < tm.back_by and u is not None:
                 triggers.setdefault(u, -1)
     needed = needed_ops(parted, drops, rerun, triggers)
     calls = model_calls(trace)

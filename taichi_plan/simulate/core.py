@@ -28,8 +28,9 @@ Semantics (per-tensor rematerialization, the mechanism replay executes):
   use and back before its first backward use: its device bytes are freed after the op that runs
   when its copy-out ends and allocated again where its copy-in is issued (the prefetch point),
   then held as a rebuilt copy is. Where a copy-in ends after its op is due, the compute stream
-  waits: the stall is added to the extra compute. A recompute group may not read a tensor while
-  it is offloaded.
+  waits: the stall is added to the extra compute. A recompute group that reads a tensor while
+  it is offloaded (a rebuild's input on the host) needs it back before that group: the first
+  such group is its deadline instead.
 
 Memory is counted per op: a tensor is live during ops ``start..end`` inclusive. During a
 recompute op the live bytes are those carried into the group plus the group's outputs so
@@ -324,22 +325,22 @@ def simulate(problem: Problem, drops: list[Drop], offloads: list[Offload] = (),
 def _offload_schedule(problem: Problem, res: _Resolved, offloads: list[Offload],
                       host_link_bytes_per_s: float | None) -> OffloadSchedule:
     """The offloads' copies (:func:`taichi_plan.problem.offload.schedule_offloads`) on the timeline of
-    the plan's recompute groups, after checking that no group reads a tensor while it is away."""
+    the plan's recompute groups; a group that reads an offloaded tensor while it is away (a
+    rebuild's input on the host) needs it back before the group: the first such group is the
+    tensor's deadline."""
     check_offloads(problem, offloads, res.D)
     away = {int(o.tensor): o for o in offloads}
     group_cost = {}
-    for r, members in res.groups().items():
+    reads: dict[int, int] = {}
+    for r, members in sorted(res.groups().items()):
         ops = [p for p, _a, _f in group_events(problem, members)]
         group_cost[r] = float(problem.rerun_cost[ops].sum()) if ops else 0.0
         for p in ops:
             for u in problem.op_reads[p].tolist():
                 o = away.get(int(u))
-                if o is not None and o.after < r <= o.before:
-                    raise PlanError(
-                        f"The plan offloads tensor {int(problem.tensor_id[u])} (after op {o.after}, back before op "
-                        f"{o.before}), but the recompute group before op {r} reads it while it is on the host. "
-                        "Keep it, or drop it instead.")
-    return schedule_offloads(problem, offloads, group_cost, host_link_bytes_per_s or 0.0)
+                if o is not None and o.after < r <= o.before and int(u) not in reads:
+                    reads[int(u)] = r
+    return schedule_offloads(problem, offloads, group_cost, host_link_bytes_per_s or 0.0, group_reads=reads)
 
 
 def _piece_end(problem: Problem, ds: list[Drop], j: int, t: int) -> int:

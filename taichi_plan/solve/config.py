@@ -91,7 +91,7 @@ class IlpConfig:
 class OffloadPlanConfig:
     """The keep, drop or offload heuristic (:mod:`.offload_plan`)."""
 
-    sweeps: int = 3  # tries per start (step 4: each without the offload a rebuild read) (count)
+    sweeps: int = 3  # tries per start (step 4: each without the largest offload of the try before) (count)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,20 @@ and its stall where they do not; a drop costs its rebuild. The planner:
 3. (no step: an offload that would stall is never kept, so the plan's stalls are 0 unless the
    drops' recompute groups move the copies)
 4. drops what is still over budget with the drop heuristic's sweep (:func:`~.heuristic.plan_remat`),
-   the offloaded tensors and every tensor whose rebuild reads one kept out (where a rebuild's
-   transient reads one anyway, the largest offload goes and step 2 runs again, up to
-   ``sweeps`` times, :class:`~taichi_plan.solve.config.OffloadPlanConfig`);
+   the offloaded tensors kept out; a rebuild may read an offloaded tensor, which is then needed
+   back before that rebuild's group (the simulator's deadline; where the sweep's plan is
+   refused anyway, the largest offload goes and step 2 runs again, up to ``sweeps`` times,
+   :class:`~taichi_plan.solve.config.OffloadPlanConfig`);
 5. also turns the drop-only plan's drops into offloads one at a time, the costliest rebuild
    first, each swap kept where the simulator finds the plan cheaper and still within the
    budgets (:func:`_swap_drops`: from a plan that fits, it can only get cheaper);
-6. returns the best plan by the simulator among those and the drop-only heuristic's, so
+6. where the drop-only plan does not fit, offloads tensors it keeps or drops where it peaks,
+   one at a time, the one that lowers the peak most without a longer stall first
+   (:func:`_offload_kept`): the checkpoints a plan keeps for its rebuilds go to host memory
+   and come back before the first rebuild that reads them, and a tensor re-made early for
+   another rebuild (a chain) is copied back late instead; a plan that then fits has its drops
+   swapped for copies as in step 5;
+7. returns the best plan by the simulator among those and the drop-only heuristic's, so
    allowing offload never ends above not allowing it.
 
 Steps 1-4 run on the step as recorded and, where the drop-only plan partitions modules, on the
@@ -40,7 +47,6 @@ import numpy as np
 from ..base.errors import PlanError
 from ..problem.core import Problem
 from ..problem.offload import Offload, offload_candidates, schedule_offloads
-from ..problem.options import rebuild_closure
 from ..problem.partition.apply import apply_partitions
 from ..simulate.core import simulate
 from .config import HeuristicConfig, OffloadPlanConfig
@@ -101,23 +107,6 @@ def _choose(problem: Problem, budget_bytes: int, lone: list, banned: set[int]) -
     return chosen
 
 
-def _blocked(problem: Problem, offloads: list[Offload]) -> set[int]:
-    """Tensors a drop may not take beside ``offloads``: those whose rebuild (its ops and the
-    inputs it certainly re-makes, :func:`~taichi_plan.problem.options.rebuild_closure`) or whose
-    candidate inputs read an offloaded one (the simulator refuses a group that reads a tensor
-    while it is on the host)."""
-    away = {o.tensor for o in offloads}
-    cands = set(problem.candidates.tolist())
-    out: set[int] = set()
-    for t, a in zip(problem.candidates.tolist(), problem.cand_free_after.tolist()):
-        if t in out:
-            continue
-        ops, deps = rebuild_closure(problem, int(t), int(a), cands, dead_candidates=False)
-        if away.intersection(deps) or any(away.intersection(problem.op_reads[q].tolist()) for q in set(ops)):
-            out.add(int(t))
-    return out
-
-
 def plan_offload(problem: Problem, budget_bytes: int, *, seed: int = 0, time_limit: float = 60.0,
                  drop_only: Decisions | None = None, config: OffloadPlanConfig = OffloadPlanConfig(),
                  heuristic: HeuristicConfig = HeuristicConfig()) -> Decisions:
@@ -141,19 +130,100 @@ def plan_offload(problem: Problem, budget_bytes: int, *, seed: int = 0, time_lim
         swapped = _swap_drops(on, budget_bytes, base, deadline)
         if swapped is not None:
             tried.append(swapped)
+        kept = _offload_kept(on, budget_bytes, base, deadline)
+        if kept is not None:
+            tried.append(kept)
+            if time.perf_counter() <= deadline:
+                swapped = _swap_drops(on, budget_bytes, kept, deadline)
+                if swapped is not None:
+                    tried.append(swapped)
     return best_by_simulator(problem, budget_bytes, tried, heuristic)
 
 
+def _excess(sim, budget_bytes: int) -> int:
+    """Bytes over the budget summed over the step's ops and its recompute groups' peaks."""
+    over = int(np.maximum(sim.live_bytes.astype(np.int64) - budget_bytes, 0).sum())
+    return over + sum(max(int(g.peak_bytes) - budget_bytes, 0) for g in sim.groups.values())
+
+
+def _offload_kept(problem: Problem, budget_bytes: int, base: Decisions, deadline: float,
+                  rounds: int = 200) -> Decisions | None:
+    """``base`` (a drop-only plan over the budget) with saved activations offloaded where it
+    peaks: at each round, of the tensors on the device at the plan's peak op after their last
+    forward use (kept ones, or dropped ones whose rebuilt copy is live then: copied instead of
+    rebuilt, a copy back lives only from its prefetch point, and a rebuild that needed it
+    re-made as it was no longer makes the inputs it read live), the one whose offload lowers the peak most
+    (or, at the same peak, its bytes over the budget at other ops) with no longer stall and the
+    host budget held (where none does, the one that lowers them most per second of stall
+    added), until the plan fits or no offload lowers them. A rebuild may read an offloaded tensor (it comes back before that rebuild), and a
+    tensor another rebuild re-made early (a chain of rebuilds) no longer is once its reader is
+    copied back instead. None when no offload was kept or ``base`` already fits."""
+    link = problem.offload.host_link_bytes_per_s
+    cap = problem.offload.host_budget_bytes
+    drops = list(base.drops)
+    rows = offload_candidates(problem)
+    try:
+        sim = simulate(problem, drops, [], link)
+    except PlanError:
+        return None
+    if sim.peak_bytes <= budget_bytes or not rows:
+        return None
+    offs: list[Offload] = []
+    excess = _excess(sim, budget_bytes)
+    for _ in range(rounds):
+        if sim.peak_bytes <= budget_bytes or time.perf_counter() > deadline:
+            break
+        j = sim.peak_op
+        taken = {o.tensor for o in offs}
+        dropped = {d.tensor: d for d in drops}
+        best = free = None  # the best trial of all, and of those with no longer stall
+        for o in rows:
+            if o.tensor in taken or not o.after < j <= int(problem.end[o.tensor]):
+                continue
+            d = dropped.get(o.tensor)
+            if d is not None and not (sim.remat_at.get(o.tensor, o.before) <= j):
+                continue  # dropped and not yet rebuilt at the peak: copying it frees nothing there
+            trial_drops = [x for x in drops if x is not d] if d is not None else drops
+            try:
+                trial = simulate(problem, trial_drops, [*offs, o], link)
+            except PlanError:
+                continue
+            ex = _excess(trial, budget_bytes)
+            if (trial.peak_bytes, ex) >= (sim.peak_bytes, excess) or trial.peak_bytes > sim.peak_bytes or (
+                    cap is not None and trial.host_peak_bytes > cap):
+                continue  # neither a lower peak nor, at the same peak, less over the budget elsewhere
+            # Bytes off the budget per second of extra compute (a longer stall, or a rebuild saved)
+            gain = (excess - ex) / max(trial.extra_cost - sim.extra_cost, 1e-9)
+            if best is None or gain > best[4]:
+                best = (trial, trial_drops, o, ex, gain)
+            if trial.stall_cost <= sim.stall_cost + 1e-12 and (free is None or (
+                    trial.peak_bytes, ex, trial.extra_cost) < (free[0].peak_bytes, free[3], free[0].extra_cost)):
+                free = (trial, trial_drops, o, ex, gain)
+        pick = free or best
+        if pick is None:
+            break
+        sim, drops, offs, excess = pick[0], pick[1], [*offs, pick[2]], pick[3]
+    if not offs:
+        return None
+    return Decisions(drops=drops, offloads=offs, partitions=list(base.partitions),
+                     notes=[f"the drop-only plan with {len(offs)} tensor(s) offloaded where it peaked over the budget "
+                            "(each the one that lowered the peak most with no longer stall)", *base.notes],
+                     stats={**base.stats, "offloaded": len(offs)})
+
+
 def _swap_drops(problem: Problem, budget_bytes: int, base: Decisions, deadline: float) -> Decisions | None:
-    """``base`` (a drop-only plan) with drops turned into offloads one at a time, the costliest
+    """``base`` (a plan that fits) with drops turned into offloads one at a time, the costliest
     rebuild first, each kept where the simulator finds the plan cheaper, still within the
     budget (and the host budget) and executable (no rebuild reads a tensor on the host): the
     plan never gets worse than ``base`` (None when no swap was kept)."""
     link = problem.offload.host_link_bytes_per_s
     cap = problem.offload.host_budget_bytes
     can = {o.tensor: o for o in offload_candidates(problem)}
-    drops, offs = list(base.drops), []
-    cost = simulate(problem, drops, [], link).extra_cost
+    drops, offs = list(base.drops), list(base.offloads)
+    first = simulate(problem, drops, offs, link)
+    if first.peak_bytes > budget_bytes:
+        return None  # only a plan that fits gets cheaper by swaps
+    cost = first.extra_cost
     rebuild = problem.rebuild_cost
     for d in sorted(base.drops, key=lambda d: (-float(rebuild[d.tensor]), d.tensor)):
         if time.perf_counter() > deadline:
@@ -168,10 +238,10 @@ def _swap_drops(problem: Problem, budget_bytes: int, base: Decisions, deadline: 
             continue
         if sim.peak_bytes <= budget_bytes and (cap is None or sim.host_peak_bytes <= cap) and sim.extra_cost < cost:
             drops, offs, cost = trial_drops, [*offs, o], sim.extra_cost
-    if not offs:
+    if len(offs) == len(base.offloads):
         return None
     return Decisions(drops=drops, offloads=offs, partitions=list(base.partitions),
-                     notes=[f"the drop-only plan with {len(offs)} of its drops offloaded instead (each swap kept where "
+                     notes=[f"the plan with {len(offs) - len(base.offloads)} of its drops offloaded instead (each swap kept where "
                             "the simulator finds it cheaper and within the budget)", *base.notes],
                      stats={**base.stats, "offloaded": len(offs)})
 
@@ -192,8 +262,8 @@ def _rounds(problem: Problem, budget_bytes: int, deadline: float, config: Offloa
             break
         try:
             dec = plan_remat(problem, budget_bytes, deadline=deadline, offloads=chosen,
-                             blocked=_blocked(problem, chosen), config=heuristic)
-        except PlanError:  # a rebuild's transient reads an offloaded tensor: take the largest out
+                             config=heuristic)
+        except PlanError:  # the simulator refused the plan: take the largest offload out
             banned.add(max(chosen, key=lambda o: (problem.nbytes[o.tensor], o.tensor)).tensor)
             continue
         dec.notes = [f"greedy sweep with offload: {len(chosen)} tensor(s) offloaded, then drops where still over",

@@ -175,6 +175,8 @@ def _offloaded(problem: Problem, tm: OffloadTiming, unit: str) -> Offloaded:
     else:
         what = "frees nothing on the device: its copy-in must be issued before its copy-out ends"
     copy = format_cost(tm.copy_out_end_s - tm.copy_out_start_s, unit)
+    if tm.by_group:
+        what += f"; a rebuild reads it, so it is needed back before the recompute group before op {tm.back_by}"
     why = (f"{what}; each copy takes {copy}, the copy-in issued before op {tm.prefetch_at}"
            + (f"; the step waits {format_cost(tm.stall_s, unit)} for it" if tm.stall_s > 0 else ", in time"))
     return Offloaded(tensor=int(problem.tensor_id[t]), op=p, op_name=problem.op_name[p], module=problem.op_module[p],

@@ -190,7 +190,7 @@ class RebuildsMixin:
         handle still awaits, exactly as the simulator's group runs: each storage the group needs
         (its members and their gone inputs, recursively) is re-made once, in op order; a member
         is held until its handles unpack, any other storage is freed after its last use in the
-        group."""
+        group. An offloaded input is copied back (:meth:`_storage`), not re-made."""
         call = frame.call
         group = call.group_of.get(frame.dropped[sid])
         targets = [sid] + [s for s, tid in frame.dropped.items()
@@ -210,8 +210,10 @@ class RebuildsMixin:
             first_op[x] = steps[0].op
             reads[x] = {r.sid for st in steps for r in st.leaves
                         if isinstance(r, TRef) and r.sid != x and 0 not in r.size}
+            # An offloaded input (a checkpoint on the host) is not re-made: it is read back
+            # (_storage: at its prefetch point, or now on demand), as the simulator has it.
             stack.extend(u for u in reads[x] if u not in first_op and u not in frame.cache
-                         and self._alive(frame, u) is None)
+                         and u not in frame.offloaded and self._alive(frame, u) is None)
         order = sorted(first_op, key=lambda x: (first_op[x], x))
         # Each step runs at its op's place, as the simulator's group runs the ops: a storage
         # written in place later in forward (DeBERTa's ``scores.add_(c2p / scale)``) gets that
