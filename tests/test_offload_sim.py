@@ -13,15 +13,15 @@ from taichi_plan.problem.offload import Offload, offload_candidates
 from taichi_plan.simulate.core import Drop, build_schedule, simulate
 
 
-def tiny(big_b: bool = False, backward_s: float = 1.0):
+def tiny(big_b: bool = False, backward_s: float = 1.0, a_s: float = 1.0):
     """x (4 B, input) -> op0 A=f(x) 1000 B -> op1 B=g(A) (100 B, or 1000 with ``big_b``) ->
     op2 C=h(B) 100 B -> op3 T=big(C) 2000 B -> op4 L=sum(T) 4 B | backward: op5 G=ones(L)
     100 B -> op6 GB=h'(G, B) 100 B -> op7 GX=f'(GB, A) 4 B. Every op costs 1 s except
-    op5 and op6 (``backward_s`` each). A's gap: after op1, back before op7; B's: after op2,
-    back before op6."""
+    op5 and op6 (``backward_s`` each) and op0 (``a_s``: A's rebuild). A's gap: after op1,
+    back before op7; B's: after op2, back before op6."""
     b = TraceBuilder()
     x = b.tensor(4, "input")
-    (a,) = b.op("aten.mm.default", [x], [1000])
+    (a,) = b.op("aten.mm.default", [x], [1000], cost=a_s)
     (bb,) = b.op("aten.relu.default", [a], [1000 if big_b else 100])
     (c,) = b.op("aten.gelu.default", [bb], [100])
     (t,) = b.op("aten.exp.default", [c], [2000], kind="temporary")

@@ -36,6 +36,22 @@ def test_offload_replaces_a_costly_drop(method):
     assert plan.solver["lower_bound"] is None  # the ILP does not model copies: no bound claimed
 
 
+def test_a_checkpoint_on_the_host_beside_the_drop_that_reads_it():
+    # A's rebuild costs 100 s; B's (relu of A) 1 s. At 2150 B the step must be rid of A and B
+    # during op3 (x + C + T = 2104 B). Without offload both are dropped (101 s). With it, A is
+    # offloaded and B dropped, its rebuild reading A, which comes back before B's recompute
+    # group (test_offload_sim: copy-in [105, 106), no stall): 1 s. Before a rebuild could read
+    # an offloaded tensor, the cheapest plan with offload was the drop-only one.
+    prob, a, bb = tiny(a_s=100.0)
+    plain = _solve(prob, 2150)
+    assert sorted(r.tensor for r in plain.recompute) == sorted(int(prob.tensor_id[t]) for t in (a, bb))
+    plan = _solve(prob, 2150, "heuristic", OffloadConfig(1000.0))
+    assert [o.tensor for o in plan.offloads] == [int(prob.tensor_id[a])]
+    assert [r.tensor for r in plan.recompute] == [int(prob.tensor_id[bb])]
+    assert plan.predicted["planned_peak_bytes"] == 2104 and plan.predicted["extra_compute"] == 1.0
+    assert "a rebuild reads it" in plan.offloads[0].why and plan.offloads[0].stall_s == 0.0
+
+
 def test_stalls_count_and_a_slow_link_falls_back_to_drops():
     # 100 B/s: A's copy-out takes 10 s, longer than the 6 s from its last forward use to its
     # first backward one: it never leaves the device, so the planner drops instead.
