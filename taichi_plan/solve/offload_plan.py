@@ -149,15 +149,15 @@ def _excess(sim, budget_bytes: int) -> int:
 def _offload_kept(problem: Problem, budget_bytes: int, base: Decisions, deadline: float,
                   rounds: int = 200) -> Decisions | None:
     """``base`` (a drop-only plan over the budget) with saved activations offloaded where it
-    peaks: at each round, of the tensors on the device at the plan's peak op after their last
-    forward use (kept ones, or dropped ones whose rebuilt copy is live then: copied instead of
-    rebuilt, a copy back lives only from its prefetch point, and a rebuild that needed it
-    re-made as it was no longer makes the inputs it read live), the one whose offload lowers the peak most
-    (or, at the same peak, its bytes over the budget at other ops) with no longer stall and the
-    host budget held (where none does, the one that lowers them most per second of stall
-    added), until the plan fits or no offload lowers them. A rebuild may read an offloaded tensor (it comes back before that rebuild), and a
-    tensor another rebuild re-made early (a chain of rebuilds) no longer is once its reader is
-    copied back instead. None when no offload was kept or ``base`` already fits."""
+    peaks. Each round tries the tensors on the device at the plan's peak op after their last
+    forward use: kept ones, and dropped ones whose rebuilt copy is live there (copied back
+    instead of rebuilt: the copy lives only from its prefetch point, and a rebuild that re-made
+    it early for another rebuild, a chain, no longer holds the inputs it read). It takes the one
+    that lowers the peak most (or, at the same peak, the bytes over the budget at other ops)
+    with no longer stall and the host budget held; where none does, the one that lowers them
+    most per second of stall it adds. It stops when the plan fits or nothing helps. A rebuild
+    may read an offloaded tensor: it comes back before that rebuild. None when no offload was
+    kept or ``base`` already fits."""
     link = problem.offload.host_link_bytes_per_s
     cap = problem.offload.host_budget_bytes
     drops = list(base.drops)
@@ -214,8 +214,8 @@ def _offload_kept(problem: Problem, budget_bytes: int, base: Decisions, deadline
 def _swap_drops(problem: Problem, budget_bytes: int, base: Decisions, deadline: float) -> Decisions | None:
     """``base`` (a plan that fits) with drops turned into offloads one at a time, the costliest
     rebuild first, each kept where the simulator finds the plan cheaper, still within the
-    budget (and the host budget) and executable (no rebuild reads a tensor on the host): the
-    plan never gets worse than ``base`` (None when no swap was kept)."""
+    budget (and the host budget) and accepted by the simulator: the plan never gets worse
+    than ``base`` (None when no swap was kept)."""
     link = problem.offload.host_link_bytes_per_s
     cap = problem.offload.host_budget_bytes
     can = {o.tensor: o for o in offload_candidates(problem)}
