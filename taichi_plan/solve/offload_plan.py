@@ -207,7 +207,7 @@ def _offload_kept(problem: Problem, budget_bytes: int, base: Decisions, deadline
         return None
     return Decisions(drops=drops, offloads=offs, partitions=list(base.partitions),
                      notes=[f"the drop-only plan with {len(offs)} tensor(s) offloaded where it peaked over the budget "
-                            "(each the one that lowered the peak most with no longer stall)", *base.notes],
+                            "(each the one that lowered it most, those with no longer stall first)", *base.notes],
                      stats={**base.stats, "offloaded": len(offs)})
 
 
