@@ -112,3 +112,45 @@ def test_no_profile_needs_a_host_link(tmp_path):
     assert r.exit_code == 0, r.output
     assert load_plan(tmp_path / "y.json").offload["host_link_bytes_per_s"] == pytest.approx(1000.0)
     assert build_problem(read_trace(path)).offload is None  # nothing of it stays on the trace
+
+
+def test_copying_back_a_tensor_a_rebuild_reads_spares_re_making_its_inputs():
+    """The planner's step that offloads where a drop-only plan peaks
+    (offload_plan._offload_kept): a dropped tensor whose rebuild made its own dropped input
+    live early is copied back instead, and that input is then rebuilt at its own use."""
+    from synthetic import TraceBuilder
+
+    from taichi_plan.problem.offload import allow_offload
+    from taichi_plan.simulate.core import Drop, simulate
+    from taichi_plan.solve.offload_plan import _offload_kept
+    from taichi_plan.solve.result import Decisions
+
+    # x (4 B) -> op0 A=mm(x) 1000 B -> op1 M=relu(A) 100 -> op2 B=gelu(M) 100 -> op3 T=exp(B)
+    # 2000 -> op4 L | backward: op5 G=ones(L) 100 -> op6 GB=G*M 100 -> op7 P=exp(GB) 1500 ->
+    # op8 Q=sum(P) 100 -> op9 GX=f(Q, A, M) 4. Every op 1 s.
+    b = TraceBuilder()
+    x = b.tensor(4, "input")
+    (a,) = b.op("aten.mm.default", [x], [1000])
+    (m,) = b.op("aten.relu.default", [a], [100])
+    (bb,) = b.op("aten.gelu.default", [m], [100])
+    (t,) = b.op("aten.exp.default", [bb], [2000], kind="temporary")
+    (loss,) = b.op("aten.sum.default", [t], [4], kind="temporary")
+    (g,) = b.op("aten.ones_like.default", [loss], [100], phase="backward", kind="temporary")
+    (gb,) = b.op("aten.mul.Tensor", [g, m], [100], phase="backward", kind="temporary")
+    (p,) = b.op("aten.exp.default", [gb], [1500], phase="backward", kind="temporary")
+    (q,) = b.op("aten.sum.default", [p], [100], phase="backward", kind="temporary")
+    b.op("aten.addmm.default", [q, a, m], [4], phase="backward", kind="temporary")
+    prob = allow_offload(build_problem(b.build("chain")), OffloadConfig(1000.0))
+    ai, mi = (int(prob.trace.tensors.index[prob.trace.tensors.tensor_id == k][0]) for k in (a, m))
+    # Drop-only: A and M dropped; M's rebuild before op6 reads A, so A is rebuilt in that group
+    # and held to op9: op7 = x + A + M + GB + P = 2704 B, the peak.
+    base = Decisions(drops=[Drop(ai, 1, 9), Drop(mi, 2, 6)])
+    sim = simulate(prob, base.drops)
+    assert (sim.peak_bytes, sim.peak_op, sim.remat_at[ai]) == (2704, 7, 6)
+    # M offloaded instead (its copy-out [3, 3.1) frees it after op3; back at op5 for op6): A is
+    # rebuilt before op9 alone. op3 = x + M + B + T = 2204 B, op7 = x + M + GB + P = 1704 B.
+    got = _offload_kept(prob, 2250, base, deadline=float("inf"))
+    assert [o.tensor for o in got.offloads] == [mi] and [d.tensor for d in got.drops] == [ai]
+    sim = simulate(prob, got.drops, got.offloads, 1000.0)
+    assert (sim.peak_bytes, sim.peak_op, sim.remat_at[ai]) == (2204, 3, 9)
+    assert sim.live_bytes[7] == 1704 and sim.extra_cost == 1.0  # A's rebuild only

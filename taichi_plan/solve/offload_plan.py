@@ -24,8 +24,8 @@ and its stall where they do not; a drop costs its rebuild. The planner:
 6. where the drop-only plan does not fit, offloads tensors it keeps or drops where it peaks,
    one at a time, the one that lowers the peak most without a longer stall first
    (:func:`_offload_kept`): the checkpoints a plan keeps for its rebuilds go to host memory
-   and come back before the first rebuild that reads them, and a tensor re-made early for
-   another rebuild (a chain) is copied back late instead; a plan that then fits has its drops
+   and come back before the first rebuild that reads them, and a dropped tensor copied back
+   instead of rebuilt no longer re-makes its dropped inputs early (a chain); a plan that then fits has its drops
    swapped for copies as in step 5;
 7. returns the best plan by the simulator among those and the drop-only heuristic's, so
    allowing offload never ends above not allowing it.
@@ -151,8 +151,9 @@ def _offload_kept(problem: Problem, budget_bytes: int, base: Decisions, deadline
     """``base`` (a drop-only plan over the budget) with saved activations offloaded where it
     peaks. Each round tries the tensors on the device at the plan's peak op after their last
     forward use: kept ones, and dropped ones whose rebuilt copy is live there (copied back
-    instead of rebuilt: the copy lives only from its prefetch point, and a rebuild that re-made
-    it early for another rebuild, a chain, no longer holds the inputs it read). It takes the one
+    instead of rebuilt: the copy lives only from its prefetch point, and its dropped inputs,
+    which its rebuild re-made with it and held to their own uses, a chain, are rebuilt there
+    instead). It takes the one
     that lowers the peak most (or, at the same peak, the bytes over the budget at other ops)
     with no longer stall and the host budget held; where none does, the one that lowers them
     most per second of stall it adds. It stops when the plan fits or nothing helps. A rebuild
