@@ -128,3 +128,26 @@ def test_a_rebuild_that_reads_an_offloaded_tensor_replays_bitwise(solved):
     assert rt.mismatches == 0 and rt.dropped_storages == 3
     assert all(torch.equal(a, b) for a, b in zip(got, base, strict=True))
     assert [(kind, tid) for kind, tid, _ in rt.copies] == [("copy_out", o.tensor), ("copy_in", o.tensor)] * 3
+
+
+def test_a_tensor_whose_last_forward_use_is_the_op_that_made_it_is_copied_out(tmp_path):
+    """A saved tensor only backward reads (a layer norm's mean and rstd) is last used in forward
+    by the op that made it: its copy to host runs right after that op, once the runtime knows
+    the storage (before, the copy looked for it first and stopped the plan)."""
+    from taichi_plan.problem.offload import allow_offload, offload_candidates
+    from taichi_plan.solve.result import Decisions, make_plan
+
+    entry = "tiny_models:encoder_layer"
+    trace = record_workload(get_workload(entry=entry), fake=False)
+    problem = allow_offload(build_problem(trace), OffloadConfig(1e8))
+    own = [o for o in offload_candidates(problem) if o.after == int(problem.producer[o.tensor])]
+    assert own
+    plan = make_plan(problem, int(problem.baseline_peak[0]), "heuristic", Decisions(offloads=own[:1]), 0.0, 0)
+    assert plan.offloads[0].after == plan.offloads[0].op
+    from taichi_plan.plan.format import save_plan
+    from taichi_plan.replay.measure import replay
+    from taichi_plan.trace.format import write_trace
+
+    path = write_trace(trace, tmp_path / "traces" / "layer")
+    r = replay(save_plan(plan, tmp_path / "plans" / "layer.plan.json"), steps=2, trace=path)
+    assert r["grads_match"] and r["offload"]["tensors"] == 1

@@ -12,7 +12,7 @@ from test_offload_sim import tiny
 from taichi_plan.cli import main
 from taichi_plan.plan.format import load_plan
 from taichi_plan.problem.core import build_problem
-from taichi_plan.problem.offload import OffloadConfig
+from taichi_plan.problem.offload import Offload, OffloadConfig
 from taichi_plan.solve import solve
 from taichi_plan.trace.format import Trace, read_trace, write_trace
 
@@ -154,3 +154,17 @@ def test_copying_back_a_tensor_a_rebuild_reads_spares_re_making_its_inputs():
     sim = simulate(prob, got.drops, got.offloads, 1000.0)
     assert (sim.peak_bytes, sim.peak_op, sim.remat_at[ai]) == (2204, 3, 9)
     assert sim.live_bytes[7] == 1704 and sim.extra_cost == 1.0  # A's rebuild only
+
+
+def test_plans_whose_copies_back_replay_cannot_issue_are_left_out():
+    """The simulator may time a copy back at a forward op (test_offload_sim's FIFO case: op4);
+    replay issues copies back only at backward unpacks, so the planner keeps no such plan."""
+    from taichi_plan.simulate.core import simulate
+    from taichi_plan.solve.offload_plan import _replays
+
+    prob, a, bb = tiny(big_b=True, backward_s=0.25)
+    sim = simulate(prob, [], [Offload(a, 1, 7), Offload(bb, 2, 6)], host_link_bytes_per_s=1000.0)
+    assert {tm.prefetch_at for tm in sim.offload.timings} == {4} and not _replays(prob, sim)
+    prob, a, _ = tiny()
+    sim = simulate(prob, [], [Offload(a, 1, 7)], host_link_bytes_per_s=1000.0)
+    assert sim.offload.timings[0].prefetch_at == 6 and _replays(prob, sim)  # B's last unpack, op6

@@ -27,8 +27,9 @@ and its stall where they do not; a drop costs its rebuild. The planner:
    and come back before the first rebuild that reads them, and a dropped tensor copied back
    instead of rebuilt no longer re-makes its dropped inputs early (a chain); a plan that then fits has its drops
    swapped for copies as in step 5;
-7. returns the best plan by the simulator among those and the drop-only heuristic's, so
-   allowing offload never ends above not allowing it.
+7. returns the best plan by the simulator among those and the drop-only heuristic's (of the
+   plans with offloads, only those whose copies back replay can issue where they are timed:
+   :func:`_replays`), so allowing offload never ends above not allowing it.
 
 Steps 1-4 run on the step as recorded and, where the drop-only plan partitions modules, on the
 step with those partitions applied (their drops re-planned around the copies).
@@ -46,7 +47,7 @@ import numpy as np
 
 from ..base.errors import PlanError
 from ..problem.core import Problem
-from ..problem.offload import Offload, offload_candidates, schedule_offloads
+from ..problem.offload import Offload, offload_candidates, schedule_offloads, trigger_tensor
 from ..problem.partition.apply import apply_partitions
 from ..simulate.core import simulate
 from .config import HeuristicConfig, OffloadPlanConfig
@@ -137,7 +138,38 @@ def plan_offload(problem: Problem, budget_bytes: int, *, seed: int = 0, time_lim
                 swapped = _swap_drops(on, budget_bytes, kept, deadline)
                 if swapped is not None:
                     tried.append(swapped)
-    return best_by_simulator(problem, budget_bytes, tried, heuristic)
+    return best_by_simulator(problem, budget_bytes, [dec for dec in tried if dec is base or _replays_of(problem, dec)],
+                             heuristic)
+
+
+def _replays(problem: Problem, sim) -> bool:
+    """Whether replay can make every copy back of the simulated plan ``sim`` (on ``problem``,
+    partitions applied) where its schedule issues it: at its tensor's unpack or the rebuild
+    that reads it first (on demand), or at the last unpack of a saved tensor of the same model
+    call in backward (a trigger, :func:`~taichi_plan.problem.offload.trigger_tensor`). The
+    simulator may choose a forward op too; replay has no trigger there."""
+    if sim.offload is None or not problem.replayable_only:
+        return True
+    for tm in sim.offload.timings:
+        if tm.prefetch_at >= tm.back_by:
+            continue
+        call = int(problem.op_call[problem.producer[tm.tensor]])
+        if problem.op_phase[tm.prefetch_at] != "backward" or trigger_tensor(problem, tm.prefetch_at, call=call) is None:
+            return False
+    return True
+
+
+def _replays_of(problem: Problem, dec: Decisions) -> bool:
+    """:func:`_replays` of ``dec`` (its partitions applied)."""
+    from .result import simulate_plan_of
+
+    if not dec.offloads:
+        return True
+    try:
+        sim, parted = simulate_plan_of(problem, dec)
+    except PlanError:
+        return False
+    return _replays(parted, sim)
 
 
 def _excess(sim, budget_bytes: int) -> int:
@@ -193,6 +225,8 @@ def _offload_kept(problem: Problem, budget_bytes: int, base: Decisions, deadline
             if (trial.peak_bytes, ex) >= (sim.peak_bytes, excess) or trial.peak_bytes > sim.peak_bytes or (
                     cap is not None and trial.host_peak_bytes > cap):
                 continue  # neither a lower peak nor, at the same peak, less over the budget elsewhere
+            if not all(tm.leaves_device for tm in trial.offload.timings) or not _replays(problem, trial):
+                continue  # a copy that frees nothing, or one replay could not issue where it is timed
             # Bytes off the budget per second of extra compute (a longer stall, or a rebuild saved)
             gain = (excess - ex) / max(trial.extra_cost - sim.extra_cost, 1e-9)
             if best is None or gain > best[4]:

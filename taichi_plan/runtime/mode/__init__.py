@@ -225,8 +225,6 @@ class PlanRuntime(CallHooksMixin, RegionsMixin, GuardsMixin, RebuildsMixin, Offl
         rng = _rng_state(args, kwargs) if info.random and keep and draws_random(func, args, kwargs) else None
         out = func(*args, **kwargs)
         sizes = call.ops[i][2]
-        if call.copy_out_at and not self._copy_out_at(frame, i):
-            return out
         if not keep:
             if i in call.triggers:
                 self._note_triggers(frame, i, out)
@@ -238,6 +236,8 @@ class PlanRuntime(CallHooksMixin, RegionsMixin, GuardsMixin, RebuildsMixin, Offl
                     if j < len(flat) and _off(flat[j].untyped_storage().nbytes(), want, frame.smaller):
                         self._size_mismatch(frame, i, info.name, j, flat[j].untyped_storage().nbytes(), want)
                         return out
+            if call.copy_out_at:
+                self._copy_out_at(frame, i)
             return out
         leaves, spec = flatten_args(args, kwargs)
         grad = torch.is_grad_enabled()
@@ -282,6 +282,10 @@ class PlanRuntime(CallHooksMixin, RegionsMixin, GuardsMixin, RebuildsMixin, Offl
             self._note_triggers(frame, i, out)
         if i in call.offloads or i in call.prefetch_triggers:
             self._note_offloads(frame, i, out)
+        if call.copy_out_at:
+            # after the notes: a storage whose last forward use is the op that made it (a layer
+            # norm's mean, read only by backward) is copied right after that op
+            self._copy_out_at(frame, i)
         return out
 
     # -- heads partitioned over tokens ----------------------------------------------------------------
