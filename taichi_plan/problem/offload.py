@@ -126,6 +126,12 @@ class OffloadTiming:
         """Whether the device bytes are ever given back (the copy-out ends before the copy-in is issued)."""
         return self.prefetch_at > self.freed_after + 1
 
+    @property
+    def on_demand(self) -> bool:
+        """Whether the copy back is issued where the tensor is needed (its unpack, or the rebuild
+        that reads it first), which replay does on demand, rather than earlier at a trigger."""
+        return self.prefetch_at >= self.back_by
+
 
 @dataclass
 class OffloadSchedule:

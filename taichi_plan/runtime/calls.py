@@ -240,7 +240,7 @@ def _call_regions(plan: Plan, trace, simulated, rerun: set[int], counted: list[b
         drops = [*drops, *(Drop(tm.tensor, tm.after, tm.before) for tm in sim.offload.timings)]
         for tm in sim.offload.timings:
             u = trigger_tensor(parted, tm.prefetch_at, call=int(parted.op_call[parted.producer[tm.tensor]]))
-            if tm.prefetch_at < tm.back_by and u is not None:
+            if not tm.on_demand and u is not None:
                 triggers.setdefault(u, -1)
     needed = needed_ops(parted, drops, rerun, triggers)
     calls = model_calls(trace)

@@ -146,17 +146,14 @@ def _replays(problem: Problem, sim) -> bool:
     """Whether replay can make every copy back of the simulated plan ``sim`` (on ``problem``,
     partitions applied) where its schedule issues it: at its tensor's unpack or the rebuild
     that reads it first (on demand), or at the last unpack of a saved tensor of the same model
-    call in backward (a trigger, :func:`~taichi_plan.problem.offload.trigger_tensor`). The
-    simulator may choose a forward op too; replay has no trigger there."""
+    call in backward (a trigger, :func:`~taichi_plan.problem.offload.trigger_tensor`, as
+    replay's own tables look it up). The simulator may choose a forward op too, where there is
+    none."""
     if sim.offload is None or not problem.replayable_only:
         return True
-    for tm in sim.offload.timings:
-        if tm.prefetch_at >= tm.back_by:
-            continue
-        call = int(problem.op_call[problem.producer[tm.tensor]])
-        if problem.op_phase[tm.prefetch_at] != "backward" or trigger_tensor(problem, tm.prefetch_at, call=call) is None:
-            return False
-    return True
+    return all(tm.on_demand or trigger_tensor(problem, tm.prefetch_at,
+                                              call=int(problem.op_call[problem.producer[tm.tensor]])) is not None
+               for tm in sim.offload.timings)
 
 
 def _replays_of(problem: Problem, dec: Decisions) -> bool:

@@ -31,9 +31,9 @@ class OffloadsMixin:
             if j < len(flat):
                 frame.prefetch_of.setdefault(self._sid(frame, flat[j].untyped_storage()), []).extend(tids)
 
-    def _copy_out_at(self, frame: Frame, i: int) -> bool:
-        """Op ``i`` ran: copy to host the offloaded storages whose last forward use it was.
-        False when the plan stopped for this call (a storage to copy is gone)."""
+    def _copy_out_at(self, frame: Frame, i: int) -> None:
+        """Op ``i`` ran (and its outputs are noted): copy to host the offloaded storages whose
+        last forward use it was; a storage to copy that is gone stops the plan for this call."""
         call = frame.call
         for tid in call.copy_out_at.get(i, ()):
             sid = frame.off_sid.get(tid)
@@ -43,14 +43,14 @@ class OffloadsMixin:
                     f"The plan copies tensor {tid} to host after op {i} of model call {call.index}, but that storage "
                     "was not made in this call, or is gone by then: the model differs from the recorded one. Record "
                     "and solve again, or apply the plan with on_mismatch='warn'."))
-                return False
+                return
             host, ready = to_host(st)
             frame.host[sid] = (host, ready, st.device)
             self.copies.append(("copy_out", tid, i))
-        return True
 
     def _copy_in(self, frame: Frame, sid: int, how: str) -> torch.UntypedStorage:
-        """Copy offloaded ``sid`` back (at its prefetch point, or on demand at its first unpack)."""
+        """Copy offloaded ``sid`` back (at its prefetch point, or on demand where it is first read:
+        its unpack, or a rebuild that reads it)."""
         got = frame.restored.get(sid)
         if got is not None:
             return got[0]
