@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from ..base.errors import PlanError
 from .graphs import (
+    choice_digest,
     compiled_kind,
     eager_module,
     graph_signature,
@@ -80,7 +81,7 @@ def planned_backend(plan, trace):
     def partition_fn(joint_module, joint_inputs, **kwargs):
         return partition(joint_module, joint_inputs, choose=choose, **kwargs)
 
-    key = "taichi-plan:" + ",".join(f"{s}:{sorted(dropped[i])}" for i, s in enumerate(g["signature"] for g in compiled["graphs"]))
+    key = f"taichi-plan {choice_digest()}:" + ",".join(f"{s}:{sorted(dropped[i])}" for i, s in enumerate(g["signature"] for g in compiled["graphs"]))
     return make_backend(compiled["backend"], partition_fn, key)
 
 

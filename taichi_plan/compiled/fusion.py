@@ -13,6 +13,11 @@ plan's prediction, is then of what the compiled code allocates.
 Read at the end of the lowering: the IR a node lowered to is realized in place when a later
 user needs it as a buffer (a ``StorageBox`` whose data becomes a ``ComputedBuffer``), so its
 state after the whole graph is lowered is what the code allocates.
+
+And *where* it computes a value a post-grad pattern replaced: a pattern puts its replacement
+where its last node stands (``mm`` + ``add`` become one ``addmm`` at the add, which holds the
+mm's inputs until there). :func:`lowered_values` names the nodes that never reached the
+lowering; :func:`run_in_lowered_order` runs each just before its first user in the recording.
 """
 
 from __future__ import annotations
@@ -99,8 +104,59 @@ def lowered_values(gm, example_inputs, kwargs: dict) -> dict:
             GraphLowering.__init__, GraphLowering.run_node = original_init, original_run_node
     main = [g for g in seen if not getattr(g, "is_const_graph", False)]
     if not main:
-        return {"nodes": {}, "input_copies": []}
+        return {"nodes": {}, "input_copies": [], "replaced": []}
     graph = main[0]  # the graph itself (subgraphs of higher-order ops are lowered inside it, after it)
     values = graph._taichi_plan_values
+    replaced = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.name not in values]
     return {"nodes": {name: classify(v, graph.removed_buffers) for name, v in values.items()},
-            "input_copies": input_copies(graph, values)}
+            "input_copies": input_copies(graph, values), "replaced": replaced}
+
+
+def replaced_order(graph, replaced: set[str]) -> list:
+    """The nodes of the FX ``graph`` in the order inductor's code computes them after its
+    post-grad patterns: a node a pattern replaced (``replaced``: absent from the lowering) is
+    computed where its replacement stands, which a pattern inserts at its last node (``mm`` +
+    ``add`` become one ``addmm`` at the add): just before its first user, chains of replaced
+    nodes alike; every other node where it is. Always a topological order; a node with side
+    effects (an input mutation, a random draw's state) keeps its place: nothing moves across it."""
+    import heapq
+
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    key: dict = {}
+    for n in reversed(nodes):
+        key[n] = min((key[u] for u in n.users), default=index[n]) if n.name in replaced else index[n]
+    segment, s = {}, 0
+    for n in nodes:
+        barrier = n.op == "call_function" and n.is_impure()
+        s += barrier
+        segment[n] = -1 if n.op == "placeholder" else s
+        s += barrier
+    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(segment[n], key[n], index[n]) for n in nodes if waiting[n] == 0]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        n = nodes[heapq.heappop(ready)[2]]
+        out.append(n)
+        for u in n.users:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (segment[u], key[u], index[u]))
+    return out if len(out) == len(nodes) else nodes
+
+
+def run_in_lowered_order(gm, replaced) -> None:
+    """Reorder ``gm``'s graph in place to :func:`replaced_order` (the recording's own copy of a
+    partitioned graph: it only runs under the recorder)."""
+    if not replaced:
+        return
+    order = replaced_order(gm.graph, set(replaced))
+    if order == list(gm.graph.nodes):
+        return
+    prev = order[0]
+    for n in order[1:]:
+        prev.append(n)
+        prev = n
+    gm.graph.lint()
+    gm.recompile()

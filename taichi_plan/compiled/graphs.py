@@ -118,11 +118,44 @@ def is_seeds(node) -> bool:
     return node.op == "call_function" and target is not None and node.target is target.default
 
 
+def choice_digest() -> str:
+    """What names this module's code in a compiled plan's cache key: inductor's caches keep a
+    graph partitioned by an earlier version of the choice (:func:`planned_choice`) under the
+    same plan otherwise, and would hand it back."""
+    from pathlib import Path
+
+    from ..base.version import __version__
+
+    return hashlib.sha256(f"{__version__}".encode() + Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def is_view(node) -> bool:
+    """Is ``node`` an aten view op (its result aliases its first argument, unwritten)?"""
+    schema = getattr(node.target, "_schema", None) if node.op == "call_function" else None
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    out, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    return out is not None and not out.is_write and first is not None
+
+
+def view_bases(node) -> list:
+    """The nodes whose storage ``node`` is a view of (its base, the base's base, ...)."""
+    out = []
+    while is_view(node) and node.args and hasattr(node.args[0], "op"):
+        node = node.args[0]
+        out.append(node)
+    return out
+
+
 def planned_choice(recorded: list[str], dropped: set[str]) -> Callable:
     """The choice of a plan for one graph: the recorded saved values but ``dropped``, with the
     forward inputs (parameters, the batch) that the recomputation of a dropped value reads
-    added (they are alive through the step anyway). Refuses a drop whose recomputation would
-    re-draw random numbers."""
+    added (they are alive through the step anyway), and so the bases of saved views that it
+    reads: a saved view holds its base's storage, which the recording (and so the plan) counts
+    as alive, but the partitioner sees a node, and would recompute a base it was not given
+    from the base's own inputs (a BERT layer's input, saved only as the view its projections'
+    weight gradients read, recomputed from the whole forward before it). Refuses a drop whose
+    recomputation would re-draw random numbers."""
 
     def choose(joint_graph, node_info) -> list:
         by_name = {n.name: n for n in joint_graph.nodes}
@@ -132,6 +165,7 @@ def planned_choice(recorded: list[str], dropped: set[str]) -> Callable:
                             "signature matched: record the compiled step again and solve again.")
         keep = [by_name[x] for x in recorded if x not in dropped]
         kept = set(keep)
+        held = {b for k in keep for b in view_bases(k)} - {by_name[x] for x in dropped}
         inputs: list = []
         seen: set = set()
         stack = [by_name[x] for x in sorted(dropped)]
@@ -140,7 +174,7 @@ def planned_choice(recorded: list[str], dropped: set[str]) -> Callable:
             if n in seen:
                 continue
             seen.add(n)
-            if n.op == "placeholder":
+            if n.op == "placeholder" or n in held:
                 if n not in kept:
                     inputs.append(n)
                     kept.add(n)

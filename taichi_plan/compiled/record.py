@@ -18,7 +18,7 @@ import warnings
 
 from ..base.errors import WorkloadError
 from ..record.recorder import Recorder
-from .fusion import NO_BUFFER
+from .fusion import NO_BUFFER, run_in_lowered_order
 from .graphs import (
     LOWERED_KEY,
     compiled_kind,
@@ -100,6 +100,7 @@ def interpreting_compiler(gm, _example_inputs):
     graph, part = gm.meta.get(GRAPH_KEY, (None, None))
     modules = {n.name: module_of(n) for n in gm.graph.nodes}
     lowered = gm.meta.get(LOWERED_KEY) or {}  # inductor: node name -> buffer / no buffer, input copies
+    run_in_lowered_order(gm, lowered.get("replaced", ()))  # where its post-grad patterns compute them
     no_buffer = {name for name, what in lowered.get("nodes", {}).items() if what == NO_BUFFER}
     copies = lowered.get("input_copies", [])
 
