@@ -76,7 +76,8 @@ def lowered_values(gm, example_inputs, kwargs: dict) -> dict:
     """Lower a copy of the partitioned graph ``gm`` as inductor does (post-grad passes, lowering,
     scheduling): ``{"nodes": {name: what}}`` for each call node (:func:`classify`; a node the
     post-grad passes replaced is absent, ``UNKNOWN`` to the caller), ``"input_copies"``: the
-    bytes of its copies of inputs (:func:`input_copies`)."""
+    bytes of its copies of inputs (:func:`input_copies`), ``"replaced"``: the call nodes that never
+    reached the lowering (a post-grad pattern replaced them: :func:`replaced_order`)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering

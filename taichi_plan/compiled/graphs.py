@@ -16,6 +16,7 @@ Inductor takes it through its ``custom_partitioner_fn`` extension point (a
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import re
 import threading
@@ -118,6 +119,7 @@ def is_seeds(node) -> bool:
     return node.op == "call_function" and target is not None and node.target is target.default
 
 
+@functools.cache
 def choice_digest() -> str:
     """What names this module's code in a compiled plan's cache key: inductor's caches keep a
     graph partitioned by an earlier version of the choice (:func:`planned_choice`) under the
