@@ -18,6 +18,11 @@ And *where* it computes a value a post-grad pattern replaced: a pattern puts its
 where its last node stands (``mm`` + ``add`` become one ``addmm`` at the add, which holds the
 mm's inputs until there). :func:`lowered_values` names the nodes that never reached the
 lowering; :func:`run_in_lowered_order` runs each just before its first user in the recording.
+
+And *when* the code allocates and frees: per kernel, not per node. Every buffer a kernel writes
+is allocated before it runs, what it read last is freed after it (:func:`kernels`), except an
+input it writes its output into (:func:`in_place`); and the kernels run in the scheduler's
+order, which inductor reorders to lower its peak (:func:`lowered_order`).
 """
 
 from __future__ import annotations
@@ -77,7 +82,8 @@ def lowered_values(gm, example_inputs, kwargs: dict) -> dict:
     scheduling): ``{"nodes": {name: what}}`` for each call node (:func:`classify`; a node the
     post-grad passes replaced is absent, ``UNKNOWN`` to the caller), ``"input_copies"``: the
     bytes of its copies of inputs (:func:`input_copies`), ``"replaced"``: the call nodes that never
-    reached the lowering (a post-grad pattern replaced them: :func:`replaced_order`)."""
+    reached the lowering (a post-grad pattern replaced them: :func:`lowered_order`),
+    ``"kernels"`` (:func:`kernels`) and ``"in_place"`` (:func:`in_place`)."""
     from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx_inner
     from torch._inductor.graph import GraphLowering
@@ -105,28 +111,86 @@ def lowered_values(gm, example_inputs, kwargs: dict) -> dict:
             GraphLowering.__init__, GraphLowering.run_node = original_init, original_run_node
     main = [g for g in seen if not getattr(g, "is_const_graph", False)]
     if not main:
-        return {"nodes": {}, "input_copies": [], "replaced": []}
+        return {"nodes": {}, "input_copies": [], "replaced": [], "kernels": [], "in_place": []}
     graph = main[0]  # the graph itself (subgraphs of higher-order ops are lowered inside it, after it)
     values = graph._taichi_plan_values
     replaced = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.name not in values]
     return {"nodes": {name: classify(v, graph.removed_buffers) for name, v in values.items()},
-            "input_copies": input_copies(graph, values), "replaced": replaced}
+            "input_copies": input_copies(graph, values), "replaced": replaced,
+            "kernels": kernels(graph, values), "in_place": in_place(graph, values)}
 
 
-def replaced_order(graph, replaced: set[str]) -> list:
-    """The nodes of the FX ``graph`` in the order inductor's code computes them after its
-    post-grad patterns: a node a pattern replaced (``replaced``: absent from the lowering) is
+def kernels(graph, values: dict) -> list[dict]:
+    """Each kernel of the lowered ``graph`` (a scheduled node: a fused kernel, an extern kernel
+    such as a matmul), in the scheduler's order: ``{"out": [...], "free": [...]}``, the nodes
+    whose buffers it writes and those whose buffers the generated code frees right after it (its
+    ``last_usage``: a buffer is freed after the kernel that reads it last, not at the read). A
+    graph input is named by its placeholder; a buffer no node names is left out."""
+    node_of = buffer_nodes(graph, values)
+    out = []
+    for snode in getattr(getattr(graph, "scheduler", None), "nodes", None) or ():
+        writes = [node_of[b.get_name()] for sub in snode.get_nodes() for b in sub.get_outputs()
+                  if b.get_name() in node_of]
+        frees = [node_of[b] for b in sorted(getattr(snode, "last_usage", ()) or ()) if b in node_of]
+        if writes:
+            out.append({"out": writes, "free": frees})
+    return out
+
+
+def buffer_nodes(graph, values: dict) -> dict[str, str]:
+    """Buffer name -> the node of the lowered ``graph`` that is that buffer (graph inputs: their
+    placeholders)."""
+    from torch._inductor import ir
+
+    node_of = {}
+    for name, v in values.items():
+        if isinstance(v, ir.TensorBox) and isinstance(v.data, ir.StorageBox) and isinstance(v.data.data, ir.Buffer):
+            node_of.setdefault(v.data.data.get_name(), name)
+    for name in graph.graph_inputs:
+        node_of.setdefault(name, name)
+    return node_of
+
+
+def in_place(graph, values: dict) -> list[tuple[str, str]]:
+    """``(input, output)`` node names of each buffer a kernel of the lowered ``graph`` writes its
+    output into in place (the generated code's ``bufN = input; del input  # reuse`` before the
+    kernel): the input's storage becomes the output's, so the two are never alive at once."""
+    reuses = getattr(getattr(graph, "wrapper_code", None), "reuses", None) or {}
+    node_of = buffer_nodes(graph, values)
+    return [(node_of[old], node_of[new]) for new, old in reuses.items() if old in node_of and new in node_of]
+
+
+def lowered_order(graph, replaced: set[str], schedule: list[dict] = ()) -> list:
+    """The nodes of the FX ``graph`` in the order inductor's code computes them. With the
+    lowering's ``schedule`` (:func:`kernels`, in the scheduler's order, which inductor reorders to
+    lower its peak memory): each node whose buffer a kernel writes where that kernel runs, and
+    every other node (fused into a kernel, a view, a node a post-grad pattern ``replaced``) just
+    before its first user. Without them, after the post-grad patterns only: a replaced node is
     computed where its replacement stands, which a pattern inserts at its last node (``mm`` +
-    ``add`` become one ``addmm`` at the add): just before its first user, chains of replaced
-    nodes alike; every other node where it is. Always a topological order; a node with side
-    effects (an input mutation, a random draw's state) keeps its place: nothing moves across it."""
+    ``add`` become one ``addmm`` at the add): just before its first user, chains of replaced nodes
+    alike; every other node where it is. Always a topological order; a node with side effects (an
+    input mutation, a random draw's state) keeps its place: nothing moves across it."""
     import heapq
 
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
+    if schedule:
+        place = {}
+        for k, kernel in enumerate(schedule):
+            for name in kernel["out"]:
+                place.setdefault(name, k)
+        last = len(schedule)
+    else:
+        place = {n.name: index[n] for n in nodes if n.name not in replaced}
+        last = len(nodes)
     key: dict = {}
     for n in reversed(nodes):
-        key[n] = min((key[u] for u in n.users), default=index[n]) if n.name in replaced else index[n]
+        if n.op == "placeholder":  # (they bind the arguments in their order)
+            key[n] = (-1, index[n])
+        elif n.name in place and n.name not in replaced:
+            key[n] = (place[n.name], index[n])
+        else:
+            key[n] = min((key[u] for u in n.users), default=(last, index[n]))
     segment, s = {}, 0
     for n in nodes:
         barrier = n.op == "call_function" and n.is_impure()
@@ -147,12 +211,13 @@ def replaced_order(graph, replaced: set[str]) -> list:
     return out if len(out) == len(nodes) else nodes
 
 
-def run_in_lowered_order(gm, replaced) -> None:
-    """Reorder ``gm``'s graph in place to :func:`replaced_order` (the recording's own copy of a
+def run_in_lowered_order(gm, lowered: dict) -> None:
+    """Reorder ``gm``'s graph in place to :func:`lowered_order` (the recording's own copy of a
     partitioned graph: it only runs under the recorder)."""
-    if not replaced:
+    replaced, kernel_list = set(lowered.get("replaced", ())), lowered.get("kernels", ())
+    if not replaced and not kernel_list:
         return
-    order = replaced_order(gm.graph, set(replaced))
+    order = lowered_order(gm.graph, replaced, kernel_list)
     if order == list(gm.graph.nodes):
         return
     prev = order[0]

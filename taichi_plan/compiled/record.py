@@ -100,9 +100,16 @@ def interpreting_compiler(gm, _example_inputs):
     graph, part = gm.meta.get(GRAPH_KEY, (None, None))
     modules = {n.name: module_of(n) for n in gm.graph.nodes}
     lowered = gm.meta.get(LOWERED_KEY) or {}  # inductor: node name -> buffer / no buffer, input copies
-    run_in_lowered_order(gm, lowered.get("replaced", ()))  # where its post-grad patterns compute them
+    run_in_lowered_order(gm, lowered)  # in the order inductor's code computes them
     no_buffer = {name for name, what in lowered.get("nodes", {}).items() if what == NO_BUFFER}
     copies = lowered.get("input_copies", [])
+    seen: dict[str, tuple[int, int, list[int]]] = {}  # this run: node -> its ops [start, end), its tensors
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    users = {n.name: [u.name for u in n.users] for n in gm.graph.nodes}
+
+    def tensors_of(rec, out) -> list[int]:
+        return sorted({t for t in (rec.tensor_id(x) for x in tree_leaves(out) if isinstance(x, torch.Tensor))
+                       if t is not None})
 
     class Tagging(torch.fx.Interpreter):
         def run_node(self, n):
@@ -112,8 +119,8 @@ def interpreting_compiler(gm, _example_inputs):
                 return super().run_node(n)
             start = rec.op_count
             out = super().run_node(n)
-            tids = sorted({t for t in (rec.tensor_id(x) for x in tree_leaves(out) if isinstance(x, torch.Tensor))
-                           if t is not None})
+            tids = tensors_of(rec, out)
+            seen[n.name] = (start, rec.op_count, tids)
             step.extras.setdefault("compiled_nodes", []).append(
                 [graph, part, n.name, start, rec.op_count, tids, modules.get(n.name, ""), n.name in no_buffer])
             return out
@@ -124,15 +131,88 @@ def interpreting_compiler(gm, _example_inputs):
         rec = _recorder()
         step = rec.current if rec is not None else None
         start = rec.op_count if step is not None else None
+        seen.clear()
+        if step is not None:  # (boxed_run binds the placeholders without run_node; and no name here
+            # may hold an argument: boxed_run frees each at its last use)
+            seen.update({n.name: (start, start, tensors_of(rec, a)) for n, a in zip(placeholders, args, strict=False)})
         try:
             return interp.boxed_run(args)
         finally:
             interp.env = {}  # the interpreter keeps the last run's values (its outputs) otherwise
             if step is not None and graph is not None:
                 step.extras.setdefault("compiled_runs", []).append([graph, part, start, rec.op_count, copies])
+            if step is not None:
+                step.extras.setdefault("compiled_holds", []).extend(kernel_holds(lowered, seen))
+                step.extras.setdefault("compiled_kernel_ends", []).extend(kernel_ends(lowered, seen, users))
 
     run._boxed_call = True
     return run
+
+
+def kernel_holds(lowered: dict, seen: dict) -> list[tuple[int, int, int]]:
+    """``(tensor, op, end)``: each tensor a run of a lowered graph must hold up to ``op`` at least,
+    as its generated code does (:func:`.fusion.kernels`). The interpreter frees a value at its
+    last read, in the middle of the kernel that reads it; the code frees it after that kernel,
+    whose buffers are all allocated before it runs: a kernel's inputs and outputs are alive
+    together. The kernel ends, in the recording, at ``end``: the last op of the nodes it writes.
+    An input the kernel writes its output into in place (:func:`.fusion.in_place`) is held only
+    until that output is made (``op`` < ``end``): its storage becomes the output's."""
+    into = {old: new for old, new in lowered.get("in_place", ())}
+    holds = []
+    for kernel in lowered.get("kernels", ()):
+        end = _kernel_end(kernel, seen)
+        if end is None:
+            continue
+        for name in kernel["free"]:
+            if name not in seen:
+                continue
+            until = end
+            if into.get(name) in kernel["out"] and into[name] in seen:
+                until = min(end, seen[into[name]][0] - 1)  # its storage becomes the output's there
+            holds.extend((t, until, end) for t in seen[name][2])
+    return holds
+
+
+def kernel_ends(lowered: dict, seen: dict, users: dict) -> list[list[int]]:
+    """``[start, end, kernel_end]`` for each node of a run whose ops ``[start, end)`` are part of
+    a kernel that ends later (``kernel_end``): a node whose buffer a kernel writes, at that
+    kernel's end; a node with no buffer of its own (fused into the kernels that read it, a view)
+    at the end of the last kernel its value is read in. What its ops read is held to there
+    (``meta.compiled.kernel_ends``: a plan's recomputation holds what it reads as the kernel does)."""
+    end_of: dict[str, int] = {}
+    for kernel in lowered.get("kernels", ()):
+        end = _kernel_end(kernel, seen)
+        for name in kernel["out"]:
+            if end is not None and name in seen:
+                end_of[name] = max(end_of.get(name, -1), end)
+    if not end_of:
+        return []
+    for name in reversed(seen):  # (the run's order: a node's users come after it)
+        if name not in end_of:
+            end_of[name] = max([seen[name][1] - 1, *(end_of[u] for u in users.get(name, ()) if u in end_of)])
+    return sorted([start, end, end_of[name]] for name, (start, end, _tids) in seen.items()
+                  if end > start and end_of[name] > end - 1)
+
+
+def _kernel_end(kernel: dict, seen: dict) -> int | None:
+    """The last op, in the recording's run, of the nodes ``kernel`` writes (None: none ran)."""
+    ends = [seen[name][1] - 1 for name in kernel["out"] if name in seen and seen[name][1] > seen[name][0]]
+    return max(ends) if ends else None
+
+
+def hold_kernel_inputs(rec, holds) -> list[list[int]]:
+    """Free each tensor no earlier than its :func:`kernel_holds` op. Returns ``[tensor, end]``
+    for each one held less than to its kernel's end (written into in place): a copy a plan
+    rebuilds is a buffer of the planned graph, not the one the recorded code reused, and is
+    read to the kernel's end like any input (``meta.compiled.rebuilt_ends``)."""
+    free = rec.tensors["free_op"]
+    rebuilt = {}
+    for t, op, end in holds:
+        if 0 <= free[t] < op:
+            free[t] = op
+        if op < end and free[t] >= 0:
+            rebuilt[t] = max(rebuilt.get(t, end), end)
+    return [[t, e] for t, e in sorted(rebuilt.items())]
 
 
 def backend_of(model, backend: str | None) -> str:
@@ -282,6 +362,8 @@ def tag_record(rec, capture: Capture) -> dict:
     planned = [False] * n
     random = {(g, name) for g, entry in enumerate(capture.graphs) for name in entry["random"]}
     fused_storages(rec, nodes)
+    rebuilt_ends = hold_kernel_inputs(rec, rec.extras.pop("compiled_holds", []))
+    kernel_spans = rec.extras.pop("compiled_kernel_ends", [])
     saved_view_detaches(rec, nodes)
     seeds_through_backward(rec, nodes)
     add_input_copies(rec, rec.extras.pop("compiled_runs", []))
@@ -301,7 +383,7 @@ def tag_record(rec, capture: Capture) -> dict:
     rec.node_starts[:] = sorted(starts)
     rec.ops["recomputable"] = [bool(r) and p for r, p in zip(rec.ops["recomputable"], planned, strict=True)]
     forward = [[g, name, s, e, tids] for g, part, name, s, e, tids, _m, _f in nodes if part == "forward" and g is not None]
-    return {"graphs": capture.graphs, "nodes": forward}
+    return {"graphs": capture.graphs, "nodes": forward, "rebuilt_ends": rebuilt_ends, "kernel_ends": kernel_spans}
 
 
 EXTRA_WARMUP = 3  # warm-up steps beyond the asked ones while a step still compiles something

@@ -74,6 +74,12 @@ class Problem:
     # that storage. An unsharded parameter freed after forward is gathered again for backward:
     # a rebuild that read its forward row reads the row live when the rebuild runs, if any.
     same_storage: dict[int, list[int]] = field(default_factory=dict)
+    # tensor -> last op a rebuilt copy of it is held where that is past its own end (a compiled
+    # step: an input the recorded kernel wrote its output into in place, meta.compiled.rebuilt_ends)
+    rebuilt_hold: dict[int, int] = field(default_factory=dict)
+    # op -> last op of the compiled kernel it is part of, where that is later (meta.compiled.kernel_ends):
+    # what the op reads is held to there
+    kernel_end: dict[int, int] = field(default_factory=dict)
 
     def held(self, u: int, r: int) -> bool:
         """Is tensor ``u``'s value in memory when a rebuild runs right before op ``r``: ``u``
@@ -388,6 +394,13 @@ def build_problem(trace: Trace) -> Problem:
         idx = [index[t] for t in rows if t in index]
         for i in idx:
             prob.same_storage[i] = [j for j in idx if j != i]
+    compiled = trace.meta.get("compiled") or {}
+    for t, op in compiled.get("rebuilt_ends", ()):
+        if int(t) in index:
+            prob.rebuilt_hold[index[int(t)]] = int(op)
+    for start, stop, end in compiled.get("kernel_ends", ()):
+        for op in range(int(start), min(int(stop), n)):
+            prob.kernel_end[op] = max(prob.kernel_end.get(op, op), int(end))
     _unpacks_as_uses(prob)
     _find_candidates(prob)
     return prob

@@ -39,6 +39,7 @@ far. The peak is over run ops and recompute ops alike.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -356,8 +357,11 @@ def rebuilt_end(problem: Problem, t: int) -> int:
     (``partition.apply_end``), where the unplanned step's saved variable lives until the node
     is released, after them (a linear layer's bias gradient, 512 B, allocated beside the
     rebuilt input in the prediction, not in the run: a DistilBERT measured 512 B below its
-    predicted peak). Elsewhere: the tensor's own end."""
+    predicted peak). Elsewhere: the tensor's own end, or past it where a compiled step's kernel
+    reads the rebuilt copy to its end (``Problem.rebuilt_hold``)."""
     end = int(problem.end[t])
+    if t in problem.rebuilt_hold:
+        return max(end, problem.rebuilt_hold[t])
     if not problem.replayable_only:
         return end
     from ..problem.partition.peaks import apply_end
@@ -458,9 +462,11 @@ def group_events(problem: Problem, members: tuple[set[int], ...]):
     ops = sorted({int(q) for t in kept | trans for q in problem.rebuild_ops[t].tolist()})
     last_use: dict[int, int] = {}  # transient or expiring -> last group op that reads or writes it
     for p in ops:
+        # (a compiled kernel holds what it reads to its end: the last group op up to there)
+        held = ops[bisect.bisect_right(ops, problem.kernel_end[p]) - 1] if p in problem.kernel_end else p
         for u in (*problem.op_reads[p].tolist(), *problem.op_outputs[p].tolist()):
             if u in trans or u in expiring:
-                last_use[u] = p
+                last_use[u] = max(last_use.get(u, p), held)
     last_of: dict[int, list[int]] = defaultdict(list)  # group op -> the transients and expiring it frees
     for u in trans | expiring:
         last_of[last_use.get(u, ops[0])].append(u)
