@@ -217,14 +217,14 @@ def markdown(results: list[dict], command: str) -> str:
         ours_least = min((p for _b, p in ours), default=None)
         monotonic = all(a[1] <= b[1] for a, b in zip(ours, ours[1:], strict=False))
         margin = abs(rows["plain A/A"]["step_ms"] / plain["step_ms"] - 1) if "plain A/A" in rows else None
-        wins = [k for k, r in rows.items() if k.startswith("ours @ ") and "peak" in r]
-        fails = [k for k in rows if k.startswith("ours @ ") and "failed" in rows[k]]  # no plan at that peak
+        asked = [k for k in rows if k.startswith("ours @ ")]
+        wins = [k for k in asked if "peak" in rows[k]]
+        fails = [k for k in asked if "failed" in rows[k]]  # no plan at that peak
         fails += [k for k in wins if rows[k]["peak"] > rows[k[len("ours @ "):]]["peak"]
                   or (margin is not None and rows[k]["step_ms"] > rows[k[len("ours @ "):]]["step_ms"] * (1 + margin))]
         if margin is not None:
             out.append(f"\nA/A margin (plain A/A against plain): {100 * margin:.1f}% of the step. Ours at an amb peak, "
-                       f"peak <= its and step <= its within the margin: {sum(1 for k in rows if k.startswith('ours @ ')) - len(fails)} of "
-                       f"{sum(1 for k in rows if k.startswith('ours @ '))} budgets"
+                       f"peak <= its and step <= its within the margin: {len(asked) - len(fails)} of {len(asked)} budgets"
                        f"{' (not: ' + ', '.join(fails) + ')' if fails else ''}.")
         out.append(f"\nLeast peak: ours {ours_least:,} B, the least `activation_memory_budget` setting "
                    f"{amb_least:,} B ({'ours below' if ours_least is not None and ours_least < amb_least else 'ours NOT below'}); "

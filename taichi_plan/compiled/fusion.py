@@ -52,21 +52,18 @@ def classify(value, removed) -> str:
     return NO_BUFFER  # Pointwise / Reduction never realized: inlined where it is read
 
 
-def input_copies(graph, values: dict) -> list[int]:
-    """Bytes of each buffer the lowered ``graph`` keeps that no node's value is and that is made
-    from graph inputs only: a copy of an input in the layout a kernel wants (a convolution's
-    input and weight in channels-last). The interpreter makes no such copy; inductor's code
-    does, and keeps it while the graph's outputs (the values saved for backward) hold it."""
+def input_copies(graph, node_of: dict[str, str]) -> list[int]:
+    """Bytes of each buffer the lowered ``graph`` keeps that no node's value is (``node_of``:
+    :func:`buffer_nodes`) and that is made from graph inputs only: a copy of an input in the
+    layout a kernel wants (a convolution's input and weight in channels-last). The interpreter
+    makes no such copy; inductor's code does, and keeps it while the graph's outputs (the values
+    saved for backward) hold it."""
     from torch._inductor import ir
 
-    own = set()
-    for v in values.values():
-        if isinstance(v, ir.TensorBox) and isinstance(v.data, ir.StorageBox) and isinstance(v.data.data, ir.Buffer):
-            own.add(v.data.data.get_name())
     out = []
     for buf in graph.buffers:
         name = buf.get_name()
-        if name in own or name in graph.removed_buffers or isinstance(buf.layout, ir.MultiOutputLayout | ir.NoneLayout):
+        if name in node_of or name in graph.removed_buffers or isinstance(buf.layout, ir.MultiOutputLayout | ir.NoneLayout):
             continue
         origins = buf.get_origins()
         if origins and all(o.op == "placeholder" for o in origins):
@@ -115,18 +112,19 @@ def lowered_values(gm, example_inputs, kwargs: dict) -> dict:
     graph = main[0]  # the graph itself (subgraphs of higher-order ops are lowered inside it, after it)
     values = graph._taichi_plan_values
     replaced = [n.name for n in gm.graph.nodes if n.op == "call_function" and n.name not in values]
+    node_of = buffer_nodes(graph, values)
     return {"nodes": {name: classify(v, graph.removed_buffers) for name, v in values.items()},
-            "input_copies": input_copies(graph, values), "replaced": replaced,
-            "kernels": kernels(graph, values), "in_place": in_place(graph, values)}
+            "input_copies": input_copies(graph, node_of), "replaced": replaced,
+            "kernels": kernels(graph, node_of), "in_place": in_place(graph, node_of)}
 
 
-def kernels(graph, values: dict) -> list[dict]:
+def kernels(graph, node_of: dict[str, str]) -> list[dict]:
     """Each kernel of the lowered ``graph`` (a scheduled node: a fused kernel, an extern kernel
     such as a matmul), in the scheduler's order: ``{"out": [...], "free": [...]}``, the nodes
     whose buffers it writes and those whose buffers the generated code frees right after it (its
     ``last_usage``: a buffer is freed after the kernel that reads it last, not at the read). A
-    graph input is named by its placeholder; a buffer no node names is left out."""
-    node_of = buffer_nodes(graph, values)
+    graph input is named by its placeholder; a buffer no node names (``node_of``:
+    :func:`buffer_nodes`) is left out."""
     out = []
     for snode in getattr(getattr(graph, "scheduler", None), "nodes", None) or ():
         writes = [node_of[b.get_name()] for sub in snode.get_nodes() for b in sub.get_outputs()
@@ -151,12 +149,11 @@ def buffer_nodes(graph, values: dict) -> dict[str, str]:
     return node_of
 
 
-def in_place(graph, values: dict) -> list[tuple[str, str]]:
+def in_place(graph, node_of: dict[str, str]) -> list[tuple[str, str]]:
     """``(input, output)`` node names of each buffer a kernel of the lowered ``graph`` writes its
     output into in place (the generated code's ``bufN = input; del input  # reuse`` before the
     kernel): the input's storage becomes the output's, so the two are never alive at once."""
     reuses = getattr(getattr(graph, "wrapper_code", None), "reuses", None) or {}
-    node_of = buffer_nodes(graph, values)
     return [(node_of[old], node_of[new]) for new, old in reuses.items() if old in node_of and new in node_of]
 
 
