@@ -76,3 +76,54 @@ def test_a_meta_field_of_the_wrong_type_is_named(tmp_path, field, value):
     (d / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(TraceError, match=f"meta.json field {re.escape(field.replace('.0.', '[0].'))} is"):
         read_trace(d)
+
+
+def _with_pandas_version(path, name: str, version: str) -> None:
+    """Rewrite ``name``.parquet as a pandas ``version`` would have: the same contents, its
+    pyarrow schema metadata naming that version."""
+    import json
+
+    t = pq.read_table(path / f"{name}.parquet")
+    meta = dict(t.schema.metadata)
+    pandas_meta = json.loads(meta[b"pandas"])
+    pandas_meta["pandas_version"] = version
+    meta[b"pandas"] = json.dumps(pandas_meta).encode()
+    pq.write_table(t.replace_schema_metadata(meta), path / f"{name}.parquet")
+
+
+def test_the_hash_does_not_depend_on_the_pandas_version(written, monkeypatch):
+    """pyarrow's pandas metadata names the pandas version: with it in the hash, a pandas upgrade
+    (3.1.1 to 3.1.2) made every trace fail its check as if edited."""
+    trace = read_trace(written)
+    want = trace.content_hash()
+    import pyarrow.pandas_compat as compat
+
+    construct = compat.construct_metadata
+
+    def other_pandas(*args, **kwargs):  # what pyarrow attaches under another pandas version
+        meta = construct(*args, **kwargs)
+        meta[b"pandas"] = meta[b"pandas"].replace(b'"pandas_version": "', b'"pandas_version": "0.0-')
+        return meta
+
+    monkeypatch.setattr(compat, "construct_metadata", other_pandas)
+    assert b"0.0-" in pa.Table.from_pandas(trace.ops).schema.metadata[b"pandas"]  # (the patch holds)
+    assert trace.content_hash() == want
+
+
+def test_a_trace_hashed_with_its_pandas_metadata_still_reads(written):
+    """A trace written while the hash covered the pandas metadata (by another pandas version:
+    tests/data/ddp-gpt2-loaded, pandas 3.1.1) is checked against the metadata its files hold,
+    and still refused when edited."""
+    import json
+
+    for name in ("ops", "tensors", "accesses"):
+        _with_pandas_version(written, name, "3.0.0")
+    files = {n: pq.read_table(written / f"{n}.parquet").schema.metadata for n in ("ops", "tensors", "accesses")}
+    meta_path = written / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["content_hash"] = read_trace(written).content_hash(files)  # what that writer stored
+    meta_path.write_text(json.dumps(meta))
+    assert read_trace(written).meta["content_hash"] == meta["content_hash"]
+    _edit_nbytes(written, 3, 3000)
+    with pytest.raises(TraceError, match="content_hash"):
+        read_trace(written)

@@ -221,11 +221,16 @@ class Trace:
         """``s`` for recorded traces; ``units`` for imported graphs (abstract compute cost)."""
         return self.meta.get("cost_unit", "s")
 
-    def content_hash(self) -> str:
-        """sha256 over the three tables' contents (not file bytes, so re-writing keeps it)."""
+    def content_hash(self, schema_metadata: dict | None = None) -> str:
+        """sha256 over the three tables' contents (not file bytes, so re-writing keeps it), without
+        the schema metadata pyarrow attaches from pandas: it names the pandas version, so a pandas
+        upgrade (3.1.1 to 3.1.2) changed the hash of every trace, and each one failed its check
+        as if edited. ``schema_metadata``: per table, the metadata to hash with instead (a trace
+        written before this: :func:`read_trace` checks it with its files' own)."""
         h = hashlib.sha256()
         for name, schema in TABLES.items():
             table = pa.Table.from_pandas(getattr(self, name), schema=schema, preserve_index=False)
+            table = table.replace_schema_metadata((schema_metadata or {}).get(name))
             sink = pa.BufferOutputStream()
             with pa.ipc.new_stream(sink, table.schema) as w:
                 w.write_table(table)
@@ -340,7 +345,7 @@ def read_trace(path: str | Path) -> Trace:
             "version that wrote it."
         )
     _check_meta(meta, p, hint)
-    tables = {}
+    tables, file_metadata = {}, {}
     for name, schema in TABLES.items():
         f = p / f"{name}.parquet"
         if not f.exists():
@@ -361,6 +366,7 @@ def read_trace(path: str | Path) -> Trace:
                     f"Trace {str(p)!r}: column {name}.{fld.name} has type {got}, expected {fld.type}. "
                     f"The file was not written by taichi-plan's trace format v{FORMAT_VERSION}. {hint}"
                 )
+        file_metadata[name] = table.schema.metadata
         try:
             table = table.select(schema.names).cast(schema)
         except (pa.ArrowException, ValueError) as e:
@@ -368,7 +374,7 @@ def read_trace(path: str | Path) -> Trace:
         tables[name] = _to_pandas(table)
     trace = Trace(tables["ops"], tables["tensors"], tables["accesses"], meta, p)
     validate(trace)
-    _check_content_hash(trace, hint)
+    _check_content_hash(trace, hint, file_metadata)
     return trace
 
 
@@ -417,15 +423,17 @@ def _check_meta(meta: dict, p: Path, hint: str) -> None:
                 raise bad(f"model_calls[{k}].{key}", v, want)
 
 
-def _check_content_hash(trace: Trace, hint: str) -> None:
+def _check_content_hash(trace: Trace, hint: str, file_metadata: dict | None = None) -> None:
     """The tables must still be the ones ``meta.json``'s ``content_hash`` was computed over:
-    an edited table would otherwise pass for the trace plans were solved against."""
+    an edited table would otherwise pass for the trace plans were solved against. A trace
+    written when the hash still covered pyarrow's pandas metadata is checked with the metadata
+    its files hold (``file_metadata``, per table): what its writer hashed."""
     want = trace.meta.get("content_hash")
     where = f"Trace {str(trace.path)!r}"
     if want is None:
         raise TraceError(f"{where}: meta.json has no content_hash, so the tables cannot be checked. {hint}")
     got = trace.content_hash()
-    if got == want:
+    if got == want or (file_metadata and trace.content_hash(file_metadata) == want):
         return
     # meta.json keeps one hash over all three tables: name the ones written after it.
     meta_time = (trace.path / "meta.json").stat().st_mtime
