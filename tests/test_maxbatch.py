@@ -291,8 +291,12 @@ def test_guided_search_gives_the_unguided_answers_from_fewer_recordings(budget):
     guided = max_batch(rec, budget, method="heuristic", time_limit=5, limit=1000, guide=True)
     assert [r["max_batch"] for r in guided["planners"]] == [r["max_batch"] for r in plain["planners"]]
     assert guided["guide"]["why_not"] is None and guided["guide"]["drawn"]
+    best_baseline = max(r["max_batch"] for r in guided["planners"][1:])
     for r in guided["planners"]:
-        assert r["guess"] == r["max_batch"] and len(r["probes"]) <= 2
+        probes = r["probes"]
+        if r is guided["planners"][0] and probes and probes[0]["batch"] == best_baseline:
+            probes = probes[1:]  # (ours is first tried at the best baseline's answer, a batch already recorded)
+        assert r["guess"] == r["max_batch"] and len(probes) <= 2
         assert r["stop"]["batch"] == r["max_batch"] + 1
     assert len(rec.batches) == len(set(rec.batches)) < len(plain["batches_recorded"])
     assert "Guided: each search ran first on steps drawn" in " ".join(render_max_batch(guided).split())

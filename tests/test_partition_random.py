@@ -129,8 +129,9 @@ def test_random_draws_says_where_chunks_reproduce_the_masks(problem):
 
 
 def test_solve_partitions_random_modules_only_when_asked():
-    """At 60% of this GPT-2's peak the heuristic partitions (55% is out of its reach since the
-    trace says which tensors the model's Python code holds after their last use); without the opt-in none of its
+    """At 57% of this GPT-2's peak the heuristic partitions (at 60% its local search reaches the
+    budget by drops alone; 56% is out of its reach since the trace says which tensors the
+    model's Python code holds after their last use); without the opt-in none of its
     partitions draws random numbers and its options hold no random module; with it the
     options include the mlp modules (GPU kernels: native_dropout), whatever the heuristic then
     picks is recorded, and the plan says the solve allowed it. (A fake trace: roofline costs,
@@ -138,7 +139,7 @@ def test_solve_partitions_random_modules_only_when_asked():
     trace = record_workload(get_workload(model="gpt2", layers=2, hidden=128, heads=2, vocab=64, seq=64, batch=8),
                             fake=True, device_profile="a100-40gb")
     problem = build_problem(trace)
-    budget = int(0.6 * problem.baseline_peak[0])
+    budget = int(0.57 * problem.baseline_peak[0])
     every = {s.module: s for s in partitionable_spans(problem)}
     randoms = {m for m, s in every.items() if s.random_ops}
     assert {"transformer.h.0.mlp", "transformer.h.1.mlp"} <= randoms

@@ -117,18 +117,21 @@ class _State:
 
 
 def local_search(problem: Problem, opts: Options, budget: int, deadline: float | None = None,
-                 config: LocalSearchConfig = LocalSearchConfig()) -> tuple[list[Drop], SimResult] | None:
-    """Reach ``budget`` from no drops, then lower the cost; returns the plan found that fits,
-    or None. No move starts past ``deadline`` (perf_counter).
+                 config: LocalSearchConfig = LocalSearchConfig(), lower: bool = True
+                 ) -> tuple[list[Drop], SimResult] | None:
+    """Reach ``budget`` from no drops, then (``lower``) lower the cost; returns the plan found
+    that fits, or None. No move starts past ``deadline`` (perf_counter).
 
     Two searches: with revivals from the start (what reaches Moccasin's plans on n100), then,
     with the time left, one without them (revival moves lead the greedy reach astray on some
     graphs: ``random_layered`` n250 at 0.9 ends over budget with them) whose plan is then
-    lowered with revivals. The cheaper plan that fits wins. ``config``: its tuning."""
+    lowered with revivals. The cheaper plan that fits wins. Where no tensor may be revived (a
+    recorded step), the one search without them gets all the time. ``config``: its tuning."""
     st = _State(problem, opts, budget, config)
     found = []
     start = time.perf_counter()
-    for revive in (True, False):
+    searches = (True, False) if st.revivable.any() else (False,)  # (no revivals: one search, all the time)
+    for revive in searches:
         if found and deadline is not None and time.perf_counter() > deadline:
             break
         st.revive = revive
@@ -139,8 +142,9 @@ def local_search(problem: Problem, opts: Options, budget: int, deadline: float |
         chosen, cur = _reach(st, chosen, cur, until)
         if cur[0] > 0:
             continue
-        chosen, cur = _lower_cost(st, chosen, cur, until)
-        if not revive and (deadline is None or time.perf_counter() <= deadline):
+        if lower:
+            chosen, cur = _lower_cost(st, chosen, cur, until)
+        if lower and not revive and len(searches) > 1 and (deadline is None or time.perf_counter() <= deadline):
             st.revive = True
             chosen, cur = _lower_cost(st, chosen, cur, deadline)
         found.append((cur[1], len(found), st.drops(chosen), cur[2]))

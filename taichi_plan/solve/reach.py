@@ -38,19 +38,26 @@ def lowest_reachable(problem: Problem, steps: int = 7, deadline: float | None = 
 def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
                       planner: Callable[[Problem, int], Decisions] | None = None,
                       config: SolverConfig = SolverConfig()) -> tuple[tuple[int, int, int], bool]:
-    """Bisect ``planner``'s budget (None: the heuristic, its local search bounded by
-    ``config.time.bisect_local_max_s``) between the floor and the baseline peak: ((peak, op,
+    """Bisect ``planner``'s budget (None: the heuristic, its local search bounded per step by an
+    equal share of the time left to ``deadline``, at least ``config.time.bisect_local_max_s``, at most
+    ``config.heuristic.local_max_s``) between the floor and the baseline peak: ((peak, op,
     budget asked) of the lowest-peak plan that fit its budget, whether the search completed)."""
-    bisecting = dataclasses.replace(config.heuristic, local_max_s=config.time.bisect_local_max_s)
     lo = int(floor_bytes(problem).max())
     hi, hi_op = problem.baseline_peak
     best = (hi, hi_op, hi)
-    for _ in range(steps):
+    for i in range(steps):
         if hi - lo <= max(1, hi // 1000):
             break
-        if deadline is not None and time.perf_counter() > deadline:
+        now = time.perf_counter()
+        if deadline is not None and now > deadline:
             return best, False
         mid = (lo + hi) // 2
+        # each step's local search may take its share of the time left (what earlier steps did not
+        # use included), at least bisect_local_max_s, at most local_max_s: a recorded step's search
+        # takes seconds to reach a budget
+        share = config.time.bisect_local_max_s if deadline is None else (deadline - now) / (steps - i)
+        bisecting = dataclasses.replace(config.heuristic, local_max_s=min(config.heuristic.local_max_s,
+                                                                      max(config.time.bisect_local_max_s, share)))
         if planner is None:
             dec = plan_heuristic(problem, mid, time_limit=60.0 if deadline is None else deadline - time.perf_counter(),
                                  config=bisecting)
