@@ -19,7 +19,7 @@ import numpy as np
 from ..base.errors import PlanError
 from ..plan.format import Partition
 from ..problem.core import Problem
-from ..problem.live import gap_bytes
+from ..problem.live import gap_bytes, min_live_bytes
 from ..problem.options import options
 from ..problem.partition.apply import apply_partitions
 from ..problem.partition.cost import partition_cost
@@ -85,11 +85,13 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
                                                         *_by_bytes(problem, budget_bytes, deadline, config)], config)
         until = min(deadline, time.perf_counter() + config.local_max_s)
         if not problem.every_gap and not _fits(problem, dec, budget_bytes, config) and \
+                budget_bytes >= int(min_live_bytes(problem).max()) and \
                 _search_affordable(problem, dec, until - time.perf_counter(), config):
             # A recorded step whose sweeps all missed: ask the simulator. The sweep scores a drop by
             # the bytes its gap frees; where the peak moves elsewhere once a few drops are taken (a
             # compiled Phi: the LM head's log-softmax, then a block's MLP backward), the next drop it
-            # ranks first is not the one the new peak needs.
+            # ranks first is not the one the new peak needs. (Not below the least any drops reach,
+            # everything droppable dropped: partitions may, drops alone cannot.)
             dec = _with_local_search(problem, budget_bytes, dec, until, config, lower=False)
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes, config):
         return dec
