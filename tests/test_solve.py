@@ -553,11 +553,9 @@ def test_progress_reports_only_plans_the_simulator_accepted(seed):
     trace = random_training_trace(random.Random(seed), layers=8)
     p = build_problem(trace)
     seen = []
-    # (the sweeps' warm start, which CP-SAT improves on: the local search's may leave it nothing to report)
-    sweeps = SolverConfig(heuristic=HeuristicConfig(local_max_s=0.0))
     plan = solve(trace, int(p.baseline_peak[0] * 0.6), "ilp", time_limit=5, problem=p, work_limit=5,
-                 progress=lambda best, bound: seen.append((best, bound)), config=sweeps)
-    assert seen
+                 progress=lambda best, bound: seen.append((best, bound)))
+    assert seen  # (the warm start's too: CP-SAT may find nothing cheaper to report)
     cost = plan.predicted["extra_compute"]
     for best, bound in seen:
         assert best is None or best >= cost, (best, cost)

@@ -123,6 +123,8 @@ def plan_ilp(problem: Problem, budget_bytes: int | None, *, seed: int = 0, time_
         if sim.peak_bytes <= budget_bytes and (incumbent is None or sim.extra_cost < incumbent[1].extra_cost):
             incumbent = (dec, sim)
             model.cutoff(sim.extra_cost)
+            if progress is not None:  # (the warm start's too: CP-SAT may find nothing cheaper to report)
+                progress(sim.extra_cost, 0.0 if lower_bound is None else min(lower_bound, sim.extra_cost))
 
     if hint is not None:
         hint_sim, _ = simulate_plan(problem, hint.drops, hint.partitions)
