@@ -38,7 +38,8 @@ class HeuristicConfig:
     # Rounds of the sweep (plan_remat), each checked by the simulator and its target lowered by
     # the excess it finds (count).
     max_rounds: int = 30
-    local_max_s: float = 10.0  # seconds the local search of forward-only graphs may take per call
+    # Seconds the local search (forward-only graphs; recorded steps whose sweeps missed) may take per call.
+    local_max_s: float = 10.0
     # Plans of drops alone the heuristic simulated last, per problem (_judge): its candidates are
     # judged again by best_by_simulator and _fits, and on a generated 1,000-node forward-only graph
     # each simulation of a sweep's plan took seconds (`--time-limit 20` ran 25 s). (count)
@@ -133,7 +134,8 @@ class TimeConfig:
     # Share of the warm start's time the heuristic's bisection may take when no warm start fits
     # (_warm_start): the rest is the search's.
     reach_share: float = 0.15
-    # Seconds of local search per bisection step for the least reachable budget (forward-only graphs).
+    # Seconds of local search per bisection step for the least reachable budget, at least (each step
+    # gets an equal share of the time left to the deadline, at most HeuristicConfig.local_max_s).
     bisect_local_max_s: float = 1.0
 
 
