@@ -77,6 +77,7 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
     tuning (its local search's included)."""
     deadline = time.perf_counter() + time_limit
     dec = plan_remat(problem, budget_bytes, deadline=deadline, config=config)
+    searched = None  # the local search's plan on a recorded step, where it ran and fits
     if budget_bytes is not None and problem.every_gap:
         dec = _with_local_search(problem, budget_bytes, dec, min(deadline, time.perf_counter() + config.local_max_s),
                                  config)
@@ -92,7 +93,11 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
             # compiled Phi: the LM head's log-softmax, then a block's MLP backward), the next drop it
             # ranks first is not the one the new peak needs. (Not below the least any drops reach,
             # everything droppable dropped: partitions may, drops alone cannot.)
-            dec = _with_local_search(problem, budget_bytes, dec, until, config, lower=False)
+            found = _with_local_search(problem, budget_bytes, dec, until, config, lower=False)
+            if found is not dec:  # it fits: the partitions below still start from the sweep's plan,
+                searched = found  # and the cheaper of the two wins (its first fit is not its cheapest)
+    if searched is not None and not partitions:
+        return searched
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes, config):
         return dec
     remat_only = dec
@@ -113,7 +118,7 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
             options.append((span, 1, partition_savings(problem, span, 1), partition_cost(problem, span, 1)))
     best = _add_partitions(problem, budget_bytes, dec, options, deadline, config)
     best.notes.append(f"{len(best.partitions)} module(s) partitioned")
-    return best_by_simulator(problem, budget_bytes, [best, remat_only], config)
+    return best_by_simulator(problem, budget_bytes, [best, remat_only, *([searched] if searched else [])], config)
 
 
 def _add_partitions(problem: Problem, budget_bytes: int, start: Decisions, options: list,
