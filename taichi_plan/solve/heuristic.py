@@ -93,9 +93,10 @@ def plan_heuristic(problem: Problem, budget_bytes: int | None, *, seed: int = 0,
             # compiled Phi: the LM head's log-softmax, then a block's MLP backward), the next drop it
             # ranks first is not the one the new peak needs. (Not below the least any drops reach,
             # everything droppable dropped: partitions may, drops alone cannot.)
+            # (where it fits, the partitions below still start from the sweep's plan, and the
+            # cheaper plan wins: the search's first fit is not its cheapest)
             found = _with_local_search(problem, budget_bytes, dec, until, config, lower=False)
-            if found is not dec:  # it fits: the partitions below still start from the sweep's plan,
-                searched = found  # and the cheaper of the two wins (its first fit is not its cheapest)
+            searched = found if _fits(problem, found, budget_bytes, config) else None
     if searched is not None and not partitions:
         return searched
     if budget_bytes is None or not partitions or _fits(problem, dec, budget_bytes, config):

@@ -55,7 +55,7 @@ def _bisect_heuristic(problem: Problem, steps: int, deadline: float | None,
         # each step's local search may take its share of the time left (what earlier steps did not
         # use included), at least bisect_local_max_s, at most local_max_s: a recorded step's search
         # takes seconds to reach a budget
-        share = config.time.bisect_local_max_s if deadline is None else (deadline - now) / (steps - i)
+        share = 0.0 if deadline is None else (deadline - now) / (steps - i)
         bisecting = dataclasses.replace(config.heuristic, local_max_s=min(config.heuristic.local_max_s,
                                                                       max(config.time.bisect_local_max_s, share)))
         if planner is None:
